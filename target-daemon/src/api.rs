@@ -1,0 +1,333 @@
+//! The local admin API: JSON over HTTP, for the control plane and for admins.
+//!
+//! | method and path | does |
+//! |---|---|
+//! | `GET /v1/health` | liveness |
+//! | `GET /v1/target` | listeners, subsystems, controllers |
+//! | `GET /v1/subsystems` | every subsystem with namespaces and hosts |
+//! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, serial, namespaces) |
+//! | `DELETE /v1/subsystems/{nqn}` | remove (its controllers are disconnected) |
+//! | `PUT /v1/subsystems/{nqn}/namespaces/{nsid}` | add or replace a namespace (body: backend, uuid, read_only) |
+//! | `DELETE /v1/subsystems/{nqn}/namespaces/{nsid}` | remove a namespace (hosts get a namespace-changed event) |
+//! | `PUT /v1/subsystems/{nqn}/hosts/{hostnqn}` | allow a host |
+//! | `DELETE /v1/subsystems/{nqn}/hosts/{hostnqn}` | revoke a host (its controllers are disconnected) |
+//! | `GET /v1/listeners`, `PUT/DELETE /v1/listeners/{addr}` | listeners |
+//! | `GET /v1/controllers` | live controllers |
+//!
+//! Errors are `{"kind": …, "message": …}` with a 4xx status. Every change is
+//! saved to the state directory before it is answered.
+
+use crate::config::{NamespaceConfig, SubsystemConfig};
+use crate::daemon::ListenerControl;
+use crate::target::{Target, TargetError};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, put};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+#[derive(Debug, Clone)]
+struct Api {
+    target: Arc<Target>,
+    listeners: ListenerControl,
+}
+
+/// A running admin API server.
+#[derive(Debug)]
+pub struct ApiServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ApiServer {
+    pub fn start(addr: SocketAddr, target: Arc<Target>, listeners: ListenerControl) -> std::io::Result<ApiServer> {
+        let std_listener = std::net::TcpListener::bind(addr)?;
+        std_listener.set_nonblocking(true)?;
+        let bound = std_listener.local_addr()?;
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let app = router(Api { target, listeners });
+        let thread = std::thread::Builder::new().name("nvpool-admin-api".into()).spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "admin API runtime failed to start");
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(std_listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "admin API listener failed");
+                        return;
+                    }
+                };
+                let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+                    let _ = stop_rx.await;
+                });
+                if let Err(e) = serve.await {
+                    tracing::error!(error = %e, "admin API stopped");
+                }
+            });
+        })?;
+        Ok(ApiServer { addr: bound, stop: Some(stop_tx), thread: Some(thread) })
+    }
+
+    pub fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn router(api: Api) -> Router {
+    Router::new()
+        .route("/v1/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route("/v1/target", get(target_info))
+        .route("/v1/subsystems", get(list_subsystems))
+        .route("/v1/subsystems/{nqn}", put(put_subsystem).get(get_subsystem).delete(delete_subsystem))
+        .route("/v1/subsystems/{nqn}/namespaces/{nsid}", put(put_namespace).delete(delete_namespace))
+        .route("/v1/subsystems/{nqn}/hosts/{host}", put(put_host).delete(delete_host))
+        .route("/v1/listeners", get(list_listeners))
+        .route("/v1/listeners/{addr}", put(put_listener).delete(delete_listener))
+        .route("/v1/controllers", get(list_controllers))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        .with_state(api)
+}
+
+/// The error body of every failed request.
+#[derive(Debug, Serialize)]
+pub struct ApiError {
+    #[serde(skip)]
+    code: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(code: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { code, kind, message: message.into() }
+    }
+    fn bad_request(m: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid", m)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.code, Json(&self)).into_response()
+    }
+}
+
+impl From<TargetError> for ApiError {
+    fn from(e: TargetError) -> ApiError {
+        let (code, kind) = match &e {
+            TargetError::Invalid(_) | TargetError::Config(_) => (StatusCode::BAD_REQUEST, "invalid"),
+            TargetError::Backend(_) => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
+            TargetError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            TargetError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            TargetError::Limit(_) => (StatusCode::CONFLICT, "limit"),
+        };
+        ApiError::new(code, kind, format!("{e:#}"))
+    }
+}
+
+/// JSON body extractor whose rejections are JSON errors too.
+struct JsonBody<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(JsonBody(v)),
+            Err(e) => Err(ApiError::bad_request(e.body_text())),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct NamespaceView {
+    nsid: u32,
+    backend: String,
+    description: String,
+    uuid: String,
+    size_bytes: u64,
+    block_size: u32,
+    read_only: bool,
+    failed: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct SubsystemView {
+    nqn: String,
+    serial: String,
+    allow_any_host: bool,
+    allowed_hosts: Vec<String>,
+    namespaces: Vec<NamespaceView>,
+}
+
+fn view(s: &crate::target::Subsystem) -> SubsystemView {
+    SubsystemView {
+        nqn: s.nqn.clone(),
+        serial: s.serial.clone(),
+        allow_any_host: s.allow_any_host,
+        allowed_hosts: s.hosts.iter().cloned().collect(),
+        namespaces: s
+            .namespaces
+            .values()
+            .map(|n| NamespaceView {
+                nsid: n.nsid,
+                backend: n.spec.clone(),
+                description: n.backend.describe(),
+                uuid: crate::config::format_uuid(&n.uuid),
+                size_bytes: n.backend.size(),
+                block_size: 1 << n.block_shift,
+                read_only: n.read_only,
+                failed: n.backend.failed(),
+            })
+            .collect(),
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct ControllerView {
+    cntlid: u16,
+    subsystem: String,
+    host: String,
+    discovery: bool,
+    kato_ms: u32,
+    queues: Vec<u16>,
+}
+
+fn controllers(t: &Target) -> Vec<ControllerView> {
+    t.controllers()
+        .iter()
+        .map(|c| ControllerView { cntlid: c.cntlid, subsystem: c.subsys_nqn.clone(), host: c.hostnqn.clone(), discovery: c.discovery, kato_ms: c.kato_ms(), queues: c.connected_queues() })
+        .collect()
+}
+
+async fn target_info(State(api): State<Api>) -> impl IntoResponse {
+    Json(serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "listeners": api.target.listeners(),
+        "subsystems": api.target.subsystems().values().map(|s| view(s)).collect::<Vec<_>>(),
+        "controllers": controllers(&api.target),
+    }))
+}
+
+async fn list_subsystems(State(api): State<Api>) -> impl IntoResponse {
+    Json(api.target.subsystems().values().map(|s| view(s)).collect::<Vec<_>>())
+}
+
+async fn get_subsystem(State(api): State<Api>, Path(nqn): Path<String>) -> Result<Json<SubsystemView>, ApiError> {
+    api.target.subsystem(&nqn).map(|s| Json(view(&s))).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("subsystem {nqn} not found")))
+}
+
+/// Body of `PUT /v1/subsystems/{nqn}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SubsystemBody {
+    #[serde(default)]
+    allowed_hosts: Vec<String>,
+    #[serde(default)]
+    allow_any_host: bool,
+    serial: Option<String>,
+    #[serde(default)]
+    namespaces: Vec<NamespaceConfig>,
+}
+
+/// Runs a blocking target change off the async runtime (it opens files and fsyncs).
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, TargetError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?.map_err(ApiError::from)
+}
+
+async fn put_subsystem(State(api): State<Api>, Path(nqn): Path<String>, JsonBody(b): JsonBody<SubsystemBody>) -> Result<Json<SubsystemView>, ApiError> {
+    let cfg = SubsystemConfig { nqn: nqn.clone(), allowed_hosts: b.allowed_hosts, allow_any_host: b.allow_any_host, serial: b.serial, namespaces: b.namespaces };
+    let t = api.target.clone();
+    blocking(move || t.put_subsystem(&cfg)).await?;
+    get_subsystem(State(api), Path(nqn)).await
+}
+
+async fn delete_subsystem(State(api): State<Api>, Path(nqn): Path<String>) -> Result<StatusCode, ApiError> {
+    let t = api.target.clone();
+    blocking(move || t.remove_subsystem(&nqn)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Body of `PUT …/namespaces/{nsid}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NamespaceBody {
+    backend: String,
+    uuid: Option<String>,
+    #[serde(default)]
+    read_only: bool,
+}
+
+async fn put_namespace(State(api): State<Api>, Path((nqn, nsid)): Path<(String, String)>, JsonBody(b): JsonBody<NamespaceBody>) -> Result<Json<SubsystemView>, ApiError> {
+    let nsid: u32 = nsid.parse().map_err(|_| ApiError::bad_request(format!("namespace id {nsid:?} is not a number")))?;
+    let nc = NamespaceConfig { nsid, backend: b.backend, uuid: b.uuid, read_only: b.read_only };
+    let t = api.target.clone();
+    let n = nqn.clone();
+    blocking(move || t.put_namespace(&n, &nc)).await?;
+    get_subsystem(State(api), Path(nqn)).await
+}
+
+async fn delete_namespace(State(api): State<Api>, Path((nqn, nsid)): Path<(String, String)>) -> Result<StatusCode, ApiError> {
+    let nsid: u32 = nsid.parse().map_err(|_| ApiError::bad_request(format!("namespace id {nsid:?} is not a number")))?;
+    let t = api.target.clone();
+    blocking(move || t.remove_namespace(&nqn, nsid)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn put_host(State(api): State<Api>, Path((nqn, host)): Path<(String, String)>) -> Result<Json<SubsystemView>, ApiError> {
+    let t = api.target.clone();
+    let n = nqn.clone();
+    blocking(move || t.allow_host(&n, &host)).await?;
+    get_subsystem(State(api), Path(nqn)).await
+}
+
+async fn delete_host(State(api): State<Api>, Path((nqn, host)): Path<(String, String)>) -> Result<StatusCode, ApiError> {
+    let t = api.target.clone();
+    blocking(move || t.disallow_host(&nqn, &host)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_listeners(State(api): State<Api>) -> impl IntoResponse {
+    Json(api.target.listeners())
+}
+
+fn parse_addr(a: &str) -> Result<SocketAddr, ApiError> {
+    a.parse().map_err(|_| ApiError::bad_request(format!("{a:?} is not ADDR:PORT")))
+}
+
+async fn put_listener(State(api): State<Api>, Path(addr): Path<String>) -> Result<Json<Vec<SocketAddr>>, ApiError> {
+    let a = parse_addr(&addr)?;
+    let c = api.listeners.clone();
+    tokio::task::spawn_blocking(move || c.add(a))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(|m| ApiError::new(StatusCode::CONFLICT, "listen", m))?;
+    Ok(Json(api.target.listeners()))
+}
+
+async fn delete_listener(State(api): State<Api>, Path(addr): Path<String>) -> Result<StatusCode, ApiError> {
+    let a = parse_addr(&addr)?;
+    let c = api.listeners.clone();
+    tokio::task::spawn_blocking(move || c.remove(a))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(|m| ApiError::new(StatusCode::NOT_FOUND, "not_found", m))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_controllers(State(api): State<Api>) -> impl IntoResponse {
+    Json(controllers(&api.target))
+}

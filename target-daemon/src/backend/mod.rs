@@ -1,0 +1,251 @@
+//! Namespace backends: where a namespace's bytes live.
+//!
+//! One narrow trait, [`Backend`], and three implementations: [`FileBackend`]
+//! (a block device or regular file, or an extent of one, opened with
+//! O_DIRECT when the filesystem allows it), [`RamBackend`] (tests and
+//! benchmarks) and [`FaultBackend`] (wraps another and injects latency, EIO
+//! and torn writes for tests).
+//!
+//! The reactor drives file backends through its own io_uring: a backend that
+//! returns [`UringTarget`] from [`Backend::uring_target`] hands the reactor a
+//! file descriptor and the byte offset of the namespace within that file.
+//! Every backend also implements the synchronous calls, used where io_uring
+//! is unavailable and by backends that have no file descriptor.
+//!
+//! Offsets and lengths given to a backend are namespace-relative and already
+//! range-checked by the caller; a backend asserts them, it does not
+//! re-validate them.
+
+mod fault;
+mod file;
+mod ram;
+
+pub use fault::{FaultBackend, FaultConfig};
+pub use file::FileBackend;
+pub use ram::RamBackend;
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+/// What the reactor needs to drive a backend through io_uring.
+#[derive(Debug, Clone, Copy)]
+pub struct UringTarget {
+    pub fd: RawFd,
+    /// Byte offset of the namespace inside the file or device.
+    pub base: u64,
+}
+
+/// Storage behind one namespace.
+pub trait Backend: Send + Sync + std::fmt::Debug {
+    /// Capacity in bytes (a multiple of the block size).
+    fn size(&self) -> u64;
+    /// The logical block size the namespace should advertise.
+    fn block_size(&self) -> u32;
+    /// A short human description ("file /dev/sdb [0, 1 GiB)").
+    fn describe(&self) -> String;
+
+    /// The descriptor the reactor may submit io_uring reads and writes to.
+    fn uring_target(&self) -> Option<UringTarget> {
+        None
+    }
+
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;
+    /// Writes `buf` at `off`; with `fua` the data is durable on return.
+    fn write_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()>;
+    /// Makes every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+    /// Zeroes a range (reads return zeroes afterwards).
+    fn write_zeroes(&self, off: u64, len: u64) -> io::Result<()>;
+    /// Deallocates a range; reads of it return zeroes afterwards.
+    fn discard(&self, off: u64, len: u64) -> io::Result<()>;
+
+    /// True once a write or flush failed: the backend's durable state is
+    /// unknown and every further I/O must fail (no silent fsync retries).
+    fn failed(&self) -> bool;
+    /// Records that a write or flush issued through io_uring failed.
+    fn mark_failed(&self);
+}
+
+/// A parsed backend specification, as written in configs and on the CLI:
+///
+/// - `file:PATH[,offset=BYTES][,length=BYTES][,block_size=512|4096]`
+/// - `ram:SIZE[,block_size=…]` (SIZE like `1G`, `512M`, `4096`)
+/// - `fault:SPEC` wrapping another (faults are set by tests through the API)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendSpec {
+    File { path: String, offset: u64, length: Option<u64>, block_size: Option<u32> },
+    Ram { size: u64, block_size: Option<u32> },
+}
+
+/// Why a backend could not be opened or its spec parsed.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("invalid backend spec {spec:?}: {reason}")]
+    Spec { spec: String, reason: String },
+    #[error("cannot open {path}")]
+    Open { path: String, #[source] source: io::Error },
+    #[error("{path}: {reason}")]
+    Geometry { path: String, reason: String },
+}
+
+/// Largest RAM namespace: RAM is for tests and benchmarks, not for data.
+pub const RAM_SIZE_MAX_BYTES: u64 = 64 << 30;
+
+impl BackendSpec {
+    pub fn parse(spec: &str) -> Result<BackendSpec, BackendError> {
+        let err = |reason: &str| BackendError::Spec { spec: spec.to_owned(), reason: reason.to_owned() };
+        let (kind, rest) = spec.split_once(':').ok_or_else(|| err("expected KIND:ARGS (file:PATH or ram:SIZE)"))?;
+        let mut parts = rest.split(',');
+        let first = parts.next().unwrap_or_default();
+        if first.is_empty() {
+            return Err(err("missing path or size"));
+        }
+        let (mut offset, mut length, mut block_size) = (0u64, None, None);
+        for p in parts {
+            let (k, v) = p.split_once('=').ok_or_else(|| err("options are key=value"))?;
+            match k {
+                "offset" => offset = parse_size(v).map_err(|e| err(&e))?,
+                "length" => length = Some(parse_size(v).map_err(|e| err(&e))?),
+                "block_size" => {
+                    let b: u32 = v.parse().map_err(|_| err("block_size must be 512 or 4096"))?;
+                    if b != 512 && b != 4096 {
+                        return Err(err("block_size must be 512 or 4096"));
+                    }
+                    block_size = Some(b);
+                }
+                _ => return Err(err(&format!("unknown option {k:?}"))),
+            }
+        }
+        match kind {
+            "file" => Ok(BackendSpec::File { path: first.to_owned(), offset, length, block_size }),
+            "ram" => {
+                if offset != 0 || length.is_some() {
+                    return Err(err("ram takes only a size and block_size"));
+                }
+                let size = parse_size(first).map_err(|e| err(&e))?;
+                if size == 0 || size > RAM_SIZE_MAX_BYTES {
+                    return Err(err("ram size must be between 1 byte and 64 GiB"));
+                }
+                Ok(BackendSpec::Ram { size, block_size })
+            }
+            _ => Err(err("kind must be file or ram")),
+        }
+    }
+
+    /// Opens the backend this spec names.
+    pub fn open(&self) -> Result<Arc<dyn Backend>, BackendError> {
+        Ok(match self {
+            BackendSpec::File { path, offset, length, block_size } => {
+                Arc::new(FileBackend::open(path, *offset, *length, *block_size)?)
+            }
+            BackendSpec::Ram { size, block_size } => {
+                let bs = block_size.unwrap_or(512);
+                Arc::new(RamBackend::new(size / bs as u64 * bs as u64, bs))
+            }
+        })
+    }
+}
+
+/// Parses a byte count: plain digits, or with a binary suffix K, M, G, T
+/// (optionally followed by `i`/`iB`/`B`): `4096`, `512M`, `1G`, `2TiB`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, suffix) = t.split_at(digits_end);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+    let shift = match suffix.trim_end_matches("iB").trim_end_matches('B').trim_end_matches('i') {
+        "" => 0,
+        "K" | "k" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        "T" | "t" => 40,
+        _ => return Err(format!("{s:?} has an unknown unit (use K, M, G or T)")),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// A buffer aligned for O_DIRECT, owned by the caller until its I/O completes.
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    cap: usize,
+}
+
+/// O_DIRECT wants buffers aligned to the logical block size; a page covers
+/// every device nvpool accepts.
+pub const BUF_ALIGN_BYTES: usize = 4096;
+
+// SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+
+impl AlignedBuf {
+    pub fn new(cap: usize) -> AlignedBuf {
+        let cap = cap.max(BUF_ALIGN_BYTES).next_multiple_of(BUF_ALIGN_BYTES);
+        let layout = std::alloc::Layout::from_size_align(cap, BUF_ALIGN_BYTES).expect("valid layout");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, cap }
+    }
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn as_slice(&self, len: usize) -> &[u8] {
+        assert!(len <= self.cap);
+        // SAFETY: ptr is valid for cap initialised bytes and we hold &self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), len) }
+    }
+    pub fn as_mut_slice(&mut self, len: usize) -> &mut [u8] {
+        assert!(len <= self.cap);
+        // SAFETY: ptr is valid for cap initialised bytes and we hold &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.cap, BUF_ALIGN_BYTES).expect("valid layout");
+        // SAFETY: allocated in new() with this very layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf({} bytes)", self.cap)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2T").unwrap(), 2 << 40);
+        assert!(parse_size("1X").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn specs() {
+        assert_eq!(
+            BackendSpec::parse("file:/dev/sdb,offset=1G,length=2G").unwrap(),
+            BackendSpec::File { path: "/dev/sdb".into(), offset: 1 << 30, length: Some(2 << 30), block_size: None }
+        );
+        assert_eq!(BackendSpec::parse("ram:64M").unwrap(), BackendSpec::Ram { size: 64 << 20, block_size: None });
+        for bad in ["", "file:", "ram:0", "disk:/x", "ram:1G,offset=5", "file:/x,block_size=1000", "file:/x,foo=1"] {
+            assert!(BackendSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! Putting the target together: listeners, the acceptor, reactor threads,
+//! the admin API, signals and clean shutdown.
+
+use crate::config::{Config, DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_STATE_DIR};
+use crate::reactor::{Reactor, ReactorHandle};
+use crate::ring::Ring;
+use crate::target::Target;
+use crate::{api, limits};
+use anyhow::Context;
+use mio::net::TcpListener;
+use mio::{Events, Interest, Poll, Token, Waker};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How the data path runs.
+#[derive(Debug, Clone)]
+pub struct StartOptions {
+    pub listeners: Vec<SocketAddr>,
+    /// Reactor threads; 0 = one per core.
+    pub reactors: usize,
+    /// Drive file backends through io_uring (when the kernel has it).
+    pub io_uring: bool,
+    /// Admin API address; None = no admin API.
+    pub admin_listen: Option<SocketAddr>,
+}
+
+enum AcceptorCmd {
+    Add(SocketAddr, SyncSender<Result<SocketAddr, String>>),
+    Remove(SocketAddr, SyncSender<Result<(), String>>),
+}
+
+/// Changes listeners of a running target (used by the admin API).
+#[derive(Debug, Clone)]
+pub struct ListenerControl {
+    tx: SyncSender<AcceptorCmdBox>,
+    waker: Arc<Waker>,
+}
+
+struct AcceptorCmdBox(AcceptorCmd);
+
+impl std::fmt::Debug for AcceptorCmdBox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AcceptorCmd")
+    }
+}
+
+impl ListenerControl {
+    pub fn add(&self, addr: SocketAddr) -> Result<SocketAddr, String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(AcceptorCmd::Add(addr, tx))?;
+        rx.recv_timeout(Duration::from_secs(5)).map_err(|_| "acceptor did not answer".to_string())?
+    }
+
+    pub fn remove(&self, addr: SocketAddr) -> Result<(), String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(AcceptorCmd::Remove(addr, tx))?;
+        rx.recv_timeout(Duration::from_secs(5)).map_err(|_| "acceptor did not answer".to_string())?
+    }
+
+    fn send(&self, c: AcceptorCmd) -> Result<(), String> {
+        self.tx.try_send(AcceptorCmdBox(c)).map_err(|_| "acceptor busy or gone".to_string())?;
+        let _ = self.waker.wake();
+        Ok(())
+    }
+}
+
+/// A running target data path.
+#[derive(Debug)]
+pub struct Running {
+    pub target: Arc<Target>,
+    reactors: Vec<JoinHandle<()>>,
+    handles: Vec<ReactorHandle>,
+    acceptor: Option<JoinHandle<()>>,
+    control: ListenerControl,
+    api: Option<api::ApiServer>,
+}
+
+impl Running {
+    /// Binds the listeners and starts acceptor, reactors and admin API.
+    pub fn start(target: Arc<Target>, opts: &StartOptions) -> anyhow::Result<Running> {
+        let use_uring = opts.io_uring
+            && match Ring::new(8) {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "io_uring is unavailable: file backends fall back to synchronous pread/pwrite on the reactor threads; expect much lower throughput");
+                    false
+                }
+            };
+        let n = if opts.reactors == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.reactors };
+        let live = Arc::new(AtomicUsize::new(0));
+        let mut handles = Vec::new();
+        let mut reactors = Vec::new();
+        for id in 0..n {
+            let (r, h) = Reactor::new(id, target.clone(), live.clone(), use_uring).context("starting a reactor")?;
+            handles.push(h);
+            reactors.push(std::thread::Builder::new().name(format!("nvpool-reactor-{id}")).spawn(move || r.run())?);
+        }
+        let poll = Poll::new()?;
+        let waker = Arc::new(Waker::new(poll.registry(), ACCEPT_WAKER)?);
+        let (ctl_tx, ctl_rx) = mpsc::sync_channel(16);
+        let control = ListenerControl { tx: ctl_tx, waker };
+        let mut acc = Acceptor { poll, listeners: HashMap::new(), next_token: 1, reactors: handles.clone(), next_reactor: 0, live, target: target.clone(), ctl: ctl_rx };
+        for a in &opts.listeners {
+            acc.bind(*a).with_context(|| format!("cannot listen on {a}"))?;
+        }
+        acc.publish();
+        let acceptor = std::thread::Builder::new().name("nvpool-acceptor".into()).spawn(move || acc.run())?;
+        let api = match opts.admin_listen {
+            Some(a) => Some(api::ApiServer::start(a, target.clone(), control.clone()).with_context(|| format!("cannot start the admin API on {a}"))?),
+            None => None,
+        };
+        tracing::info!(reactors = n, io_uring = use_uring, listeners = ?target.listeners(), "nvpool-target ready");
+        Ok(Running { target, reactors, handles, acceptor: Some(acceptor), control, api })
+    }
+
+    /// Addresses actually bound (port 0 resolved).
+    pub fn listen_addrs(&self) -> Vec<SocketAddr> {
+        self.target.listeners()
+    }
+
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.api.as_ref().map(|a| a.addr)
+    }
+
+    pub fn listener_control(&self) -> &ListenerControl {
+        &self.control
+    }
+
+    /// Stops accepting, drains in-flight commands, flushes every backend.
+    pub fn shutdown(mut self) {
+        tracing::info!("shutting down: draining in-flight I/O");
+        self.target.begin_shutdown();
+        let _ = self.control.waker.wake();
+        if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        for h in &self.handles {
+            h.wake();
+        }
+        for r in self.reactors.drain(..) {
+            let _ = r.join();
+        }
+        if let Some(api) = self.api.take() {
+            api.stop();
+        }
+        self.target.flush_all();
+        tracing::info!("shutdown complete");
+    }
+}
+
+const ACCEPT_WAKER: Token = Token(0);
+
+struct Acceptor {
+    poll: Poll,
+    listeners: HashMap<Token, (SocketAddr, TcpListener)>,
+    next_token: usize,
+    reactors: Vec<ReactorHandle>,
+    next_reactor: usize,
+    live: Arc<AtomicUsize>,
+    target: Arc<Target>,
+    ctl: Receiver<AcceptorCmdBox>,
+}
+
+impl Acceptor {
+    fn bind(&mut self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+        let mut l = TcpListener::bind(addr)?;
+        let bound = l.local_addr()?;
+        if self.listeners.values().any(|(a, _)| *a == bound) {
+            return Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "already listening there"));
+        }
+        let t = Token(self.next_token);
+        self.next_token += 1;
+        self.poll.registry().register(&mut l, t, Interest::READABLE)?;
+        tracing::info!(addr = %bound, "listening for NVMe/TCP");
+        self.listeners.insert(t, (bound, l));
+        Ok(bound)
+    }
+
+    fn publish(&self) {
+        let mut v: Vec<SocketAddr> = self.listeners.values().map(|(a, _)| *a).collect();
+        v.sort();
+        self.target.set_listeners(v);
+    }
+
+    fn run(mut self) {
+        let mut events = Events::with_capacity(64);
+        let mut refused_logged = 0u64;
+        while !self.target.shutting_down() {
+            if let Err(e) = self.poll.poll(&mut events, Some(Duration::from_millis(500))) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!(error = %e, "acceptor poll failed");
+                }
+                continue;
+            }
+            for ev in events.iter() {
+                if ev.token() == ACCEPT_WAKER {
+                    self.commands();
+                    continue;
+                }
+                let Some((_, l)) = self.listeners.get(&ev.token()) else { continue };
+                loop {
+                    match l.accept() {
+                        Ok((s, peer)) => {
+                            // mio hands out a nonblocking stream; reactors take std ones.
+                            let s = std::net::TcpStream::from(std::os::fd::OwnedFd::from(s));
+                            if self.live.load(Ordering::Acquire) >= limits::CONNECTIONS_MAX {
+                                let now = self.target.now_ms();
+                                if now.saturating_sub(refused_logged) > 1000 {
+                                    refused_logged = now;
+                                    tracing::warn!(%peer, max = limits::CONNECTIONS_MAX, "connection limit reached; refusing connections");
+                                }
+                                continue;
+                            }
+                            self.live.fetch_add(1, Ordering::AcqRel);
+                            let start = self.next_reactor;
+                            let mut s = Some(s);
+                            for k in 0..self.reactors.len() {
+                                let r = &self.reactors[(start + k) % self.reactors.len()];
+                                match r.adopt(s.take().expect("stream present")) {
+                                    Ok(()) => break,
+                                    Err(back) => s = Some(back),
+                                }
+                            }
+                            if s.is_some() {
+                                self.live.fetch_sub(1, Ordering::AcqRel);
+                                tracing::warn!(%peer, "all reactors saturated; connection refused");
+                            }
+                            self.next_reactor = (start + 1) % self.reactors.len();
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn commands(&mut self) {
+        while let Ok(AcceptorCmdBox(c)) = self.ctl.try_recv() {
+            match c {
+                AcceptorCmd::Add(a, reply) => {
+                    let r = self.bind(a).map_err(|e| format!("cannot listen on {a}: {e}"));
+                    self.publish();
+                    let _ = reply.send(r);
+                }
+                AcceptorCmd::Remove(a, reply) => {
+                    let t = self.listeners.iter().find(|(_, (x, _))| *x == a).map(|(t, _)| *t);
+                    let r = match t.and_then(|t| self.listeners.remove(&t)) {
+                        Some((_, mut l)) => {
+                            let _ = self.poll.registry().deregister(&mut l);
+                            tracing::info!(addr = %a, "listener removed");
+                            Ok(())
+                        }
+                        None => Err(format!("not listening on {a}")),
+                    };
+                    self.publish();
+                    let _ = reply.send(r);
+                }
+            }
+        }
+    }
+}
+
+/// Command-line options of `nvpool-target`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "nvpool-target",
+    version,
+    about = "Export local NVMe drives, files or RAM as NVMe/TCP namespaces",
+    long_about = "nvpool-target exports block devices, files (or extents of them) and RAM disks \
+as NVMe/TCP namespaces that a stock Linux host can use with `nvme discover` and `nvme connect`.\n\n\
+Configure it with a TOML file (--config) and/or change it at run time through the admin API; \
+run-time changes are saved under --state-dir and survive restarts.",
+    after_help = "Example:\n  nvpool-target --listen 127.0.0.1:4420 --export nqn.2026-11.io.nvpool:disk1=file:/dev/nvme1n1 --allow-any-host\n  nvme discover -t tcp -a 127.0.0.1 -s 8009\n  nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2026-11.io.nvpool:disk1"
+)]
+pub struct Cli {
+    /// TOML configuration file (listeners, subsystems, namespaces, allowed hosts).
+    #[arg(short, long, env = "NVPOOL_TARGET_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Directory for the saved running configuration and target identity.
+    #[arg(long, env = "NVPOOL_TARGET_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// NVMe/TCP listen address (repeatable). Default 127.0.0.1:4420 and the discovery port 127.0.0.1:8009.
+    #[arg(short, long = "listen", value_name = "ADDR:PORT")]
+    pub listen: Vec<SocketAddr>,
+    /// Admin API address (HTTP+JSON), or "off".
+    #[arg(long, value_name = "ADDR:PORT|off")]
+    pub admin_listen: Option<String>,
+    /// Export a namespace: NQN=BACKEND, e.g. nqn.2026-11.io.nvpool:d1=file:/dev/sdb or ...=ram:1G (repeatable; NSIDs count up from 1 per NQN).
+    #[arg(short, long = "export", value_name = "NQN=BACKEND")]
+    pub export: Vec<String>,
+    /// Host NQN allowed to connect to every --export subsystem (repeatable).
+    #[arg(long = "allow-host", value_name = "HOSTNQN")]
+    pub allow_host: Vec<String>,
+    /// Let any host connect to the --export subsystems.
+    #[arg(long)]
+    pub allow_any_host: bool,
+    /// Reactor threads (default: one per core).
+    #[arg(long)]
+    pub reactors: Option<usize>,
+    /// Run backend I/O synchronously instead of through io_uring.
+    #[arg(long)]
+    pub no_io_uring: bool,
+    /// Log filter (RUST_LOG syntax), e.g. info or nvpool_target=debug.
+    #[arg(long, default_value = "info", env = "NVPOOL_LOG")]
+    pub log: String,
+}
+
+/// Resolves CLI options, config file and saved state into one configuration.
+pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
+    let file = match &cli.config {
+        Some(p) => Some(Config::from_toml_file(p)?),
+        None => None,
+    };
+    let state_dir = cli.state_dir.clone().or_else(|| file.as_ref().and_then(|f| f.state_dir.clone())).or_else(|| {
+        // Only root gets the system default; others run without persistence unless told.
+        // SAFETY: geteuid has no preconditions.
+        (unsafe { libc::geteuid() } == 0 && cli.config.is_some()).then(|| PathBuf::from(DEFAULT_STATE_DIR))
+    });
+    let mut cfg = match &state_dir {
+        Some(d) => Config::load_state(d)?.unwrap_or_default(),
+        None => Config::default(),
+    };
+    if let Some(f) = &file {
+        cfg.merge_from(f);
+    }
+    cfg.state_dir.clone_from(&state_dir);
+    // --export shortcuts.
+    let mut per_nqn: HashMap<String, u32> = HashMap::new();
+    for e in &cli.export {
+        let (nqn, backend) = e.split_once('=').with_context(|| format!("--export {e:?}: expected NQN=BACKEND"))?;
+        let nsid = per_nqn.entry(nqn.to_owned()).and_modify(|n| *n += 1).or_insert(1);
+        let sub = match cfg.subsystems.iter_mut().position(|s| s.nqn == nqn) {
+            Some(i) => &mut cfg.subsystems[i],
+            None => {
+                cfg.subsystems.push(crate::config::SubsystemConfig { nqn: nqn.to_owned(), allowed_hosts: vec![], allow_any_host: false, serial: None, namespaces: vec![] });
+                cfg.subsystems.last_mut().expect("just pushed")
+            }
+        };
+        sub.allow_any_host |= cli.allow_any_host;
+        for h in &cli.allow_host {
+            if !sub.allowed_hosts.contains(h) {
+                sub.allowed_hosts.push(h.clone());
+            }
+        }
+        sub.namespaces.retain(|n| n.nsid != *nsid);
+        sub.namespaces.push(crate::config::NamespaceConfig { nsid: *nsid, backend: backend.to_owned(), uuid: None, read_only: false });
+    }
+    if !cli.listen.is_empty() {
+        cfg.listeners = cli.listen.iter().map(|&addr| crate::config::ListenerConfig { addr }).collect();
+    } else if cfg.listeners.is_empty() {
+        cfg.listeners = [DEFAULT_LISTEN, DEFAULT_DISCOVERY_LISTEN].iter().map(|a| crate::config::ListenerConfig { addr: a.parse().expect("valid default") }).collect();
+    }
+    match cli.admin_listen.as_deref() {
+        Some("off") => cfg.admin_listen = None,
+        Some(a) => cfg.admin_listen = Some(a.parse().with_context(|| format!("--admin-listen {a:?} is not ADDR:PORT or off"))?),
+        None if cfg.admin_listen.is_none() => cfg.admin_listen = Some(DEFAULT_ADMIN_LISTEN.parse().expect("valid default")),
+        None => {}
+    }
+    if cli.reactors.is_some() {
+        cfg.reactors = cli.reactors;
+    }
+    cfg.validate()?;
+    Ok((cfg, state_dir))
+}
+
+/// The whole daemon: configure, start, wait for SIGTERM/SIGINT, shut down.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    let (cfg, state_dir) = resolve_config(&cli)?;
+    let target = Target::new(state_dir)?;
+    target.apply_config(&cfg)?;
+    let opts = StartOptions {
+        listeners: cfg.listeners.iter().map(|l| l.addr).collect(),
+        reactors: cfg.reactors.unwrap_or(0),
+        io_uring: !cli.no_io_uring,
+        admin_listen: cfg.admin_listen,
+    };
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])?;
+    let running = Running::start(target, &opts)?;
+    if let Some(a) = running.admin_addr() {
+        tracing::info!(addr = %a, "admin API listening");
+    }
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!(signal = sig, "signal received");
+    }
+    running.shutdown();
+    Ok(())
+}

@@ -1,0 +1,26 @@
+//! nvpool-target: exports local storage over NVMe/TCP.
+//!
+//! ```text
+//!  acceptor ──► reactor threads (one per core) ──► io_uring ──► files / block devices
+//!                 │ queue state machines (queue.rs)
+//!                 │ admin commands (admin.rs)
+//!                 ▼
+//!               Target: subsystems, namespaces, ACLs, controllers (target.rs)
+//!                 ▲
+//!  admin API (api.rs, tokio+axum) ── changes ──► saved to STATE_DIR/target.json
+//! ```
+
+pub mod admin;
+pub mod api;
+pub mod backend;
+pub mod config;
+pub mod controller;
+pub mod daemon;
+pub mod limits;
+pub mod queue;
+pub mod reactor;
+pub mod ring;
+pub mod target;
+
+pub use daemon::{Cli, Running, StartOptions};
+pub use target::Target;

@@ -1,0 +1,81 @@
+//! Every limit of the target, named, with its unit last and its reason.
+
+/// Entries per I/O submission queue (CAP.MQES + 1). The Linux host asks for
+/// 128 by default and up to 1024; 256 leaves room for deep benchmark queues
+/// while bounding per-connection buffer memory (see `IO_BUF_BYTES_MAX`).
+pub const IO_QUEUE_ENTRIES_MAX: u16 = 256;
+/// Entries of the admin queue: the Linux host uses 32.
+pub const ADMIN_QUEUE_ENTRIES_MAX: u16 = 32;
+/// I/O queues one controller may create (Number of Queues feature). One per
+/// host core is the usual ask; 64 covers large GPU hosts.
+pub const IO_QUEUES_PER_CTRL_MAX: u16 = 64;
+/// Controllers alive at once, across all subsystems (CNTLIDs 1..=0xFFEF exist).
+pub const CONTROLLERS_MAX: usize = 4096;
+/// TCP connections alive at once: every controller's admin queue plus I/O queues.
+pub const CONNECTIONS_MAX: usize = 16384;
+
+/// MDTS in units of 4 KiB pages as a power of two: 2^5 × 4 KiB = 128 KiB.
+/// Bounds the data buffer one command can need.
+pub const MDTS_LOG2_PAGES: u8 = 5;
+pub const MDTS_BYTES: usize = 4096 << MDTS_LOG2_PAGES;
+
+/// In-capsule data accepted on I/O queues: 4 KiB writes (and DSM range
+/// lists) then need no R2T round trip. The Linux kernel target uses 16 KiB too.
+pub const IO_INLINE_DATA_BYTES: usize = 16384;
+/// In-capsule data on the admin queue: the Linux host sends all admin write
+/// data (Connect, Set Features) in-capsule, up to 8 KiB.
+pub const ADMIN_INLINE_DATA_BYTES: usize = 8192;
+/// I/O command capsule size advertised in Identify (16-byte units).
+pub const IOCCSZ_UNITS: u32 = ((64 + IO_INLINE_DATA_BYTES) / 16) as u32;
+
+/// Largest DATAL accepted in one H2CData PDU. One MDTS: the host then sends
+/// each write as one data PDU.
+pub const MAXH2CDATA_BYTES: u32 = MDTS_BYTES as u32;
+
+/// Receive buffer per connection: one whole PDU of the largest kind must fit
+/// (header, digests, MAXH2CDATA or in-capsule data).
+pub const RX_BUF_BYTES: usize = 2 * MDTS_BYTES;
+/// Transmit backlog above which the connection stops reading new commands
+/// until the socket drains (back-pressure instead of unbounded buffering).
+pub const TX_HIGH_WATER_BYTES: usize = 4 << 20;
+
+/// Data buffer bytes a single command may need: the larger of MDTS and the
+/// biggest admin transfer we answer (a discovery log page read in pieces).
+pub const CMD_BUF_BYTES_MAX: usize = MDTS_BYTES;
+
+/// Outstanding Asynchronous Event Requests per controller (AERL + 1).
+pub const AER_MAX: usize = 4;
+/// Error log entries kept per controller (ELPE + 1).
+pub const ERROR_LOG_ENTRIES: usize = 64;
+
+/// Keep-alive timeout granularity advertised in Identify KAS, 100 ms units.
+pub const KAS_100MS: u16 = 10;
+/// A discovery controller connected with KATO 0 still expires after this long
+/// idle, so forgotten discovery connections do not pile up.
+pub const DISCOVERY_IDLE_TIMEOUT_MS: u64 = 120_000;
+/// Largest KATO a host may ask for (1 hour).
+pub const KATO_MAX_MS: u32 = 3_600_000;
+/// A connection must finish ICReq and Connect within this time.
+pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
+/// How often reactors check keep-alive deadlines and deliver async events.
+pub const TICK_MS: u64 = 50;
+/// On SIGTERM, in-flight commands get this long to complete.
+pub const SHUTDOWN_DRAIN_MS: u64 = 10_000;
+
+/// io_uring entries per reactor. Completions beyond what the ring holds wait
+/// in a bounded backlog rather than overflowing the completion queue.
+pub const RING_ENTRIES: u32 = 1024;
+
+/// Namespaces per subsystem (Identify NN).
+pub const NAMESPACES_PER_SUBSYS_MAX: u32 = 1024;
+/// Subsystems per target.
+pub const SUBSYSTEMS_MAX: usize = 4096;
+/// Allowed host NQNs per subsystem.
+pub const HOSTS_PER_SUBSYS_MAX: usize = 4096;
+
+const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);
+const _: () = assert!(RX_BUF_BYTES >= IO_INLINE_DATA_BYTES + 72 + 8);
+const _: () = assert!(IO_INLINE_DATA_BYTES <= MDTS_BYTES);
+const _: () = assert!(ADMIN_INLINE_DATA_BYTES <= CMD_BUF_BYTES_MAX);
+const _: () = assert!(MAXH2CDATA_BYTES >= 4096 && MAXH2CDATA_BYTES.is_multiple_of(4));
+const _: () = assert!(IO_QUEUE_ENTRIES_MAX >= 128);

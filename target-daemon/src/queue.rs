@@ -1,0 +1,910 @@
+//! One NVMe/TCP queue: the protocol state machine of one TCP connection.
+//!
+//! The reactor feeds complete PDUs in (`on_pdu`), hands backend completions
+//! back (`on_completion`), and ticks the queue for keep-alive and async
+//! events. Everything the queue answers goes into its [`Tx`] buffer, which
+//! the reactor writes to the socket once per loop iteration (batching every
+//! response produced in that iteration into one send).
+//!
+//! ```text
+//!   ICReq ─► ICResp ─► CapsuleCmd(Connect) ─► admin queue (QID 0) or I/O queue
+//!   CapsuleCmd ─► slot ─┬─ in-capsule data ─────────────► execute ─► [C2HData] CapsuleResp
+//!                       └─ R2T ─► H2CData… (all data) ─► execute
+//!   execute (I/O) ─► io_uring (file) or inline (RAM) ─► completion ─► response
+//! ```
+//!
+//! Each command occupies a slot from submission to response. Slots are
+//! allocated at Connect (one per queue entry) and keep their buffers, so the
+//! steady-state data path allocates nothing. A slot's TTAG is its index.
+
+use crate::admin::{self, AdminCtx, Reply};
+use crate::backend::AlignedBuf;
+use crate::controller::Controller;
+use crate::limits;
+use crate::ring::Ring;
+use crate::target::{Namespace, Subsystem, Target};
+use io_uring::{opcode, types};
+use nvpool_wire::fabrics::{connect_off, fctype, ConnectCmd, ConnectData, CONNECT_DATA_LEN};
+use nvpool_wire::log::ErrorEntry;
+use nvpool_wire::sqe::{admin as aop, nvm, sgl_id, Direction};
+use nvpool_wire::tcp::{self, fes, flags, CommonHeader, DataHeader, Digests, IcReq, IcResp, PduType, R2t, TermReq};
+use nvpool_wire::{Cqe, Sqe, Status, WireError};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// Bytes waiting to be written to the socket.
+#[derive(Debug, Default)]
+pub struct Tx {
+    pub buf: Vec<u8>,
+    /// Bytes of `buf` already written.
+    pub sent: usize,
+}
+
+impl Tx {
+    pub fn pending(&self) -> &[u8] {
+        &self.buf[self.sent..]
+    }
+    pub fn backlog(&self) -> usize {
+        self.buf.len() - self.sent
+    }
+    pub fn advance(&mut self, n: usize) {
+        self.sent += n;
+        if self.sent == self.buf.len() {
+            self.buf.clear();
+            self.sent = 0;
+        }
+    }
+    fn put(&mut self, b: &[u8]) {
+        self.buf.extend_from_slice(b);
+    }
+}
+
+/// A protocol violation: the connection ends with a C2HTermReq.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fatal {
+    pub fes: u16,
+    /// For an invalid header field: its byte offset in the PDU header.
+    pub fei: u32,
+    pub why: &'static str,
+}
+
+fn fatal(fes: u16, fei: u32, why: &'static str) -> Fatal {
+    Fatal { fes, fei, why }
+}
+
+impl From<WireError> for Fatal {
+    fn from(e: WireError) -> Fatal {
+        let fei = match e {
+            WireError::BadField { field: "HLEN", .. } => 2,
+            WireError::BadField { field: "PDO", .. } => 3,
+            WireError::BadField { field: "PLEN", .. } => 4,
+            WireError::BadField { field: "HPDA", .. } => 10,
+            WireError::BadField { field: "DATAL", .. } => 16,
+            _ => 0,
+        };
+        fatal(fes::INVALID_HEADER_FIELD, fei, "malformed PDU header")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    AwaitData,
+    Backend,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IoKind {
+    Other,
+    Read,
+    Write,
+    Flush,
+    WriteZeroes,
+    Dsm,
+}
+
+#[derive(Debug)]
+struct Slot {
+    sqe: Sqe,
+    buf: AlignedBuf,
+    state: SlotState,
+    /// Bytes of data this command moves (either direction).
+    len: usize,
+    /// Host-to-controller bytes received so far.
+    got: usize,
+    /// Set when received data was damaged (data digest).
+    err: Option<Status>,
+    kind: IoKind,
+    ns: Option<Arc<Namespace>>,
+    /// Namespace byte offset of Read/Write/Write Zeroes.
+    off: u64,
+    /// Bytes the backend finished (short io_uring transfers resubmit the rest).
+    done: usize,
+    /// Bytes of the range a Write Zeroes command covers.
+    span: u64,
+    fua: bool,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot { sqe: Sqe::default(), buf: AlignedBuf::new(4096), state: SlotState::Free, len: 0, got: 0, err: None, kind: IoKind::Other, ns: None, off: 0, done: 0, span: 0, fua: false }
+    }
+
+    fn ensure_buf(&mut self, n: usize) {
+        if self.buf.capacity() < n {
+            self.buf = AlignedBuf::new(n.next_power_of_two());
+        }
+    }
+}
+
+/// Where backend work for a queue goes: the reactor's ring (or none) and
+/// the id the ring's completions carry back to this queue.
+#[derive(Debug)]
+pub struct Exec<'a> {
+    pub ring: Option<&'a mut Ring>,
+    pub conn: u32,
+    pub now_ms: u64,
+}
+
+/// Packs a connection index and slot into io_uring user data.
+pub fn user_data(conn: u32, slot: u16) -> u64 {
+    (conn as u64) << 16 | slot as u64
+}
+
+/// Unpacks [`user_data`].
+pub fn split_user_data(ud: u64) -> (u32, u16) {
+    ((ud >> 16) as u32, ud as u16)
+}
+
+#[derive(Debug)]
+pub struct Queue {
+    target: Arc<Target>,
+    pub local: SocketAddr,
+    pub peer: SocketAddr,
+    ic_done: bool,
+    draining: bool,
+    closed: bool,
+    close_requested: bool,
+    dg: Digests,
+    qid: Option<u16>,
+    ctrl: Option<Arc<Controller>>,
+    entries: u16,
+    sq_head: u16,
+    sqflow_off: bool,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    aers: Vec<u16>,
+    created_ms: u64,
+    scratch: Vec<u8>,
+    /// Backend operations submitted to the ring and not yet completed.
+    pub inflight: u32,
+}
+
+impl Queue {
+    pub fn new(target: Arc<Target>, local: SocketAddr, peer: SocketAddr, now_ms: u64) -> Queue {
+        Queue {
+            target,
+            local,
+            peer,
+            ic_done: false,
+            draining: false,
+            closed: false,
+            close_requested: false,
+            dg: Digests::default(),
+            qid: None,
+            ctrl: None,
+            entries: 1,
+            sq_head: 0,
+            sqflow_off: false,
+            slots: vec![Slot::new()],
+            free: vec![0],
+            aers: Vec::new(),
+            created_ms: now_ms,
+            scratch: Vec::new(),
+            inflight: 0,
+        }
+    }
+
+    pub fn qid(&self) -> Option<u16> {
+        self.qid
+    }
+
+    pub fn controller(&self) -> Option<&Arc<Controller>> {
+        self.ctrl.as_ref()
+    }
+
+    /// The queue has ended its side (termination sent or received): close
+    /// once the transmit buffer is flushed.
+    pub fn wants_close(&self) -> bool {
+        self.close_requested
+    }
+
+    /// Commands accepted and not yet answered.
+    pub fn busy(&self) -> bool {
+        self.free.len() < self.slots.len() || self.inflight > 0
+    }
+
+    /// Stops executing new commands (shutdown): in-flight ones finish, new
+    /// ones are left unanswered for the host to retry after it reconnects.
+    pub fn begin_drain(&mut self) {
+        self.draining = true;
+    }
+
+    /// Checks a common header as soon as its 8 bytes are in, before the rest
+    /// of the PDU is read. Returns PLEN.
+    pub fn check_header(&self, raw: &[u8]) -> Result<usize, Fatal> {
+        let ch = CommonHeader::decode(raw)?;
+        let hd = if ch.pdu_type.has_header_digest() { self.dg.hdgst_len() } else { 0 };
+        // Room for a header digest and alignment padding (at most 128 bytes).
+        let overhead = ch.hlen as usize + hd + 128 + self.dg.ddgst_len();
+        let max = match (ch.pdu_type, self.ic_done) {
+            (PduType::IcReq, false) => tcp::IC_PDU_LEN,
+            (_, false) => return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "PDU before ICReq")),
+            (PduType::IcReq, true) => return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "second ICReq")),
+            (PduType::CapsuleCmd, true) => overhead + self.inline_max(),
+            (PduType::H2CData, true) => overhead + limits::MAXH2CDATA_BYTES as usize,
+            (PduType::H2CTermReq, true) => tcp::TERM_HLEN + tcp::TERM_DATA_MAX,
+            (_, true) => return Err(fatal(fes::INVALID_HEADER_FIELD, 0, "PDU type a host may not send")),
+        };
+        if ch.plen as usize > max {
+            let code = if ch.pdu_type == PduType::H2CData { fes::R2T_LIMIT_EXCEEDED } else { fes::INVALID_HEADER_FIELD };
+            return Err(fatal(code, 4, "PDU longer than allowed"));
+        }
+        Ok(ch.plen as usize)
+    }
+
+    fn inline_max(&self) -> usize {
+        match self.qid {
+            Some(q) if q > 0 => limits::IO_INLINE_DATA_BYTES,
+            _ => limits::ADMIN_INLINE_DATA_BYTES,
+        }
+    }
+
+    /// Handles one complete PDU (`pdu.len()` == PLEN, header already checked).
+    /// Err: the connection must end; the C2HTermReq is already queued.
+    pub fn on_pdu(&mut self, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
+        let r = self.dispatch(pdu, tx, ex);
+        if let Err(f) = r {
+            self.terminate(f, pdu, tx);
+        }
+        r
+    }
+
+    /// Ends the connection for a protocol violation found in `pdu` (whose
+    /// header is quoted in the C2HTermReq).
+    pub fn fail(&mut self, f: Fatal, pdu: &[u8], tx: &mut Tx) {
+        self.terminate(f, pdu, tx)
+    }
+
+    fn terminate(&mut self, f: Fatal, pdu: &[u8], tx: &mut Tx) {
+        tracing::debug!(peer = %self.peer, fes = f.fes, fei = f.fei, why = f.why, "terminating connection");
+        let hlen = pdu.get(2).map_or(8, |&h| h as usize).clamp(8, tcp::TERM_DATA_MAX).min(pdu.len());
+        let mut out = [0u8; tcp::TERM_HLEN + tcp::TERM_DATA_MAX];
+        let n = TermReq { fes: f.fes, fei: f.fei }.encode(PduType::C2HTermReq, &pdu[..hlen], &mut out);
+        tx.put(&out[..n]);
+        self.draining = true;
+        self.close_requested = true;
+    }
+
+    fn dispatch(&mut self, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
+        let ch = CommonHeader::decode(pdu)?;
+        match ch.pdu_type {
+            PduType::IcReq => return self.on_icreq(pdu, tx),
+            PduType::H2CTermReq => {
+                let t = TermReq::decode(pdu).ok();
+                tracing::info!(peer = %self.peer, fes = t.map(|t| t.fes), "host terminated the connection");
+                self.draining = true;
+                self.close_requested = true;
+                return Ok(());
+            }
+            _ => {}
+        }
+        self.check_digest_flags(&ch, pdu)?;
+        match ch.pdu_type {
+            PduType::CapsuleCmd => self.on_capsule(&ch, pdu, tx, ex),
+            PduType::H2CData => self.on_h2c_data(&ch, pdu, tx, ex),
+            _ => Err(fatal(fes::INVALID_HEADER_FIELD, 0, "unexpected PDU type")),
+        }
+    }
+
+    fn check_digest_flags(&self, ch: &CommonHeader, pdu: &[u8]) -> Result<(), Fatal> {
+        let hflag = ch.flags & flags::HDGSTF != 0;
+        if hflag != self.dg.header {
+            return Err(fatal(fes::INVALID_HEADER_FIELD, 1, "HDGSTF does not match the negotiated digest"));
+        }
+        if self.dg.header && !tcp::header_digest_ok(pdu, ch.hlen as usize) {
+            return Err(fatal(fes::HEADER_DIGEST_ERROR, 0, "header digest mismatch"));
+        }
+        let has_data = ch.pdo != 0;
+        let dflag = ch.flags & flags::DDGSTF != 0;
+        if dflag != (self.dg.data && has_data) {
+            return Err(fatal(fes::INVALID_HEADER_FIELD, 1, "DDGSTF does not match the negotiated digest"));
+        }
+        Ok(())
+    }
+
+    /// The data bytes of a PDU and whether their digest matched.
+    fn pdu_data<'p>(&self, ch: &CommonHeader, pdu: &'p [u8]) -> Result<(&'p [u8], bool), Fatal> {
+        let start = tcp::data_offset(ch, self.dg);
+        let end = pdu.len().checked_sub(self.dg.ddgst_len()).filter(|&e| e >= start).ok_or(fatal(fes::INVALID_HEADER_FIELD, 3, "PDO past the end of the PDU"))?;
+        let data = &pdu[start..end];
+        let ok = !self.dg.data || nvpool_wire::digest::crc32c(data).to_le_bytes() == pdu[end..end + 4];
+        Ok((data, ok))
+    }
+
+    fn on_icreq(&mut self, pdu: &[u8], tx: &mut Tx) -> Result<(), Fatal> {
+        let req = IcReq::decode(pdu)?;
+        if req.pfv != 0 {
+            return Err(fatal(fes::INVALID_HEADER_FIELD, 8, "unsupported PDU format version"));
+        }
+        if req.hpda != 0 {
+            // We never pad C2H data; a host that needs alignment is refused.
+            return Err(fatal(fes::UNSUPPORTED_PARAMETER, 10, "host PDU data alignment not supported"));
+        }
+        self.dg = req.digests;
+        self.ic_done = true;
+        tx.put(&IcResp { pfv: 0, cpda: 0, digests: req.digests, maxh2cdata: limits::MAXH2CDATA_BYTES }.encode());
+        Ok(())
+    }
+
+    fn on_capsule(&mut self, ch: &CommonHeader, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
+        let sqe = Sqe::from_slice(&pdu[tcp::CH_LEN..tcp::CAPSULE_CMD_HLEN]).expect("header length checked");
+        let icd = if ch.pdo == 0 {
+            if pdu.len() != tcp::CAPSULE_CMD_HLEN + self.dg.hdgst_len() {
+                return Err(fatal(fes::INVALID_HEADER_FIELD, 4, "PLEN does not match a capsule without data"));
+            }
+            None
+        } else {
+            Some(self.pdu_data(ch, pdu)?)
+        };
+        if self.draining {
+            return Ok(());
+        }
+        self.sq_head = (self.sq_head + 1) % self.entries.max(1);
+        if let Some(c) = &self.ctrl {
+            c.touch(ex.now_ms);
+        }
+        if self.qid == Some(0) && sqe.opcode() == aop::ASYNC_EVENT_REQUEST {
+            self.on_aer(&sqe, tx);
+            return Ok(());
+        }
+        let Some(si) = self.free.pop() else {
+            return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "more commands outstanding than the queue holds"));
+        };
+        let si = si as usize;
+        {
+            let s = &mut self.slots[si];
+            s.sqe = sqe;
+            s.state = SlotState::Free;
+            s.len = 0;
+            s.got = 0;
+            s.err = None;
+            s.kind = IoKind::Other;
+            s.ns = None;
+            s.done = 0;
+            s.fua = false;
+        }
+        if let Err(st) = self.admit(si, icd) {
+            self.finish(si, Reply::status(st), tx, ex.now_ms);
+            return Ok(());
+        }
+        let slot = &mut self.slots[si];
+        let sgl = sqe.sgl();
+        match (sqe.direction(), icd) {
+            (Direction::HostToController, Some((data, digest_ok))) => {
+                slot.buf.as_mut_slice(data.len()).copy_from_slice(data);
+                slot.got = data.len();
+                if !digest_ok {
+                    self.finish(si, Reply::status(Status::TRANSIENT_TRANSPORT_ERROR), tx, ex.now_ms);
+                    return Ok(());
+                }
+                self.execute(si, tx, ex);
+            }
+            (Direction::HostToController, None) if slot.len > 0 && sgl.id == sgl_id::TRANSPORT => {
+                slot.state = SlotState::AwaitData;
+                let mut out = [0u8; tcp::R2T_HLEN + tcp::DIGEST_LEN];
+                let n = R2t { cccid: sqe.cid(), ttag: si as u16, r2to: 0, r2tl: slot.len as u32 }.encode(self.dg, &mut out);
+                tx.put(&out[..n]);
+            }
+            _ => self.execute(si, tx, ex),
+        }
+        Ok(())
+    }
+
+    /// Checks a new command's SGL and, for I/O, its range and size; sizes the
+    /// slot's buffer. In-capsule data has not been copied yet.
+    fn admit(&mut self, si: usize, icd: Option<(&[u8], bool)>) -> Result<(), Status> {
+        let sqe = self.slots[si].sqe;
+        if sqe.psdt() != 1 || sqe.fuse() != 0 {
+            return Err(Status::INVALID_FIELD);
+        }
+        let sgl = sqe.sgl();
+        let len = sgl.len as usize;
+        let dir = sqe.direction();
+        if len > 0 && sgl.id != sgl_id::IN_CAPSULE && sgl.id != sgl_id::TRANSPORT {
+            return Err(Status::SGL_TYPE_INVALID);
+        }
+        match icd {
+            Some((data, _)) => {
+                if sgl.id != sgl_id::IN_CAPSULE || dir != Direction::HostToController {
+                    return Err(Status::INVALID_FIELD);
+                }
+                if sgl.addr != 0 || data.len() > self.inline_max() {
+                    return Err(Status::SGL_OFFSET_INVALID);
+                }
+                if data.len() != len {
+                    return Err(Status::SGL_DATA_INVALID);
+                }
+            }
+            None if sgl.id == sgl_id::IN_CAPSULE && len > 0 => return Err(Status::SGL_DATA_INVALID),
+            None => {}
+        }
+        if self.qid.is_some_and(|q| q > 0) {
+            self.plan_io(si)?;
+        } else if len > limits::CMD_BUF_BYTES_MAX {
+            return Err(Status::INVALID_FIELD);
+        } else {
+            self.slots[si].len = len;
+        }
+        let slot = &mut self.slots[si];
+        slot.ensure_buf(slot.len.max(nvpool_wire::identify::IDENTIFY_LEN));
+        Ok(())
+    }
+
+    fn plan_io(&mut self, si: usize) -> Result<(), Status> {
+        let ctrl = self.ctrl.as_ref().expect("I/O queue has a controller");
+        if !ctrl.is_ready() {
+            return Err(Status::COMMAND_SEQUENCE_ERROR);
+        }
+        let slot = &mut self.slots[si];
+        let sqe = slot.sqe;
+        let sgl_len = sqe.sgl().len as usize;
+        let kind = match sqe.opcode() {
+            nvm::READ => IoKind::Read,
+            nvm::WRITE => IoKind::Write,
+            nvm::FLUSH => IoKind::Flush,
+            nvm::WRITE_ZEROES => IoKind::WriteZeroes,
+            nvm::DATASET_MANAGEMENT => IoKind::Dsm,
+            nvm::FABRICS if sqe.fctype() == fctype::CONNECT => return Err(Status::COMMAND_SEQUENCE_ERROR),
+            _ => return Err(Status::INVALID_OPCODE),
+        };
+        let subsys = ctrl.subsystem();
+        let ns = subsys.namespaces.get(&sqe.nsid()).ok_or(Status::INVALID_NS)?.clone();
+        if ns.read_only && kind != IoKind::Read && kind != IoKind::Flush {
+            return Err(Status::NS_WRITE_PROTECTED);
+        }
+        match kind {
+            IoKind::Read | IoKind::Write | IoKind::WriteZeroes => {
+                let nlb = sqe.nlb() as u64 + 1;
+                let slba = sqe.slba();
+                if slba.checked_add(nlb).is_none_or(|end| end > ns.blocks) {
+                    return Err(Status::LBA_OUT_OF_RANGE);
+                }
+                let bytes = (nlb << ns.block_shift) as usize;
+                slot.off = slba << ns.block_shift;
+                if kind == IoKind::WriteZeroes {
+                    slot.span = bytes as u64;
+                } else {
+                    if bytes > limits::MDTS_BYTES {
+                        return Err(Status::INVALID_FIELD);
+                    }
+                    if sgl_len != bytes {
+                        return Err(Status::SGL_DATA_INVALID);
+                    }
+                    slot.len = bytes;
+                    slot.fua = sqe.fua();
+                }
+            }
+            IoKind::Dsm => {
+                let ranges = (sqe.cdw(10) & 0xFF) as usize + 1;
+                if sgl_len < ranges * 16 || sgl_len > 4096 {
+                    return Err(Status::SGL_DATA_INVALID);
+                }
+                slot.len = sgl_len;
+            }
+            IoKind::Flush | IoKind::Other => {}
+        }
+        slot.kind = kind;
+        slot.ns = Some(ns);
+        Ok(())
+    }
+
+    fn on_h2c_data(&mut self, ch: &CommonHeader, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
+        let h = DataHeader::decode(ch, pdu, self.dg)?;
+        if h.datal > limits::MAXH2CDATA_BYTES {
+            return Err(fatal(fes::R2T_LIMIT_EXCEEDED, 16, "H2CData longer than MAXH2CDATA"));
+        }
+        let si = h.ttag as usize;
+        let slot = self.slots.get(si).filter(|s| s.state == SlotState::AwaitData).ok_or(fatal(fes::INVALID_HEADER_FIELD, 10, "H2CData for an unknown transfer tag"))?;
+        if slot.sqe.cid() != h.cccid {
+            return Err(fatal(fes::INVALID_HEADER_FIELD, 8, "H2CData CCCID does not match its transfer tag"));
+        }
+        if h.datao as usize != slot.got || slot.got + h.datal as usize > slot.len {
+            return Err(fatal(fes::DATA_OUT_OF_RANGE, 12, "H2CData outside the requested range"));
+        }
+        let (data, digest_ok) = self.pdu_data(ch, pdu)?;
+        let slot = &mut self.slots[si];
+        let got = slot.got;
+        slot.buf.as_mut_slice(got + data.len())[got..].copy_from_slice(data);
+        slot.got += data.len();
+        if !digest_ok {
+            slot.err = Some(Status::TRANSIENT_TRANSPORT_ERROR);
+        }
+        if slot.got == slot.len {
+            match slot.err {
+                Some(st) => self.finish(si, Reply::status(st), tx, ex.now_ms),
+                None if self.draining => {}
+                None => self.execute(si, tx, ex),
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs a command whose data (if any) has arrived.
+    fn execute(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
+        match self.qid {
+            None => {
+                let reply = self.connect(si, ex.now_ms);
+                self.finish(si, reply, tx, ex.now_ms);
+            }
+            Some(0) => {
+                let ctrl = self.ctrl.clone().expect("admin queue has a controller");
+                let slot = &mut self.slots[si];
+                let sqe = slot.sqe;
+                let cap = slot.buf.capacity();
+                let cx = AdminCtx { target: &self.target, ctrl: &ctrl, local: self.local, now_ms: ex.now_ms };
+                let mut reply = if sqe.opcode() == aop::FABRICS && sqe.fctype() == fctype::CONNECT {
+                    Reply::status(Status::COMMAND_SEQUENCE_ERROR)
+                } else {
+                    admin::execute(&cx, &sqe, slot.buf.as_mut_slice(cap), &mut self.scratch)
+                };
+                reply.data_len = reply.data_len.min(slot.len);
+                self.finish(si, reply, tx, ex.now_ms);
+            }
+            Some(_) => self.start_io(si, tx, ex),
+        }
+    }
+
+    fn start_io(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
+        let slot = &mut self.slots[si];
+        let ns = slot.ns.clone().expect("planned I/O has a namespace");
+        let backend = &ns.backend;
+        if backend.failed() && slot.kind != IoKind::Other {
+            let st = if slot.kind == IoKind::Read { Status::UNRECOVERED_READ_ERROR } else { Status::WRITE_FAULT };
+            self.finish(si, Reply::status(st), tx, ex.now_ms);
+            return;
+        }
+        let uring = backend.uring_target();
+        if let (Some(ring), Some(t), IoKind::Read | IoKind::Write | IoKind::Flush) = (ex.ring.as_deref_mut(), uring, slot.kind) {
+            slot.state = SlotState::Backend;
+            self.inflight += 1;
+            submit(ring, slot, t, user_data(ex.conn, si as u16));
+            return;
+        }
+        let len = slot.len;
+        let r = match slot.kind {
+            IoKind::Read => backend.read_at(slot.buf.as_mut_slice(len), slot.off),
+            IoKind::Write => backend.write_at(slot.buf.as_slice(len), slot.off, slot.fua),
+            IoKind::Flush => backend.flush(),
+            IoKind::WriteZeroes => backend.write_zeroes(slot.off, slot.span),
+            IoKind::Dsm => match dsm_ranges(&slot.sqe, slot.buf.as_slice(len), &ns) {
+                Ok(Some(ranges)) => ranges.iter().try_for_each(|&(off, n)| backend.discard(off, n)),
+                Ok(None) => Ok(()),
+                Err(st) => {
+                    self.finish(si, Reply::status(st), tx, ex.now_ms);
+                    return;
+                }
+            },
+            IoKind::Other => Ok(()),
+        };
+        let reply = match r {
+            Ok(()) if slot.kind == IoKind::Read => Reply::data(len),
+            Ok(()) => Reply::ok(),
+            Err(e) => Reply::status(io_error_status(slot.kind, &e)),
+        };
+        self.finish(si, reply, tx, ex.now_ms);
+    }
+
+    /// A backend operation finished (io_uring result `res`).
+    pub fn on_completion(&mut self, slot_id: u16, res: i32, tx: &mut Tx, ex: &mut Exec<'_>) {
+        self.inflight -= 1;
+        let si = slot_id as usize;
+        if self.closed {
+            self.release(si);
+            return;
+        }
+        let slot = &mut self.slots[si];
+        debug_assert_eq!(slot.state, SlotState::Backend);
+        let ns = slot.ns.clone().expect("backend op has a namespace");
+        if res < 0 {
+            if slot.kind != IoKind::Read {
+                ns.backend.mark_failed();
+            }
+            let e = std::io::Error::from_raw_os_error(-res);
+            tracing::warn!(nsid = ns.nsid, op = ?slot.kind, error = %e, "backend I/O failed");
+            let st = io_error_status(slot.kind, &e);
+            self.finish(si, Reply::status(st), tx, ex.now_ms);
+            return;
+        }
+        if matches!(slot.kind, IoKind::Read | IoKind::Write) {
+            slot.done += res as usize;
+            if slot.done < slot.len {
+                if res == 0 {
+                    self.finish(si, Reply::status(Status::UNRECOVERED_READ_ERROR), tx, ex.now_ms);
+                    return;
+                }
+                // Short transfer: ask for the rest.
+                if let (Some(ring), Some(t)) = (ex.ring.as_deref_mut(), ns.backend.uring_target()) {
+                    self.inflight += 1;
+                    submit(ring, slot, t, user_data(ex.conn, slot_id));
+                    return;
+                }
+            }
+        }
+        let reply = if slot.kind == IoKind::Read { Reply::data(slot.len) } else { Reply::ok() };
+        self.finish(si, reply, tx, ex.now_ms);
+    }
+
+    /// Sends a command's data (if any) and completion, and frees its slot.
+    fn finish(&mut self, si: usize, reply: Reply, tx: &mut Tx, _now_ms: u64) {
+        if self.closed {
+            self.release(si);
+            return;
+        }
+        let slot = &self.slots[si];
+        let cid = slot.sqe.cid();
+        let mut resp_needed = true;
+        if reply.status.is_success() && reply.data_len > 0 {
+            let data = slot.buf.as_slice(reply.data_len);
+            // With SQ flow control off the last data PDU may carry the
+            // completion itself (SUCCESS flag), saving one PDU per read.
+            let mut extra = flags::LAST_PDU;
+            if self.sqflow_off {
+                extra |= flags::SUCCESS;
+                resp_needed = false;
+            }
+            put_c2h_data(tx, self.dg, cid, data, extra);
+        }
+        if resp_needed {
+            self.put_resp(tx, Cqe { dw0: reply.dw0, dw1: reply.dw1, sqhd: self.sq_head, sqid: self.qid.unwrap_or(0), cid, status: reply.status });
+        }
+        if !reply.status.is_success() {
+            self.record_error(si, reply.status);
+        }
+        self.release(si);
+    }
+
+    fn release(&mut self, si: usize) {
+        let s = &mut self.slots[si];
+        s.state = SlotState::Free;
+        s.ns = None;
+        self.free.push(si as u16);
+    }
+
+    fn put_resp(&self, tx: &mut Tx, cqe: Cqe) {
+        let mut out = [0u8; tcp::CAPSULE_RESP_HLEN + tcp::DIGEST_LEN];
+        let n = tcp::encode_capsule_resp(&cqe, self.dg, &mut out);
+        tx.put(&out[..n]);
+    }
+
+    fn record_error(&self, si: usize, st: Status) {
+        if let Some(c) = &self.ctrl {
+            let s = &self.slots[si];
+            c.record_error(ErrorEntry { error_count: 0, sqid: self.qid.unwrap_or(0), cid: s.sqe.cid(), status: st.to_wire(), lba: s.off >> s.ns.as_ref().map_or(0, |n| n.block_shift), nsid: s.sqe.nsid() });
+        }
+    }
+
+    fn on_aer(&mut self, sqe: &Sqe, tx: &mut Tx) {
+        if self.aers.len() >= limits::AER_MAX {
+            self.put_resp(tx, Cqe { sqhd: self.sq_head, ..Cqe::new(sqe.cid(), Status::AER_LIMIT_EXCEEDED) });
+            return;
+        }
+        self.aers.push(sqe.cid());
+    }
+
+    // ----- Connect -----
+
+    fn connect(&mut self, si: usize, now_ms: u64) -> Reply {
+        let slot = &self.slots[si];
+        let sqe = slot.sqe;
+        if sqe.opcode() != aop::FABRICS || sqe.fctype() != fctype::CONNECT {
+            return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+        }
+        let invalid = |iattr_data: bool, off: u32| Reply { dw0: (iattr_data as u32) << 16 | off, ..Reply::status(Status::CONNECT_INVALID_PARAMETERS) };
+        if slot.len != CONNECT_DATA_LEN {
+            return Reply::status(Status::SGL_DATA_INVALID);
+        }
+        let cmd = ConnectCmd::from_sqe(&sqe);
+        if cmd.recfmt != 0 {
+            return Reply::status(Status::CONNECT_INCOMPATIBLE_FORMAT);
+        }
+        let data = match ConnectData::decode(slot.buf.as_slice(CONNECT_DATA_LEN)) {
+            Ok(d) => d,
+            Err(WireError::BadField { field: "HOSTNQN", .. } | WireError::BadString { field: "HOSTNQN", .. }) => return invalid(true, connect_off::HOSTNQN),
+            Err(_) => return invalid(true, connect_off::SUBNQN),
+        };
+        let entries = cmd.sqsize as u32 + 1;
+        if cmd.qid == 0 {
+            if cmd.sqsize == 0 || entries > limits::ADMIN_QUEUE_ENTRIES_MAX as u32 {
+                return invalid(false, 44);
+            }
+            if data.cntlid != 0xFFFF {
+                return invalid(true, connect_off::CNTLID);
+            }
+            if cmd.kato_ms > limits::KATO_MAX_MS {
+                return invalid(false, 48);
+            }
+            let discovery = data.subnqn == nvpool_wire::DISCOVERY_NQN;
+            let subsys = if discovery {
+                Arc::new(Subsystem::discovery())
+            } else {
+                match self.target.subsystem(data.subnqn) {
+                    Some(s) => s,
+                    None => return invalid(true, connect_off::SUBNQN),
+                }
+            };
+            if !subsys.host_allowed(data.hostnqn) {
+                tracing::warn!(peer = %self.peer, host = data.hostnqn, subsys = data.subnqn, "connect refused: host not allowed");
+                return Reply::status(Status::CONNECT_INVALID_HOST);
+            }
+            let Some(ctrl) = self.target.create_controller(subsys, data.hostnqn, data.hostid, cmd.kato_ms, discovery) else {
+                return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
+            };
+            ctrl.attach_queue(0);
+            tracing::info!(peer = %self.peer, cntlid = ctrl.cntlid, subsys = data.subnqn, host = data.hostnqn, kato_ms = cmd.kato_ms, "controller created");
+            let cntlid = ctrl.cntlid;
+            self.bind(ctrl, 0, entries as u16, cmd.sq_flow_control_disabled());
+            return Reply::dw0(cntlid as u32);
+        }
+        // I/O queue.
+        let Some(ctrl) = self.target.controller(data.cntlid) else {
+            return invalid(true, connect_off::CNTLID);
+        };
+        if ctrl.subsys_nqn != data.subnqn {
+            return invalid(true, connect_off::SUBNQN);
+        }
+        if ctrl.hostnqn != data.hostnqn {
+            return invalid(true, connect_off::HOSTNQN);
+        }
+        let max_qid = match ctrl.io_queues_granted() {
+            0 => limits::IO_QUEUES_PER_CTRL_MAX,
+            g => g,
+        };
+        if ctrl.discovery || cmd.qid > max_qid {
+            return invalid(false, 42);
+        }
+        if cmd.sqsize == 0 || entries > limits::IO_QUEUE_ENTRIES_MAX as u32 {
+            return invalid(false, 44);
+        }
+        if !ctrl.is_ready() {
+            return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+        }
+        if !ctrl.attach_queue(cmd.qid) {
+            return invalid(false, 42);
+        }
+        ctrl.touch(now_ms);
+        tracing::debug!(peer = %self.peer, cntlid = ctrl.cntlid, qid = cmd.qid, entries, "I/O queue connected");
+        self.bind(ctrl, cmd.qid, entries as u16, cmd.sq_flow_control_disabled());
+        Reply::ok()
+    }
+
+    fn bind(&mut self, ctrl: Arc<Controller>, qid: u16, entries: u16, sqflow_off: bool) {
+        self.ctrl = Some(ctrl);
+        self.qid = Some(qid);
+        self.entries = entries;
+        self.sqflow_off = sqflow_off;
+        // Slot 0 is the Connect command itself, released by finish().
+        self.slots.resize_with(entries as usize, Slot::new);
+        self.free = (1..entries).rev().collect();
+    }
+
+    // ----- timers -----
+
+    /// Periodic work. Returns false when the connection must close.
+    pub fn tick(&mut self, now_ms: u64, tx: &mut Tx) -> bool {
+        let Some(ctrl) = self.ctrl.clone() else {
+            return now_ms.saturating_sub(self.created_ms) < limits::CONNECT_TIMEOUT_MS;
+        };
+        if ctrl.is_dead() {
+            return false;
+        }
+        if self.qid == Some(0) {
+            if ctrl.expired(now_ms) {
+                tracing::warn!(cntlid = ctrl.cntlid, host = %ctrl.hostnqn, kato_ms = ctrl.kato_ms(), "keep-alive timeout");
+                ctrl.kill("keep-alive timeout");
+                return false;
+            }
+            while !self.aers.is_empty() {
+                let Some(ev) = ctrl.take_event() else { break };
+                let cid = self.aers.remove(0);
+                self.put_resp(tx, Cqe { dw0: ev, sqhd: self.sq_head, ..Cqe::new(cid, Status::SUCCESS) });
+            }
+        }
+        true
+    }
+
+    /// The connection is gone: detach from the controller. Closing the admin
+    /// queue ends the controller, as it does for the Linux target.
+    pub fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if let (Some(c), Some(q)) = (&self.ctrl, self.qid) {
+            c.detach_queue(q);
+            if q == 0 {
+                c.kill("admin queue closed");
+            }
+        }
+        // Slots waiting for data or not yet started are free now; those in
+        // the backend are released by their completions.
+        for i in 0..self.slots.len() {
+            if self.slots[i].state == SlotState::AwaitData {
+                self.release(i);
+            }
+        }
+    }
+}
+
+fn submit(ring: &mut Ring, slot: &mut Slot, t: crate::backend::UringTarget, ud: u64) {
+    let fd = types::Fd(t.fd);
+    let rest = (slot.len - slot.done) as u32;
+    let off = t.base + slot.off + slot.done as u64;
+    // SAFETY: done <= len <= buffer capacity, so the pointer stays inside the buffer.
+    let ptr = unsafe { slot.buf.as_mut_ptr().add(slot.done) };
+    let e = match slot.kind {
+        IoKind::Read => opcode::Read::new(fd, ptr, rest).offset(off).build(),
+        IoKind::Write => {
+            let fl = if slot.fua { libc::RWF_DSYNC } else { 0 };
+            opcode::Write::new(fd, ptr, rest).offset(off).rw_flags(fl).build()
+        }
+        IoKind::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+        other => unreachable!("{other:?} is not submitted to io_uring"),
+    };
+    // SAFETY: the buffer belongs to the slot, which stays in Backend state
+    // (never reused, never dropped: the connection outlives its in-flight
+    // operations) until this operation's completion is handed back.
+    unsafe { ring.push(e.user_data(ud)) };
+}
+
+/// Parses the ranges of a Dataset Management command. Ok(None): nothing to
+/// do (no deallocate attribute).
+fn dsm_ranges(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<Option<Vec<(u64, u64)>>, Status> {
+    const AD: u32 = 1 << 2;
+    if sqe.cdw(11) & AD == 0 {
+        return Ok(None);
+    }
+    let n = (sqe.cdw(10) & 0xFF) as usize + 1;
+    let mut v = Vec::with_capacity(n);
+    for r in data.chunks_exact(16).take(n) {
+        let nlb = u32::from_le_bytes(r[4..8].try_into().expect("16-byte chunk")) as u64;
+        let slba = u64::from_le_bytes(r[8..16].try_into().expect("16-byte chunk"));
+        if slba.checked_add(nlb).is_none_or(|e| e > ns.blocks) {
+            return Err(Status::LBA_OUT_OF_RANGE);
+        }
+        if nlb > 0 {
+            v.push((slba << ns.block_shift, nlb << ns.block_shift));
+        }
+    }
+    Ok(Some(v))
+}
+
+fn put_c2h_data(tx: &mut Tx, dg: Digests, cid: u16, data: &[u8], extra: u8) {
+    let mut hdr = [0u8; tcp::DATA_HLEN + tcp::DIGEST_LEN];
+    let n = DataHeader { cccid: cid, ttag: 0, datao: 0, datal: data.len() as u32 }.encode(PduType::C2HData, extra, dg, &mut hdr);
+    tx.put(&hdr[..n]);
+    tx.put(data);
+    if dg.data {
+        tx.put(&nvpool_wire::digest::crc32c(data).to_le_bytes());
+    }
+}
+
+/// The one place a backend error becomes an NVMe status.
+fn io_error_status(kind: IoKind, e: &std::io::Error) -> Status {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => Status::CAPACITY_EXCEEDED,
+        Some(libc::EROFS) => Status::NS_WRITE_PROTECTED,
+        _ if kind == IoKind::Read => Status::UNRECOVERED_READ_ERROR,
+        _ => Status::WRITE_FAULT,
+    }
+}

@@ -1,0 +1,419 @@
+//! Reactor threads: each owns a set of connections, an epoll instance (via
+//! mio) for their sockets, and an io_uring for their backend I/O.
+//!
+//! One loop iteration: wait for socket readiness or ring completions (at most
+//! one tick), read every readable socket until it would block and run every
+//! complete PDU, reap completions, submit new ring work once, then write each
+//! connection's accumulated responses with one send. Nothing on this path
+//! takes a lock or allocates once the connection's slots have their buffers.
+
+use crate::limits;
+use crate::queue::{split_user_data, Exec, Queue, Tx};
+use crate::ring::Ring;
+use crate::target::Target;
+use mio::net::TcpStream;
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+
+const WAKER: Token = Token(0);
+const RING: Token = Token(1);
+const FIRST_CONN: usize = 2;
+
+/// New connections waiting for a reactor to adopt them.
+const HANDOFF_QUEUE_LEN: usize = 256;
+
+/// The acceptor's handle on one reactor.
+#[derive(Debug, Clone)]
+pub struct ReactorHandle {
+    tx: SyncSender<std::net::TcpStream>,
+    waker: Arc<Waker>,
+}
+
+impl ReactorHandle {
+    /// Hands a connection over. Err(stream) when the reactor is saturated.
+    pub fn adopt(&self, s: std::net::TcpStream) -> Result<(), std::net::TcpStream> {
+        match self.tx.try_send(s) {
+            Ok(()) => {
+                let _ = self.waker.wake();
+                Ok(())
+            }
+            Err(TrySendError::Full(s) | TrySendError::Disconnected(s)) => Err(s),
+        }
+    }
+
+    /// Makes the reactor look at the shutdown flag now.
+    pub fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+}
+
+struct Rx {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl Rx {
+    fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+}
+
+struct Conn {
+    sock: TcpStream,
+    rx: Rx,
+    tx: Tx,
+    q: Queue,
+    /// No more reading: the queue ended or the peer closed.
+    read_done: bool,
+    /// Reading paused until the transmit backlog drains.
+    read_paused: bool,
+    want_write: bool,
+    /// Socket closed; the entry lives on until in-flight ring work completes.
+    zombie: bool,
+}
+
+pub struct Reactor {
+    id: usize,
+    target: Arc<Target>,
+    poll: Poll,
+    incoming: Receiver<std::net::TcpStream>,
+    ring: Option<Ring>,
+    ring_efd: Option<OwnedFd>,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    live: Arc<AtomicUsize>,
+    completions: Vec<(u64, i32)>,
+}
+
+impl std::fmt::Debug for Reactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reactor").field("id", &self.id).field("conns", &(self.conns.len() - self.free.len())).finish()
+    }
+}
+
+impl Reactor {
+    /// Creates a reactor. `use_uring` false (or a kernel without io_uring)
+    /// runs backends synchronously on the reactor thread.
+    pub fn new(id: usize, target: Arc<Target>, live: Arc<AtomicUsize>, use_uring: bool) -> io::Result<(Reactor, ReactorHandle)> {
+        let poll = Poll::new()?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let (tx, incoming) = mpsc::sync_channel(HANDOFF_QUEUE_LEN);
+        let (ring, ring_efd) = if use_uring {
+            let ring = Ring::new(limits::RING_ENTRIES)?;
+            // SAFETY: eventfd takes no pointers; we own the returned fd.
+            let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: fd is a fresh descriptor nobody else owns.
+            let efd = unsafe { OwnedFd::from_raw_fd(fd) };
+            ring.register_eventfd(efd.as_raw_fd())?;
+            poll.registry().register(&mut SourceFd(&efd.as_raw_fd()), RING, Interest::READABLE)?;
+            (Some(ring), Some(efd))
+        } else {
+            (None, None)
+        };
+        let r = Reactor { id, target, poll, incoming, ring, ring_efd, conns: Vec::new(), free: Vec::new(), live, completions: Vec::with_capacity(256) };
+        Ok((r, ReactorHandle { tx, waker }))
+    }
+
+    /// Runs until shutdown has drained every connection.
+    pub fn run(mut self) {
+        let mut events = Events::with_capacity(1024);
+        let mut next_tick = 0;
+        let mut drain_deadline: Option<u64> = None;
+        loop {
+            let timeout = if self.ring.as_ref().is_some_and(|r| r.busy()) { limits::TICK_MS.min(10) } else { limits::TICK_MS };
+            if let Err(e) = self.poll.poll(&mut events, Some(Duration::from_millis(timeout))) {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(reactor = self.id, error = %e, "poll failed");
+                }
+                continue;
+            }
+            for ev in events.iter() {
+                match ev.token() {
+                    WAKER => self.adopt_new(),
+                    RING => self.clear_eventfd(),
+                    Token(t) => {
+                        let i = t - FIRST_CONN;
+                        if ev.is_writable() {
+                            self.flush(i);
+                        }
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.read(i);
+                        }
+                    }
+                }
+            }
+            self.reap();
+            let now = self.target.now_ms();
+            if now >= next_tick {
+                next_tick = now + limits::TICK_MS;
+                self.tick(now);
+            }
+            if let Some(r) = self.ring.as_mut() {
+                if let Err(e) = r.submit() {
+                    tracing::error!(reactor = self.id, error = %e, "io_uring submit failed");
+                }
+            }
+            self.flush_all();
+            if self.target.shutting_down() {
+                let deadline = *drain_deadline.get_or_insert_with(|| {
+                    for c in self.conns.iter_mut().flatten() {
+                        c.q.begin_drain();
+                    }
+                    now + limits::SHUTDOWN_DRAIN_MS
+                });
+                let busy = self.conns.iter().flatten().any(|c| !c.zombie && (c.q.busy() || c.tx.backlog() > 0));
+                if !busy || now >= deadline {
+                    if busy {
+                        tracing::warn!(reactor = self.id, "shutdown: drain deadline passed with commands in flight");
+                    }
+                    for i in 0..self.conns.len() {
+                        self.close(i);
+                    }
+                    if !self.ring.as_ref().is_some_and(|r| r.busy()) || now >= deadline + 1000 {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn adopt_new(&mut self) {
+        while let Ok(s) = self.incoming.try_recv() {
+            if let Err(e) = self.add(s) {
+                tracing::warn!(reactor = self.id, error = %e, "could not adopt a connection");
+                self.live.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    fn add(&mut self, s: std::net::TcpStream) -> io::Result<()> {
+        s.set_nonblocking(true)?;
+        s.set_nodelay(true)?;
+        let local = s.local_addr()?;
+        let peer = s.peer_addr()?;
+        let mut sock = TcpStream::from_std(s);
+        let i = self.free.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        });
+        self.poll.registry().register(&mut sock, Token(i + FIRST_CONN), Interest::READABLE)?;
+        tracing::debug!(reactor = self.id, %peer, "connection adopted");
+        let q = Queue::new(self.target.clone(), local, peer, self.target.now_ms());
+        self.conns[i] = Some(Conn {
+            sock,
+            rx: Rx { buf: vec![0u8; limits::RX_BUF_BYTES].into_boxed_slice(), start: 0, end: 0 },
+            tx: Tx::default(),
+            q,
+            read_done: false,
+            read_paused: false,
+            want_write: false,
+            zombie: false,
+        });
+        // Data may already be waiting (edge-triggered readiness).
+        self.read(i);
+        Ok(())
+    }
+
+    fn clear_eventfd(&mut self) {
+        if let Some(fd) = &self.ring_efd {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into a u64 from our own eventfd.
+            unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        }
+    }
+
+    /// Reads what the socket has and runs every complete PDU.
+    fn read(&mut self, i: usize) {
+        let now = self.target.now_ms();
+        let ring = self.ring.as_mut();
+        let Some(Some(c)) = self.conns.get_mut(i) else { return };
+        if c.zombie || c.read_done {
+            return;
+        }
+        let mut ex = Exec { ring, conn: i as u32, now_ms: now };
+        let mut peer_closed = false;
+        loop {
+            if c.tx.backlog() > limits::TX_HIGH_WATER_BYTES {
+                c.read_paused = true;
+                break;
+            }
+            if c.rx.end == c.rx.buf.len() {
+                c.rx.compact();
+            }
+            match c.sock.read(&mut c.rx.buf[c.rx.end..]) {
+                Ok(0) => {
+                    peer_closed = true;
+                    break;
+                }
+                Ok(n) => {
+                    c.rx.end += n;
+                    if !run_pdus(c, &mut ex) {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::debug!(peer = %c.q.peer, error = %e, "socket read failed");
+                    peer_closed = true;
+                    break;
+                }
+            }
+        }
+        if peer_closed {
+            c.read_done = true;
+            tracing::debug!(peer = %c.q.peer, qid = ?c.q.qid(), "peer closed the connection");
+            self.close(i);
+        }
+    }
+
+    fn reap(&mut self) {
+        let Some(ring) = self.ring.as_mut() else { return };
+        let mut done = std::mem::take(&mut self.completions);
+        done.clear();
+        ring.reap(&mut done);
+        let now = self.target.now_ms();
+        for &(ud, res) in &done {
+            let (ci, slot) = split_user_data(ud);
+            let ci = ci as usize;
+            let ring = self.ring.as_mut();
+            let Some(Some(c)) = self.conns.get_mut(ci) else {
+                unreachable!("completion for connection {ci} that no longer exists");
+            };
+            let mut ex = Exec { ring, conn: ci as u32, now_ms: now };
+            c.q.on_completion(slot, res, &mut c.tx, &mut ex);
+            if c.zombie && c.q.inflight == 0 {
+                self.conns[ci] = None;
+                self.free.push(ci);
+            }
+        }
+        self.completions = done;
+    }
+
+    fn tick(&mut self, now: u64) {
+        for i in 0..self.conns.len() {
+            let Some(Some(c)) = self.conns.get_mut(i) else { continue };
+            if c.zombie {
+                continue;
+            }
+            if !c.q.tick(now, &mut c.tx) {
+                self.close(i);
+            }
+        }
+    }
+
+    fn flush_all(&mut self) {
+        for i in 0..self.conns.len() {
+            if matches!(&self.conns[i], Some(c) if !c.zombie && (c.tx.backlog() > 0 || c.q.wants_close() || c.read_paused)) {
+                self.flush(i);
+            }
+        }
+    }
+
+    /// Writes pending responses; closes a connection that asked to end once
+    /// everything is out; resumes paused reading.
+    fn flush(&mut self, i: usize) {
+        let Some(Some(c)) = self.conns.get_mut(i) else { return };
+        if c.zombie {
+            return;
+        }
+        let mut failed = false;
+        while c.tx.backlog() > 0 {
+            match c.sock.write(c.tx.pending()) {
+                Ok(0) => {
+                    failed = true;
+                    break;
+                }
+                Ok(n) => c.tx.advance(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => {
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        let want_write = c.tx.backlog() > 0;
+        if want_write != c.want_write {
+            let interest = if want_write { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
+            let _ = self.poll.registry().reregister(&mut c.sock, Token(i + FIRST_CONN), interest);
+            c.want_write = want_write;
+        }
+        if failed || (c.q.wants_close() && c.tx.backlog() == 0) {
+            self.close(i);
+            return;
+        }
+        if c.read_paused && c.tx.backlog() <= limits::TX_HIGH_WATER_BYTES / 2 {
+            c.read_paused = false;
+            self.read(i);
+        }
+    }
+
+    fn close(&mut self, i: usize) {
+        let Some(Some(c)) = self.conns.get_mut(i) else { return };
+        if c.zombie {
+            return;
+        }
+        c.q.close();
+        let _ = self.poll.registry().deregister(&mut c.sock);
+        let _ = c.sock.shutdown(std::net::Shutdown::Both);
+        c.zombie = true;
+        self.live.fetch_sub(1, Ordering::AcqRel);
+        tracing::debug!(peer = %c.q.peer, qid = ?c.q.qid(), "connection closed");
+        if c.q.inflight == 0 {
+            self.conns[i] = None;
+            self.free.push(i);
+        }
+    }
+}
+
+/// Runs every complete PDU in the receive buffer. False: stop reading.
+fn run_pdus(c: &mut Conn, ex: &mut Exec<'_>) -> bool {
+    loop {
+        let avail = c.rx.end - c.rx.start;
+        if avail < nvpool_wire::tcp::CH_LEN {
+            break;
+        }
+        let hdr = &c.rx.buf[c.rx.start..c.rx.start + nvpool_wire::tcp::CH_LEN];
+        let plen = match c.q.check_header(hdr) {
+            Ok(p) => p,
+            Err(f) => {
+                let hdr = c.rx.buf[c.rx.start..c.rx.end].to_vec();
+                c.q.fail(f, &hdr, &mut c.tx);
+                c.read_done = true;
+                return false;
+            }
+        };
+        if avail < plen {
+            if c.rx.start + plen > c.rx.buf.len() {
+                c.rx.compact();
+            }
+            break;
+        }
+        let (s, e) = (c.rx.start, c.rx.start + plen);
+        c.rx.start = e;
+        if c.q.on_pdu(&c.rx.buf[s..e], &mut c.tx, ex).is_err() || c.q.wants_close() {
+            c.read_done = true;
+            return false;
+        }
+    }
+    if c.rx.start == c.rx.end {
+        c.rx.start = 0;
+        c.rx.end = 0;
+    }
+    true
+}
