@@ -378,7 +378,8 @@ mod tests {
         assert_eq!(at, off);
         b[off..off + 4].copy_from_slice(&[1, 8, 0, 0]);
         b[off + 4..].fill(0xEE);
-        assert!(matches!(decode_ns_descriptors(&b), Err(WireError::BadField { field: "NIDL", .. })));
+        let err = decode_ns_descriptors(&b);
+        assert!(matches!(err, Err(WireError::BadField { field: "NIDL", .. })));
         assert!(decode_ns_descriptors(&b[..IDENTIFY_LEN]).is_err());
     }
 

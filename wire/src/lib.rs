@@ -20,6 +20,7 @@ pub mod digest;
 pub mod error;
 pub mod fabrics;
 #[doc(hidden)]
+pub mod fuzz;
 pub mod identify;
 pub mod le;
 pub mod log;

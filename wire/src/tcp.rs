@@ -229,7 +229,7 @@ impl IcResp {
             return Err(WireError::bad("ICResp", "CPDA", cpda));
         }
         let maxh2cdata = u32_at(b, 12);
-        if maxh2cdata < 4096 || maxh2cdata % 4 != 0 {
+        if maxh2cdata < 4096 || !maxh2cdata.is_multiple_of(4) {
             return Err(WireError::bad("ICResp", "MAXH2CDATA", maxh2cdata));
         }
         Ok(IcResp { pfv: u16_at(b, 8), cpda, digests: Digests::from_byte(b[11]), maxh2cdata })
@@ -517,9 +517,11 @@ mod tests {
         out[3] = 24;
         put_u32(&mut out, 4, 24 + 512);
         let ch = CommonHeader::decode(&out).unwrap();
-        assert!(matches!(DataHeader::decode(&ch, &out, dg), Err(WireError::BadField { field: "PDO", .. })));
+        let err = DataHeader::decode(&ch, &out, dg);
+        assert!(matches!(err, Err(WireError::BadField { field: "PDO", .. })));
         // Without a header digest the same PDO is where the data starts.
-        assert_eq!(DataHeader::decode(&ch, &out, Digests::default()).unwrap(), DataHeader { ttag: 0, ..h });
+        let plain = DataHeader::decode(&ch, &out, Digests::default());
+        assert_eq!(plain, Ok(DataHeader { ttag: 0, ..h }));
     }
 
     #[test]
@@ -527,12 +529,14 @@ mod tests {
         let mut out = [0u8; 28];
         R2t { cccid: 1, ttag: 2, r2to: 0, r2tl: 512 }.encode(Digests::default(), &mut out);
         let ch = CommonHeader::decode(&out).unwrap();
-        assert!(matches!(DataHeader::decode(&ch, &out, Digests::default()), Err(WireError::BadField { field: "PDU-TYPE", .. })));
+        let err = DataHeader::decode(&ch, &out, Digests::default());
+        assert!(matches!(err, Err(WireError::BadField { field: "PDU-TYPE", .. })));
     }
 
     #[test]
     fn icresp_rejects_cpda_above_31() {
-        let mut b = IcResp { pfv: 0, cpda: 31, digests: Digests::default(), maxh2cdata: 4096 }.encode();
+        let r = IcResp { pfv: 0, cpda: 31, digests: Digests::default(), maxh2cdata: 4096 };
+        let mut b = r.encode();
         assert!(IcResp::decode(&b).is_ok());
         b[10] = 32;
         assert!(matches!(IcResp::decode(&b), Err(WireError::BadField { field: "CPDA", .. })));
