@@ -7,7 +7,9 @@ use crate::controller::Controller;
 use crate::limits;
 use crate::target::{Subsystem, Target};
 use nvpool_wire::fabrics::{self, prop, Cap, PropertyCmd, VS_1_3};
-use nvpool_wire::identify::{self, cns, cntrltype, IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN};
+use nvpool_wire::identify::{
+    self, cns, cntrltype, IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN,
+};
 use nvpool_wire::log::{self, lid, DiscoveryEntry, GetLogPage};
 use nvpool_wire::sqe::admin as op;
 use nvpool_wire::{Sqe, Status};
@@ -25,16 +27,30 @@ pub struct Reply {
 
 impl Reply {
     pub fn ok() -> Reply {
-        Reply { status: Status::SUCCESS, dw0: 0, dw1: 0, data_len: 0 }
+        Reply {
+            status: Status::SUCCESS,
+            dw0: 0,
+            dw1: 0,
+            data_len: 0,
+        }
     }
     pub fn status(s: Status) -> Reply {
-        Reply { status: s, ..Reply::ok() }
+        Reply {
+            status: s,
+            ..Reply::ok()
+        }
     }
     pub fn data(n: usize) -> Reply {
-        Reply { data_len: n, ..Reply::ok() }
+        Reply {
+            data_len: n,
+            ..Reply::ok()
+        }
     }
     pub fn dw0(v: u32) -> Reply {
-        Reply { dw0: v, ..Reply::ok() }
+        Reply {
+            dw0: v,
+            ..Reply::ok()
+        }
     }
 }
 
@@ -64,7 +80,9 @@ pub fn execute(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<u
     if sqe.opcode() == op::FABRICS {
         return match sqe.fctype() {
             fabrics::fctype::PROPERTY_GET => property_get(ctrl, &PropertyCmd::from_sqe(sqe)),
-            fabrics::fctype::PROPERTY_SET => property_set(ctrl, &PropertyCmd::from_sqe(sqe), cx.now_ms),
+            fabrics::fctype::PROPERTY_SET => {
+                property_set(ctrl, &PropertyCmd::from_sqe(sqe), cx.now_ms)
+            }
             fabrics::fctype::CONNECT => Reply::status(Status::COMMAND_SEQUENCE_ERROR),
             _ => Reply::status(Status::INVALID_OPCODE),
         };
@@ -94,9 +112,22 @@ pub fn execute(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<u
 }
 
 fn property_get(ctrl: &Controller, p: &PropertyCmd) -> Reply {
-    let cap = Cap { mqes: if ctrl.discovery { limits::ADMIN_QUEUE_ENTRIES_MAX - 1 } else { limits::IO_QUEUE_ENTRIES_MAX - 1 }, to: 15, css_nvm: true }.to_u64();
+    let cap = Cap {
+        mqes: if ctrl.discovery {
+            limits::ADMIN_QUEUE_ENTRIES_MAX - 1
+        } else {
+            limits::IO_QUEUE_ENTRIES_MAX - 1
+        },
+        to: 15,
+        css_nvm: true,
+    }
+    .to_u64();
     match (p.offset, p.size8) {
-        (prop::CAP, true) => Reply { dw0: cap as u32, dw1: (cap >> 32) as u32, ..Reply::ok() },
+        (prop::CAP, true) => Reply {
+            dw0: cap as u32,
+            dw1: (cap >> 32) as u32,
+            ..Reply::ok()
+        },
         (prop::CAP, false) => Reply::dw0(cap as u32),
         (prop::VS, false) => Reply::dw0(VS_1_3),
         (prop::CC, false) => Reply::dw0(ctrl.cc()),
@@ -116,7 +147,9 @@ fn property_set(ctrl: &Controller, p: &PropertyCmd, now_ms: u64) -> Reply {
 }
 
 fn identify(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8]) -> Reply {
-    let Some(out): Option<&mut [u8; IDENTIFY_LEN]> = buf.get_mut(..IDENTIFY_LEN).and_then(|b| b.try_into().ok()) else {
+    let Some(out): Option<&mut [u8; IDENTIFY_LEN]> =
+        buf.get_mut(..IDENTIFY_LEN).and_then(|b| b.try_into().ok())
+    else {
         return Reply::status(Status::INTERNAL_ERROR);
     };
     let cns_v = sqe.cdw(10) as u8;
@@ -165,7 +198,15 @@ fn identify(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8]) -> Reply {
         }
         cns::NS_DESCRIPTORS => match subsys.namespaces.get(&nsid) {
             Some(ns) => {
-                identify::encode_ns_descriptors(&[NsId::Uuid(ns.uuid), NsId::Nguid(ns.nguid), NsId::Eui64(ns.eui64), NsId::Csi(0)], out);
+                identify::encode_ns_descriptors(
+                    &[
+                        NsId::Uuid(ns.uuid),
+                        NsId::Nguid(ns.nguid),
+                        NsId::Eui64(ns.eui64),
+                        NsId::Csi(0),
+                    ],
+                    out,
+                );
                 Reply::data(IDENTIFY_LEN)
             }
             None => Reply::status(Status::INVALID_NS),
@@ -200,7 +241,12 @@ pub fn identify_controller(ctrl: &Controller, subsys: &Subsystem) -> IdentifyCon
         ..Default::default()
     };
     if ctrl.discovery {
-        return IdentifyController { cntrltype: cntrltype::DISCOVERY, oaes: 1 << 31, maxcmd: limits::ADMIN_QUEUE_ENTRIES_MAX, ..common };
+        return IdentifyController {
+            cntrltype: cntrltype::DISCOVERY,
+            oaes: 1 << 31,
+            maxcmd: limits::ADMIN_QUEUE_ENTRIES_MAX,
+            ..common
+        };
     }
     IdentifyController {
         // Several controllers (hosts, or reconnects) may share a subsystem.
@@ -237,7 +283,12 @@ fn get_log_page(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<
         }
         (lid::SMART, false) => {
             scratch.resize(log::SMART_LEN, 0);
-            log::SmartLog { available_spare: 100, spare_threshold: 10, ..Default::default() }.encode(scratch);
+            log::SmartLog {
+                available_spare: 100,
+                spare_threshold: 10,
+                ..Default::default()
+            }
+            .encode(scratch);
         }
         (lid::FW_SLOT, false) => scratch.resize(512, 0),
         (lid::CHANGED_NS, false) => {
@@ -263,14 +314,30 @@ fn get_log_page(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<
 fn discovery_log(cx: &AdminCtx<'_>, out: &mut Vec<u8>) {
     let listeners = cx.target.listeners();
     let io_listeners: Vec<SocketAddr> = {
-        let v: Vec<_> = listeners.iter().copied().filter(|a| a.port() != 8009).collect();
-        if v.is_empty() { listeners.clone() } else { v }
+        let v: Vec<_> = listeners
+            .iter()
+            .copied()
+            .filter(|a| a.port() != 8009)
+            .collect();
+        if v.is_empty() {
+            listeners.clone()
+        } else {
+            v
+        }
     };
     let entry = |addr: &SocketAddr, subtype, nqn: &str, portid: usize| {
-        let ip = if addr.ip().is_unspecified() { cx.local.ip() } else { addr.ip() };
+        let ip = if addr.ip().is_unspecified() {
+            cx.local.ip()
+        } else {
+            addr.ip()
+        };
         DiscoveryEntry {
             trtype: log::trtype::TCP,
-            adrfam: if ip.is_ipv4() { log::adrfam::IPV4 } else { log::adrfam::IPV6 },
+            adrfam: if ip.is_ipv4() {
+                log::adrfam::IPV4
+            } else {
+                log::adrfam::IPV6
+            },
             subtype,
             // Secure channel not required; SQ flow control disable supported.
             treq: 0x02 | 0x04,
@@ -285,9 +352,19 @@ fn discovery_log(cx: &AdminCtx<'_>, out: &mut Vec<u8>) {
     };
     let mut entries = Vec::new();
     for (i, a) in listeners.iter().enumerate() {
-        entries.push(entry(a, log::subtype::CURRENT_DISCOVERY, nvpool_wire::DISCOVERY_NQN, i));
+        entries.push(entry(
+            a,
+            log::subtype::CURRENT_DISCOVERY,
+            nvpool_wire::DISCOVERY_NQN,
+            i,
+        ));
     }
-    for s in cx.target.subsystems().values().filter(|s| s.host_allowed(&cx.ctrl.hostnqn)) {
+    for s in cx
+        .target
+        .subsystems()
+        .values()
+        .filter(|s| s.host_allowed(&cx.ctrl.hostnqn))
+    {
         for a in &io_listeners {
             let i = listeners.iter().position(|x| x == a).unwrap_or(0);
             entries.push(entry(a, log::subtype::NVM, &s.nqn, i));
@@ -309,7 +386,11 @@ fn set_features(ctrl: &Controller, sqe: &Sqe) -> Reply {
             Reply::dw0(n | n << 16)
         }
         (fid::ASYNC_EVENT_CONFIG, _) => {
-            let supported = if ctrl.discovery { crate::controller::AEC_DISCOVERY } else { crate::controller::AEC_NS_ATTR };
+            let supported = if ctrl.discovery {
+                crate::controller::AEC_DISCOVERY
+            } else {
+                crate::controller::AEC_NS_ATTR
+            };
             if cdw11 & !supported != 0 {
                 return Reply::status(Status::INVALID_FIELD);
             }
@@ -334,7 +415,8 @@ fn get_features(ctrl: &Controller, sqe: &Sqe) -> Reply {
             let n = match ctrl.io_queues_granted() {
                 0 => limits::IO_QUEUES_PER_CTRL_MAX,
                 g => g,
-            } as u32 - 1;
+            } as u32
+                - 1;
             Reply::dw0(n | n << 16)
         }
         (fid::ASYNC_EVENT_CONFIG, _) => Reply::dw0(ctrl.event_config()),

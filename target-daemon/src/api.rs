@@ -44,37 +44,50 @@ pub struct ApiServer {
 }
 
 impl ApiServer {
-    pub fn start(addr: SocketAddr, target: Arc<Target>, listeners: ListenerControl) -> std::io::Result<ApiServer> {
+    pub fn start(
+        addr: SocketAddr,
+        target: Arc<Target>,
+        listeners: ListenerControl,
+    ) -> std::io::Result<ApiServer> {
         let std_listener = std::net::TcpListener::bind(addr)?;
         std_listener.set_nonblocking(true)?;
         let bound = std_listener.local_addr()?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let app = router(Api { target, listeners });
-        let thread = std::thread::Builder::new().name("nvpool-admin-api".into()).spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(rt) => rt,
-                Err(e) => {
-                    tracing::error!(error = %e, "admin API runtime failed to start");
-                    return;
-                }
-            };
-            rt.block_on(async move {
-                let listener = match tokio::net::TcpListener::from_std(std_listener) {
-                    Ok(l) => l,
+        let thread = std::thread::Builder::new()
+            .name("nvpool-admin-api".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
                     Err(e) => {
-                        tracing::error!(error = %e, "admin API listener failed");
+                        tracing::error!(error = %e, "admin API runtime failed to start");
                         return;
                     }
                 };
-                let serve = axum::serve(listener, app).with_graceful_shutdown(async {
-                    let _ = stop_rx.await;
+                rt.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(std_listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::error!(error = %e, "admin API listener failed");
+                            return;
+                        }
+                    };
+                    let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+                        let _ = stop_rx.await;
+                    });
+                    if let Err(e) = serve.await {
+                        tracing::error!(error = %e, "admin API stopped");
+                    }
                 });
-                if let Err(e) = serve.await {
-                    tracing::error!(error = %e, "admin API stopped");
-                }
-            });
-        })?;
-        Ok(ApiServer { addr: bound, stop: Some(stop_tx), thread: Some(thread) })
+            })?;
+        Ok(ApiServer {
+            addr: bound,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        })
     }
 
     pub fn stop(mut self) {
@@ -89,16 +102,35 @@ impl ApiServer {
 
 fn router(api: Api) -> Router {
     Router::new()
-        .route("/v1/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }))
+        .route(
+            "/v1/health",
+            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
+        )
         .route("/v1/target", get(target_info))
         .route("/v1/subsystems", get(list_subsystems))
-        .route("/v1/subsystems/{nqn}", put(put_subsystem).get(get_subsystem).delete(delete_subsystem))
-        .route("/v1/subsystems/{nqn}/namespaces/{nsid}", put(put_namespace).delete(delete_namespace))
-        .route("/v1/subsystems/{nqn}/hosts/{host}", put(put_host).delete(delete_host))
+        .route(
+            "/v1/subsystems/{nqn}",
+            put(put_subsystem)
+                .get(get_subsystem)
+                .delete(delete_subsystem),
+        )
+        .route(
+            "/v1/subsystems/{nqn}/namespaces/{nsid}",
+            put(put_namespace).delete(delete_namespace),
+        )
+        .route(
+            "/v1/subsystems/{nqn}/hosts/{host}",
+            put(put_host).delete(delete_host),
+        )
         .route("/v1/listeners", get(list_listeners))
-        .route("/v1/listeners/{addr}", put(put_listener).delete(delete_listener))
+        .route(
+            "/v1/listeners/{addr}",
+            put(put_listener).delete(delete_listener),
+        )
         .route("/v1/controllers", get(list_controllers))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+        })
         .with_state(api)
 }
 
@@ -113,7 +145,11 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(code: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { code, kind, message: message.into() }
+        ApiError {
+            code,
+            kind,
+            message: message.into(),
+        }
     }
     fn bad_request(m: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid", m)
@@ -129,7 +165,9 @@ impl IntoResponse for ApiError {
 impl From<TargetError> for ApiError {
     fn from(e: TargetError) -> ApiError {
         let (code, kind) = match &e {
-            TargetError::Invalid(_) | TargetError::Config(_) => (StatusCode::BAD_REQUEST, "invalid"),
+            TargetError::Invalid(_) | TargetError::Config(_) => {
+                (StatusCode::BAD_REQUEST, "invalid")
+            }
             TargetError::Backend(_) => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
             TargetError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             TargetError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
@@ -209,7 +247,14 @@ struct ControllerView {
 fn controllers(t: &Target) -> Vec<ControllerView> {
     t.controllers()
         .iter()
-        .map(|c| ControllerView { cntlid: c.cntlid, subsystem: c.subsys_nqn.clone(), host: c.hostnqn.clone(), discovery: c.discovery, kato_ms: c.kato_ms(), queues: c.connected_queues() })
+        .map(|c| ControllerView {
+            cntlid: c.cntlid,
+            subsystem: c.subsys_nqn.clone(),
+            host: c.hostnqn.clone(),
+            discovery: c.discovery,
+            kato_ms: c.kato_ms(),
+            queues: c.connected_queues(),
+        })
         .collect()
 }
 
@@ -223,11 +268,29 @@ async fn target_info(State(api): State<Api>) -> impl IntoResponse {
 }
 
 async fn list_subsystems(State(api): State<Api>) -> impl IntoResponse {
-    Json(api.target.subsystems().values().map(|s| view(s)).collect::<Vec<_>>())
+    Json(
+        api.target
+            .subsystems()
+            .values()
+            .map(|s| view(s))
+            .collect::<Vec<_>>(),
+    )
 }
 
-async fn get_subsystem(State(api): State<Api>, Path(nqn): Path<String>) -> Result<Json<SubsystemView>, ApiError> {
-    api.target.subsystem(&nqn).map(|s| Json(view(&s))).ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("subsystem {nqn} not found")))
+async fn get_subsystem(
+    State(api): State<Api>,
+    Path(nqn): Path<String>,
+) -> Result<Json<SubsystemView>, ApiError> {
+    api.target
+        .subsystem(&nqn)
+        .map(|s| Json(view(&s)))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("subsystem {nqn} not found"),
+            )
+        })
 }
 
 /// Body of `PUT /v1/subsystems/{nqn}`.
@@ -244,18 +307,36 @@ struct SubsystemBody {
 }
 
 /// Runs a blocking target change off the async runtime (it opens files and fsyncs).
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, TargetError> + Send + 'static) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?.map_err(ApiError::from)
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(ApiError::from)
 }
 
-async fn put_subsystem(State(api): State<Api>, Path(nqn): Path<String>, JsonBody(b): JsonBody<SubsystemBody>) -> Result<Json<SubsystemView>, ApiError> {
-    let cfg = SubsystemConfig { nqn: nqn.clone(), allowed_hosts: b.allowed_hosts, allow_any_host: b.allow_any_host, serial: b.serial, namespaces: b.namespaces };
+async fn put_subsystem(
+    State(api): State<Api>,
+    Path(nqn): Path<String>,
+    JsonBody(b): JsonBody<SubsystemBody>,
+) -> Result<Json<SubsystemView>, ApiError> {
+    let cfg = SubsystemConfig {
+        nqn: nqn.clone(),
+        allowed_hosts: b.allowed_hosts,
+        allow_any_host: b.allow_any_host,
+        serial: b.serial,
+        namespaces: b.namespaces,
+    };
     let t = api.target.clone();
     blocking(move || t.put_subsystem(&cfg)).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
 
-async fn delete_subsystem(State(api): State<Api>, Path(nqn): Path<String>) -> Result<StatusCode, ApiError> {
+async fn delete_subsystem(
+    State(api): State<Api>,
+    Path(nqn): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let t = api.target.clone();
     blocking(move || t.remove_subsystem(&nqn)).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -271,30 +352,52 @@ struct NamespaceBody {
     read_only: bool,
 }
 
-async fn put_namespace(State(api): State<Api>, Path((nqn, nsid)): Path<(String, String)>, JsonBody(b): JsonBody<NamespaceBody>) -> Result<Json<SubsystemView>, ApiError> {
-    let nsid: u32 = nsid.parse().map_err(|_| ApiError::bad_request(format!("namespace id {nsid:?} is not a number")))?;
-    let nc = NamespaceConfig { nsid, backend: b.backend, uuid: b.uuid, read_only: b.read_only };
+async fn put_namespace(
+    State(api): State<Api>,
+    Path((nqn, nsid)): Path<(String, String)>,
+    JsonBody(b): JsonBody<NamespaceBody>,
+) -> Result<Json<SubsystemView>, ApiError> {
+    let nsid: u32 = nsid
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("namespace id {nsid:?} is not a number")))?;
+    let nc = NamespaceConfig {
+        nsid,
+        backend: b.backend,
+        uuid: b.uuid,
+        read_only: b.read_only,
+    };
     let t = api.target.clone();
     let n = nqn.clone();
     blocking(move || t.put_namespace(&n, &nc)).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
 
-async fn delete_namespace(State(api): State<Api>, Path((nqn, nsid)): Path<(String, String)>) -> Result<StatusCode, ApiError> {
-    let nsid: u32 = nsid.parse().map_err(|_| ApiError::bad_request(format!("namespace id {nsid:?} is not a number")))?;
+async fn delete_namespace(
+    State(api): State<Api>,
+    Path((nqn, nsid)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    let nsid: u32 = nsid
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("namespace id {nsid:?} is not a number")))?;
     let t = api.target.clone();
     blocking(move || t.remove_namespace(&nqn, nsid)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn put_host(State(api): State<Api>, Path((nqn, host)): Path<(String, String)>) -> Result<Json<SubsystemView>, ApiError> {
+async fn put_host(
+    State(api): State<Api>,
+    Path((nqn, host)): Path<(String, String)>,
+) -> Result<Json<SubsystemView>, ApiError> {
     let t = api.target.clone();
     let n = nqn.clone();
     blocking(move || t.allow_host(&n, &host)).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
 
-async fn delete_host(State(api): State<Api>, Path((nqn, host)): Path<(String, String)>) -> Result<StatusCode, ApiError> {
+async fn delete_host(
+    State(api): State<Api>,
+    Path((nqn, host)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
     let t = api.target.clone();
     blocking(move || t.disallow_host(&nqn, &host)).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -305,10 +408,14 @@ async fn list_listeners(State(api): State<Api>) -> impl IntoResponse {
 }
 
 fn parse_addr(a: &str) -> Result<SocketAddr, ApiError> {
-    a.parse().map_err(|_| ApiError::bad_request(format!("{a:?} is not ADDR:PORT")))
+    a.parse()
+        .map_err(|_| ApiError::bad_request(format!("{a:?} is not ADDR:PORT")))
 }
 
-async fn put_listener(State(api): State<Api>, Path(addr): Path<String>) -> Result<Json<Vec<SocketAddr>>, ApiError> {
+async fn put_listener(
+    State(api): State<Api>,
+    Path(addr): Path<String>,
+) -> Result<Json<Vec<SocketAddr>>, ApiError> {
     let a = parse_addr(&addr)?;
     let c = api.listeners.clone();
     tokio::task::spawn_blocking(move || c.add(a))
@@ -318,7 +425,10 @@ async fn put_listener(State(api): State<Api>, Path(addr): Path<String>) -> Resul
     Ok(Json(api.target.listeners()))
 }
 
-async fn delete_listener(State(api): State<Api>, Path(addr): Path<String>) -> Result<StatusCode, ApiError> {
+async fn delete_listener(
+    State(api): State<Api>,
+    Path(addr): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let a = parse_addr(&addr)?;
     let c = api.listeners.clone();
     tokio::task::spawn_blocking(move || c.remove(a))

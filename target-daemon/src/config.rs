@@ -78,9 +78,17 @@ pub struct NamespaceConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}")]
-    Read { path: PathBuf, #[source] source: std::io::Error },
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot write {path}")]
-    Write { path: PathBuf, #[source] source: std::io::Error },
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path} is not valid TOML for nvpool-target: {message}")]
     Toml { path: PathBuf, message: String },
     #[error("{path} is corrupt: {message}")]
@@ -91,8 +99,14 @@ pub enum ConfigError {
 
 impl Config {
     pub fn from_toml_file(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        toml::from_str(&text).map_err(|e| ConfigError::Toml { path: path.into(), message: e.to_string() })
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Toml {
+            path: path.into(),
+            message: e.to_string(),
+        })
     }
 
     /// Replaces listeners and subsystems of the same name with `other`'s.
@@ -109,7 +123,11 @@ impl Config {
                     let mut s = s.clone();
                     for ns in &mut s.namespaces {
                         if ns.uuid.is_none() {
-                            ns.uuid = existing.namespaces.iter().find(|o| o.nsid == ns.nsid && o.backend == ns.backend).and_then(|o| o.uuid.clone());
+                            ns.uuid = existing
+                                .namespaces
+                                .iter()
+                                .find(|o| o.nsid == ns.nsid && o.backend == ns.backend)
+                                .and_then(|o| o.uuid.clone());
                         }
                     }
                     *existing = s;
@@ -137,7 +155,10 @@ impl Config {
                 return Err(ConfigError::Invalid("the discovery NQN is reserved".into()));
             }
             if seen.insert(s.nqn.as_str(), ()).is_some() {
-                return Err(ConfigError::Invalid(format!("subsystem {} is configured twice", s.nqn)));
+                return Err(ConfigError::Invalid(format!(
+                    "subsystem {} is configured twice",
+                    s.nqn
+                )));
             }
             for h in &s.allowed_hosts {
                 validate_nqn(h)?;
@@ -146,11 +167,21 @@ impl Config {
             for ns in &s.namespaces {
                 validate_nsid(ns.nsid)?;
                 if nsids.insert(ns.nsid, ()).is_some() {
-                    return Err(ConfigError::Invalid(format!("{}: namespace {} is configured twice", s.nqn, ns.nsid)));
+                    return Err(ConfigError::Invalid(format!(
+                        "{}: namespace {} is configured twice",
+                        s.nqn, ns.nsid
+                    )));
                 }
-                BackendSpec::parse(&ns.backend).map_err(|e| ConfigError::Invalid(format!("{}: namespace {}: {e}", s.nqn, ns.nsid)))?;
+                BackendSpec::parse(&ns.backend).map_err(|e| {
+                    ConfigError::Invalid(format!("{}: namespace {}: {e}", s.nqn, ns.nsid))
+                })?;
                 if let Some(u) = &ns.uuid {
-                    parse_uuid(u).ok_or_else(|| ConfigError::Invalid(format!("{}: namespace {}: bad uuid {u:?}", s.nqn, ns.nsid)))?;
+                    parse_uuid(u).ok_or_else(|| {
+                        ConfigError::Invalid(format!(
+                            "{}: namespace {}: bad uuid {u:?}",
+                            s.nqn, ns.nsid
+                        ))
+                    })?;
                 }
             }
         }
@@ -165,7 +196,12 @@ impl Config {
     pub fn load_state(state_dir: &Path) -> Result<Option<Config>, ConfigError> {
         let path = Self::state_path(state_dir);
         match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| ConfigError::State { path, message: e.to_string() }),
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| ConfigError::State {
+                    path,
+                    message: e.to_string(),
+                }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(source) => Err(ConfigError::Read { path, source }),
         }
@@ -177,28 +213,44 @@ impl Config {
         use std::io::Write;
         let path = Self::state_path(state_dir);
         let tmp = state_dir.join(format!("{STATE_FILE}.tmp"));
-        let werr = |source| ConfigError::Write { path: path.clone(), source };
+        let werr = |source| ConfigError::Write {
+            path: path.clone(),
+            source,
+        };
         std::fs::create_dir_all(state_dir).map_err(werr)?;
         let mut f = std::fs::File::create(&tmp).map_err(werr)?;
         let body = serde_json::to_vec_pretty(self).expect("config serialises");
-        f.write_all(&body).and_then(|()| f.sync_all()).map_err(werr)?;
+        f.write_all(&body)
+            .and_then(|()| f.sync_all())
+            .map_err(werr)?;
         std::fs::rename(&tmp, &path).map_err(werr)?;
-        std::fs::File::open(state_dir).and_then(|d| d.sync_all()).map_err(werr)?;
+        std::fs::File::open(state_dir)
+            .and_then(|d| d.sync_all())
+            .map_err(werr)?;
         Ok(())
     }
 }
 
 /// NQNs: 1..=223 bytes of UTF-8, no NUL, starting with "nqn.".
 pub fn validate_nqn(nqn: &str) -> Result<(), ConfigError> {
-    if nqn.is_empty() || nqn.len() > nvpool_wire::NQN_LEN_MAX || nqn.contains('\0') || !nqn.starts_with("nqn.") {
-        return Err(ConfigError::Invalid(format!("{nqn:?} is not a valid NQN (nqn.YYYY-MM.reverse.domain:name, at most 223 bytes)")));
+    if nqn.is_empty()
+        || nqn.len() > nvpool_wire::NQN_LEN_MAX
+        || nqn.contains('\0')
+        || !nqn.starts_with("nqn.")
+    {
+        return Err(ConfigError::Invalid(format!(
+            "{nqn:?} is not a valid NQN (nqn.YYYY-MM.reverse.domain:name, at most 223 bytes)"
+        )));
     }
     Ok(())
 }
 
 pub fn validate_nsid(nsid: u32) -> Result<(), ConfigError> {
     if nsid == 0 || nsid > crate::limits::NAMESPACES_PER_SUBSYS_MAX {
-        return Err(ConfigError::Invalid(format!("namespace id {nsid} is outside 1..={}", crate::limits::NAMESPACES_PER_SUBSYS_MAX)));
+        return Err(ConfigError::Invalid(format!(
+            "namespace id {nsid} is outside 1..={}",
+            crate::limits::NAMESPACES_PER_SUBSYS_MAX
+        )));
     }
     Ok(())
 }
@@ -218,7 +270,14 @@ pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
 
 pub fn format_uuid(u: &[u8; 16]) -> String {
     let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 #[cfg(test)]
@@ -243,7 +302,10 @@ backend = "ram:16M"
         let c: Config = toml::from_str(SAMPLE).unwrap();
         c.validate().unwrap();
         assert_eq!(c.subsystems[0].namespaces[0].nsid, 1);
-        assert!(toml::from_str::<Config>("bogus = 1").is_err(), "unknown keys are refused");
+        assert!(
+            toml::from_str::<Config>("bogus = 1").is_err(),
+            "unknown keys are refused"
+        );
     }
 
     #[test]
@@ -271,7 +333,10 @@ backend = "ram:16M"
         let mut merged = back.clone();
         merged.merge_from(&file);
         assert_eq!(merged.subsystems.len(), 1);
-        assert_eq!(merged.subsystems[0].namespaces[0].uuid, c.subsystems[0].namespaces[0].uuid, "saved uuid survives");
+        assert_eq!(
+            merged.subsystems[0].namespaces[0].uuid, c.subsystems[0].namespaces[0].uuid,
+            "saved uuid survives"
+        );
     }
 
     #[test]

@@ -64,7 +64,16 @@ pub const AEC_DISCOVERY: u32 = 1 << 31;
 
 impl Controller {
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(cntlid: u16, subsys: Arc<Subsystem>, hostnqn: String, hostid: [u8; 16], kato_ms: u32, discovery: bool, target: TargetRef, now_ms: u64) -> Controller {
+    pub(crate) fn new(
+        cntlid: u16,
+        subsys: Arc<Subsystem>,
+        hostnqn: String,
+        hostid: [u8; 16],
+        kato_ms: u32,
+        discovery: bool,
+        target: TargetRef,
+        now_ms: u64,
+    ) -> Controller {
         Controller {
             cntlid,
             hostnqn,
@@ -186,7 +195,10 @@ impl Controller {
     /// as the feature may be set only once per controller life).
     pub fn grant_io_queues(&self, asked: u16) -> u16 {
         let want = asked.clamp(1, limits::IO_QUEUES_PER_CTRL_MAX);
-        match self.io_queues_granted.compare_exchange(0, want, Ordering::AcqRel, Ordering::Acquire) {
+        match self
+            .io_queues_granted
+            .compare_exchange(0, want, Ordering::AcqRel, Ordering::Acquire)
+        {
             Ok(_) => want,
             Err(existing) => existing,
         }
@@ -225,8 +237,13 @@ impl Controller {
 
     pub fn notify_discovery_changed(&self) {
         let mut ev = lock(&self.events);
-        if ev.config & AEC_DISCOVERY != 0 && !ev.pending.contains(&nvpool_wire::log::AEN_DISCOVERY_CHANGED) {
-            ev.pending.push_back(nvpool_wire::log::AEN_DISCOVERY_CHANGED);
+        if ev.config & AEC_DISCOVERY != 0
+            && !ev
+                .pending
+                .contains(&nvpool_wire::log::AEN_DISCOVERY_CHANGED)
+        {
+            ev.pending
+                .push_back(nvpool_wire::log::AEN_DISCOVERY_CHANGED);
         }
     }
 

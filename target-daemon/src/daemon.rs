@@ -1,7 +1,9 @@
 //! Putting the target together: listeners, the acceptor, reactor threads,
 //! the admin API, signals and clean shutdown.
 
-use crate::config::{Config, DEFAULT_ADMIN_LISTEN, DEFAULT_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_STATE_DIR};
+use crate::config::{
+    Config, DEFAULT_ADMIN_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_LISTEN, DEFAULT_STATE_DIR,
+};
 use crate::reactor::{Reactor, ReactorHandle};
 use crate::ring::Ring;
 use crate::target::Target;
@@ -54,17 +56,21 @@ impl ListenerControl {
     pub fn add(&self, addr: SocketAddr) -> Result<SocketAddr, String> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.send(AcceptorCmd::Add(addr, tx))?;
-        rx.recv_timeout(Duration::from_secs(5)).map_err(|_| "acceptor did not answer".to_string())?
+        rx.recv_timeout(Duration::from_secs(5))
+            .map_err(|_| "acceptor did not answer".to_string())?
     }
 
     pub fn remove(&self, addr: SocketAddr) -> Result<(), String> {
         let (tx, rx) = mpsc::sync_channel(1);
         self.send(AcceptorCmd::Remove(addr, tx))?;
-        rx.recv_timeout(Duration::from_secs(5)).map_err(|_| "acceptor did not answer".to_string())?
+        rx.recv_timeout(Duration::from_secs(5))
+            .map_err(|_| "acceptor did not answer".to_string())?
     }
 
     fn send(&self, c: AcceptorCmd) -> Result<(), String> {
-        self.tx.try_send(AcceptorCmdBox(c)).map_err(|_| "acceptor busy or gone".to_string())?;
+        self.tx
+            .try_send(AcceptorCmdBox(c))
+            .map_err(|_| "acceptor busy or gone".to_string())?;
         let _ = self.waker.wake();
         Ok(())
     }
@@ -92,31 +98,62 @@ impl Running {
                     false
                 }
             };
-        let n = if opts.reactors == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { opts.reactors };
+        let n = if opts.reactors == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            opts.reactors
+        };
         let live = Arc::new(AtomicUsize::new(0));
         let mut handles = Vec::new();
         let mut reactors = Vec::new();
         for id in 0..n {
-            let (r, h) = Reactor::new(id, target.clone(), live.clone(), use_uring).context("starting a reactor")?;
+            let (r, h) = Reactor::new(id, target.clone(), live.clone(), use_uring)
+                .context("starting a reactor")?;
             handles.push(h);
-            reactors.push(std::thread::Builder::new().name(format!("nvpool-reactor-{id}")).spawn(move || r.run())?);
+            reactors.push(
+                std::thread::Builder::new()
+                    .name(format!("nvpool-reactor-{id}"))
+                    .spawn(move || r.run())?,
+            );
         }
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), ACCEPT_WAKER)?);
         let (ctl_tx, ctl_rx) = mpsc::sync_channel(16);
         let control = ListenerControl { tx: ctl_tx, waker };
-        let mut acc = Acceptor { poll, listeners: HashMap::new(), next_token: 1, reactors: handles.clone(), next_reactor: 0, live, target: target.clone(), ctl: ctl_rx };
+        let mut acc = Acceptor {
+            poll,
+            listeners: HashMap::new(),
+            next_token: 1,
+            reactors: handles.clone(),
+            next_reactor: 0,
+            live,
+            target: target.clone(),
+            ctl: ctl_rx,
+        };
         for a in &opts.listeners {
-            acc.bind(*a).with_context(|| format!("cannot listen on {a}"))?;
+            acc.bind(*a)
+                .with_context(|| format!("cannot listen on {a}"))?;
         }
         acc.publish();
-        let acceptor = std::thread::Builder::new().name("nvpool-acceptor".into()).spawn(move || acc.run())?;
+        let acceptor = std::thread::Builder::new()
+            .name("nvpool-acceptor".into())
+            .spawn(move || acc.run())?;
         let api = match opts.admin_listen {
-            Some(a) => Some(api::ApiServer::start(a, target.clone(), control.clone()).with_context(|| format!("cannot start the admin API on {a}"))?),
+            Some(a) => Some(
+                api::ApiServer::start(a, target.clone(), control.clone())
+                    .with_context(|| format!("cannot start the admin API on {a}"))?,
+            ),
             None => None,
         };
         tracing::info!(reactors = n, io_uring = use_uring, listeners = ?target.listeners(), "nvpool-target ready");
-        Ok(Running { target, reactors, handles, acceptor: Some(acceptor), control, api })
+        Ok(Running {
+            target,
+            reactors,
+            handles,
+            acceptor: Some(acceptor),
+            control,
+            api,
+        })
     }
 
     /// Addresses actually bound (port 0 resolved).
@@ -172,11 +209,16 @@ impl Acceptor {
         let mut l = TcpListener::bind(addr)?;
         let bound = l.local_addr()?;
         if self.listeners.values().any(|(a, _)| *a == bound) {
-            return Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "already listening there"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                "already listening there",
+            ));
         }
         let t = Token(self.next_token);
         self.next_token += 1;
-        self.poll.registry().register(&mut l, t, Interest::READABLE)?;
+        self.poll
+            .registry()
+            .register(&mut l, t, Interest::READABLE)?;
         tracing::info!(addr = %bound, "listening for NVMe/TCP");
         self.listeners.insert(t, (bound, l));
         Ok(bound)
@@ -192,7 +234,10 @@ impl Acceptor {
         let mut events = Events::with_capacity(64);
         let mut refused_logged = 0u64;
         while !self.target.shutting_down() {
-            if let Err(e) = self.poll.poll(&mut events, Some(Duration::from_millis(500))) {
+            if let Err(e) = self
+                .poll
+                .poll(&mut events, Some(Duration::from_millis(500)))
+            {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     tracing::error!(error = %e, "acceptor poll failed");
                 }
@@ -203,7 +248,9 @@ impl Acceptor {
                     self.commands();
                     continue;
                 }
-                let Some((_, l)) = self.listeners.get(&ev.token()) else { continue };
+                let Some((_, l)) = self.listeners.get(&ev.token()) else {
+                    continue;
+                };
                 loop {
                     match l.accept() {
                         Ok((s, peer)) => {
@@ -248,12 +295,18 @@ impl Acceptor {
         while let Ok(AcceptorCmdBox(c)) = self.ctl.try_recv() {
             match c {
                 AcceptorCmd::Add(a, reply) => {
-                    let r = self.bind(a).map_err(|e| format!("cannot listen on {a}: {e}"));
+                    let r = self
+                        .bind(a)
+                        .map_err(|e| format!("cannot listen on {a}: {e}"));
                     self.publish();
                     let _ = reply.send(r);
                 }
                 AcceptorCmd::Remove(a, reply) => {
-                    let t = self.listeners.iter().find(|(_, (x, _))| *x == a).map(|(t, _)| *t);
+                    let t = self
+                        .listeners
+                        .iter()
+                        .find(|(_, (x, _))| *x == a)
+                        .map(|(t, _)| *t);
                     let r = match t.and_then(|t| self.listeners.remove(&t)) {
                         Some((_, mut l)) => {
                             let _ = self.poll.registry().deregister(&mut l);
@@ -321,11 +374,16 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
         Some(p) => Some(Config::from_toml_file(p)?),
         None => None,
     };
-    let state_dir = cli.state_dir.clone().or_else(|| file.as_ref().and_then(|f| f.state_dir.clone())).or_else(|| {
-        // Only root gets the system default; others run without persistence unless told.
-        // SAFETY: geteuid has no preconditions.
-        (unsafe { libc::geteuid() } == 0 && cli.config.is_some()).then(|| PathBuf::from(DEFAULT_STATE_DIR))
-    });
+    let state_dir = cli
+        .state_dir
+        .clone()
+        .or_else(|| file.as_ref().and_then(|f| f.state_dir.clone()))
+        .or_else(|| {
+            // Only root gets the system default; others run without persistence unless told.
+            // SAFETY: geteuid has no preconditions.
+            (unsafe { libc::geteuid() } == 0 && cli.config.is_some())
+                .then(|| PathBuf::from(DEFAULT_STATE_DIR))
+        });
     let mut cfg = match &state_dir {
         Some(d) => Config::load_state(d)?.unwrap_or_default(),
         None => Config::default(),
@@ -337,12 +395,23 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
     // --export shortcuts.
     let mut per_nqn: HashMap<String, u32> = HashMap::new();
     for e in &cli.export {
-        let (nqn, backend) = e.split_once('=').with_context(|| format!("--export {e:?}: expected NQN=BACKEND"))?;
-        let nsid = per_nqn.entry(nqn.to_owned()).and_modify(|n| *n += 1).or_insert(1);
+        let (nqn, backend) = e
+            .split_once('=')
+            .with_context(|| format!("--export {e:?}: expected NQN=BACKEND"))?;
+        let nsid = per_nqn
+            .entry(nqn.to_owned())
+            .and_modify(|n| *n += 1)
+            .or_insert(1);
         let sub = match cfg.subsystems.iter_mut().position(|s| s.nqn == nqn) {
             Some(i) => &mut cfg.subsystems[i],
             None => {
-                cfg.subsystems.push(crate::config::SubsystemConfig { nqn: nqn.to_owned(), allowed_hosts: vec![], allow_any_host: false, serial: None, namespaces: vec![] });
+                cfg.subsystems.push(crate::config::SubsystemConfig {
+                    nqn: nqn.to_owned(),
+                    allowed_hosts: vec![],
+                    allow_any_host: false,
+                    serial: None,
+                    namespaces: vec![],
+                });
                 cfg.subsystems.last_mut().expect("just pushed")
             }
         };
@@ -353,17 +422,38 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
             }
         }
         sub.namespaces.retain(|n| n.nsid != *nsid);
-        sub.namespaces.push(crate::config::NamespaceConfig { nsid: *nsid, backend: backend.to_owned(), uuid: None, read_only: false });
+        sub.namespaces.push(crate::config::NamespaceConfig {
+            nsid: *nsid,
+            backend: backend.to_owned(),
+            uuid: None,
+            read_only: false,
+        });
     }
     if !cli.listen.is_empty() {
-        cfg.listeners = cli.listen.iter().map(|&addr| crate::config::ListenerConfig { addr }).collect();
+        cfg.listeners = cli
+            .listen
+            .iter()
+            .map(|&addr| crate::config::ListenerConfig { addr })
+            .collect();
     } else if cfg.listeners.is_empty() {
-        cfg.listeners = [DEFAULT_LISTEN, DEFAULT_DISCOVERY_LISTEN].iter().map(|a| crate::config::ListenerConfig { addr: a.parse().expect("valid default") }).collect();
+        cfg.listeners = [DEFAULT_LISTEN, DEFAULT_DISCOVERY_LISTEN]
+            .iter()
+            .map(|a| crate::config::ListenerConfig {
+                addr: a.parse().expect("valid default"),
+            })
+            .collect();
     }
     match cli.admin_listen.as_deref() {
         Some("off") => cfg.admin_listen = None,
-        Some(a) => cfg.admin_listen = Some(a.parse().with_context(|| format!("--admin-listen {a:?} is not ADDR:PORT or off"))?),
-        None if cfg.admin_listen.is_none() => cfg.admin_listen = Some(DEFAULT_ADMIN_LISTEN.parse().expect("valid default")),
+        Some(a) => {
+            cfg.admin_listen = Some(
+                a.parse()
+                    .with_context(|| format!("--admin-listen {a:?} is not ADDR:PORT or off"))?,
+            )
+        }
+        None if cfg.admin_listen.is_none() => {
+            cfg.admin_listen = Some(DEFAULT_ADMIN_LISTEN.parse().expect("valid default"))
+        }
         None => {}
     }
     if cli.reactors.is_some() {
@@ -384,7 +474,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         io_uring: !cli.no_io_uring,
         admin_listen: cfg.admin_listen,
     };
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])?;
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])?;
     let running = Running::start(target, &opts)?;
     if let Some(a) = running.admin_addr() {
         tracing::info!(addr = %a, "admin API listening");

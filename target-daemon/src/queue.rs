@@ -27,7 +27,9 @@ use io_uring::{opcode, types};
 use nvpool_wire::fabrics::{connect_off, fctype, ConnectCmd, ConnectData, CONNECT_DATA_LEN};
 use nvpool_wire::log::ErrorEntry;
 use nvpool_wire::sqe::{admin as aop, nvm, sgl_id, Direction};
-use nvpool_wire::tcp::{self, fes, flags, CommonHeader, DataHeader, Digests, IcReq, IcResp, PduType, R2t, TermReq};
+use nvpool_wire::tcp::{
+    self, fes, flags, CommonHeader, DataHeader, Digests, IcReq, IcResp, PduType, R2t, TermReq,
+};
 use nvpool_wire::{Cqe, Sqe, Status, WireError};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -127,7 +129,20 @@ struct Slot {
 
 impl Slot {
     fn new() -> Slot {
-        Slot { sqe: Sqe::default(), buf: AlignedBuf::new(4096), state: SlotState::Free, len: 0, got: 0, err: None, kind: IoKind::Other, ns: None, off: 0, done: 0, span: 0, fua: false }
+        Slot {
+            sqe: Sqe::default(),
+            buf: AlignedBuf::new(4096),
+            state: SlotState::Free,
+            len: 0,
+            got: 0,
+            err: None,
+            kind: IoKind::Other,
+            ns: None,
+            off: 0,
+            done: 0,
+            span: 0,
+            fua: false,
+        }
     }
 
     fn ensure_buf(&mut self, n: usize) {
@@ -165,6 +180,10 @@ pub struct Queue {
     draining: bool,
     closed: bool,
     close_requested: bool,
+    /// When close was requested (graceful drains end at a deadline).
+    close_since_ms: Option<u64>,
+    /// A termination was sent or received: nothing more is read.
+    terminated: bool,
     dg: Digests,
     qid: Option<u16>,
     ctrl: Option<Arc<Controller>>,
@@ -190,6 +209,8 @@ impl Queue {
             draining: false,
             closed: false,
             close_requested: false,
+            close_since_ms: None,
+            terminated: false,
             dg: Digests::default(),
             qid: None,
             ctrl: None,
@@ -219,6 +240,11 @@ impl Queue {
         self.close_requested
     }
 
+    /// The connection was terminated: stop reading, close once flushed.
+    pub fn terminated(&self) -> bool {
+        self.terminated
+    }
+
     /// Commands accepted and not yet answered.
     pub fn busy(&self) -> bool {
         self.free.len() < self.slots.len() || self.inflight > 0
@@ -230,24 +256,47 @@ impl Queue {
         self.draining = true;
     }
 
+    /// Ends the queue gracefully: no new commands run, commands already
+    /// accepted finish and are answered, then the connection closes.
+    pub fn request_close(&mut self) {
+        self.draining = true;
+        self.close_requested = true;
+    }
+
     /// Checks a common header as soon as its 8 bytes are in, before the rest
     /// of the PDU is read. Returns PLEN.
     pub fn check_header(&self, raw: &[u8]) -> Result<usize, Fatal> {
         let ch = CommonHeader::decode(raw)?;
-        let hd = if ch.pdu_type.has_header_digest() { self.dg.hdgst_len() } else { 0 };
+        let hd = if ch.pdu_type.has_header_digest() {
+            self.dg.hdgst_len()
+        } else {
+            0
+        };
         // Room for a header digest and alignment padding (at most 128 bytes).
         let overhead = ch.hlen as usize + hd + 128 + self.dg.ddgst_len();
         let max = match (ch.pdu_type, self.ic_done) {
             (PduType::IcReq, false) => tcp::IC_PDU_LEN,
             (_, false) => return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "PDU before ICReq")),
-            (PduType::IcReq, true) => return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "second ICReq")),
+            (PduType::IcReq, true) => {
+                return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "second ICReq"))
+            }
             (PduType::CapsuleCmd, true) => overhead + self.inline_max(),
             (PduType::H2CData, true) => overhead + limits::MAXH2CDATA_BYTES as usize,
             (PduType::H2CTermReq, true) => tcp::TERM_HLEN + tcp::TERM_DATA_MAX,
-            (_, true) => return Err(fatal(fes::INVALID_HEADER_FIELD, 0, "PDU type a host may not send")),
+            (_, true) => {
+                return Err(fatal(
+                    fes::INVALID_HEADER_FIELD,
+                    0,
+                    "PDU type a host may not send",
+                ))
+            }
         };
         if ch.plen as usize > max {
-            let code = if ch.pdu_type == PduType::H2CData { fes::R2T_LIMIT_EXCEEDED } else { fes::INVALID_HEADER_FIELD };
+            let code = if ch.pdu_type == PduType::H2CData {
+                fes::R2T_LIMIT_EXCEEDED
+            } else {
+                fes::INVALID_HEADER_FIELD
+            };
             return Err(fatal(code, 4, "PDU longer than allowed"));
         }
         Ok(ch.plen as usize)
@@ -278,12 +327,21 @@ impl Queue {
 
     fn terminate(&mut self, f: Fatal, pdu: &[u8], tx: &mut Tx) {
         tracing::debug!(peer = %self.peer, fes = f.fes, fei = f.fei, why = f.why, "terminating connection");
-        let hlen = pdu.get(2).map_or(8, |&h| h as usize).clamp(8, tcp::TERM_DATA_MAX).min(pdu.len());
+        let hlen = pdu
+            .get(2)
+            .map_or(8, |&h| h as usize)
+            .clamp(8, tcp::TERM_DATA_MAX)
+            .min(pdu.len());
         let mut out = [0u8; tcp::TERM_HLEN + tcp::TERM_DATA_MAX];
-        let n = TermReq { fes: f.fes, fei: f.fei }.encode(PduType::C2HTermReq, &pdu[..hlen], &mut out);
+        let n = TermReq {
+            fes: f.fes,
+            fei: f.fei,
+        }
+        .encode(PduType::C2HTermReq, &pdu[..hlen], &mut out);
         tx.put(&out[..n]);
         self.draining = true;
         self.close_requested = true;
+        self.terminated = true;
     }
 
     fn dispatch(&mut self, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
@@ -295,6 +353,7 @@ impl Queue {
                 tracing::info!(peer = %self.peer, fes = t.map(|t| t.fes), "host terminated the connection");
                 self.draining = true;
                 self.close_requested = true;
+                self.terminated = true;
                 return Ok(());
             }
             _ => {}
@@ -310,7 +369,11 @@ impl Queue {
     fn check_digest_flags(&self, ch: &CommonHeader, pdu: &[u8]) -> Result<(), Fatal> {
         let hflag = ch.flags & flags::HDGSTF != 0;
         if hflag != self.dg.header {
-            return Err(fatal(fes::INVALID_HEADER_FIELD, 1, "HDGSTF does not match the negotiated digest"));
+            return Err(fatal(
+                fes::INVALID_HEADER_FIELD,
+                1,
+                "HDGSTF does not match the negotiated digest",
+            ));
         }
         if self.dg.header && !tcp::header_digest_ok(pdu, ch.hlen as usize) {
             return Err(fatal(fes::HEADER_DIGEST_ERROR, 0, "header digest mismatch"));
@@ -318,7 +381,11 @@ impl Queue {
         let has_data = ch.pdo != 0;
         let dflag = ch.flags & flags::DDGSTF != 0;
         if dflag != (self.dg.data && has_data) {
-            return Err(fatal(fes::INVALID_HEADER_FIELD, 1, "DDGSTF does not match the negotiated digest"));
+            return Err(fatal(
+                fes::INVALID_HEADER_FIELD,
+                1,
+                "DDGSTF does not match the negotiated digest",
+            ));
         }
         Ok(())
     }
@@ -326,32 +393,68 @@ impl Queue {
     /// The data bytes of a PDU and whether their digest matched.
     fn pdu_data<'p>(&self, ch: &CommonHeader, pdu: &'p [u8]) -> Result<(&'p [u8], bool), Fatal> {
         let start = tcp::data_offset(ch, self.dg);
-        let end = pdu.len().checked_sub(self.dg.ddgst_len()).filter(|&e| e >= start).ok_or(fatal(fes::INVALID_HEADER_FIELD, 3, "PDO past the end of the PDU"))?;
+        let end = pdu
+            .len()
+            .checked_sub(self.dg.ddgst_len())
+            .filter(|&e| e >= start)
+            .ok_or(fatal(
+                fes::INVALID_HEADER_FIELD,
+                3,
+                "PDO past the end of the PDU",
+            ))?;
         let data = &pdu[start..end];
-        let ok = !self.dg.data || nvpool_wire::digest::crc32c(data).to_le_bytes() == pdu[end..end + 4];
+        let ok =
+            !self.dg.data || nvpool_wire::digest::crc32c(data).to_le_bytes() == pdu[end..end + 4];
         Ok((data, ok))
     }
 
     fn on_icreq(&mut self, pdu: &[u8], tx: &mut Tx) -> Result<(), Fatal> {
         let req = IcReq::decode(pdu)?;
         if req.pfv != 0 {
-            return Err(fatal(fes::INVALID_HEADER_FIELD, 8, "unsupported PDU format version"));
+            return Err(fatal(
+                fes::INVALID_HEADER_FIELD,
+                8,
+                "unsupported PDU format version",
+            ));
         }
         if req.hpda != 0 {
             // We never pad C2H data; a host that needs alignment is refused.
-            return Err(fatal(fes::UNSUPPORTED_PARAMETER, 10, "host PDU data alignment not supported"));
+            return Err(fatal(
+                fes::UNSUPPORTED_PARAMETER,
+                10,
+                "host PDU data alignment not supported",
+            ));
         }
         self.dg = req.digests;
         self.ic_done = true;
-        tx.put(&IcResp { pfv: 0, cpda: 0, digests: req.digests, maxh2cdata: limits::MAXH2CDATA_BYTES }.encode());
+        tx.put(
+            &IcResp {
+                pfv: 0,
+                cpda: 0,
+                digests: req.digests,
+                maxh2cdata: limits::MAXH2CDATA_BYTES,
+            }
+            .encode(),
+        );
         Ok(())
     }
 
-    fn on_capsule(&mut self, ch: &CommonHeader, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
-        let sqe = Sqe::from_slice(&pdu[tcp::CH_LEN..tcp::CAPSULE_CMD_HLEN]).expect("header length checked");
+    fn on_capsule(
+        &mut self,
+        ch: &CommonHeader,
+        pdu: &[u8],
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) -> Result<(), Fatal> {
+        let sqe = Sqe::from_slice(&pdu[tcp::CH_LEN..tcp::CAPSULE_CMD_HLEN])
+            .expect("header length checked");
         let icd = if ch.pdo == 0 {
             if pdu.len() != tcp::CAPSULE_CMD_HLEN + self.dg.hdgst_len() {
-                return Err(fatal(fes::INVALID_HEADER_FIELD, 4, "PLEN does not match a capsule without data"));
+                return Err(fatal(
+                    fes::INVALID_HEADER_FIELD,
+                    4,
+                    "PLEN does not match a capsule without data",
+                ));
             }
             None
         } else {
@@ -369,7 +472,11 @@ impl Queue {
             return Ok(());
         }
         let Some(si) = self.free.pop() else {
-            return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "more commands outstanding than the queue holds"));
+            return Err(fatal(
+                fes::PDU_SEQUENCE_ERROR,
+                0,
+                "more commands outstanding than the queue holds",
+            ));
         };
         let si = si as usize;
         {
@@ -382,6 +489,8 @@ impl Queue {
             s.kind = IoKind::Other;
             s.ns = None;
             s.done = 0;
+            s.off = 0;
+            s.span = 0;
             s.fua = false;
         }
         if let Err(st) = self.admit(si, icd) {
@@ -395,7 +504,12 @@ impl Queue {
                 slot.buf.as_mut_slice(data.len()).copy_from_slice(data);
                 slot.got = data.len();
                 if !digest_ok {
-                    self.finish(si, Reply::status(Status::TRANSIENT_TRANSPORT_ERROR), tx, ex.now_ms);
+                    self.finish(
+                        si,
+                        Reply::status(Status::TRANSIENT_TRANSPORT_ERROR),
+                        tx,
+                        ex.now_ms,
+                    );
                     return Ok(());
                 }
                 self.execute(si, tx, ex);
@@ -403,7 +517,13 @@ impl Queue {
             (Direction::HostToController, None) if slot.len > 0 && sgl.id == sgl_id::TRANSPORT => {
                 slot.state = SlotState::AwaitData;
                 let mut out = [0u8; tcp::R2T_HLEN + tcp::DIGEST_LEN];
-                let n = R2t { cccid: sqe.cid(), ttag: si as u16, r2to: 0, r2tl: slot.len as u32 }.encode(self.dg, &mut out);
+                let n = R2t {
+                    cccid: sqe.cid(),
+                    ttag: si as u16,
+                    r2to: 0,
+                    r2tl: slot.len as u32,
+                }
+                .encode(self.dg, &mut out);
                 tx.put(&out[..n]);
             }
             _ => self.execute(si, tx, ex),
@@ -436,7 +556,9 @@ impl Queue {
                     return Err(Status::SGL_DATA_INVALID);
                 }
             }
-            None if sgl.id == sgl_id::IN_CAPSULE && len > 0 => return Err(Status::SGL_DATA_INVALID),
+            None if sgl.id == sgl_id::IN_CAPSULE && len > 0 => {
+                return Err(Status::SGL_DATA_INVALID)
+            }
             None => {}
         }
         if self.qid.is_some_and(|q| q > 0) {
@@ -465,11 +587,17 @@ impl Queue {
             nvm::FLUSH => IoKind::Flush,
             nvm::WRITE_ZEROES => IoKind::WriteZeroes,
             nvm::DATASET_MANAGEMENT => IoKind::Dsm,
-            nvm::FABRICS if sqe.fctype() == fctype::CONNECT => return Err(Status::COMMAND_SEQUENCE_ERROR),
+            nvm::FABRICS if sqe.fctype() == fctype::CONNECT => {
+                return Err(Status::COMMAND_SEQUENCE_ERROR)
+            }
             _ => return Err(Status::INVALID_OPCODE),
         };
         let subsys = ctrl.subsystem();
-        let ns = subsys.namespaces.get(&sqe.nsid()).ok_or(Status::INVALID_NS)?.clone();
+        let ns = subsys
+            .namespaces
+            .get(&sqe.nsid())
+            .ok_or(Status::INVALID_NS)?
+            .clone();
         if ns.read_only && kind != IoKind::Read && kind != IoKind::Flush {
             return Err(Status::NS_WRITE_PROTECTED);
         }
@@ -509,18 +637,44 @@ impl Queue {
         Ok(())
     }
 
-    fn on_h2c_data(&mut self, ch: &CommonHeader, pdu: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
+    fn on_h2c_data(
+        &mut self,
+        ch: &CommonHeader,
+        pdu: &[u8],
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) -> Result<(), Fatal> {
         let h = DataHeader::decode(ch, pdu, self.dg)?;
         if h.datal > limits::MAXH2CDATA_BYTES {
-            return Err(fatal(fes::R2T_LIMIT_EXCEEDED, 16, "H2CData longer than MAXH2CDATA"));
+            return Err(fatal(
+                fes::R2T_LIMIT_EXCEEDED,
+                16,
+                "H2CData longer than MAXH2CDATA",
+            ));
         }
         let si = h.ttag as usize;
-        let slot = self.slots.get(si).filter(|s| s.state == SlotState::AwaitData).ok_or(fatal(fes::INVALID_HEADER_FIELD, 10, "H2CData for an unknown transfer tag"))?;
+        let slot = self
+            .slots
+            .get(si)
+            .filter(|s| s.state == SlotState::AwaitData)
+            .ok_or(fatal(
+                fes::INVALID_HEADER_FIELD,
+                10,
+                "H2CData for an unknown transfer tag",
+            ))?;
         if slot.sqe.cid() != h.cccid {
-            return Err(fatal(fes::INVALID_HEADER_FIELD, 8, "H2CData CCCID does not match its transfer tag"));
+            return Err(fatal(
+                fes::INVALID_HEADER_FIELD,
+                8,
+                "H2CData CCCID does not match its transfer tag",
+            ));
         }
         if h.datao as usize != slot.got || slot.got + h.datal as usize > slot.len {
-            return Err(fatal(fes::DATA_OUT_OF_RANGE, 12, "H2CData outside the requested range"));
+            return Err(fatal(
+                fes::DATA_OUT_OF_RANGE,
+                12,
+                "H2CData outside the requested range",
+            ));
         }
         let (data, digest_ok) = self.pdu_data(ch, pdu)?;
         let slot = &mut self.slots[si];
@@ -533,7 +687,6 @@ impl Queue {
         if slot.got == slot.len {
             match slot.err {
                 Some(st) => self.finish(si, Reply::status(st), tx, ex.now_ms),
-                None if self.draining => {}
                 None => self.execute(si, tx, ex),
             }
         }
@@ -552,7 +705,12 @@ impl Queue {
                 let slot = &mut self.slots[si];
                 let sqe = slot.sqe;
                 let cap = slot.buf.capacity();
-                let cx = AdminCtx { target: &self.target, ctrl: &ctrl, local: self.local, now_ms: ex.now_ms };
+                let cx = AdminCtx {
+                    target: &self.target,
+                    ctrl: &ctrl,
+                    local: self.local,
+                    now_ms: ex.now_ms,
+                };
                 let mut reply = if sqe.opcode() == aop::FABRICS && sqe.fctype() == fctype::CONNECT {
                     Reply::status(Status::COMMAND_SEQUENCE_ERROR)
                 } else {
@@ -570,12 +728,18 @@ impl Queue {
         let ns = slot.ns.clone().expect("planned I/O has a namespace");
         let backend = &ns.backend;
         if backend.failed() && slot.kind != IoKind::Other {
-            let st = if slot.kind == IoKind::Read { Status::UNRECOVERED_READ_ERROR } else { Status::WRITE_FAULT };
+            let st = if slot.kind == IoKind::Read {
+                Status::UNRECOVERED_READ_ERROR
+            } else {
+                Status::WRITE_FAULT
+            };
             self.finish(si, Reply::status(st), tx, ex.now_ms);
             return;
         }
         let uring = backend.uring_target();
-        if let (Some(ring), Some(t), IoKind::Read | IoKind::Write | IoKind::Flush) = (ex.ring.as_deref_mut(), uring, slot.kind) {
+        if let (Some(ring), Some(t), IoKind::Read | IoKind::Write | IoKind::Flush) =
+            (ex.ring.as_deref_mut(), uring, slot.kind)
+        {
             slot.state = SlotState::Backend;
             self.inflight += 1;
             submit(ring, slot, t, user_data(ex.conn, si as u16));
@@ -588,7 +752,9 @@ impl Queue {
             IoKind::Flush => backend.flush(),
             IoKind::WriteZeroes => backend.write_zeroes(slot.off, slot.span),
             IoKind::Dsm => match dsm_ranges(&slot.sqe, slot.buf.as_slice(len), &ns) {
-                Ok(Some(ranges)) => ranges.iter().try_for_each(|&(off, n)| backend.discard(off, n)),
+                Ok(Some(ranges)) => ranges
+                    .iter()
+                    .try_for_each(|&(off, n)| backend.discard(off, n)),
                 Ok(None) => Ok(()),
                 Err(st) => {
                     self.finish(si, Reply::status(st), tx, ex.now_ms);
@@ -630,7 +796,12 @@ impl Queue {
             slot.done += res as usize;
             if slot.done < slot.len {
                 if res == 0 {
-                    self.finish(si, Reply::status(Status::UNRECOVERED_READ_ERROR), tx, ex.now_ms);
+                    self.finish(
+                        si,
+                        Reply::status(Status::UNRECOVERED_READ_ERROR),
+                        tx,
+                        ex.now_ms,
+                    );
                     return;
                 }
                 // Short transfer: ask for the rest.
@@ -641,7 +812,11 @@ impl Queue {
                 }
             }
         }
-        let reply = if slot.kind == IoKind::Read { Reply::data(slot.len) } else { Reply::ok() };
+        let reply = if slot.kind == IoKind::Read {
+            Reply::data(slot.len)
+        } else {
+            Reply::ok()
+        };
         self.finish(si, reply, tx, ex.now_ms);
     }
 
@@ -666,7 +841,17 @@ impl Queue {
             put_c2h_data(tx, self.dg, cid, data, extra);
         }
         if resp_needed {
-            self.put_resp(tx, Cqe { dw0: reply.dw0, dw1: reply.dw1, sqhd: self.sq_head, sqid: self.qid.unwrap_or(0), cid, status: reply.status });
+            self.put_resp(
+                tx,
+                Cqe {
+                    dw0: reply.dw0,
+                    dw1: reply.dw1,
+                    sqhd: self.sq_head,
+                    sqid: self.qid.unwrap_or(0),
+                    cid,
+                    status: reply.status,
+                },
+            );
         }
         if !reply.status.is_success() {
             self.record_error(si, reply.status);
@@ -690,13 +875,31 @@ impl Queue {
     fn record_error(&self, si: usize, st: Status) {
         if let Some(c) = &self.ctrl {
             let s = &self.slots[si];
-            c.record_error(ErrorEntry { error_count: 0, sqid: self.qid.unwrap_or(0), cid: s.sqe.cid(), status: st.to_wire(), lba: s.off >> s.ns.as_ref().map_or(0, |n| n.block_shift), nsid: s.sqe.nsid() });
+            let io_queue = self.qid.is_some_and(|q| q > 0);
+            let lba = match s.sqe.opcode() {
+                nvm::READ | nvm::WRITE | nvm::WRITE_ZEROES if io_queue => s.sqe.slba(),
+                _ => 0,
+            };
+            c.record_error(ErrorEntry {
+                error_count: 0,
+                sqid: self.qid.unwrap_or(0),
+                cid: s.sqe.cid(),
+                status: st.to_wire(),
+                lba,
+                nsid: s.sqe.nsid(),
+            });
         }
     }
 
     fn on_aer(&mut self, sqe: &Sqe, tx: &mut Tx) {
         if self.aers.len() >= limits::AER_MAX {
-            self.put_resp(tx, Cqe { sqhd: self.sq_head, ..Cqe::new(sqe.cid(), Status::AER_LIMIT_EXCEEDED) });
+            self.put_resp(
+                tx,
+                Cqe {
+                    sqhd: self.sq_head,
+                    ..Cqe::new(sqe.cid(), Status::AER_LIMIT_EXCEEDED)
+                },
+            );
             return;
         }
         self.aers.push(sqe.cid());
@@ -710,7 +913,10 @@ impl Queue {
         if sqe.opcode() != aop::FABRICS || sqe.fctype() != fctype::CONNECT {
             return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
         }
-        let invalid = |iattr_data: bool, off: u32| Reply { dw0: (iattr_data as u32) << 16 | off, ..Reply::status(Status::CONNECT_INVALID_PARAMETERS) };
+        let invalid = |iattr_data: bool, off: u32| Reply {
+            dw0: (iattr_data as u32) << 16 | off,
+            ..Reply::status(Status::CONNECT_INVALID_PARAMETERS)
+        };
         if slot.len != CONNECT_DATA_LEN {
             return Reply::status(Status::SGL_DATA_INVALID);
         }
@@ -720,7 +926,14 @@ impl Queue {
         }
         let data = match ConnectData::decode(slot.buf.as_slice(CONNECT_DATA_LEN)) {
             Ok(d) => d,
-            Err(WireError::BadField { field: "HOSTNQN", .. } | WireError::BadString { field: "HOSTNQN", .. }) => return invalid(true, connect_off::HOSTNQN),
+            Err(
+                WireError::BadField {
+                    field: "HOSTNQN", ..
+                }
+                | WireError::BadString {
+                    field: "HOSTNQN", ..
+                },
+            ) => return invalid(true, connect_off::HOSTNQN),
             Err(_) => return invalid(true, connect_off::SUBNQN),
         };
         let entries = cmd.sqsize as u32 + 1;
@@ -747,7 +960,13 @@ impl Queue {
                 tracing::warn!(peer = %self.peer, host = data.hostnqn, subsys = data.subnqn, "connect refused: host not allowed");
                 return Reply::status(Status::CONNECT_INVALID_HOST);
             }
-            let Some(ctrl) = self.target.create_controller(subsys, data.hostnqn, data.hostid, cmd.kato_ms, discovery) else {
+            let Some(ctrl) = self.target.create_controller(
+                subsys,
+                data.hostnqn,
+                data.hostid,
+                cmd.kato_ms,
+                discovery,
+            ) else {
                 return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
             };
             ctrl.attach_queue(0);
@@ -784,7 +1003,12 @@ impl Queue {
         }
         ctrl.touch(now_ms);
         tracing::debug!(peer = %self.peer, cntlid = ctrl.cntlid, qid = cmd.qid, entries, "I/O queue connected");
-        self.bind(ctrl, cmd.qid, entries as u16, cmd.sq_flow_control_disabled());
+        self.bind(
+            ctrl,
+            cmd.qid,
+            entries as u16,
+            cmd.sq_flow_control_disabled(),
+        );
         Reply::ok()
     }
 
@@ -800,24 +1024,38 @@ impl Queue {
 
     // ----- timers -----
 
-    /// Periodic work. Returns false when the connection must close.
+    /// Periodic work. Returns false when the connection must close now;
+    /// a controller that went away makes the queue drain first.
     pub fn tick(&mut self, now_ms: u64, tx: &mut Tx) -> bool {
+        if self.close_requested {
+            let since = *self.close_since_ms.get_or_insert(now_ms);
+            return now_ms.saturating_sub(since) < limits::SHUTDOWN_DRAIN_MS;
+        }
         let Some(ctrl) = self.ctrl.clone() else {
             return now_ms.saturating_sub(self.created_ms) < limits::CONNECT_TIMEOUT_MS;
         };
         if ctrl.is_dead() {
-            return false;
+            self.request_close();
+            return true;
         }
         if self.qid == Some(0) {
             if ctrl.expired(now_ms) {
                 tracing::warn!(cntlid = ctrl.cntlid, host = %ctrl.hostnqn, kato_ms = ctrl.kato_ms(), "keep-alive timeout");
                 ctrl.kill("keep-alive timeout");
-                return false;
+                self.request_close();
+                return true;
             }
             while !self.aers.is_empty() {
                 let Some(ev) = ctrl.take_event() else { break };
                 let cid = self.aers.remove(0);
-                self.put_resp(tx, Cqe { dw0: ev, sqhd: self.sq_head, ..Cqe::new(cid, Status::SUCCESS) });
+                self.put_resp(
+                    tx,
+                    Cqe {
+                        dw0: ev,
+                        sqhd: self.sq_head,
+                        ..Cqe::new(cid, Status::SUCCESS)
+                    },
+                );
             }
         }
         true
@@ -856,9 +1094,14 @@ fn submit(ring: &mut Ring, slot: &mut Slot, t: crate::backend::UringTarget, ud: 
         IoKind::Read => opcode::Read::new(fd, ptr, rest).offset(off).build(),
         IoKind::Write => {
             let fl = if slot.fua { libc::RWF_DSYNC } else { 0 };
-            opcode::Write::new(fd, ptr, rest).offset(off).rw_flags(fl).build()
+            opcode::Write::new(fd, ptr, rest)
+                .offset(off)
+                .rw_flags(fl)
+                .build()
         }
-        IoKind::Flush => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+        IoKind::Flush => opcode::Fsync::new(fd)
+            .flags(types::FsyncFlags::DATASYNC)
+            .build(),
         other => unreachable!("{other:?} is not submitted to io_uring"),
     };
     // SAFETY: the buffer belongs to the slot, which stays in Backend state
@@ -891,7 +1134,13 @@ fn dsm_ranges(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<Option<Vec<(u64,
 
 fn put_c2h_data(tx: &mut Tx, dg: Digests, cid: u16, data: &[u8], extra: u8) {
     let mut hdr = [0u8; tcp::DATA_HLEN + tcp::DIGEST_LEN];
-    let n = DataHeader { cccid: cid, ttag: 0, datao: 0, datal: data.len() as u32 }.encode(PduType::C2HData, extra, dg, &mut hdr);
+    let n = DataHeader {
+        cccid: cid,
+        ttag: 0,
+        datao: 0,
+        datal: data.len() as u32,
+    }
+    .encode(PduType::C2HData, extra, dg, &mut hdr);
     tx.put(&hdr[..n]);
     tx.put(data);
     if dg.data {

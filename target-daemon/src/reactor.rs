@@ -98,14 +98,22 @@ pub struct Reactor {
 
 impl std::fmt::Debug for Reactor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reactor").field("id", &self.id).field("conns", &(self.conns.len() - self.free.len())).finish()
+        f.debug_struct("Reactor")
+            .field("id", &self.id)
+            .field("conns", &(self.conns.len() - self.free.len()))
+            .finish()
     }
 }
 
 impl Reactor {
     /// Creates a reactor. `use_uring` false (or a kernel without io_uring)
     /// runs backends synchronously on the reactor thread.
-    pub fn new(id: usize, target: Arc<Target>, live: Arc<AtomicUsize>, use_uring: bool) -> io::Result<(Reactor, ReactorHandle)> {
+    pub fn new(
+        id: usize,
+        target: Arc<Target>,
+        live: Arc<AtomicUsize>,
+        use_uring: bool,
+    ) -> io::Result<(Reactor, ReactorHandle)> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
         let (tx, incoming) = mpsc::sync_channel(HANDOFF_QUEUE_LEN);
@@ -119,12 +127,24 @@ impl Reactor {
             // SAFETY: fd is a fresh descriptor nobody else owns.
             let efd = unsafe { OwnedFd::from_raw_fd(fd) };
             ring.register_eventfd(efd.as_raw_fd())?;
-            poll.registry().register(&mut SourceFd(&efd.as_raw_fd()), RING, Interest::READABLE)?;
+            poll.registry()
+                .register(&mut SourceFd(&efd.as_raw_fd()), RING, Interest::READABLE)?;
             (Some(ring), Some(efd))
         } else {
             (None, None)
         };
-        let r = Reactor { id, target, poll, incoming, ring, ring_efd, conns: Vec::new(), free: Vec::new(), live, completions: Vec::with_capacity(256) };
+        let r = Reactor {
+            id,
+            target,
+            poll,
+            incoming,
+            ring,
+            ring_efd,
+            conns: Vec::new(),
+            free: Vec::new(),
+            live,
+            completions: Vec::with_capacity(256),
+        };
         Ok((r, ReactorHandle { tx, waker }))
     }
 
@@ -134,8 +154,15 @@ impl Reactor {
         let mut next_tick = 0;
         let mut drain_deadline: Option<u64> = None;
         loop {
-            let timeout = if self.ring.as_ref().is_some_and(|r| r.busy()) { limits::TICK_MS.min(10) } else { limits::TICK_MS };
-            if let Err(e) = self.poll.poll(&mut events, Some(Duration::from_millis(timeout))) {
+            let timeout = if self.ring.as_ref().is_some_and(|r| r.busy()) {
+                limits::TICK_MS.min(10)
+            } else {
+                limits::TICK_MS
+            };
+            if let Err(e) = self
+                .poll
+                .poll(&mut events, Some(Duration::from_millis(timeout)))
+            {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::error!(reactor = self.id, error = %e, "poll failed");
                 }
@@ -171,21 +198,24 @@ impl Reactor {
             if self.target.shutting_down() {
                 let deadline = *drain_deadline.get_or_insert_with(|| {
                     for c in self.conns.iter_mut().flatten() {
-                        c.q.begin_drain();
+                        c.q.request_close();
                     }
                     now + limits::SHUTDOWN_DRAIN_MS
                 });
-                let busy = self.conns.iter().flatten().any(|c| !c.zombie && (c.q.busy() || c.tx.backlog() > 0));
-                if !busy || now >= deadline {
-                    if busy {
-                        tracing::warn!(reactor = self.id, "shutdown: drain deadline passed with commands in flight");
-                    }
+                // Connections close one by one as they become idle (flush()).
+                let open = self.conns.iter().flatten().any(|c| !c.zombie);
+                if open && now >= deadline {
+                    tracing::warn!(
+                        reactor = self.id,
+                        "shutdown: drain deadline passed with commands in flight"
+                    );
                     for i in 0..self.conns.len() {
                         self.close(i);
                     }
-                    if !self.ring.as_ref().is_some_and(|r| r.busy()) || now >= deadline + 1000 {
-                        return;
-                    }
+                }
+                let ring_busy = self.ring.as_ref().is_some_and(|r| r.busy());
+                if !open && (!ring_busy || now >= deadline + 1000) {
+                    return;
                 }
             }
         }
@@ -210,12 +240,18 @@ impl Reactor {
             self.conns.push(None);
             self.conns.len() - 1
         });
-        self.poll.registry().register(&mut sock, Token(i + FIRST_CONN), Interest::READABLE)?;
+        self.poll
+            .registry()
+            .register(&mut sock, Token(i + FIRST_CONN), Interest::READABLE)?;
         tracing::debug!(reactor = self.id, %peer, "connection adopted");
         let q = Queue::new(self.target.clone(), local, peer, self.target.now_ms());
         self.conns[i] = Some(Conn {
             sock,
-            rx: Rx { buf: vec![0u8; limits::RX_BUF_BYTES].into_boxed_slice(), start: 0, end: 0 },
+            rx: Rx {
+                buf: vec![0u8; limits::RX_BUF_BYTES].into_boxed_slice(),
+                start: 0,
+                end: 0,
+            },
             tx: Tx::default(),
             q,
             read_done: false,
@@ -240,11 +276,17 @@ impl Reactor {
     fn read(&mut self, i: usize) {
         let now = self.target.now_ms();
         let ring = self.ring.as_mut();
-        let Some(Some(c)) = self.conns.get_mut(i) else { return };
+        let Some(Some(c)) = self.conns.get_mut(i) else {
+            return;
+        };
         if c.zombie || c.read_done {
             return;
         }
-        let mut ex = Exec { ring, conn: i as u32, now_ms: now };
+        let mut ex = Exec {
+            ring,
+            conn: i as u32,
+            now_ms: now,
+        };
         let mut peer_closed = false;
         loop {
             if c.tx.backlog() > limits::TX_HIGH_WATER_BYTES {
@@ -282,7 +324,9 @@ impl Reactor {
     }
 
     fn reap(&mut self) {
-        let Some(ring) = self.ring.as_mut() else { return };
+        let Some(ring) = self.ring.as_mut() else {
+            return;
+        };
         let mut done = std::mem::take(&mut self.completions);
         done.clear();
         ring.reap(&mut done);
@@ -294,7 +338,11 @@ impl Reactor {
             let Some(Some(c)) = self.conns.get_mut(ci) else {
                 unreachable!("completion for connection {ci} that no longer exists");
             };
-            let mut ex = Exec { ring, conn: ci as u32, now_ms: now };
+            let mut ex = Exec {
+                ring,
+                conn: ci as u32,
+                now_ms: now,
+            };
             c.q.on_completion(slot, res, &mut c.tx, &mut ex);
             if c.zombie && c.q.inflight == 0 {
                 self.conns[ci] = None;
@@ -306,7 +354,9 @@ impl Reactor {
 
     fn tick(&mut self, now: u64) {
         for i in 0..self.conns.len() {
-            let Some(Some(c)) = self.conns.get_mut(i) else { continue };
+            let Some(Some(c)) = self.conns.get_mut(i) else {
+                continue;
+            };
             if c.zombie {
                 continue;
             }
@@ -318,7 +368,8 @@ impl Reactor {
 
     fn flush_all(&mut self) {
         for i in 0..self.conns.len() {
-            if matches!(&self.conns[i], Some(c) if !c.zombie && (c.tx.backlog() > 0 || c.q.wants_close() || c.read_paused)) {
+            if matches!(&self.conns[i], Some(c) if !c.zombie && (c.tx.backlog() > 0 || c.q.wants_close() || c.read_paused))
+            {
                 self.flush(i);
             }
         }
@@ -327,7 +378,9 @@ impl Reactor {
     /// Writes pending responses; closes a connection that asked to end once
     /// everything is out; resumes paused reading.
     fn flush(&mut self, i: usize) {
-        let Some(Some(c)) = self.conns.get_mut(i) else { return };
+        let Some(Some(c)) = self.conns.get_mut(i) else {
+            return;
+        };
         if c.zombie {
             return;
         }
@@ -349,11 +402,19 @@ impl Reactor {
         }
         let want_write = c.tx.backlog() > 0;
         if want_write != c.want_write {
-            let interest = if want_write { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            let _ = self.poll.registry().reregister(&mut c.sock, Token(i + FIRST_CONN), interest);
+            let interest = if want_write {
+                Interest::READABLE | Interest::WRITABLE
+            } else {
+                Interest::READABLE
+            };
+            let _ = self
+                .poll
+                .registry()
+                .reregister(&mut c.sock, Token(i + FIRST_CONN), interest);
             c.want_write = want_write;
         }
-        if failed || (c.q.wants_close() && c.tx.backlog() == 0) {
+        let done = c.tx.backlog() == 0 && (c.q.terminated() || (c.q.wants_close() && !c.q.busy()));
+        if failed || done {
             self.close(i);
             return;
         }
@@ -364,9 +425,18 @@ impl Reactor {
     }
 
     fn close(&mut self, i: usize) {
-        let Some(Some(c)) = self.conns.get_mut(i) else { return };
+        let Some(Some(c)) = self.conns.get_mut(i) else {
+            return;
+        };
         if c.zombie {
             return;
+        }
+        // Best effort: whatever responses are ready still go out.
+        while c.tx.backlog() > 0 {
+            match c.sock.write(c.tx.pending()) {
+                Ok(n) if n > 0 => c.tx.advance(n),
+                _ => break,
+            }
         }
         c.q.close();
         let _ = self.poll.registry().deregister(&mut c.sock);
@@ -406,7 +476,7 @@ fn run_pdus(c: &mut Conn, ex: &mut Exec<'_>) -> bool {
         }
         let (s, e) = (c.rx.start, c.rx.start + plen);
         c.rx.start = e;
-        if c.q.on_pdu(&c.rx.buf[s..e], &mut c.tx, ex).is_err() || c.q.wants_close() {
+        if c.q.on_pdu(&c.rx.buf[s..e], &mut c.tx, ex).is_err() || c.q.terminated() {
             c.read_done = true;
             return false;
         }

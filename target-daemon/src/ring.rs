@@ -20,7 +20,10 @@ pub struct Ring {
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("inflight", &self.inflight).field("backlog", &self.backlog.len()).finish()
+        f.debug_struct("Ring")
+            .field("inflight", &self.inflight)
+            .field("backlog", &self.backlog.len())
+            .finish()
     }
 }
 
@@ -40,11 +43,19 @@ impl Ring {
         uring.submitter().register_probe(&mut probe)?;
         for (code, name) in REQUIRED {
             if !probe.is_supported(code) {
-                return Err(io::Error::new(io::ErrorKind::Unsupported, format!("io_uring lacks the {name} opcode")));
+                return Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    format!("io_uring lacks the {name} opcode"),
+                ));
             }
         }
         let cq_capacity = uring.params().cq_entries();
-        Ok(Ring { uring, backlog: VecDeque::new(), inflight: 0, cq_capacity })
+        Ok(Ring {
+            uring,
+            backlog: VecDeque::new(),
+            inflight: 0,
+            cq_capacity,
+        })
     }
 
     /// Registers an eventfd that becomes readable when completions arrive.
@@ -75,14 +86,21 @@ impl Ring {
         self.drain_backlog();
         match self.uring.submit() {
             Ok(_) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) || e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
+            Err(e)
+                if e.raw_os_error() == Some(libc::EBUSY)
+                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }
 
     fn drain_backlog(&mut self) {
         while self.inflight < self.cq_capacity {
-            let Some(e) = self.backlog.pop_front() else { break };
+            let Some(e) = self.backlog.pop_front() else {
+                break;
+            };
             // SAFETY: entries in the backlog were pushed under push()'s contract.
             if unsafe { self.uring.submission().push(&e) }.is_err() {
                 self.backlog.push_front(e);

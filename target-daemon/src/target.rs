@@ -53,7 +53,13 @@ impl Subsystem {
 
     /// The subsystem a discovery controller belongs to.
     pub fn discovery() -> Subsystem {
-        Subsystem { nqn: nvpool_wire::DISCOVERY_NQN.into(), serial: "discovery".into(), allow_any_host: true, hosts: BTreeSet::new(), namespaces: BTreeMap::new() }
+        Subsystem {
+            nqn: nvpool_wire::DISCOVERY_NQN.into(),
+            serial: "discovery".into(),
+            allow_any_host: true,
+            hosts: BTreeSet::new(),
+            namespaces: BTreeMap::new(),
+        }
     }
 
     fn to_config(&self) -> SubsystemConfig {
@@ -66,7 +72,12 @@ impl Subsystem {
                 .namespaces
                 .values()
                 .filter(|n| !n.spec.is_empty())
-                .map(|n| NamespaceConfig { nsid: n.nsid, backend: n.spec.clone(), uuid: Some(config::format_uuid(&n.uuid)), read_only: n.read_only })
+                .map(|n| NamespaceConfig {
+                    nsid: n.nsid,
+                    backend: n.spec.clone(),
+                    uuid: Some(config::format_uuid(&n.uuid)),
+                    read_only: n.read_only,
+                })
                 .collect(),
         }
     }
@@ -130,7 +141,10 @@ impl Target {
             state_dir,
             subsystems: ArcSwap::from_pointee(BTreeMap::new()),
             write_lock: Mutex::new(()),
-            controllers: Mutex::new(Controllers { by_id: HashMap::new(), next_id: 1 }),
+            controllers: Mutex::new(Controllers {
+                by_id: HashMap::new(),
+                next_id: 1,
+            }),
             listeners: Mutex::new(Vec::new()),
             genctr: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
@@ -175,7 +189,7 @@ impl Target {
 
     pub fn set_listeners(&self, addrs: Vec<SocketAddr>) {
         *lock(&self.listeners) = addrs;
-        self.genctr.fetch_add(1, Ordering::AcqRel);
+        self.discovery_changed();
     }
 
     pub fn listeners(&self) -> Vec<SocketAddr> {
@@ -193,7 +207,12 @@ impl Target {
     /// The running configuration, as saved in target.json.
     pub fn running_config(&self) -> Config {
         let mut c = lock(&self.base).clone();
-        c.subsystems = self.subsystems.load().values().map(|s| s.to_config()).collect();
+        c.subsystems = self
+            .subsystems
+            .load()
+            .values()
+            .map(|s| s.to_config())
+            .collect();
         c
     }
 
@@ -202,21 +221,35 @@ impl Target {
     /// Creates a subsystem or replaces its settings, hosts and namespaces.
     pub fn put_subsystem(&self, cfg: &SubsystemConfig) -> Result<(), TargetError> {
         let _w = lock(&self.write_lock);
-        let wrap = Config { subsystems: vec![cfg.clone()], ..Default::default() };
+        let wrap = Config {
+            subsystems: vec![cfg.clone()],
+            ..Default::default()
+        };
         wrap.validate()?;
         let current = self.subsystems.load_full();
         if !current.contains_key(&cfg.nqn) && current.len() >= limits::SUBSYSTEMS_MAX {
-            return Err(TargetError::Limit(format!("at most {} subsystems", limits::SUBSYSTEMS_MAX)));
+            return Err(TargetError::Limit(format!(
+                "at most {} subsystems",
+                limits::SUBSYSTEMS_MAX
+            )));
         }
         if cfg.allowed_hosts.len() > limits::HOSTS_PER_SUBSYS_MAX {
-            return Err(TargetError::Limit(format!("at most {} hosts per subsystem", limits::HOSTS_PER_SUBSYS_MAX)));
+            return Err(TargetError::Limit(format!(
+                "at most {} hosts per subsystem",
+                limits::HOSTS_PER_SUBSYS_MAX
+            )));
         }
         let old = current.get(&cfg.nqn);
         let mut namespaces = BTreeMap::new();
         for nc in &cfg.namespaces {
             // Reuse an open namespace when nothing about it changed.
             let reuse = old.and_then(|o| o.namespaces.get(&nc.nsid)).filter(|n| {
-                n.spec == nc.backend && n.read_only == nc.read_only && nc.uuid.as_deref().is_none_or(|u| config::parse_uuid(u) == Some(n.uuid))
+                n.spec == nc.backend
+                    && n.read_only == nc.read_only
+                    && nc
+                        .uuid
+                        .as_deref()
+                        .is_none_or(|u| config::parse_uuid(u) == Some(n.uuid))
             });
             let ns = match reuse {
                 Some(n) => n.clone(),
@@ -224,8 +257,26 @@ impl Target {
             };
             namespaces.insert(nc.nsid, ns);
         }
-        let serial = cfg.serial.clone().unwrap_or_else(|| serial_for(&self.identity, &cfg.nqn));
-        let s = Subsystem { nqn: cfg.nqn.clone(), serial, allow_any_host: cfg.allow_any_host, hosts: cfg.allowed_hosts.iter().cloned().collect(), namespaces };
+        // Namespaces handed in by code (no spec) are not in any config; keep
+        // them unless the config names their NSID.
+        if let Some(o) = old {
+            for (id, n) in &o.namespaces {
+                if n.spec.is_empty() && !namespaces.contains_key(id) {
+                    namespaces.insert(*id, n.clone());
+                }
+            }
+        }
+        let serial = cfg
+            .serial
+            .clone()
+            .unwrap_or_else(|| serial_for(&self.identity, &cfg.nqn));
+        let s = Subsystem {
+            nqn: cfg.nqn.clone(),
+            serial,
+            allow_any_host: cfg.allow_any_host,
+            hosts: cfg.allowed_hosts.iter().cloned().collect(),
+            namespaces,
+        };
         self.publish(s, old.cloned())
     }
 
@@ -255,67 +306,126 @@ impl Target {
 
     /// Adds a namespace backed by an already-open backend (tests, benchmarks:
     /// fault-injecting backends). Not persisted.
-    pub fn put_namespace_backend(&self, nqn: &str, nsid: u32, backend: Arc<dyn Backend>) -> Result<(), TargetError> {
+    pub fn put_namespace_backend(
+        &self,
+        nqn: &str,
+        nsid: u32,
+        backend: Arc<dyn Backend>,
+    ) -> Result<(), TargetError> {
         config::validate_nsid(nsid)?;
-        let _w = lock(&self.write_lock);
-        let old = self.subsystem(nqn).ok_or_else(|| TargetError::NotFound(format!("subsystem {nqn}")))?;
-        let mut s = (*old).clone();
-        let ns = self.make_namespace(nqn, nsid, backend, String::new(), None, false)?;
-        s.namespaces.insert(nsid, Arc::new(ns));
-        self.publish(s, Some(old))
+        let ns = Arc::new(self.make_namespace(nqn, nsid, backend, String::new(), None, false)?);
+        self.edit(nqn, |s| {
+            s.namespaces.insert(nsid, ns);
+            Ok(())
+        })
     }
 
     pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<(), TargetError> {
-        let mut s = self.subsystem_config(nqn)?;
-        let before = s.namespaces.len();
-        s.namespaces.retain(|n| n.nsid != nsid);
-        if s.namespaces.len() == before && !self.subsystem(nqn).is_some_and(|x| x.namespaces.contains_key(&nsid)) {
-            return Err(TargetError::NotFound(format!("namespace {nsid} of {nqn}")));
-        }
-        self.put_subsystem(&s)
+        self.edit(nqn, |s| {
+            s.namespaces
+                .remove(&nsid)
+                .map(|_| ())
+                .ok_or_else(|| TargetError::NotFound(format!("namespace {nsid} of {nqn}")))
+        })
     }
 
     pub fn allow_host(&self, nqn: &str, hostnqn: &str) -> Result<(), TargetError> {
         config::validate_nqn(hostnqn)?;
-        let mut s = self.subsystem_config(nqn)?;
-        if !s.allowed_hosts.iter().any(|h| h == hostnqn) {
-            s.allowed_hosts.push(hostnqn.to_owned());
-        }
-        self.put_subsystem(&s)
+        self.edit(nqn, |s| {
+            if s.hosts.len() >= limits::HOSTS_PER_SUBSYS_MAX && !s.hosts.contains(hostnqn) {
+                return Err(TargetError::Limit(format!(
+                    "at most {} hosts per subsystem",
+                    limits::HOSTS_PER_SUBSYS_MAX
+                )));
+            }
+            s.hosts.insert(hostnqn.to_owned());
+            Ok(())
+        })
     }
 
     pub fn disallow_host(&self, nqn: &str, hostnqn: &str) -> Result<(), TargetError> {
-        let mut s = self.subsystem_config(nqn)?;
-        let before = s.allowed_hosts.len();
-        s.allowed_hosts.retain(|h| h != hostnqn);
-        if before == s.allowed_hosts.len() {
-            return Err(TargetError::NotFound(format!("host {hostnqn} on {nqn}")));
-        }
-        self.put_subsystem(&s)
+        self.edit(nqn, |s| {
+            s.hosts
+                .remove(hostnqn)
+                .then_some(())
+                .ok_or_else(|| TargetError::NotFound(format!("host {hostnqn} on {nqn}")))
+        })
+    }
+
+    /// Applies `f` to a copy of the subsystem and publishes the result.
+    fn edit(
+        &self,
+        nqn: &str,
+        f: impl FnOnce(&mut Subsystem) -> Result<(), TargetError>,
+    ) -> Result<(), TargetError> {
+        let _w = lock(&self.write_lock);
+        let old = self
+            .subsystem(nqn)
+            .ok_or_else(|| TargetError::NotFound(format!("subsystem {nqn}")))?;
+        let mut s = (*old).clone();
+        f(&mut s)?;
+        self.publish(s, Some(old))
     }
 
     fn subsystem_config(&self, nqn: &str) -> Result<SubsystemConfig, TargetError> {
-        self.subsystem(nqn).map(|s| s.to_config()).ok_or_else(|| TargetError::NotFound(format!("subsystem {nqn}")))
+        self.subsystem(nqn)
+            .map(|s| s.to_config())
+            .ok_or_else(|| TargetError::NotFound(format!("subsystem {nqn}")))
     }
 
     fn open_namespace(&self, nqn: &str, nc: &NamespaceConfig) -> Result<Namespace, TargetError> {
         let spec = BackendSpec::parse(&nc.backend)?;
         let backend = spec.open()?;
-        let uuid = nc.uuid.as_deref().map(|u| config::parse_uuid(u).ok_or_else(|| TargetError::Invalid(format!("bad uuid {u:?}")))).transpose()?;
-        self.make_namespace(nqn, nc.nsid, backend, nc.backend.clone(), uuid, nc.read_only)
+        let uuid = nc
+            .uuid
+            .as_deref()
+            .map(|u| {
+                config::parse_uuid(u).ok_or_else(|| TargetError::Invalid(format!("bad uuid {u:?}")))
+            })
+            .transpose()?;
+        self.make_namespace(
+            nqn,
+            nc.nsid,
+            backend,
+            nc.backend.clone(),
+            uuid,
+            nc.read_only,
+        )
     }
 
-    fn make_namespace(&self, nqn: &str, nsid: u32, backend: Arc<dyn Backend>, spec: String, uuid: Option<[u8; 16]>, read_only: bool) -> Result<Namespace, TargetError> {
+    fn make_namespace(
+        &self,
+        nqn: &str,
+        nsid: u32,
+        backend: Arc<dyn Backend>,
+        spec: String,
+        uuid: Option<[u8; 16]>,
+        read_only: bool,
+    ) -> Result<Namespace, TargetError> {
         let bs = backend.block_size();
         if !(bs == 512 || bs == 4096) {
-            return Err(TargetError::Invalid(format!("block size {bs} unsupported (512 or 4096)")));
+            return Err(TargetError::Invalid(format!(
+                "block size {bs} unsupported (512 or 4096)"
+            )));
         }
         let uuid = uuid.unwrap_or_else(|| derive_uuid(&self.identity, nqn, nsid));
         let mut eui64 = [0u8; 8];
-        eui64.copy_from_slice(&derive_uuid(&self.identity, "eui64", nsid ^ fnv(nqn.as_bytes()) as u32)[..8]);
+        eui64.copy_from_slice(
+            &derive_uuid(&self.identity, "eui64", nsid ^ fnv(nqn.as_bytes()) as u32)[..8],
+        );
         eui64[0] = 0x02; // locally administered
         tracing::info!(nqn, nsid, backend = %backend.describe(), uuid = %config::format_uuid(&uuid), "namespace ready");
-        Ok(Namespace { nsid, blocks: backend.size() / bs as u64, backend, spec, uuid, nguid: uuid, eui64, block_shift: bs.trailing_zeros() as u8, read_only })
+        Ok(Namespace {
+            nsid,
+            blocks: backend.size() / bs as u64,
+            backend,
+            spec,
+            uuid,
+            nguid: uuid,
+            eui64,
+            block_shift: bs.trailing_zeros() as u8,
+            read_only,
+        })
     }
 
     /// Installs `s`, persists, and tells the controllers of that subsystem.
@@ -327,11 +437,18 @@ impl Target {
         let changed: Vec<u32> = match &old {
             None => Vec::new(),
             Some(o) => {
-                let ids: BTreeSet<u32> = o.namespaces.keys().chain(s.namespaces.keys()).copied().collect();
-                ids.into_iter().filter(|id| match (o.namespaces.get(id), s.namespaces.get(id)) {
-                    (Some(a), Some(b)) => !Arc::ptr_eq(a, b),
-                    _ => true,
-                }).collect()
+                let ids: BTreeSet<u32> = o
+                    .namespaces
+                    .keys()
+                    .chain(s.namespaces.keys())
+                    .copied()
+                    .collect();
+                ids.into_iter()
+                    .filter(|id| match (o.namespaces.get(id), s.namespaces.get(id)) {
+                        (Some(a), Some(b)) => !Arc::ptr_eq(a, b),
+                        _ => true,
+                    })
+                    .collect()
             }
         };
         for c in self.controllers_of(&s.nqn) {
@@ -354,14 +471,33 @@ impl Target {
             cfg.save_state(dir)?;
         }
         self.subsystems.store(Arc::new(map));
-        self.genctr.fetch_add(1, Ordering::AcqRel);
+        self.discovery_changed();
         Ok(())
+    }
+
+    /// Bumps the discovery log generation and tells discovery controllers.
+    fn discovery_changed(&self) {
+        self.genctr.fetch_add(1, Ordering::AcqRel);
+        for c in lock(&self.controllers)
+            .by_id
+            .values()
+            .filter(|c| c.discovery)
+        {
+            c.notify_discovery_changed();
+        }
     }
 
     // ----- controllers -----
 
     /// Registers a new controller; None when every CNTLID is taken.
-    pub fn create_controller(self: &Arc<Self>, subsys: Arc<Subsystem>, hostnqn: &str, hostid: [u8; 16], kato_ms: u32, discovery: bool) -> Option<Arc<Controller>> {
+    pub fn create_controller(
+        self: &Arc<Self>,
+        subsys: Arc<Subsystem>,
+        hostnqn: &str,
+        hostid: [u8; 16],
+        kato_ms: u32,
+        discovery: bool,
+    ) -> Option<Arc<Controller>> {
         let mut cs = lock(&self.controllers);
         cs.by_id.retain(|_, c| !c.is_dead());
         if cs.by_id.len() >= limits::CONTROLLERS_MAX {
@@ -375,23 +511,46 @@ impl Target {
                 break id;
             }
         };
-        let c = Arc::new(Controller::new(id, subsys, hostnqn.to_owned(), hostid, kato_ms, discovery, Arc::downgrade(self), self.now_ms()));
+        let c = Arc::new(Controller::new(
+            id,
+            subsys,
+            hostnqn.to_owned(),
+            hostid,
+            kato_ms,
+            discovery,
+            Arc::downgrade(self),
+            self.now_ms(),
+        ));
         cs.by_id.insert(id, c.clone());
         Some(c)
     }
 
     pub fn controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
-        lock(&self.controllers).by_id.get(&cntlid).filter(|c| !c.is_dead()).cloned()
+        lock(&self.controllers)
+            .by_id
+            .get(&cntlid)
+            .filter(|c| !c.is_dead())
+            .cloned()
     }
 
     pub fn controllers(&self) -> Vec<Arc<Controller>> {
-        let mut v: Vec<_> = lock(&self.controllers).by_id.values().filter(|c| !c.is_dead()).cloned().collect();
+        let mut v: Vec<_> = lock(&self.controllers)
+            .by_id
+            .values()
+            .filter(|c| !c.is_dead())
+            .cloned()
+            .collect();
         v.sort_by_key(|c| c.cntlid);
         v
     }
 
     fn controllers_of(&self, nqn: &str) -> Vec<Arc<Controller>> {
-        lock(&self.controllers).by_id.values().filter(|c| !c.discovery && c.subsys_nqn == nqn).cloned().collect()
+        lock(&self.controllers)
+            .by_id
+            .values()
+            .filter(|c| !c.discovery && c.subsys_nqn == nqn)
+            .cloned()
+            .collect()
     }
 
     pub fn forget_controller(&self, cntlid: u16) {
@@ -416,15 +575,22 @@ pub type TargetRef = Weak<Target>;
 fn load_or_create_identity(dir: &std::path::Path) -> Result<[u8; 16], TargetError> {
     let path = dir.join("identity");
     if let Ok(text) = std::fs::read_to_string(&path) {
-        return config::parse_uuid(text.trim()).ok_or_else(|| TargetError::Invalid(format!("{} is corrupt", path.display())));
+        return config::parse_uuid(text.trim())
+            .ok_or_else(|| TargetError::Invalid(format!("{} is corrupt", path.display())));
     }
-    std::fs::create_dir_all(dir).map_err(|source| ConfigError::Write { path: dir.into(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| ConfigError::Write {
+        path: dir.into(),
+        source,
+    })?;
     let id = random_bytes();
     let tmp = dir.join("identity.tmp");
     std::fs::write(&tmp, config::format_uuid(&id))
         .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
         .and_then(|()| std::fs::rename(&tmp, &path))
-        .map_err(|source| ConfigError::Write { path: path.clone(), source })?;
+        .map_err(|source| ConfigError::Write {
+            path: path.clone(),
+            source,
+        })?;
     Ok(id)
 }
 

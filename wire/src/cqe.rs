@@ -19,7 +19,14 @@ pub struct Cqe {
 
 impl Cqe {
     pub fn new(cid: u16, status: Status) -> Cqe {
-        Cqe { dw0: 0, dw1: 0, sqhd: 0, sqid: 0, cid, status }
+        Cqe {
+            dw0: 0,
+            dw1: 0,
+            sqhd: 0,
+            sqid: 0,
+            cid,
+            status,
+        }
     }
 
     pub fn encode(&self, out: &mut [u8; CQE_LEN]) {

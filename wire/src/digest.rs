@@ -26,6 +26,9 @@ mod tests {
     fn append_equals_whole() {
         let data: Vec<u8> = (0..=255u8).cycle().take(10_000).collect();
         let (a, b) = data.split_at(4097);
-        assert_eq!(super::crc32c_append(super::crc32c(a), b), super::crc32c(&data));
+        assert_eq!(
+            super::crc32c_append(super::crc32c(a), b),
+            super::crc32c(&data)
+        );
     }
 }

@@ -44,7 +44,11 @@ impl ConnectCmd {
     pub fn to_sqe(&self, cid: u16) -> Sqe {
         let mut s = Sqe::new(admin::FABRICS, cid);
         s.set_fctype(fctype::CONNECT);
-        s.set_sgl(Sgl { addr: 0, len: CONNECT_DATA_LEN as u32, id: sgl_id::IN_CAPSULE });
+        s.set_sgl(Sgl {
+            addr: 0,
+            len: CONNECT_DATA_LEN as u32,
+            id: sgl_id::IN_CAPSULE,
+        });
         put_u16(&mut s.0, 40, self.recfmt);
         put_u16(&mut s.0, 42, self.qid);
         put_u16(&mut s.0, 44, self.sqsize);
@@ -99,11 +103,17 @@ impl<'a> ConnectData<'a> {
 }
 
 fn nqn_field<'a>(f: &'a [u8], field: &'static str) -> Result<&'a str, WireError> {
-    let end = f.iter().position(|&c| c == 0).ok_or(WireError::bad("Connect data", field, 0u8))?;
+    let end = f
+        .iter()
+        .position(|&c| c == 0)
+        .ok_or(WireError::bad("Connect data", field, 0u8))?;
     if end == 0 || end > NQN_LEN_MAX {
         return Err(WireError::bad("Connect data", field, end as u64));
     }
-    std::str::from_utf8(&f[..end]).map_err(|_| WireError::BadString { what: "Connect data", field })
+    std::str::from_utf8(&f[..end]).map_err(|_| WireError::BadString {
+        what: "Connect data",
+        field,
+    })
 }
 
 /// Property offsets.
@@ -127,13 +137,21 @@ pub struct PropertyCmd {
 
 impl PropertyCmd {
     pub fn from_sqe(s: &Sqe) -> PropertyCmd {
-        PropertyCmd { size8: s.0[40] & 1 != 0, offset: u32_at(&s.0, 44), value: u64_at(&s.0, 48) }
+        PropertyCmd {
+            size8: s.0[40] & 1 != 0,
+            offset: u32_at(&s.0, 44),
+            value: u64_at(&s.0, 48),
+        }
     }
 
     pub fn to_sqe(&self, cid: u16, fct: u8) -> Sqe {
         let mut s = Sqe::new(admin::FABRICS, cid);
         s.set_fctype(fct);
-        s.set_sgl(Sgl { addr: 0, len: 0, id: sgl_id::TRANSPORT });
+        s.set_sgl(Sgl {
+            addr: 0,
+            len: 0,
+            id: sgl_id::TRANSPORT,
+        });
         s.0[40] = self.size8 as u8;
         put_u32(&mut s.0, 44, self.offset);
         put_u64(&mut s.0, 48, self.value);
@@ -157,7 +175,11 @@ impl Cap {
         self.mqes as u64 | 1 << 16 /* CQR: contiguous queues required */ | (self.to as u64) << 24 | (self.css_nvm as u64) << 37
     }
     pub fn from_u64(v: u64) -> Cap {
-        Cap { mqes: v as u16, to: (v >> 24) as u8, css_nvm: v >> 37 & 1 == 1 }
+        Cap {
+            mqes: v as u16,
+            to: (v >> 24) as u8,
+            css_nvm: v >> 37 & 1 == 1,
+        }
     }
 }
 
@@ -197,7 +219,13 @@ mod tests {
 
     #[test]
     fn connect_round_trip() {
-        let c = ConnectCmd { recfmt: 0, qid: 3, sqsize: 127, cattr: 4, kato_ms: 5000 };
+        let c = ConnectCmd {
+            recfmt: 0,
+            qid: 3,
+            sqsize: 127,
+            cattr: 4,
+            kato_ms: 5000,
+        };
         let s = c.to_sqe(9);
         assert_eq!(s.0[0], 0x7F);
         assert_eq!(s.0[4], 0x01);
@@ -205,7 +233,12 @@ mod tests {
         assert_eq!(ConnectCmd::from_sqe(&s), c);
         assert!(c.sq_flow_control_disabled());
 
-        let d = ConnectData { hostid: [7; 16], cntlid: 0xFFFF, subnqn: "nqn.2026-11.io.nvpool:a", hostnqn: "nqn.h" };
+        let d = ConnectData {
+            hostid: [7; 16],
+            cntlid: 0xFFFF,
+            subnqn: "nqn.2026-11.io.nvpool:a",
+            hostnqn: "nqn.h",
+        };
         let b = d.encode();
         assert_eq!(&b[256..259], b"nqn");
         assert_eq!(ConnectData::decode(&b).unwrap(), d);
@@ -223,7 +256,11 @@ mod tests {
 
     #[test]
     fn cap_encoding() {
-        let c = Cap { mqes: 255, to: 15, css_nvm: true };
+        let c = Cap {
+            mqes: 255,
+            to: 15,
+            css_nvm: true,
+        };
         let v = c.to_u64();
         assert_eq!(v & 0xFFFF, 255);
         assert_eq!((v >> 24) & 0xFF, 15);

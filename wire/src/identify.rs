@@ -106,7 +106,12 @@ impl IdentifyController {
     pub fn decode(b: &[u8]) -> Result<IdentifyController, WireError> {
         WireError::check_len("Identify Controller", b, IDENTIFY_LEN)?;
         let s = |r: std::ops::Range<usize>, f| {
-            str_in(&b[r]).map(str::to_owned).ok_or(WireError::BadString { what: "Identify Controller", field: f })
+            str_in(&b[r])
+                .map(str::to_owned)
+                .ok_or(WireError::BadString {
+                    what: "Identify Controller",
+                    field: f,
+                })
         };
         Ok(IdentifyController {
             vid: u16_at(b, 0),
@@ -207,9 +212,17 @@ impl IdentifyNamespace {
 }
 
 /// Encodes an Active Namespace ID list: the NSIDs above `after`, ascending.
-pub fn encode_active_ns_list(nsids: impl Iterator<Item = u32>, after: u32, out: &mut [u8; IDENTIFY_LEN]) {
+pub fn encode_active_ns_list(
+    nsids: impl Iterator<Item = u32>,
+    after: u32,
+    out: &mut [u8; IDENTIFY_LEN],
+) {
     out.fill(0);
-    for (i, id) in nsids.filter(|&n| n > after).take(IDENTIFY_LEN / 4).enumerate() {
+    for (i, id) in nsids
+        .filter(|&n| n > after)
+        .take(IDENTIFY_LEN / 4)
+        .enumerate()
+    {
         put_u32(out, i * 4, id);
     }
 }
@@ -276,7 +289,9 @@ pub fn decode_ns_descriptors(b: &[u8]) -> Result<Vec<NsId>, WireError> {
         if t == 0 {
             break;
         }
-        let body = b.get(off + 4..off + 4 + l).ok_or(WireError::bad("NS descriptor", "NIDL", l as u64))?;
+        let body =
+            b.get(off + 4..off + 4 + l)
+                .ok_or(WireError::bad("NS descriptor", "NIDL", l as u64))?;
         let want = match t {
             1 => 8,
             2 | 3 => 16,
@@ -340,7 +355,16 @@ mod tests {
 
     #[test]
     fn namespace_round_trip() {
-        let n = IdentifyNamespace { nsze: 1 << 21, ncap: 1 << 21, nuse: 5, nmic: 1, lbads: 9, nguid: [3; 16], eui64: [4; 8], ..Default::default() };
+        let n = IdentifyNamespace {
+            nsze: 1 << 21,
+            ncap: 1 << 21,
+            nuse: 5,
+            nmic: 1,
+            lbads: 9,
+            nguid: [3; 16],
+            eui64: [4; 8],
+            ..Default::default()
+        };
         let mut b = [0u8; IDENTIFY_LEN];
         n.encode(&mut b);
         assert_eq!(b[130], 9);
@@ -354,7 +378,12 @@ mod tests {
         encode_active_ns_list([1u32, 2, 5, 9].into_iter(), 2, &mut b);
         assert_eq!(decode_active_ns_list(&b).unwrap(), vec![5, 9]);
 
-        let ids = [NsId::Uuid([1; 16]), NsId::Nguid([2; 16]), NsId::Eui64([3; 8]), NsId::Csi(0)];
+        let ids = [
+            NsId::Uuid([1; 16]),
+            NsId::Nguid([2; 16]),
+            NsId::Eui64([3; 8]),
+            NsId::Csi(0),
+        ];
         encode_ns_descriptors(&ids, &mut b);
         assert_eq!(&b[..4], &[3, 16, 0, 0]);
         assert_eq!(decode_ns_descriptors(&b).unwrap(), ids.to_vec());
@@ -379,14 +408,21 @@ mod tests {
         b[off..off + 4].copy_from_slice(&[1, 8, 0, 0]);
         b[off + 4..].fill(0xEE);
         let err = decode_ns_descriptors(&b);
-        assert!(matches!(err, Err(WireError::BadField { field: "NIDL", .. })));
+        assert!(matches!(
+            err,
+            Err(WireError::BadField { field: "NIDL", .. })
+        ));
         assert!(decode_ns_descriptors(&b[..IDENTIFY_LEN]).is_err());
     }
 
     #[test]
     fn unterminated_subnqn_decodes_to_what_encode_can_write() {
         let mut b = [0u8; IDENTIFY_LEN];
-        IdentifyController { subnqn: "n".into(), ..Default::default() }.encode(&mut b);
+        IdentifyController {
+            subnqn: "n".into(),
+            ..Default::default()
+        }
+        .encode(&mut b);
         b[768..1024].fill(b'q');
         let c = IdentifyController::decode(&b).unwrap();
         assert_eq!(c.subnqn.len(), 255);

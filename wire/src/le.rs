@@ -48,5 +48,7 @@ pub fn put_str_padded(dst: &mut [u8], s: &str, pad: u8) {
 /// Returns `None` when the bytes are not UTF-8.
 pub fn str_in(field: &[u8]) -> Option<&str> {
     let end = field.iter().position(|&c| c == 0).unwrap_or(field.len());
-    std::str::from_utf8(&field[..end]).ok().map(|s| s.trim_end_matches(' '))
+    std::str::from_utf8(&field[..end])
+        .ok()
+        .map(|s| s.trim_end_matches(' '))
 }

@@ -1,7 +1,7 @@
 //! Log pages: discovery (70h), SMART / health (02h), error (01h) and
 //! changed namespace list (04h).
 
-use crate::le::{put_str_padded, put_u16, put_u64, str_in, u16_at, u64_at, put_u32, u32_at};
+use crate::le::{put_str_padded, put_u16, put_u32, put_u64, str_in, u16_at, u32_at, u64_at};
 use crate::WireError;
 
 /// Log page identifiers.
@@ -42,11 +42,18 @@ impl GetLogPage {
         let mut s = crate::Sqe::new(crate::sqe::admin::GET_LOG_PAGE, cid);
         s.set_nsid(nsid);
         let numd = self.len / 4 - 1;
-        s.set_cdw(10, self.lid as u32 | (self.rae as u32) << 15 | ((numd as u32) & 0xFFFF) << 16);
+        s.set_cdw(
+            10,
+            self.lid as u32 | (self.rae as u32) << 15 | ((numd as u32) & 0xFFFF) << 16,
+        );
         s.set_cdw(11, (numd >> 16) as u32 & 0xFFFF);
         s.set_cdw(12, self.offset as u32);
         s.set_cdw(13, (self.offset >> 32) as u32);
-        s.set_sgl(crate::Sgl { addr: 0, len: self.len as u32, id: crate::sqe::sgl_id::TRANSPORT });
+        s.set_sgl(crate::Sgl {
+            addr: 0,
+            len: self.len as u32,
+            id: crate::sqe::sgl_id::TRANSPORT,
+        });
         s
     }
 }
@@ -108,7 +115,12 @@ impl DiscoveryEntry {
     pub fn decode(b: &[u8]) -> Result<DiscoveryEntry, WireError> {
         WireError::check_len("discovery entry", b, DISC_ENTRY_LEN)?;
         let s = |r: std::ops::Range<usize>, f| {
-            str_in(&b[r]).map(str::to_owned).ok_or(WireError::BadString { what: "discovery entry", field: f })
+            str_in(&b[r])
+                .map(str::to_owned)
+                .ok_or(WireError::BadString {
+                    what: "discovery entry",
+                    field: f,
+                })
         };
         Ok(DiscoveryEntry {
             trtype: b[0],
@@ -290,7 +302,12 @@ mod tests {
 
     #[test]
     fn get_log_page_round_trip() {
-        let g = GetLogPage { lid: lid::DISCOVERY, rae: true, len: 1 << 20, offset: 1024 };
+        let g = GetLogPage {
+            lid: lid::DISCOVERY,
+            rae: true,
+            len: 1 << 20,
+            offset: 1024,
+        };
         assert_eq!(GetLogPage::from_sqe(&g.to_sqe(1, 0)), g);
     }
 

@@ -122,7 +122,11 @@ impl Sqe {
     }
 
     pub fn sgl(&self) -> Sgl {
-        Sgl { addr: u64_at(&self.0, 24), len: u32_at(&self.0, 32), id: self.0[39] }
+        Sgl {
+            addr: u64_at(&self.0, 24),
+            len: u32_at(&self.0, 32),
+            id: self.0[39],
+        }
     }
     pub fn set_sgl(&mut self, sgl: Sgl) {
         put_u64(&mut self.0, 24, sgl.addr);
@@ -175,7 +179,11 @@ pub enum Direction {
 impl Sqe {
     /// The data direction the opcode (or FCTYPE for fabrics commands) implies.
     pub fn direction(&self) -> Direction {
-        let bits = if self.opcode() == admin::FABRICS { self.fctype() } else { self.opcode() } & 0x3;
+        let bits = if self.opcode() == admin::FABRICS {
+            self.fctype()
+        } else {
+            self.opcode()
+        } & 0x3;
         match bits {
             0 => Direction::None,
             1 => Direction::HostToController,
@@ -195,7 +203,11 @@ mod tests {
         s.set_nsid(7);
         s.set_slba(0x0102_0304_0506_0708);
         s.set_nlb(31);
-        s.set_sgl(Sgl { addr: 0, len: 32 * 512, id: sgl_id::TRANSPORT });
+        s.set_sgl(Sgl {
+            addr: 0,
+            len: 32 * 512,
+            id: sgl_id::TRANSPORT,
+        });
         assert_eq!(s.0[0], 0x02);
         assert_eq!(s.0[1], 0x40);
         assert_eq!(&s.0[2..4], &[0xEF, 0xBE]);

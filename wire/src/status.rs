@@ -18,7 +18,13 @@ pub struct Status {
 }
 
 const fn st(sct: u8, sc: u8, dnr: bool) -> Status {
-    Status { sct, sc, crd: 0, more: false, dnr }
+    Status {
+        sct,
+        sc,
+        crd: 0,
+        more: false,
+        dnr,
+    }
 }
 
 impl Status {
@@ -90,7 +96,13 @@ impl Status {
 
 impl fmt::Debug for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Status(sct={:#x}, sc={:#04x}{})", self.sct, self.sc, if self.dnr { ", dnr" } else { "" })
+        write!(
+            f,
+            "Status(sct={:#x}, sc={:#04x}{})",
+            self.sct,
+            self.sc,
+            if self.dnr { ", dnr" } else { "" }
+        )
     }
 }
 
@@ -128,7 +140,10 @@ mod tests {
         // LBA out of range with DNR: (0x80 | 1<<14) << 1
         assert_eq!(Status::LBA_OUT_OF_RANGE.to_wire(), 0x8100);
         // Connect invalid host: sct 1, sc 0x84, dnr.
-        assert_eq!(Status::CONNECT_INVALID_HOST.to_wire(), ((0x84 | 1 << 8 | 1 << 14) << 1) as u16);
+        assert_eq!(
+            Status::CONNECT_INVALID_HOST.to_wire(),
+            ((0x84 | 1 << 8 | 1 << 14) << 1) as u16
+        );
     }
 
     #[test]

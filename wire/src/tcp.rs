@@ -12,9 +12,9 @@
 //! (HLEN, PLEN against HLEN, PDO). Checks that depend on connection state
 //! (digests negotiated, command outstanding) belong to the caller.
 
+use crate::cqe::{Cqe, CQE_LEN};
 use crate::le::{put_u16, put_u32, u16_at, u32_at};
 use crate::sqe::{Sqe, SQE_LEN};
-use crate::cqe::{Cqe, CQE_LEN};
 use crate::WireError;
 
 pub const CH_LEN: usize = 8;
@@ -78,7 +78,10 @@ impl PduType {
 
     /// Whether a header digest follows the header once negotiated.
     pub fn has_header_digest(self) -> bool {
-        !matches!(self, PduType::IcReq | PduType::IcResp | PduType::H2CTermReq | PduType::C2HTermReq)
+        !matches!(
+            self,
+            PduType::IcReq | PduType::IcResp | PduType::H2CTermReq | PduType::C2HTermReq
+        )
     }
 }
 
@@ -117,7 +120,13 @@ impl CommonHeader {
     pub fn decode(b: &[u8]) -> Result<CommonHeader, WireError> {
         WireError::check_len("common header", b, CH_LEN)?;
         let pdu_type = PduType::from_u8(b[0])?;
-        let ch = CommonHeader { pdu_type, flags: b[1], hlen: b[2], pdo: b[3], plen: u32_at(b, 4) };
+        let ch = CommonHeader {
+            pdu_type,
+            flags: b[1],
+            hlen: b[2],
+            pdo: b[3],
+            plen: u32_at(b, 4),
+        };
         if ch.hlen as usize != pdu_type.header_len() {
             return Err(WireError::bad("common header", "HLEN", ch.hlen));
         }
@@ -148,18 +157,29 @@ pub struct Digests {
 
 impl Digests {
     fn from_byte(b: u8) -> Digests {
-        Digests { header: b & 1 != 0, data: b & 2 != 0 }
+        Digests {
+            header: b & 1 != 0,
+            data: b & 2 != 0,
+        }
     }
     fn to_byte(self) -> u8 {
         self.header as u8 | (self.data as u8) << 1
     }
     /// Bytes the header digest adds after a PDU header.
     pub fn hdgst_len(self) -> usize {
-        if self.header { DIGEST_LEN } else { 0 }
+        if self.header {
+            DIGEST_LEN
+        } else {
+            0
+        }
     }
     /// Bytes the data digest adds after PDU data.
     pub fn ddgst_len(self) -> usize {
-        if self.data { DIGEST_LEN } else { 0 }
+        if self.data {
+            DIGEST_LEN
+        } else {
+            0
+        }
     }
 }
 
@@ -193,7 +213,12 @@ impl IcReq {
         if hpda > 31 {
             return Err(WireError::bad("ICReq", "HPDA", hpda));
         }
-        Ok(IcReq { pfv: u16_at(b, 8), hpda, digests: Digests::from_byte(b[11]), maxr2t: u32_at(b, 12) })
+        Ok(IcReq {
+            pfv: u16_at(b, 8),
+            hpda,
+            digests: Digests::from_byte(b[11]),
+            maxr2t: u32_at(b, 12),
+        })
     }
 
     pub fn encode(&self) -> [u8; IC_PDU_LEN] {
@@ -232,7 +257,12 @@ impl IcResp {
         if maxh2cdata < 4096 || !maxh2cdata.is_multiple_of(4) {
             return Err(WireError::bad("ICResp", "MAXH2CDATA", maxh2cdata));
         }
-        Ok(IcResp { pfv: u16_at(b, 8), cpda, digests: Digests::from_byte(b[11]), maxh2cdata })
+        Ok(IcResp {
+            pfv: u16_at(b, 8),
+            cpda,
+            digests: Digests::from_byte(b[11]),
+            maxh2cdata,
+        })
     }
 
     pub fn encode(&self) -> [u8; IC_PDU_LEN] {
@@ -247,8 +277,14 @@ impl IcResp {
 }
 
 fn ic_header(out: &mut [u8], t: PduType) {
-    CommonHeader { pdu_type: t, flags: 0, hlen: IC_PDU_LEN as u8, pdo: 0, plen: IC_PDU_LEN as u32 }
-        .encode(out);
+    CommonHeader {
+        pdu_type: t,
+        flags: 0,
+        hlen: IC_PDU_LEN as u8,
+        pdo: 0,
+        plen: IC_PDU_LEN as u32,
+    }
+    .encode(out);
 }
 
 /// A termination request in either direction.
@@ -262,13 +298,24 @@ pub struct TermReq {
 impl TermReq {
     /// Encodes a TermReq of type `t` (H2C or C2H) into `out`, quoting up to
     /// 128 bytes of the offending header. Returns the PDU length.
-    pub fn encode(&self, t: PduType, offending: &[u8], out: &mut [u8; TERM_HLEN + TERM_DATA_MAX]) -> usize {
+    pub fn encode(
+        &self,
+        t: PduType,
+        offending: &[u8],
+        out: &mut [u8; TERM_HLEN + TERM_DATA_MAX],
+    ) -> usize {
         assert!(matches!(t, PduType::H2CTermReq | PduType::C2HTermReq));
         let quoted = offending.len().min(TERM_DATA_MAX);
         let plen = TERM_HLEN + quoted;
         out[..TERM_HLEN].fill(0);
-        CommonHeader { pdu_type: t, flags: 0, hlen: TERM_HLEN as u8, pdo: 0, plen: plen as u32 }
-            .encode(out);
+        CommonHeader {
+            pdu_type: t,
+            flags: 0,
+            hlen: TERM_HLEN as u8,
+            pdo: 0,
+            plen: plen as u32,
+        }
+        .encode(out);
         put_u16(out, 8, self.fes);
         put_u32(out, 10, self.fei);
         out[TERM_HLEN..plen].copy_from_slice(&offending[..quoted]);
@@ -284,7 +331,10 @@ impl TermReq {
         if ch.plen as usize > TERM_HLEN + TERM_DATA_MAX {
             return Err(WireError::bad("TermReq", "PLEN", ch.plen));
         }
-        Ok(TermReq { fes: u16_at(b, 8), fei: u32_at(b, 10) })
+        Ok(TermReq {
+            fes: u16_at(b, 8),
+            fei: u32_at(b, 10),
+        })
     }
 }
 
@@ -308,7 +358,12 @@ impl DataHeader {
             return Err(WireError::bad("data PDU", "PDU-TYPE", ch.pdu_type as u8));
         }
         WireError::check_len("data PDU", b, DATA_HLEN)?;
-        let h = DataHeader { cccid: u16_at(b, 8), ttag: u16_at(b, 10), datao: u32_at(b, 12), datal: u32_at(b, 16) };
+        let h = DataHeader {
+            cccid: u16_at(b, 8),
+            ttag: u16_at(b, 10),
+            datao: u32_at(b, 12),
+            datal: u32_at(b, 16),
+        };
         let data_start = data_offset(ch, dg);
         if data_start < DATA_HLEN + dg.hdgst_len() {
             // PDO points into the header digest.
@@ -324,7 +379,13 @@ impl DataHeader {
     /// Encodes a complete data PDU header (CH, PSH and, if negotiated, the
     /// header digest) for `t` into `out`; returns the bytes written.
     /// Data follows immediately, without padding.
-    pub fn encode(&self, t: PduType, extra_flags: u8, dg: Digests, out: &mut [u8; DATA_HLEN + DIGEST_LEN]) -> usize {
+    pub fn encode(
+        &self,
+        t: PduType,
+        extra_flags: u8,
+        dg: Digests,
+        out: &mut [u8; DATA_HLEN + DIGEST_LEN],
+    ) -> usize {
         assert!(matches!(t, PduType::H2CData | PduType::C2HData));
         let hd = dg.hdgst_len();
         let pdo = DATA_HLEN + hd;
@@ -336,8 +397,14 @@ impl DataHeader {
         if dg.data {
             fl |= flags::DDGSTF;
         }
-        CommonHeader { pdu_type: t, flags: fl, hlen: DATA_HLEN as u8, pdo: pdo as u8, plen: plen as u32 }
-            .encode(out);
+        CommonHeader {
+            pdu_type: t,
+            flags: fl,
+            hlen: DATA_HLEN as u8,
+            pdo: pdo as u8,
+            plen: plen as u32,
+        }
+        .encode(out);
         put_u16(out, 8, self.cccid);
         put_u16(out, 10, if t == PduType::H2CData { self.ttag } else { 0 });
         put_u32(out, 12, self.datao);
@@ -359,7 +426,12 @@ pub struct R2t {
 impl R2t {
     pub fn decode(b: &[u8]) -> Result<R2t, WireError> {
         let _ = check_fixed("R2T", b, PduType::R2T)?;
-        let r = R2t { cccid: u16_at(b, 8), ttag: u16_at(b, 10), r2to: u32_at(b, 12), r2tl: u32_at(b, 16) };
+        let r = R2t {
+            cccid: u16_at(b, 8),
+            ttag: u16_at(b, 10),
+            r2to: u32_at(b, 12),
+            r2tl: u32_at(b, 16),
+        };
         if r.r2tl == 0 {
             return Err(WireError::bad("R2T", "R2TL", 0u32));
         }
@@ -369,8 +441,14 @@ impl R2t {
     pub fn encode(&self, dg: Digests, out: &mut [u8; R2T_HLEN + DIGEST_LEN]) -> usize {
         let plen = R2T_HLEN + dg.hdgst_len();
         let fl = if dg.header { flags::HDGSTF } else { 0 };
-        CommonHeader { pdu_type: PduType::R2T, flags: fl, hlen: R2T_HLEN as u8, pdo: 0, plen: plen as u32 }
-            .encode(out);
+        CommonHeader {
+            pdu_type: PduType::R2T,
+            flags: fl,
+            hlen: R2T_HLEN as u8,
+            pdo: 0,
+            plen: plen as u32,
+        }
+        .encode(out);
         put_u16(out, 8, self.cccid);
         put_u16(out, 10, self.ttag);
         put_u32(out, 12, self.r2to);
@@ -381,11 +459,21 @@ impl R2t {
 }
 
 /// Encodes a CapsuleResp PDU carrying `cqe`; returns the bytes written.
-pub fn encode_capsule_resp(cqe: &Cqe, dg: Digests, out: &mut [u8; CAPSULE_RESP_HLEN + DIGEST_LEN]) -> usize {
+pub fn encode_capsule_resp(
+    cqe: &Cqe,
+    dg: Digests,
+    out: &mut [u8; CAPSULE_RESP_HLEN + DIGEST_LEN],
+) -> usize {
     let plen = CAPSULE_RESP_HLEN + dg.hdgst_len();
     let fl = if dg.header { flags::HDGSTF } else { 0 };
-    CommonHeader { pdu_type: PduType::CapsuleResp, flags: fl, hlen: CAPSULE_RESP_HLEN as u8, pdo: 0, plen: plen as u32 }
-        .encode(out);
+    CommonHeader {
+        pdu_type: PduType::CapsuleResp,
+        flags: fl,
+        hlen: CAPSULE_RESP_HLEN as u8,
+        pdo: 0,
+        plen: plen as u32,
+    }
+    .encode(out);
     let mut c = [0u8; CQE_LEN];
     cqe.encode(&mut c);
     out[CH_LEN..CAPSULE_RESP_HLEN].copy_from_slice(&c);
@@ -401,19 +489,33 @@ pub fn decode_capsule_resp(b: &[u8]) -> Result<Cqe, WireError> {
 /// Encodes a CapsuleCmd header (CH, SQE, header digest) for a command with
 /// `icd_len` bytes of in-capsule data; returns the bytes written. The data
 /// (and its digest) follow immediately.
-pub fn encode_capsule_cmd(sqe: &Sqe, icd_len: usize, dg: Digests, out: &mut [u8; CAPSULE_CMD_HLEN + DIGEST_LEN]) -> usize {
+pub fn encode_capsule_cmd(
+    sqe: &Sqe,
+    icd_len: usize,
+    dg: Digests,
+    out: &mut [u8; CAPSULE_CMD_HLEN + DIGEST_LEN],
+) -> usize {
     let hd = dg.hdgst_len();
     let (pdo, plen) = if icd_len == 0 {
         (0, CAPSULE_CMD_HLEN + hd)
     } else {
-        (CAPSULE_CMD_HLEN + hd, CAPSULE_CMD_HLEN + hd + icd_len + dg.ddgst_len())
+        (
+            CAPSULE_CMD_HLEN + hd,
+            CAPSULE_CMD_HLEN + hd + icd_len + dg.ddgst_len(),
+        )
     };
     let mut fl = if dg.header { flags::HDGSTF } else { 0 };
     if dg.data && icd_len > 0 {
         fl |= flags::DDGSTF;
     }
-    CommonHeader { pdu_type: PduType::CapsuleCmd, flags: fl, hlen: CAPSULE_CMD_HLEN as u8, pdo: pdo as u8, plen: plen as u32 }
-        .encode(out);
+    CommonHeader {
+        pdu_type: PduType::CapsuleCmd,
+        flags: fl,
+        hlen: CAPSULE_CMD_HLEN as u8,
+        pdo: pdo as u8,
+        plen: plen as u32,
+    }
+    .encode(out);
     out[CH_LEN..CAPSULE_CMD_HLEN].copy_from_slice(&sqe.0);
     finish_header(out, CAPSULE_CMD_HLEN, dg)
 }
@@ -421,7 +523,11 @@ pub fn encode_capsule_cmd(sqe: &Sqe, icd_len: usize, dg: Digests, out: &mut [u8;
 /// Where the data of a PDU starts: PDO when set, else right after the header
 /// and its digest.
 pub fn data_offset(ch: &CommonHeader, dg: Digests) -> usize {
-    if ch.pdo != 0 { ch.pdo as usize } else { ch.hlen as usize + dg.hdgst_len() }
+    if ch.pdo != 0 {
+        ch.pdo as usize
+    } else {
+        ch.hlen as usize + dg.hdgst_len()
+    }
 }
 
 fn finish_header(out: &mut [u8], hlen: usize, dg: Digests) -> usize {
@@ -446,7 +552,12 @@ mod tests {
 
     #[test]
     fn icreq_matches_the_linux_host_bytes() {
-        let r = IcReq { pfv: 0, hpda: 0, digests: Digests::default(), maxr2t: 0 };
+        let r = IcReq {
+            pfv: 0,
+            hpda: 0,
+            digests: Digests::default(),
+            maxr2t: 0,
+        };
         let b = r.encode();
         assert_eq!(&b[..8], &[0x00, 0x00, 0x80, 0x00, 0x80, 0x00, 0x00, 0x00]);
         assert!(b[8..].iter().all(|&x| x == 0));
@@ -455,7 +566,15 @@ mod tests {
 
     #[test]
     fn icresp_round_trip_and_checks() {
-        let r = IcResp { pfv: 0, cpda: 0, digests: Digests { header: true, data: true }, maxh2cdata: 0x20000 };
+        let r = IcResp {
+            pfv: 0,
+            cpda: 0,
+            digests: Digests {
+                header: true,
+                data: true,
+            },
+            maxh2cdata: 0x20000,
+        };
         let b = r.encode();
         assert_eq!(b[11], 3);
         assert_eq!(IcResp::decode(&b).unwrap(), r);
@@ -467,13 +586,26 @@ mod tests {
     #[test]
     fn common_header_rejects_wrong_hlen_and_short_plen() {
         let mut b = [0u8; 8];
-        CommonHeader { pdu_type: PduType::CapsuleCmd, flags: 0, hlen: 72, pdo: 0, plen: 72 }.encode(&mut b);
+        CommonHeader {
+            pdu_type: PduType::CapsuleCmd,
+            flags: 0,
+            hlen: 72,
+            pdo: 0,
+            plen: 72,
+        }
+        .encode(&mut b);
         assert!(CommonHeader::decode(&b).is_ok());
         b[2] = 71;
-        assert!(matches!(CommonHeader::decode(&b), Err(WireError::BadField { field: "HLEN", .. })));
+        assert!(matches!(
+            CommonHeader::decode(&b),
+            Err(WireError::BadField { field: "HLEN", .. })
+        ));
         b[2] = 72;
         put_u32(&mut b, 4, 10);
-        assert!(matches!(CommonHeader::decode(&b), Err(WireError::BadField { field: "PLEN", .. })));
+        assert!(matches!(
+            CommonHeader::decode(&b),
+            Err(WireError::BadField { field: "PLEN", .. })
+        ));
         b[0] = 0x08;
         assert_eq!(CommonHeader::decode(&b), Err(WireError::UnknownPduType(8)));
     }
@@ -483,7 +615,10 @@ mod tests {
         let mut cqe = Cqe::new(31, Status::LBA_OUT_OF_RANGE);
         cqe.dw0 = 0xAABBCCDD;
         let mut out = [0u8; 28];
-        let dg = Digests { header: true, data: false };
+        let dg = Digests {
+            header: true,
+            data: false,
+        };
         let n = encode_capsule_resp(&cqe, dg, &mut out);
         assert_eq!(n, 28);
         assert_eq!(out[1], flags::HDGSTF);
@@ -495,8 +630,16 @@ mod tests {
 
     #[test]
     fn data_header_round_trip() {
-        let dg = Digests { header: true, data: true };
-        let h = DataHeader { cccid: 5, ttag: 9, datao: 4096, datal: 8192 };
+        let dg = Digests {
+            header: true,
+            data: true,
+        };
+        let h = DataHeader {
+            cccid: 5,
+            ttag: 9,
+            datao: 4096,
+            datal: 8192,
+        };
         let mut out = [0u8; 28];
         let n = DataHeader::encode(&h, PduType::H2CData, flags::LAST_PDU, dg, &mut out);
         assert_eq!(n, 28);
@@ -509,8 +652,16 @@ mod tests {
 
     #[test]
     fn data_header_rejects_pdo_inside_the_header_digest() {
-        let dg = Digests { header: true, data: false };
-        let h = DataHeader { cccid: 1, ttag: 2, datao: 0, datal: 512 };
+        let dg = Digests {
+            header: true,
+            data: false,
+        };
+        let h = DataHeader {
+            cccid: 1,
+            ttag: 2,
+            datao: 0,
+            datal: 512,
+        };
         let mut out = [0u8; 28];
         h.encode(PduType::C2HData, 0, dg, &mut out);
         // PDO 24 with PLEN shortened to match: the data would overlap HDGST.
@@ -527,26 +678,50 @@ mod tests {
     #[test]
     fn data_header_rejects_other_pdu_types() {
         let mut out = [0u8; 28];
-        R2t { cccid: 1, ttag: 2, r2to: 0, r2tl: 512 }.encode(Digests::default(), &mut out);
+        R2t {
+            cccid: 1,
+            ttag: 2,
+            r2to: 0,
+            r2tl: 512,
+        }
+        .encode(Digests::default(), &mut out);
         let ch = CommonHeader::decode(&out).unwrap();
         let err = DataHeader::decode(&ch, &out, Digests::default());
-        assert!(matches!(err, Err(WireError::BadField { field: "PDU-TYPE", .. })));
+        assert!(matches!(
+            err,
+            Err(WireError::BadField {
+                field: "PDU-TYPE",
+                ..
+            })
+        ));
     }
 
     #[test]
     fn icresp_rejects_cpda_above_31() {
-        let r = IcResp { pfv: 0, cpda: 31, digests: Digests::default(), maxh2cdata: 4096 };
+        let r = IcResp {
+            pfv: 0,
+            cpda: 31,
+            digests: Digests::default(),
+            maxh2cdata: 4096,
+        };
         let mut b = r.encode();
         assert!(IcResp::decode(&b).is_ok());
         b[10] = 32;
-        assert!(matches!(IcResp::decode(&b), Err(WireError::BadField { field: "CPDA", .. })));
+        assert!(matches!(
+            IcResp::decode(&b),
+            Err(WireError::BadField { field: "CPDA", .. })
+        ));
     }
 
     #[test]
     fn term_req_quotes_the_offending_header() {
         let offending = [0xAAu8; 200];
         let mut out = [0u8; 152];
-        let n = TermReq { fes: fes::INVALID_HEADER_FIELD, fei: 2 }.encode(PduType::C2HTermReq, &offending, &mut out);
+        let n = TermReq {
+            fes: fes::INVALID_HEADER_FIELD,
+            fei: 2,
+        }
+        .encode(PduType::C2HTermReq, &offending, &mut out);
         assert_eq!(n, 152);
         let ch = CommonHeader::decode(&out).unwrap();
         assert_eq!(ch.plen, 152);

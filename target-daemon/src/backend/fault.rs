@@ -35,12 +35,25 @@ pub struct FaultBackend {
 
 impl FaultBackend {
     pub fn new(inner: Arc<dyn Backend>) -> FaultBackend {
-        FaultBackend { inner, cfg: Mutex::new(FaultConfig::default()), any: AtomicBool::new(false), failed: AtomicBool::new(false), injected: AtomicU64::new(0), latency_us: AtomicU32::new(0) }
+        FaultBackend {
+            inner,
+            cfg: Mutex::new(FaultConfig::default()),
+            any: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            injected: AtomicU64::new(0),
+            latency_us: AtomicU32::new(0),
+        }
     }
 
     pub fn set(&self, cfg: FaultConfig) {
-        self.latency_us.store(cfg.latency.as_micros().min(u32::MAX as u128) as u32, Ordering::Relaxed);
-        self.any.store(cfg.fail_reads || cfg.fail_writes || cfg.torn_writes, Ordering::Release);
+        self.latency_us.store(
+            cfg.latency.as_micros().min(u32::MAX as u128) as u32,
+            Ordering::Relaxed,
+        );
+        self.any.store(
+            cfg.fail_reads || cfg.fail_writes || cfg.torn_writes,
+            Ordering::Release,
+        );
         *self.cfg.lock().unwrap_or_else(|p| p.into_inner()) = cfg;
     }
 
@@ -86,7 +99,10 @@ impl Backend for FaultBackend {
     }
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         self.delay();
-        if self.hits(off, buf.len() as u64).is_some_and(|c| c.fail_reads) {
+        if self
+            .hits(off, buf.len() as u64)
+            .is_some_and(|c| c.fail_reads)
+        {
             return Err(self.eio());
         }
         self.inner.read_at(buf, off)
@@ -115,7 +131,11 @@ impl Backend for FaultBackend {
     }
     fn flush(&self) -> io::Result<()> {
         self.delay();
-        if self.failed() || self.hits(0, u64::MAX).is_some_and(|c| c.fail_writes && c.only_at.is_none()) {
+        if self.failed()
+            || self
+                .hits(0, u64::MAX)
+                .is_some_and(|c| c.fail_writes && c.only_at.is_none())
+        {
             self.mark_failed();
             return Err(self.eio());
         }
@@ -151,14 +171,20 @@ mod tests {
     #[test]
     fn torn_write_lands_half_and_sticks() {
         let f = FaultBackend::new(Arc::new(RamBackend::new(8192, 512)));
-        f.set(FaultConfig { torn_writes: true, ..Default::default() });
+        f.set(FaultConfig {
+            torn_writes: true,
+            ..Default::default()
+        });
         assert!(f.write_at(&[9u8; 2048], 0, false).is_err());
         f.set(FaultConfig::default());
         let mut b = [0u8; 2048];
         f.read_at(&mut b, 0).unwrap();
         assert!(b[..1024].iter().all(|&x| x == 9));
         assert!(b[1024..].iter().all(|&x| x == 0));
-        assert!(f.write_at(&[1u8; 512], 4096, false).is_err(), "failed state is sticky");
+        assert!(
+            f.write_at(&[1u8; 512], 4096, false).is_err(),
+            "failed state is sticky"
+        );
         f.heal();
         f.write_at(&[1u8; 512], 4096, false).unwrap();
     }
@@ -166,7 +192,11 @@ mod tests {
     #[test]
     fn faults_only_at_an_offset() {
         let f = FaultBackend::new(Arc::new(RamBackend::new(8192, 512)));
-        f.set(FaultConfig { fail_reads: true, only_at: Some(4096), ..Default::default() });
+        f.set(FaultConfig {
+            fail_reads: true,
+            only_at: Some(4096),
+            ..Default::default()
+        });
         let mut b = [0u8; 512];
         f.read_at(&mut b, 0).unwrap();
         assert!(f.read_at(&mut b, 4096).is_err());

@@ -28,8 +28,16 @@ const BLKSSZGET: libc::c_ulong = 0x1268;
 impl FileBackend {
     /// Opens `path` (O_DIRECT when supported) and exposes `[offset, offset+length)`
     /// of it; without a length, everything from `offset` to the end.
-    pub fn open(path: &str, offset: u64, length: Option<u64>, block_size: Option<u32>) -> Result<FileBackend, BackendError> {
-        let geo = |reason: String| BackendError::Geometry { path: path.to_owned(), reason };
+    pub fn open(
+        path: &str,
+        offset: u64,
+        length: Option<u64>,
+        block_size: Option<u32>,
+    ) -> Result<FileBackend, BackendError> {
+        let geo = |reason: String| BackendError::Geometry {
+            path: path.to_owned(),
+            reason,
+        };
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(true);
@@ -42,11 +50,25 @@ impl FileBackend {
             Ok(f) => (f, true),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 tracing::warn!(path, "O_DIRECT not supported here; using the page cache (slower, flush still honoured)");
-                (open(false).map_err(|source| BackendError::Open { path: path.to_owned(), source })?, false)
+                (
+                    open(false).map_err(|source| BackendError::Open {
+                        path: path.to_owned(),
+                        source,
+                    })?,
+                    false,
+                )
             }
-            Err(source) => return Err(BackendError::Open { path: path.to_owned(), source }),
+            Err(source) => {
+                return Err(BackendError::Open {
+                    path: path.to_owned(),
+                    source,
+                })
+            }
         };
-        let meta = file.metadata().map_err(|source| BackendError::Open { path: path.to_owned(), source })?;
+        let meta = file.metadata().map_err(|source| BackendError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
         let is_block_device = meta.file_type().is_block_device();
         let (total, dev_block) = if is_block_device {
             let mut size: u64 = 0;
@@ -57,7 +79,10 @@ impl FileBackend {
                     && libc::ioctl(file.as_raw_fd(), BLKSSZGET, &mut ssz as *mut libc::c_int) == 0
             };
             if !ok {
-                return Err(geo(format!("cannot read device geometry: {}", io::Error::last_os_error())));
+                return Err(geo(format!(
+                    "cannot read device geometry: {}",
+                    io::Error::last_os_error()
+                )));
             }
             (size, ssz as u32)
         } else if meta.is_file() {
@@ -67,17 +92,27 @@ impl FileBackend {
         };
         let block_size = block_size.unwrap_or(dev_block.max(512));
         if block_size < dev_block {
-            return Err(geo(format!("block size {block_size} is below the device's {dev_block}")));
+            return Err(geo(format!(
+                "block size {block_size} is below the device's {dev_block}"
+            )));
         }
         if !offset.is_multiple_of(EXTENT_ALIGN_BYTES) {
-            return Err(geo(format!("extent offset {offset} is not a multiple of {EXTENT_ALIGN_BYTES}")));
+            return Err(geo(format!(
+                "extent offset {offset} is not a multiple of {EXTENT_ALIGN_BYTES}"
+            )));
         }
         if offset >= total {
-            return Err(geo(format!("extent offset {offset} is beyond the end ({total} bytes)")));
+            return Err(geo(format!(
+                "extent offset {offset} is beyond the end ({total} bytes)"
+            )));
         }
         let avail = total - offset;
         let len = match length {
-            Some(l) if l > avail => return Err(geo(format!("extent [{offset}, +{l}) runs past the end ({total} bytes)"))),
+            Some(l) if l > avail => {
+                return Err(geo(format!(
+                    "extent [{offset}, +{l}) runs past the end ({total} bytes)"
+                )))
+            }
             Some(l) => l,
             None => avail,
         };
@@ -85,7 +120,16 @@ impl FileBackend {
         if len == 0 {
             return Err(geo("extent is smaller than one block".into()));
         }
-        Ok(FileBackend { file, path: path.to_owned(), base: offset, len, block_size, direct, is_block_device, failed: AtomicBool::new(false) })
+        Ok(FileBackend {
+            file,
+            path: path.to_owned(),
+            base: offset,
+            len,
+            block_size,
+            direct,
+            is_block_device,
+            failed: AtomicBool::new(false),
+        })
     }
 
     pub fn is_direct(&self) -> bool {
@@ -93,14 +137,29 @@ impl FileBackend {
     }
 
     fn check(&self, off: u64, len: u64) {
-        assert!(off.checked_add(len).is_some_and(|end| end <= self.len), "range [{off}, +{len}) outside {}", self.len);
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "range [{off}, +{len}) outside {}",
+            self.len
+        );
     }
 
     fn fallocate(&self, mode: libc::c_int, off: u64, len: u64) -> io::Result<()> {
         self.check(off, len);
         // SAFETY: fallocate takes a valid fd and plain integers.
-        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, (self.base + off) as libc::off_t, len as libc::off_t) };
-        if r == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+        let r = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                mode,
+                (self.base + off) as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
     }
 
     fn failed_error() -> io::Error {
@@ -118,7 +177,11 @@ impl Backend for FileBackend {
     fn describe(&self) -> String {
         format!(
             "{} {} [{}, +{}){}",
-            if self.is_block_device { "device" } else { "file" },
+            if self.is_block_device {
+                "device"
+            } else {
+                "file"
+            },
             self.path,
             self.base,
             self.len,
@@ -126,7 +189,10 @@ impl Backend for FileBackend {
         )
     }
     fn uring_target(&self) -> Option<UringTarget> {
-        Some(UringTarget { fd: self.file.as_raw_fd(), base: self.base })
+        Some(UringTarget {
+            fd: self.file.as_raw_fd(),
+            base: self.base,
+        })
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
@@ -142,7 +208,13 @@ impl Backend for FileBackend {
         if self.failed() {
             return Err(Self::failed_error());
         }
-        let r = self.file.write_all_at(buf, self.base + off).and_then(|()| if fua { self.file.sync_data() } else { Ok(()) });
+        let r = self.file.write_all_at(buf, self.base + off).and_then(|()| {
+            if fua {
+                self.file.sync_data()
+            } else {
+                Ok(())
+            }
+        });
         if r.is_err() {
             self.mark_failed();
         }
@@ -164,11 +236,20 @@ impl Backend for FileBackend {
         if self.failed() {
             return Err(Self::failed_error());
         }
-        match self.fallocate(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE, off, len) {
+        match self.fallocate(
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        ) {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 // Punching a hole also reads back as zeroes on filesystems that
                 // lack ZERO_RANGE; fall back to writing zeroes where neither works.
-                self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len).or_else(|_| self.write_zero_buffers(off, len))
+                self.fallocate(
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    off,
+                    len,
+                )
+                .or_else(|_| self.write_zero_buffers(off, len))
             }
             r => r,
         }
@@ -178,8 +259,14 @@ impl Backend for FileBackend {
         if self.failed() {
             return Err(Self::failed_error());
         }
-        match self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off, len) {
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.write_zero_buffers(off, len),
+        match self.fallocate(
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off,
+            len,
+        ) {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                self.write_zero_buffers(off, len)
+            }
             r => r,
         }
     }
@@ -201,7 +288,8 @@ impl FileBackend {
         let mut done = 0;
         while done < len {
             let n = (len - done).min(CHUNK);
-            self.file.write_all_at(zeros.as_slice(n as usize), self.base + off + done)?;
+            self.file
+                .write_all_at(zeros.as_slice(n as usize), self.base + off + done)?;
             done += n;
         }
         Ok(())

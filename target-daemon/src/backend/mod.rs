@@ -74,8 +74,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// - `fault:SPEC` wrapping another (faults are set by tests through the API)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendSpec {
-    File { path: String, offset: u64, length: Option<u64>, block_size: Option<u32> },
-    Ram { size: u64, block_size: Option<u32> },
+    File {
+        path: String,
+        offset: u64,
+        length: Option<u64>,
+        block_size: Option<u32>,
+    },
+    Ram {
+        size: u64,
+        block_size: Option<u32>,
+    },
 }
 
 /// Why a backend could not be opened or its spec parsed.
@@ -84,7 +92,11 @@ pub enum BackendError {
     #[error("invalid backend spec {spec:?}: {reason}")]
     Spec { spec: String, reason: String },
     #[error("cannot open {path}")]
-    Open { path: String, #[source] source: io::Error },
+    Open {
+        path: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("{path}: {reason}")]
     Geometry { path: String, reason: String },
 }
@@ -94,8 +106,13 @@ pub const RAM_SIZE_MAX_BYTES: u64 = 64 << 30;
 
 impl BackendSpec {
     pub fn parse(spec: &str) -> Result<BackendSpec, BackendError> {
-        let err = |reason: &str| BackendError::Spec { spec: spec.to_owned(), reason: reason.to_owned() };
-        let (kind, rest) = spec.split_once(':').ok_or_else(|| err("expected KIND:ARGS (file:PATH or ram:SIZE)"))?;
+        let err = |reason: &str| BackendError::Spec {
+            spec: spec.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let (kind, rest) = spec
+            .split_once(':')
+            .ok_or_else(|| err("expected KIND:ARGS (file:PATH or ram:SIZE)"))?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or_default();
         if first.is_empty() {
@@ -103,12 +120,16 @@ impl BackendSpec {
         }
         let (mut offset, mut length, mut block_size) = (0u64, None, None);
         for p in parts {
-            let (k, v) = p.split_once('=').ok_or_else(|| err("options are key=value"))?;
+            let (k, v) = p
+                .split_once('=')
+                .ok_or_else(|| err("options are key=value"))?;
             match k {
                 "offset" => offset = parse_size(v).map_err(|e| err(&e))?,
                 "length" => length = Some(parse_size(v).map_err(|e| err(&e))?),
                 "block_size" => {
-                    let b: u32 = v.parse().map_err(|_| err("block_size must be 512 or 4096"))?;
+                    let b: u32 = v
+                        .parse()
+                        .map_err(|_| err("block_size must be 512 or 4096"))?;
                     if b != 512 && b != 4096 {
                         return Err(err("block_size must be 512 or 4096"));
                     }
@@ -118,7 +139,12 @@ impl BackendSpec {
             }
         }
         match kind {
-            "file" => Ok(BackendSpec::File { path: first.to_owned(), offset, length, block_size }),
+            "file" => Ok(BackendSpec::File {
+                path: first.to_owned(),
+                offset,
+                length,
+                block_size,
+            }),
             "ram" => {
                 if offset != 0 || length.is_some() {
                     return Err(err("ram takes only a size and block_size"));
@@ -136,9 +162,12 @@ impl BackendSpec {
     /// Opens the backend this spec names.
     pub fn open(&self) -> Result<Arc<dyn Backend>, BackendError> {
         Ok(match self {
-            BackendSpec::File { path, offset, length, block_size } => {
-                Arc::new(FileBackend::open(path, *offset, *length, *block_size)?)
-            }
+            BackendSpec::File {
+                path,
+                offset,
+                length,
+                block_size,
+            } => Arc::new(FileBackend::open(path, *offset, *length, *block_size)?),
             BackendSpec::Ram { size, block_size } => {
                 let bs = block_size.unwrap_or(512);
                 Arc::new(RamBackend::new(size / bs as u64 * bs as u64, bs))
@@ -154,7 +183,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suffix) = t.split_at(digits_end);
     let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-    let shift = match suffix.trim_end_matches("iB").trim_end_matches('B').trim_end_matches('i') {
+    let shift = match suffix
+        .trim_end_matches("iB")
+        .trim_end_matches('B')
+        .trim_end_matches('i')
+    {
         "" => 0,
         "K" | "k" => 10,
         "M" | "m" => 20,
@@ -162,7 +195,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "T" | "t" => 40,
         _ => return Err(format!("{s:?} has an unknown unit (use K, M, G or T)")),
     };
-    n.checked_mul(1u64 << shift).ok_or_else(|| format!("{s:?} is too large"))
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// A buffer aligned for O_DIRECT, owned by the caller until its I/O completes.
@@ -181,10 +215,12 @@ unsafe impl Send for AlignedBuf {}
 impl AlignedBuf {
     pub fn new(cap: usize) -> AlignedBuf {
         let cap = cap.max(BUF_ALIGN_BYTES).next_multiple_of(BUF_ALIGN_BYTES);
-        let layout = std::alloc::Layout::from_size_align(cap, BUF_ALIGN_BYTES).expect("valid layout");
+        let layout =
+            std::alloc::Layout::from_size_align(cap, BUF_ALIGN_BYTES).expect("valid layout");
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, cap }
     }
     pub fn capacity(&self) -> usize {
@@ -210,7 +246,8 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.cap, BUF_ALIGN_BYTES).expect("valid layout");
+        let layout =
+            std::alloc::Layout::from_size_align(self.cap, BUF_ALIGN_BYTES).expect("valid layout");
         // SAFETY: allocated in new() with this very layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
     }
@@ -241,10 +278,29 @@ mod tests {
     fn specs() {
         assert_eq!(
             BackendSpec::parse("file:/dev/sdb,offset=1G,length=2G").unwrap(),
-            BackendSpec::File { path: "/dev/sdb".into(), offset: 1 << 30, length: Some(2 << 30), block_size: None }
+            BackendSpec::File {
+                path: "/dev/sdb".into(),
+                offset: 1 << 30,
+                length: Some(2 << 30),
+                block_size: None
+            }
         );
-        assert_eq!(BackendSpec::parse("ram:64M").unwrap(), BackendSpec::Ram { size: 64 << 20, block_size: None });
-        for bad in ["", "file:", "ram:0", "disk:/x", "ram:1G,offset=5", "file:/x,block_size=1000", "file:/x,foo=1"] {
+        assert_eq!(
+            BackendSpec::parse("ram:64M").unwrap(),
+            BackendSpec::Ram {
+                size: 64 << 20,
+                block_size: None
+            }
+        );
+        for bad in [
+            "",
+            "file:",
+            "ram:0",
+            "disk:/x",
+            "ram:1G,offset=5",
+            "file:/x,block_size=1000",
+            "file:/x,foo=1",
+        ] {
             assert!(BackendSpec::parse(bad).is_err(), "{bad}");
         }
     }

@@ -27,11 +27,18 @@ impl std::fmt::Debug for RamBackend {
 impl RamBackend {
     pub fn new(size: u64, block_size: u32) -> RamBackend {
         let data: Vec<UnsafeCell<u8>> = (0..size).map(|_| UnsafeCell::new(0)).collect();
-        RamBackend { data: data.into_boxed_slice(), block_size }
+        RamBackend {
+            data: data.into_boxed_slice(),
+            block_size,
+        }
     }
 
     fn ptr(&self, off: u64, len: usize) -> *mut u8 {
-        assert!(off.checked_add(len as u64).is_some_and(|e| e <= self.data.len() as u64), "range outside RAM namespace");
+        assert!(
+            off.checked_add(len as u64)
+                .is_some_and(|e| e <= self.data.len() as u64),
+            "range outside RAM namespace"
+        );
         UnsafeCell::raw_get(self.data[off as usize..].as_ptr())
     }
 }

@@ -1,0 +1,294 @@
+//! The admin HTTP API: JSON in and out, JSON errors with a kind and a
+//! message, and changes saved to the state directory so a restarted target
+//! has the same subsystems and namespace identities.
+
+mod common;
+
+use common::*;
+use nvpool_target::config::Config;
+use nvpool_target::Target;
+use nvpool_wire::identify::NsId;
+use serde_json::Value;
+
+#[track_caller]
+fn assert_error(r: &HttpResponse, status: u16, kind: &str) {
+    assert_eq!(r.status, status, "{}", r.body);
+    assert!(
+        r.content_type
+            .as_deref()
+            .is_some_and(|c| c.starts_with("application/json")),
+        "{r:?}"
+    );
+    let v = r.json();
+    assert_eq!(v["kind"], kind, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+}
+
+fn sub_path(nqn: &str) -> String {
+    format!("/v1/subsystems/{nqn}")
+}
+
+#[test]
+fn put_subsystem_and_namespace() {
+    let d = Daemon::start(&[]);
+    let body = r#"{"allow_any_host": true, "namespaces": [{"nsid": 1, "backend": "ram:16M"}]}"#;
+    let r = http(d.api, "PUT", &sub_path(SUBNQN), Some(body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["nqn"], SUBNQN);
+    assert_eq!(v["allow_any_host"], true);
+    let ns = &v["namespaces"][0];
+    assert_eq!(ns["nsid"], 1);
+    assert_eq!(ns["size_bytes"], 16 << 20);
+    assert_eq!(ns["block_size"], 512);
+    let uuid = ns["uuid"].as_str().expect("uuid").to_owned();
+
+    // The namespace is live: a host can use it and sees that UUID.
+    let (mut a, mut q) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let data = pattern(1, 4096);
+    q.write(1, 0, &data, 512, false).ok();
+    assert_eq!(q.read_ok(1, 0, 8, 512), data);
+    assert!(a.ns_descriptors(1).contains(&NsId::Uuid(parse_uuid(&uuid))));
+
+    // Add a second namespace (4 KiB blocks) on the running subsystem.
+    let r = http(
+        d.api,
+        "PUT",
+        &format!("{}/namespaces/2", sub_path(SUBNQN)),
+        Some(r#"{"backend": "ram:1M,block_size=4096"}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["namespaces"].as_array().map(Vec::len), Some(2));
+    assert_eq!(a.active_namespaces(0), vec![1, 2]);
+    assert_eq!(a.identify_namespace(2).lbads, 12);
+    // Namespace 1 kept its data and identity.
+    assert_eq!(q.read_ok(1, 0, 8, 512), data);
+
+    // GET views.
+    let r = http(d.api, "GET", &sub_path(SUBNQN), None);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["namespaces"][0]["uuid"], uuid.as_str());
+    let r = http(d.api, "GET", "/v1/controllers", None);
+    assert_eq!(r.status, 200);
+    let ctrls = r.json();
+    assert!(
+        ctrls
+            .as_array()
+            .expect("list")
+            .iter()
+            .any(|c| c["cntlid"] == a.cntlid && c["host"] == HOST_A),
+        "{ctrls}"
+    );
+    let r = http(d.api, "GET", "/v1/health", None);
+    assert_eq!(
+        (r.status, r.json()["status"].clone()),
+        (200, Value::from("ok"))
+    );
+
+    // Removing namespace 2: gone for the host.
+    let r = http(
+        d.api,
+        "DELETE",
+        &format!("{}/namespaces/2", sub_path(SUBNQN)),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(a.active_namespaces(0), vec![1]);
+}
+
+fn parse_uuid(s: &str) -> [u8; 16] {
+    nvpool_target::config::parse_uuid(s).expect("uuid")
+}
+
+#[test]
+fn errors_are_json() {
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    // Not JSON; JSON of the wrong shape; unknown fields.
+    assert_error(
+        &http(d.api, "PUT", &sub_path(OTHER_NQN), Some("{not json")),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &http(
+            d.api,
+            "PUT",
+            &sub_path(OTHER_NQN),
+            Some(r#"{"namespaces": 5}"#),
+        ),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &http(
+            d.api,
+            "PUT",
+            &sub_path(OTHER_NQN),
+            Some(r#"{"colour": "red"}"#),
+        ),
+        400,
+        "invalid",
+    );
+    // A bad NQN.
+    assert_error(
+        &http(d.api, "PUT", "/v1/subsystems/not-an-nqn", Some("{}")),
+        400,
+        "invalid",
+    );
+    // The discovery NQN is reserved.
+    assert_error(
+        &http(
+            d.api,
+            "PUT",
+            &sub_path(nvpool_wire::DISCOVERY_NQN),
+            Some("{}"),
+        ),
+        400,
+        "invalid",
+    );
+    // Unknown things.
+    assert_error(
+        &http(d.api, "GET", &sub_path(OTHER_NQN), None),
+        404,
+        "not_found",
+    );
+    assert_error(
+        &http(d.api, "DELETE", &sub_path(OTHER_NQN), None),
+        404,
+        "not_found",
+    );
+    assert_error(
+        &http(
+            d.api,
+            "PUT",
+            &format!("{}/namespaces/1", sub_path(OTHER_NQN)),
+            Some(r#"{"backend": "ram:1M"}"#),
+        ),
+        404,
+        "not_found",
+    );
+    assert_error(
+        &http(d.api, "GET", "/v1/nothing-here", None),
+        404,
+        "not_found",
+    );
+    // Bad namespaces: spec syntax, missing file, bad NSID.
+    let ns1 = format!("{}/namespaces/1", sub_path(SUBNQN));
+    assert_error(
+        &http(d.api, "PUT", &ns1, Some(r#"{"backend": "disk:/dev/null"}"#)),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &http(d.api, "PUT", &ns1, Some(r#"{"backend": "ram:0"}"#)),
+        400,
+        "invalid",
+    );
+    let missing = r#"{"backend": "file:/nonexistent/nvpool-test.img"}"#;
+    assert_error(&http(d.api, "PUT", &ns1, Some(missing)), 422, "backend");
+    assert_error(
+        &http(
+            d.api,
+            "PUT",
+            &format!("{}/namespaces/0", sub_path(SUBNQN)),
+            Some(r#"{"backend": "ram:1M"}"#),
+        ),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &http(
+            d.api,
+            "PUT",
+            &format!("{}/namespaces/x", sub_path(SUBNQN)),
+            Some(r#"{"backend": "ram:1M"}"#),
+        ),
+        400,
+        "invalid",
+    );
+    // None of that changed the subsystem.
+    let v = http(d.api, "GET", &sub_path(SUBNQN), None).json();
+    assert_eq!(v["namespaces"].as_array().map(Vec::len), Some(1));
+    assert_eq!(v["namespaces"][0]["backend"], RAM_SPEC);
+}
+
+#[test]
+fn changes_survive_a_restart_through_the_state_dir() {
+    let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("state dir");
+    let (_data_dir, disk) = scratch_file(4 << 20);
+    let d = Daemon::start_with(
+        Target::new(Some(state.path().to_owned())).expect("target"),
+        &[],
+    );
+    let body = format!(
+        r#"{{"allowed_hosts": ["{HOST_A}"], "namespaces": [{{"nsid": 1, "backend": "ram:8M"}}, {{"nsid": 5, "backend": "file:{}"}}]}}"#,
+        disk.display()
+    );
+    let r = http(d.api, "PUT", &sub_path(SUBNQN), Some(&body));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = http(
+        d.api,
+        "PUT",
+        &sub_path(OTHER_NQN),
+        Some(r#"{"allow_any_host": true}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = http(
+        d.api,
+        "PUT",
+        &format!("{}/hosts/{HOST_B}", sub_path(SUBNQN)),
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Saved before the answer.
+    let saved = std::fs::read_to_string(Config::state_path(state.path())).expect("target.json");
+    assert!(
+        saved.contains(SUBNQN) && saved.contains(OTHER_NQN) && saved.contains(HOST_B),
+        "{saved}"
+    );
+
+    // What the first run's hosts saw.
+    let mut a = admin_session(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let ids1 = a.ns_descriptors(1);
+    let ids5 = a.ns_descriptors(5);
+    let (_a, mut q) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let data = pattern(2, 8192);
+    q.write(5, 16, &data, 512, false).ok();
+    q.flush(5).ok();
+    drop((a, q));
+    let before = d.target.running_config();
+    d.shutdown();
+
+    // A new target from the same state dir.
+    let t = Target::new(Some(state.path().to_owned())).expect("target");
+    let cfg = Config::load_state(state.path())
+        .expect("load")
+        .expect("state exists");
+    t.apply_config(&cfg).expect("apply");
+    assert_eq!(t.running_config().subsystems, before.subsystems);
+    let s = t.subsystem(SUBNQN).expect("subsystem back");
+    assert!(s.hosts.contains(HOST_A) && s.hosts.contains(HOST_B) && !s.allow_any_host);
+    assert_eq!(s.namespaces.keys().copied().collect::<Vec<_>>(), vec![1, 5]);
+    assert!(t.subsystem(OTHER_NQN).is_some_and(|o| o.allow_any_host));
+
+    let d2 = Daemon::start_with(t, &[]);
+    let mut a = admin_session(d2.addr, NO_DIGESTS, SUBNQN, HOST_B);
+    assert_eq!(
+        a.ns_descriptors(1),
+        ids1,
+        "namespace 1 identity changed across restart"
+    );
+    assert_eq!(
+        a.ns_descriptors(5),
+        ids5,
+        "namespace 5 identity changed across restart"
+    );
+    a.set_queue_count(1);
+    let mut q = io_session(d2.addr, NO_DIGESTS, SUBNQN, HOST_B, a.cntlid, 1);
+    assert_eq!(
+        q.read_ok(5, 16, 16, 512),
+        data,
+        "file namespace data across restart"
+    );
+}
