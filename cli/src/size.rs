@@ -1,0 +1,75 @@
+//! Sizes and durations on the command line.
+//!
+//! Sizes are binary (IEC): `4k` = 4096, `1G` = 1 GiB, as rbd, LVM and fio
+//! read them; a bare number is bytes.
+
+use std::time::Duration;
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(end);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (examples: 4k, 128K, 1G)"))?;
+    let shift = match unit
+        .to_ascii_lowercase()
+        .trim_end_matches("ib")
+        .trim_end_matches('b')
+    {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => return Err(format!("{s:?} has an unknown unit (use k, M, G or T)")),
+    };
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// `10s`, `500ms`, `2m`, or bare seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let end = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(end);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (examples: 10s, 500ms, 2m)"))?;
+    let secs = match unit {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" | "min" => n * 60.0,
+        _ => return Err(format!("{s:?} has an unknown unit (use ms, s or m)")),
+    };
+    if !(0.0..=86400.0).contains(&secs) {
+        return Err(format!("{s:?} is out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_binary() {
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size("128K").unwrap(), 128 << 10);
+        assert_eq!(parse_size("10G").unwrap(), 10 << 30);
+        assert_eq!(parse_size("1TiB").unwrap(), 1 << 40);
+        assert!(parse_size("4q").is_err());
+        assert!(parse_size("k").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert!(parse_duration("-1").is_err());
+        assert!(parse_duration("3h").is_err());
+    }
+}

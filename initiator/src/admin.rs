@@ -1,0 +1,657 @@
+//! The controller: admin queue, connect and enable sequence, Identify,
+//! features, keep-alive, and reconnection shared by its I/O queues.
+
+use crate::conn::{Conn, Pdu, MAX_TRANSFER_BYTES};
+use crate::error::Error;
+use nvpool_wire::fabrics::{cc, csts, fctype, prop, Cap, ConnectCmd, ConnectData, PropertyCmd};
+use nvpool_wire::identify::{self, cns, IdentifyController, IdentifyNamespace, NsId};
+use nvpool_wire::log::GetLogPage;
+use nvpool_wire::sqe::{admin as aop, sgl_id};
+use nvpool_wire::tcp::Digests;
+use nvpool_wire::{Cqe, Sgl, Sqe, Status};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Admin queue entries (the Linux host uses 32).
+const ADMIN_QUEUE_ENTRIES: u16 = 32;
+/// Admin commands wait this long for their completion.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest admin data transfer the host reads in one command.
+const ADMIN_CHUNK_BYTES: usize = 4096;
+
+/// How to reach and use one controller.
+#[derive(Debug, Clone)]
+pub struct ConnectParams {
+    pub addr: SocketAddr,
+    pub subnqn: String,
+    pub hostnqn: String,
+    pub hostid: [u8; 16],
+    pub digests: Digests,
+    /// Keep-alive timeout; zero disables keep-alive (discovery).
+    pub kato: Duration,
+    /// I/O queues to ask for (0 for discovery controllers).
+    pub io_queues: u16,
+    /// Commands outstanding per I/O queue.
+    pub queue_depth: u16,
+    /// Give up reconnecting after this long.
+    pub ctrl_loss_timeout: Duration,
+    /// Wait between reconnect attempts.
+    pub reconnect_delay: Duration,
+    /// TCP connect and ICResp timeout.
+    pub connect_timeout: Duration,
+}
+
+impl ConnectParams {
+    /// Defaults like the Linux host's: KATO 5 s, 128-deep queues, reconnect
+    /// every second for up to 60 s.
+    pub fn new(addr: SocketAddr, subnqn: &str) -> ConnectParams {
+        let (hostnqn, hostid) = crate::hostnqn::host_identity();
+        ConnectParams {
+            addr,
+            subnqn: subnqn.to_owned(),
+            hostnqn,
+            hostid,
+            digests: Digests::default(),
+            kato: Duration::from_secs(5),
+            io_queues: std::thread::available_parallelism().map_or(1, |n| n.get() as u16),
+            queue_depth: 128,
+            ctrl_loss_timeout: Duration::from_secs(60),
+            reconnect_delay: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A namespace as Identify describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NamespaceInfo {
+    pub nsid: u32,
+    pub blocks: u64,
+    pub block_size: u32,
+    pub uuid: Option<[u8; 16]>,
+    pub nguid: [u8; 16],
+    /// Write Zeroes may deallocate and deallocated blocks read as zeroes.
+    pub zeroes_on_deallocate: bool,
+}
+
+impl NamespaceInfo {
+    pub fn size_bytes(&self) -> u64 {
+        self.blocks * self.block_size as u64
+    }
+}
+
+/// One admin queue connection.
+#[derive(Debug)]
+pub(crate) struct AdminQueue {
+    conn: Conn,
+    next_cid: u16,
+}
+
+impl AdminQueue {
+    fn connect(
+        p: &ConnectParams,
+        cntlid: u16,
+        qid: u16,
+        entries: u16,
+    ) -> Result<(Conn, u16), Error> {
+        let mut conn = Conn::connect(p.addr, p.digests, p.connect_timeout)?;
+        let kato_ms = if qid == 0 {
+            p.kato.as_millis().min(u32::MAX as u128) as u32
+        } else {
+            0
+        };
+        let cmd = ConnectCmd {
+            recfmt: 0,
+            qid,
+            sqsize: entries - 1,
+            cattr: 0,
+            kato_ms,
+        };
+        let data = ConnectData {
+            hostid: p.hostid,
+            cntlid,
+            subnqn: &p.subnqn,
+            hostnqn: &p.hostnqn,
+        }
+        .encode();
+        let mut q = AdminQueue { conn, next_cid: 0 };
+        let (cqe, _) = q.exec(cmd.to_sqe(0), &data, 0, "connect")?;
+        conn = q.conn;
+        Ok((conn, cqe.dw0 as u16))
+    }
+
+    /// Runs one command synchronously; returns its completion and any data.
+    fn exec(
+        &mut self,
+        mut sqe: Sqe,
+        out: &[u8],
+        in_len: usize,
+        what: &'static str,
+    ) -> Result<(Cqe, Vec<u8>), Error> {
+        let cid = self.next_cid;
+        self.next_cid = (self.next_cid + 1) % (ADMIN_QUEUE_ENTRIES - 1);
+        sqe.set_cid(cid);
+        let addr = self.conn.addr.to_string();
+        if !out.is_empty() {
+            sqe.set_sgl(Sgl {
+                addr: 0,
+                len: out.len() as u32,
+                id: sgl_id::IN_CAPSULE,
+            });
+            self.conn.queue_capsule(&sqe, out);
+        } else {
+            if in_len > 0 {
+                sqe.set_sgl(Sgl {
+                    addr: 0,
+                    len: in_len as u32,
+                    id: sgl_id::TRANSPORT,
+                });
+            } else if sqe.sgl().id == 0 {
+                sqe.set_sgl(Sgl {
+                    addr: 0,
+                    len: 0,
+                    id: sgl_id::TRANSPORT,
+                });
+            }
+            self.conn.queue_capsule(&sqe, &[]);
+        }
+        let deadline = Instant::now() + ADMIN_TIMEOUT;
+        let mut data = Vec::with_capacity(in_len);
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout { addr, what });
+            }
+            if !self.conn.pump(deadline - now)? {
+                continue;
+            }
+            while let Some(pdu) = self.conn.next_pdu()? {
+                match pdu {
+                    Pdu::Resp(cqe) if cqe.cid == cid => {
+                        if !cqe.status.is_success() {
+                            return Err(Error::Status {
+                                addr,
+                                what,
+                                status: cqe.status,
+                            });
+                        }
+                        return Ok((cqe, data));
+                    }
+                    Pdu::Resp(cqe) => tracing::debug!(
+                        cid = cqe.cid,
+                        "admin completion for another command ignored"
+                    ),
+                    Pdu::Data {
+                        hdr,
+                        flags,
+                        range,
+                        digest_ok,
+                    } if hdr.cccid == cid => {
+                        if !digest_ok {
+                            return Err(Error::Protocol {
+                                addr,
+                                what: "data digest mismatch".into(),
+                            });
+                        }
+                        if data.len() + range.len() > in_len {
+                            return Err(Error::Protocol {
+                                addr,
+                                what: format!("{what}: more data than asked for"),
+                            });
+                        }
+                        data.extend_from_slice(self.conn.data(range));
+                        if flags & nvpool_wire::tcp::flags::SUCCESS != 0 {
+                            return Ok((Cqe::new(cid, Status::SUCCESS), data));
+                        }
+                    }
+                    Pdu::Term(t) => return Err(Error::Terminated { addr, fes: t.fes }),
+                    other => {
+                        return Err(Error::Protocol {
+                            addr,
+                            what: format!("{what}: unexpected {other:?}"),
+                        })
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    admin: Option<AdminQueue>,
+    cntlid: u16,
+    /// Bumped at every (re)connect of the admin queue.
+    generation: u64,
+    io_queues: u16,
+    lost: bool,
+}
+
+/// A connected controller.
+#[derive(Debug)]
+pub struct Controller {
+    pub params: ConnectParams,
+    pub identify: IdentifyController,
+    pub cap: Cap,
+    state: Mutex<State>,
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    keep_alive: Mutex<Option<JoinHandle<()>>>,
+    shut: AtomicBool,
+}
+
+impl Controller {
+    /// Connects the admin queue, enables the controller and reads Identify.
+    pub fn connect(params: ConnectParams) -> Result<Arc<Controller>, Error> {
+        if params.queue_depth < 2 {
+            return Err(Error::Invalid("queue depth must be at least 2".into()));
+        }
+        let (admin, cntlid, cap, identify, io_queues) = Self::establish(&params)?;
+        let c = Arc::new(Controller {
+            params,
+            identify,
+            cap,
+            state: Mutex::new(State {
+                admin: Some(admin),
+                cntlid,
+                generation: 1,
+                io_queues,
+                lost: false,
+            }),
+            stop: Arc::new((Mutex::new(false), Condvar::new())),
+            keep_alive: Mutex::new(None),
+            shut: AtomicBool::new(false),
+        });
+        if !c.params.kato.is_zero() {
+            let weak = Arc::downgrade(&c);
+            let stop = c.stop.clone();
+            let every = c.params.kato / 2;
+            let h = std::thread::Builder::new()
+                .name("nvpool-keepalive".into())
+                .spawn(move || keep_alive_loop(weak, stop, every))
+                .map_err(|e| Error::Invalid(format!("cannot start keep-alive thread: {e}")))?;
+            *c.keep_alive.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
+        }
+        Ok(c)
+    }
+
+    fn establish(
+        p: &ConnectParams,
+    ) -> Result<(AdminQueue, u16, Cap, IdentifyController, u16), Error> {
+        let addr = p.addr.to_string();
+        let (conn, cntlid) = AdminQueue::connect(p, 0xFFFF, 0, ADMIN_QUEUE_ENTRIES)?;
+        let mut q = AdminQueue { conn, next_cid: 1 };
+        let cap = Cap::from_u64(prop_get(&mut q, prop::CAP, true)?);
+        prop_set(&mut q, prop::CC, cc::LINUX_ENABLE & !cc::EN)?;
+        prop_set(&mut q, prop::CC, cc::LINUX_ENABLE)?;
+        let ready_by = Instant::now() + Duration::from_millis(500 * (cap.to as u64 + 1));
+        loop {
+            let st = prop_get(&mut q, prop::CSTS, false)? as u32;
+            if st & csts::CFS != 0 {
+                return Err(Error::Protocol {
+                    addr,
+                    what: "controller fatal status while enabling".into(),
+                });
+            }
+            if st & csts::RDY != 0 {
+                break;
+            }
+            if Instant::now() > ready_by {
+                return Err(Error::Timeout {
+                    addr,
+                    what: "controller ready",
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut sqe = Sqe::new(aop::IDENTIFY, 0);
+        sqe.set_cdw(10, cns::CONTROLLER as u32);
+        let (_, data) = q.exec(sqe, &[], identify::IDENTIFY_LEN, "identify controller")?;
+        let id = IdentifyController::decode(&data).map_err(|e| Error::Protocol {
+            addr: addr.clone(),
+            what: e.to_string(),
+        })?;
+        if id.cntlid != cntlid {
+            return Err(Error::Protocol {
+                addr,
+                what: format!(
+                    "Identify CNTLID {} differs from Connect's {cntlid}",
+                    id.cntlid
+                ),
+            });
+        }
+        let mut io_queues = 0;
+        if p.io_queues > 0 {
+            let mut sqe = Sqe::new(aop::SET_FEATURES, 0);
+            let n = (p.io_queues - 1) as u32;
+            sqe.set_cdw(10, 0x07);
+            sqe.set_cdw(11, n | n << 16);
+            let (cqe, _) = q.exec(sqe, &[], 0, "set number of queues")?;
+            io_queues = ((cqe.dw0 & 0xFFFF).min(cqe.dw0 >> 16) + 1).min(p.io_queues as u32) as u16;
+        }
+        tracing::debug!(%addr, cntlid, io_queues, "controller connected");
+        Ok((q, cntlid, cap, id, io_queues))
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.params.addr
+    }
+
+    /// I/O queues the controller granted.
+    pub fn io_queue_count(&self) -> u16 {
+        self.lock().io_queues
+    }
+
+    /// The entries each I/O queue is created with (depth + 1), clamped to
+    /// what the controller supports.
+    pub fn io_queue_entries(&self) -> u16 {
+        let mut e = self
+            .params
+            .queue_depth
+            .saturating_add(1)
+            .min(self.cap.mqes.saturating_add(1));
+        if self.identify.maxcmd > 0 {
+            e = e.min(self.identify.maxcmd);
+        }
+        e.max(2)
+    }
+
+    /// Largest transfer per command: MDTS, capped by our receive buffer.
+    pub fn max_transfer(&self) -> usize {
+        let mdts = match self.identify.mdts {
+            0 => usize::MAX,
+            m => 4096usize.checked_shl(m as u32).unwrap_or(usize::MAX),
+        };
+        mdts.min(MAX_TRANSFER_BYTES)
+    }
+
+    /// Bytes of write data that may travel in-capsule on I/O queues.
+    pub fn inline_data_max(&self) -> usize {
+        (self.identify.ioccsz as usize * 16).saturating_sub(64)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Current (CNTLID, generation), for I/O queue connects.
+    pub(crate) fn current(&self) -> Result<(u16, u64), Error> {
+        let s = self.lock();
+        if s.lost {
+            return Err(self.lost_error());
+        }
+        Ok((s.cntlid, s.generation))
+    }
+
+    fn lost_error(&self) -> Error {
+        Error::ControllerLost {
+            addr: self.params.addr.to_string(),
+            secs: self.params.ctrl_loss_timeout.as_secs(),
+        }
+    }
+
+    /// Re-establishes the admin queue if it is still the one of generation
+    /// `seen` (another queue may have done it already). Retries every
+    /// reconnect delay until the controller-loss timeout.
+    pub(crate) fn reconnect(&self, seen: u64) -> Result<(u16, u64), Error> {
+        let mut s = self.lock();
+        if s.lost {
+            return Err(self.lost_error());
+        }
+        if s.generation != seen || self.shut.load(Ordering::Acquire) {
+            return Ok((s.cntlid, s.generation));
+        }
+        if let Some(a) = s.admin.take() {
+            a.conn.shutdown();
+        }
+        let give_up = Instant::now() + self.params.ctrl_loss_timeout;
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match Self::establish(&self.params) {
+                Ok((q, cntlid, _, _, io_queues)) => {
+                    tracing::info!(addr = %self.params.addr, cntlid, attempt, "controller reconnected");
+                    s.admin = Some(q);
+                    s.cntlid = cntlid;
+                    s.io_queues = io_queues;
+                    s.generation += 1;
+                    return Ok((cntlid, s.generation));
+                }
+                Err(e) if !e.is_transport() && !matches!(e, Error::Status { .. }) => return Err(e),
+                Err(e) => {
+                    if Instant::now() + self.params.reconnect_delay > give_up {
+                        tracing::error!(addr = %self.params.addr, error = %e, "controller lost");
+                        s.lost = true;
+                        return Err(self.lost_error());
+                    }
+                    tracing::warn!(addr = %self.params.addr, attempt, error = %e, "reconnect failed; retrying");
+                    std::thread::sleep(self.params.reconnect_delay);
+                }
+            }
+        }
+    }
+
+    /// Runs an admin command (reconnecting once if the admin queue broke).
+    pub fn admin(
+        &self,
+        sqe: Sqe,
+        out: &[u8],
+        in_len: usize,
+        what: &'static str,
+    ) -> Result<(Cqe, Vec<u8>), Error> {
+        let gen = {
+            let mut s = self.lock();
+            if s.lost {
+                return Err(self.lost_error());
+            }
+            let gen = s.generation;
+            match s.admin.as_mut() {
+                Some(a) => match a.exec(sqe, out, in_len, what) {
+                    Err(e) if e.is_transport() => {
+                        tracing::warn!(error = %e, "admin queue failed");
+                        gen
+                    }
+                    r => return r,
+                },
+                None => gen,
+            }
+        };
+        self.reconnect(gen)?;
+        let mut s = self.lock();
+        match s.admin.as_mut() {
+            Some(a) => a.exec(sqe, out, in_len, what),
+            None => Err(self.lost_error()),
+        }
+    }
+
+    /// Identify Namespace plus its descriptor list.
+    pub fn namespace(&self, nsid: u32) -> Result<NamespaceInfo, Error> {
+        let mut sqe = Sqe::new(aop::IDENTIFY, 0);
+        sqe.set_nsid(nsid);
+        sqe.set_cdw(10, cns::NAMESPACE as u32);
+        let (_, data) = self.admin(sqe, &[], identify::IDENTIFY_LEN, "identify namespace")?;
+        let id = IdentifyNamespace::decode(&data).map_err(|e| Error::Invalid(e.to_string()))?;
+        if id.ncap == 0 || id.nsze == 0 {
+            return Err(Error::Invalid(format!(
+                "namespace {nsid} is not active on {}",
+                self.params.subnqn
+            )));
+        }
+        let bs = id.block_size();
+        if !(512..=65536).contains(&bs) {
+            return Err(Error::Invalid(format!(
+                "namespace {nsid} has unsupported block size {bs}"
+            )));
+        }
+        let mut sqe = Sqe::new(aop::IDENTIFY, 0);
+        sqe.set_nsid(nsid);
+        sqe.set_cdw(10, cns::NS_DESCRIPTORS as u32);
+        let uuid = self
+            .admin(sqe, &[], identify::IDENTIFY_LEN, "namespace descriptors")
+            .ok()
+            .and_then(|(_, d)| identify::decode_ns_descriptors(&d).ok())
+            .and_then(|v| {
+                v.into_iter()
+                    .find_map(|x| if let NsId::Uuid(u) = x { Some(u) } else { None })
+            });
+        Ok(NamespaceInfo {
+            nsid,
+            blocks: id.nsze,
+            block_size: bs as u32,
+            uuid,
+            nguid: id.nguid,
+            zeroes_on_deallocate: id.dlfeat & 0x7 == 1,
+        })
+    }
+
+    /// Active namespace IDs.
+    pub fn active_namespaces(&self) -> Result<Vec<u32>, Error> {
+        let mut all = Vec::new();
+        let mut after = 0;
+        loop {
+            let mut sqe = Sqe::new(aop::IDENTIFY, 0);
+            sqe.set_nsid(after);
+            sqe.set_cdw(10, cns::ACTIVE_NS_LIST as u32);
+            let (_, data) =
+                self.admin(sqe, &[], identify::IDENTIFY_LEN, "active namespace list")?;
+            let v = identify::decode_active_ns_list(&data)
+                .map_err(|e| Error::Invalid(e.to_string()))?;
+            let full = v.len() == identify::IDENTIFY_LEN / 4;
+            after = v.last().copied().unwrap_or(0);
+            all.extend(v);
+            if !full {
+                return Ok(all);
+            }
+        }
+    }
+
+    /// Reads a log page in chunks of at most 4 KiB (as nvme-cli does).
+    pub fn log_page(&self, lid: u8, nsid: u32, offset: u64, len: usize) -> Result<Vec<u8>, Error> {
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            let n = (len - out.len()).min(ADMIN_CHUNK_BYTES);
+            let g = GetLogPage {
+                lid,
+                rae: false,
+                len: n as u64,
+                offset: offset + out.len() as u64,
+            };
+            let (_, d) = self.admin(g.to_sqe(0, nsid), &[], n, "get log page")?;
+            out.extend_from_slice(&d);
+            if d.len() < n {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Orderly shutdown (CC.SHN, wait for SHST complete), then close.
+    pub fn shutdown(&self) {
+        if self.shut.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        {
+            let (m, cv) = &*self.stop;
+            *m.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            cv.notify_all();
+        }
+        if let Some(h) = self
+            .keep_alive
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            // The keep-alive thread may hold the last reference itself.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        let mut s = self.lock();
+        if let Some(mut a) = s.admin.take() {
+            let shn = cc::LINUX_ENABLE | (1 << cc::SHN_SHIFT);
+            if prop_set(&mut a, prop::CC, shn).is_ok() {
+                let until = Instant::now() + Duration::from_secs(5);
+                while Instant::now() < until {
+                    match prop_get(&mut a, prop::CSTS, false) {
+                        Ok(v) if v as u32 & csts::SHST_MASK == csts::SHST_COMPLETE => break,
+                        Ok(_) => std::thread::sleep(Duration::from_millis(2)),
+                        Err(_) => break,
+                    }
+                }
+            }
+            a.conn.shutdown();
+        }
+    }
+
+    /// Opens I/O queue `qid` (1-based).
+    pub fn io_queue(self: &Arc<Self>, qid: u16) -> Result<crate::IoQueue, Error> {
+        crate::queue::IoQueue::connect(self.clone(), qid)
+    }
+
+    pub(crate) fn connect_io(&self, qid: u16, cntlid: u16, entries: u16) -> Result<Conn, Error> {
+        AdminQueue::connect(&self.params, cntlid, qid, entries).map(|(c, _)| c)
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn prop_get(q: &mut AdminQueue, off: u32, size8: bool) -> Result<u64, Error> {
+    let (cqe, _) = q.exec(
+        PropertyCmd {
+            size8,
+            offset: off,
+            value: 0,
+        }
+        .to_sqe(0, fctype::PROPERTY_GET),
+        &[],
+        0,
+        "property get",
+    )?;
+    Ok(cqe.dw0 as u64 | (cqe.dw1 as u64) << 32)
+}
+
+fn prop_set(q: &mut AdminQueue, off: u32, v: u32) -> Result<(), Error> {
+    q.exec(
+        PropertyCmd {
+            size8: false,
+            offset: off,
+            value: v as u64,
+        }
+        .to_sqe(0, fctype::PROPERTY_SET),
+        &[],
+        0,
+        "property set",
+    )
+    .map(|_| ())
+}
+
+fn keep_alive_loop(
+    ctrl: std::sync::Weak<Controller>,
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    every: Duration,
+) {
+    let (m, cv) = &*stop;
+    loop {
+        {
+            let g = m.lock().unwrap_or_else(|p| p.into_inner());
+            let (g, _) = cv
+                .wait_timeout_while(g, every, |stopped| !*stopped)
+                .unwrap_or_else(|p| p.into_inner());
+            if *g {
+                return;
+            }
+        }
+        let Some(c) = ctrl.upgrade() else { return };
+        match c.admin(Sqe::new(aop::KEEP_ALIVE, 0), &[], 0, "keep alive") {
+            Ok(_) => {}
+            Err(Error::ControllerLost { .. }) => return,
+            Err(e) => tracing::warn!(error = %e, "keep alive failed"),
+        }
+    }
+}

@@ -1,0 +1,385 @@
+//! One NVMe/TCP connection from the host side: ICReq/ICResp, PDU framing,
+//! digests, and a nonblocking send/receive pump that never deadlocks (it
+//! reads while it waits to write).
+
+use crate::error::Error;
+use nvpool_wire::tcp::{
+    self, flags, CommonHeader, DataHeader, Digests, IcReq, IcResp, PduType, R2t, TermReq,
+};
+use nvpool_wire::{Cqe, Sqe};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+/// Largest data transfer one command may carry from this host. The Linux
+/// kernel target sends a whole read as one C2HData PDU, so the receive
+/// buffer must hold one transfer.
+pub const MAX_TRANSFER_BYTES: usize = 1 << 20;
+/// Receive buffer: one maximal PDU plus room to keep reading behind it.
+pub const RX_BUF_BYTES: usize = MAX_TRANSFER_BYTES + (256 << 10);
+
+/// A PDU received from the controller. Data is referenced by its range in
+/// the receive buffer ([`Conn::data`]), valid until the next [`Conn::pump`].
+#[derive(Debug, Clone)]
+pub enum Pdu {
+    Resp(Cqe),
+    Data {
+        hdr: DataHeader,
+        flags: u8,
+        range: Range<usize>,
+        digest_ok: bool,
+    },
+    R2t(R2t),
+    Term(TermReq),
+}
+
+#[derive(Debug)]
+pub struct Conn {
+    sock: TcpStream,
+    pub addr: SocketAddr,
+    pub dg: Digests,
+    pub maxh2cdata: u32,
+    rx: Box<[u8]>,
+    rs: usize,
+    re: usize,
+    tx: Vec<u8>,
+    ts: usize,
+}
+
+impl Conn {
+    /// Opens TCP, exchanges ICReq/ICResp, and switches to nonblocking mode.
+    pub fn connect(addr: SocketAddr, dg: Digests, timeout: Duration) -> Result<Conn, Error> {
+        let cerr = |source| Error::Connect {
+            addr: addr.to_string(),
+            source,
+        };
+        let mut sock = TcpStream::connect_timeout(&addr, timeout).map_err(cerr)?;
+        sock.set_nodelay(true).map_err(cerr)?;
+        sock.set_read_timeout(Some(timeout)).map_err(cerr)?;
+        sock.set_write_timeout(Some(timeout)).map_err(cerr)?;
+        sock.write_all(
+            &IcReq {
+                pfv: 0,
+                hpda: 0,
+                digests: dg,
+                maxr2t: 0,
+            }
+            .encode(),
+        )
+        .map_err(cerr)?;
+        let mut b = [0u8; tcp::IC_PDU_LEN];
+        sock.read_exact(&mut b).map_err(|e| {
+            if e.kind() == io::ErrorKind::WouldBlock {
+                Error::Timeout {
+                    addr: addr.to_string(),
+                    what: "ICResp",
+                }
+            } else {
+                cerr(e)
+            }
+        })?;
+        let proto = |what: String| Error::Protocol {
+            addr: addr.to_string(),
+            what,
+        };
+        if b[0] == PduType::C2HTermReq as u8 {
+            let t = TermReq::decode(&b).map_err(|e| proto(e.to_string()))?;
+            return Err(Error::Terminated {
+                addr: addr.to_string(),
+                fes: t.fes,
+            });
+        }
+        let resp = IcResp::decode(&b).map_err(|e| proto(format!("bad ICResp: {e}")))?;
+        if resp.pfv != 0 || resp.cpda != 0 {
+            return Err(proto(format!(
+                "unsupported ICResp (PFV {}, CPDA {})",
+                resp.pfv, resp.cpda
+            )));
+        }
+        if resp.digests != dg {
+            return Err(proto(format!(
+                "digest mismatch: asked {dg:?}, controller answered {:?}",
+                resp.digests
+            )));
+        }
+        sock.set_nonblocking(true).map_err(cerr)?;
+        Ok(Conn {
+            sock,
+            addr,
+            dg,
+            maxh2cdata: resp.maxh2cdata,
+            rx: vec![0u8; RX_BUF_BYTES].into_boxed_slice(),
+            rs: 0,
+            re: 0,
+            tx: Vec::with_capacity(64 << 10),
+            ts: 0,
+        })
+    }
+
+    fn io_err(&self, source: io::Error) -> Error {
+        Error::Io {
+            addr: self.addr.to_string(),
+            source,
+        }
+    }
+
+    fn proto(&self, what: impl Into<String>) -> Error {
+        Error::Protocol {
+            addr: self.addr.to_string(),
+            what: what.into(),
+        }
+    }
+
+    /// Queues a command capsule with optional in-capsule data.
+    pub fn queue_capsule(&mut self, sqe: &Sqe, icd: &[u8]) {
+        let mut h = [0u8; tcp::CAPSULE_CMD_HLEN + tcp::DIGEST_LEN];
+        let n = tcp::encode_capsule_cmd(sqe, icd.len(), self.dg, &mut h);
+        self.tx.extend_from_slice(&h[..n]);
+        if !icd.is_empty() {
+            self.tx.extend_from_slice(icd);
+            if self.dg.data {
+                self.tx
+                    .extend_from_slice(&nvpool_wire::digest::crc32c(icd).to_le_bytes());
+            }
+        }
+    }
+
+    /// Queues H2CData PDUs answering one R2T, split at MAXH2CDATA.
+    pub fn queue_h2c(&mut self, cid: u16, ttag: u16, offset: u32, data: &[u8]) {
+        let max = self.maxh2cdata as usize;
+        let mut done = 0;
+        while done < data.len() {
+            let n = (data.len() - done).min(max);
+            let last = done + n == data.len();
+            let mut h = [0u8; tcp::DATA_HLEN + tcp::DIGEST_LEN];
+            let piece = &data[done..done + n];
+            let hdr = DataHeader {
+                cccid: cid,
+                ttag,
+                datao: offset + done as u32,
+                datal: n as u32,
+            };
+            let hl = hdr.encode(
+                PduType::H2CData,
+                if last { flags::LAST_PDU } else { 0 },
+                self.dg,
+                &mut h,
+            );
+            self.tx.extend_from_slice(&h[..hl]);
+            self.tx.extend_from_slice(piece);
+            if self.dg.data {
+                self.tx
+                    .extend_from_slice(&nvpool_wire::digest::crc32c(piece).to_le_bytes());
+            }
+            done += n;
+        }
+    }
+
+    pub fn tx_pending(&self) -> bool {
+        self.ts < self.tx.len()
+    }
+
+    /// Sends what is queued and reads what arrived, until a complete PDU is
+    /// buffered (Ok(true)) or `timeout` passes (Ok(false)). With a zero
+    /// timeout it only does what needs no waiting.
+    pub fn pump(&mut self, timeout: Duration) -> Result<bool, Error> {
+        let deadline = Instant::now() + timeout;
+        if self.rs > 0
+            && (self.re == self.rx.len()
+                || self.rs == self.re
+                || self.rx.len() - self.re < tcp::CAPSULE_RESP_HLEN + 8)
+        {
+            self.compact();
+        }
+        loop {
+            self.try_write()?;
+            let got = self.try_read()?;
+            if self.complete_pdu_buffered() {
+                // Keep sending while we have data: the peer may need it.
+                self.try_write()?;
+                return Ok(true);
+            }
+            if got {
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            let ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
+            let mut pfd = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLIN | if self.tx_pending() { libc::POLLOUT } else { 0 },
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(self.io_err(e));
+                }
+            }
+        }
+    }
+
+    fn compact(&mut self) {
+        self.rx.copy_within(self.rs..self.re, 0);
+        self.re -= self.rs;
+        self.rs = 0;
+    }
+
+    fn try_write(&mut self) -> Result<(), Error> {
+        while self.ts < self.tx.len() {
+            match self.sock.write(&self.tx[self.ts..]) {
+                Ok(0) => return Err(self.io_err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => self.ts += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_err(e)),
+            }
+        }
+        if self.ts == self.tx.len() {
+            self.tx.clear();
+            self.ts = 0;
+        }
+        Ok(())
+    }
+
+    /// Reads what is available; true if anything arrived.
+    fn try_read(&mut self) -> Result<bool, Error> {
+        let mut any = false;
+        loop {
+            if self.re == self.rx.len() {
+                if self.rs == 0 {
+                    return Ok(any);
+                }
+                self.compact();
+            }
+            match self.sock.read(&mut self.rx[self.re..]) {
+                Ok(0) => return Err(self.io_err(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => {
+                    self.re += n;
+                    any = true;
+                    if self.complete_pdu_buffered() {
+                        return Ok(true);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_err(e)),
+            }
+        }
+    }
+
+    fn complete_pdu_buffered(&self) -> bool {
+        let avail = self.re - self.rs;
+        if avail < tcp::CH_LEN {
+            return false;
+        }
+        let plen = nvpool_wire::le::u32_at(&self.rx, self.rs + 4) as usize;
+        // A PDU that can never fit is reported by next_pdu as an error.
+        avail >= plen || plen > self.rx.len()
+    }
+
+    /// Takes the next complete PDU from the receive buffer, checking its
+    /// framing and header digest. Ok(None): none complete yet.
+    pub fn next_pdu(&mut self) -> Result<Option<Pdu>, Error> {
+        let avail = self.re - self.rs;
+        if avail < tcp::CH_LEN {
+            return Ok(None);
+        }
+        let b = &self.rx[self.rs..self.re];
+        let ch = CommonHeader::decode(b).map_err(|e| self.proto(format!("bad PDU header: {e}")))?;
+        let plen = ch.plen as usize;
+        if plen > self.rx.len() {
+            return Err(self.proto(format!("PDU of {plen} bytes exceeds the receive buffer")));
+        }
+        if avail < plen {
+            return Ok(None);
+        }
+        let start = self.rs;
+        let pdu = &self.rx[start..start + plen];
+        if ch.pdu_type == PduType::C2HTermReq {
+            let t = TermReq::decode(pdu).map_err(|e| self.proto(e.to_string()))?;
+            self.rs += plen;
+            return Ok(Some(Pdu::Term(t)));
+        }
+        if !matches!(
+            ch.pdu_type,
+            PduType::CapsuleResp | PduType::C2HData | PduType::R2T
+        ) {
+            return Err(self.proto(format!("unexpected PDU type {:?}", ch.pdu_type)));
+        }
+        if (ch.flags & flags::HDGSTF != 0) != self.dg.header {
+            return Err(self.proto("header digest flag does not match the negotiated digest"));
+        }
+        if self.dg.header && !tcp::header_digest_ok(pdu, ch.hlen as usize) {
+            return Err(self.proto("header digest mismatch"));
+        }
+        let out = match ch.pdu_type {
+            PduType::CapsuleResp => {
+                if plen != tcp::CAPSULE_RESP_HLEN + self.dg.hdgst_len() {
+                    return Err(self.proto("CapsuleResp with a bad PLEN"));
+                }
+                Pdu::Resp(tcp::decode_capsule_resp(pdu).map_err(|e| self.proto(e.to_string()))?)
+            }
+            PduType::R2T => Pdu::R2t(R2t::decode(pdu).map_err(|e| self.proto(e.to_string()))?),
+            _ => {
+                let hdr =
+                    DataHeader::decode(&ch, pdu, self.dg).map_err(|e| self.proto(e.to_string()))?;
+                if self.dg.data && ch.flags & flags::DDGSTF == 0 {
+                    return Err(self.proto("data digest flag missing"));
+                }
+                let ds = tcp::data_offset(&ch, self.dg);
+                let de = ds + hdr.datal as usize;
+                let digest_ok = !self.dg.data
+                    || nvpool_wire::digest::crc32c(&pdu[ds..de]).to_le_bytes() == pdu[de..de + 4];
+                Pdu::Data {
+                    hdr,
+                    flags: ch.flags,
+                    range: start + ds..start + de,
+                    digest_ok,
+                }
+            }
+        };
+        self.rs += plen;
+        Ok(Some(out))
+    }
+
+    /// Data of a received PDU.
+    pub fn data(&self, r: Range<usize>) -> &[u8] {
+        &self.rx[r]
+    }
+
+    /// Sends everything queued, waiting as long as `timeout`.
+    pub fn flush(&mut self, timeout: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + timeout;
+        while self.tx_pending() {
+            self.try_write()?;
+            if !self.tx_pending() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    addr: self.addr.to_string(),
+                    what: "send",
+                });
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLOUT,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut pfd, 1, 10) };
+        }
+        Ok(())
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}

@@ -1,0 +1,32 @@
+//! A userspace NVMe/TCP host.
+//!
+//! ```text
+//!  Controller ── admin queue (Connect, enable, Identify, features, keep-alive thread)
+//!      │
+//!      ├── IoQueue 1 ── its own TCP connection, owned by one thread
+//!      ├── IoQueue 2
+//!      └── …            submit(Request) … poll(&mut completions)
+//! ```
+//!
+//! An [`IoQueue`] is owned by one thread and needs no lock: `submit` queues
+//! commands (in-capsule data for small writes, R2T/H2CData for larger ones),
+//! `poll` sends what is queued, reads what the controller sent and returns
+//! completions. Up to the queue depth of commands may be outstanding; command
+//! slots and their identifiers are reused, so the steady state allocates
+//! nothing (request buffers are the caller's and come back in completions).
+//!
+//! When a connection breaks, the queue reconnects (through the controller,
+//! which re-establishes the admin queue once for all its queues) with a
+//! delay between attempts, and reissues every command that had not
+//! completed. After the controller-loss timeout it gives up and fails them.
+
+pub mod admin;
+pub mod conn;
+pub mod discover;
+pub mod error;
+pub mod hostnqn;
+pub mod queue;
+
+pub use admin::{ConnectParams, Controller, NamespaceInfo};
+pub use error::{Error, IoError};
+pub use queue::{Completion, IoQueue, Op, Request};

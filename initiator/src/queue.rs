@@ -1,0 +1,537 @@
+//! An I/O queue: one TCP connection, owned by one thread.
+
+use crate::admin::Controller;
+use crate::conn::{Conn, Pdu};
+use crate::error::{Error, IoError};
+use nvpool_wire::sqe::{nvm, sgl_id};
+use nvpool_wire::{Sgl, Sqe, Status};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    Flush,
+    /// Write Zeroes; `deallocate` lets the controller unmap the blocks.
+    WriteZeroes {
+        deallocate: bool,
+    },
+    /// Dataset Management, deallocate one range.
+    Deallocate,
+}
+
+/// One I/O. `buf` is the data (Write) or is filled (Read); it comes back in
+/// the completion, so callers can reuse buffers and allocate nothing.
+#[derive(Debug)]
+pub struct Request {
+    pub op: Op,
+    pub nsid: u32,
+    pub lba: u64,
+    /// Logical blocks (1-based count; 0 for Flush).
+    pub blocks: u32,
+    /// Force Unit Access (Read/Write).
+    pub fua: bool,
+    pub buf: Vec<u8>,
+    /// Handed back untouched in the completion.
+    pub token: u64,
+}
+
+#[derive(Debug)]
+pub struct Completion {
+    pub token: u64,
+    pub result: Result<(), IoError>,
+    pub buf: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Sent,
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: SlotState,
+    req: Option<Request>,
+    /// Read bytes received so far.
+    got: usize,
+    /// Generation nibble in the CID (catches stale completions).
+    gen: u16,
+    /// Data-digest retries so far.
+    retries: u8,
+}
+
+/// CIDs are slot | generation << 12, as the Linux host does.
+const SLOT_BITS: u16 = 12;
+const MAX_DEPTH: u16 = 1 << SLOT_BITS;
+/// A command whose data arrives damaged is retried this many times.
+const DIGEST_RETRIES: u8 = 3;
+
+#[derive(Debug)]
+pub struct IoQueue {
+    ctrl: Arc<Controller>,
+    conn: Conn,
+    qid: u16,
+    generation: u64,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    inline_max: usize,
+    block_size_hint: u32,
+    failed: bool,
+    /// DSM range buffer (4096 bytes, like the Linux host), reused.
+    dsm: Vec<u8>,
+}
+
+impl IoQueue {
+    pub(crate) fn connect(ctrl: Arc<Controller>, qid: u16) -> Result<IoQueue, Error> {
+        let entries = ctrl.io_queue_entries();
+        let depth = (entries - 1).min(MAX_DEPTH);
+        let (cntlid, generation) = ctrl.current()?;
+        let conn = ctrl.connect_io(qid, cntlid, entries)?;
+        let slots = (0..depth)
+            .map(|_| Slot {
+                state: SlotState::Free,
+                req: None,
+                got: 0,
+                gen: 0,
+                retries: 0,
+            })
+            .collect();
+        let inline_max = ctrl.inline_data_max();
+        Ok(IoQueue {
+            ctrl,
+            conn,
+            qid,
+            generation,
+            slots,
+            free: (0..depth).rev().collect(),
+            inline_max,
+            block_size_hint: 512,
+            failed: false,
+            dsm: vec![0; 4096],
+        })
+    }
+
+    pub fn qid(&self) -> u16 {
+        self.qid
+    }
+
+    /// Commands that may be outstanding at once.
+    pub fn depth(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Commands outstanding now.
+    pub fn outstanding(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    pub fn max_transfer(&self) -> usize {
+        self.ctrl.max_transfer()
+    }
+
+    pub fn controller(&self) -> &Arc<Controller> {
+        &self.ctrl
+    }
+
+    /// Block size used to size Write Zeroes / Deallocate ranges when the
+    /// request carries no buffer (set from the namespace's Identify).
+    pub fn set_block_size(&mut self, bs: u32) {
+        self.block_size_hint = bs;
+    }
+
+    /// Queues a request. Err gives the request back: the queue is full, or
+    /// the request is malformed, or the controller is lost.
+    pub fn submit(&mut self, req: Request) -> Result<(), (Request, Error)> {
+        if self.failed {
+            let e = Error::ControllerLost {
+                addr: self.ctrl.addr().to_string(),
+                secs: self.ctrl.params.ctrl_loss_timeout.as_secs(),
+            };
+            return Err((req, e));
+        }
+        let data_len = match req.op {
+            Op::Read | Op::Write => req.blocks as usize * self.block_size_of(&req),
+            _ => 0,
+        };
+        if matches!(req.op, Op::WriteZeroes { .. }) && (req.blocks == 0 || req.blocks > 65536) {
+            return Err((
+                req,
+                Error::Invalid("write zeroes covers 1..=65536 blocks".into()),
+            ));
+        }
+        if matches!(req.op, Op::Read | Op::Write)
+            && (req.blocks == 0
+                || req.blocks > 65536
+                || data_len > self.max_transfer()
+                || req.buf.len() < data_len)
+        {
+            let msg = format!(
+                "bad I/O size: {} blocks ({data_len} bytes), buffer {} bytes, max transfer {}",
+                req.blocks,
+                req.buf.len(),
+                self.max_transfer()
+            );
+            return Err((req, Error::Invalid(msg)));
+        }
+        let Some(si) = self.free.pop() else {
+            return Err((req, Error::Invalid("queue full".into())));
+        };
+        let s = &mut self.slots[si as usize];
+        s.state = SlotState::Sent;
+        s.got = 0;
+        s.retries = 0;
+        s.req = Some(req);
+        self.issue(si);
+        Ok(())
+    }
+
+    fn block_size_of(&self, req: &Request) -> usize {
+        if req.blocks > 0
+            && matches!(req.op, Op::Read | Op::Write)
+            && req.buf.len().is_multiple_of(req.blocks as usize)
+        {
+            // Callers size buffers exactly; trust that over the hint.
+            let bs = req.buf.len() / req.blocks as usize;
+            if bs.is_power_of_two() && bs >= 512 {
+                return bs;
+            }
+        }
+        self.block_size_hint as usize
+    }
+
+    /// Builds and queues the command of slot `si` (also used to reissue).
+    fn issue(&mut self, si: u16) {
+        let bs = self.slots[si as usize]
+            .req
+            .as_ref()
+            .map_or(512, |r| self.block_size_of(r));
+        let s = &mut self.slots[si as usize];
+        s.gen = (s.gen + 1) & 0xF;
+        s.got = 0;
+        let cid = si | s.gen << SLOT_BITS;
+        let req = s.req.as_ref().expect("slot in use has a request");
+        let mut sqe;
+        let mut icd: &[u8] = &[];
+        match req.op {
+            Op::Read | Op::Write => {
+                sqe = Sqe::new(
+                    if req.op == Op::Read {
+                        nvm::READ
+                    } else {
+                        nvm::WRITE
+                    },
+                    cid,
+                );
+                sqe.set_slba(req.lba);
+                sqe.set_nlb((req.blocks - 1) as u16);
+                if req.fua {
+                    sqe.set_cdw(12, sqe.cdw(12) | 1 << 30);
+                }
+                let len = req.blocks as usize * bs;
+                if req.op == Op::Write && len <= self.inline_max {
+                    sqe.set_sgl(Sgl {
+                        addr: 0,
+                        len: len as u32,
+                        id: sgl_id::IN_CAPSULE,
+                    });
+                    icd = &req.buf[..len];
+                } else {
+                    sqe.set_sgl(Sgl {
+                        addr: 0,
+                        len: len as u32,
+                        id: sgl_id::TRANSPORT,
+                    });
+                }
+            }
+            Op::Flush => {
+                sqe = Sqe::new(nvm::FLUSH, cid);
+                sqe.set_sgl(Sgl {
+                    addr: 0,
+                    len: 0,
+                    id: sgl_id::TRANSPORT,
+                });
+            }
+            Op::WriteZeroes { deallocate } => {
+                sqe = Sqe::new(nvm::WRITE_ZEROES, cid);
+                sqe.set_slba(req.lba);
+                sqe.set_nlb((req.blocks.max(1) - 1) as u16);
+                if deallocate {
+                    sqe.set_cdw(12, sqe.cdw(12) | 1 << 25);
+                }
+                sqe.set_sgl(Sgl {
+                    addr: 0,
+                    len: 0,
+                    id: sgl_id::TRANSPORT,
+                });
+            }
+            Op::Deallocate => {
+                sqe = Sqe::new(nvm::DATASET_MANAGEMENT, cid);
+                sqe.set_cdw(10, 0); // one range
+                sqe.set_cdw(11, 1 << 2); // AD
+                self.dsm.fill(0);
+                self.dsm[4..8].copy_from_slice(&req.blocks.to_le_bytes());
+                self.dsm[8..16].copy_from_slice(&req.lba.to_le_bytes());
+                let len = self.dsm.len();
+                if len <= self.inline_max {
+                    sqe.set_sgl(Sgl {
+                        addr: 0,
+                        len: len as u32,
+                        id: sgl_id::IN_CAPSULE,
+                    });
+                    icd = &self.dsm;
+                } else {
+                    sqe.set_sgl(Sgl {
+                        addr: 0,
+                        len: len as u32,
+                        id: sgl_id::TRANSPORT,
+                    });
+                }
+            }
+        }
+        sqe.set_nsid(req.nsid);
+        self.conn.queue_capsule(&sqe, icd);
+    }
+
+    /// Sends queued commands and collects completions into `out`, waiting up
+    /// to `timeout` for at least one when none is ready. Returns how many
+    /// were added. Reconnects (and reissues outstanding commands) when the
+    /// connection breaks; fails them all when the controller is lost.
+    pub fn poll(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<usize, Error> {
+        let before = out.len();
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.poll_once(out, deadline) {
+                Ok(()) => return Ok(out.len() - before),
+                Err(e) if e.is_transport() => {
+                    tracing::warn!(qid = self.qid, error = %e, "I/O queue connection failed; reconnecting");
+                    if let Err(e) = self.recover() {
+                        self.fail_all(out);
+                        return Err(e);
+                    }
+                    if out.len() > before || Instant::now() >= deadline {
+                        return Ok(out.len() - before);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn poll_once(&mut self, out: &mut Vec<Completion>, deadline: Instant) -> Result<(), Error> {
+        let start = out.len();
+        loop {
+            let now = Instant::now();
+            let wait = if out.len() > start || self.outstanding() == 0 {
+                Duration::ZERO
+            } else {
+                deadline.saturating_duration_since(now)
+            };
+            let ready = self.conn.pump(wait)?;
+            if !ready {
+                return Ok(());
+            }
+            while let Some(pdu) = self.conn.next_pdu()? {
+                self.on_pdu(pdu, out)?;
+            }
+            if out.len() > start && !self.conn.tx_pending() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn slot_for(&mut self, cid: u16, what: &str) -> Result<usize, Error> {
+        let si = (cid & (MAX_DEPTH - 1)) as usize;
+        match self.slots.get(si) {
+            Some(s) if s.state == SlotState::Sent && s.gen == cid >> SLOT_BITS => Ok(si),
+            _ => Err(Error::Protocol {
+                addr: self.conn.addr.to_string(),
+                what: format!("{what} for unknown command id {cid:#x}"),
+            }),
+        }
+    }
+
+    fn on_pdu(&mut self, pdu: Pdu, out: &mut Vec<Completion>) -> Result<(), Error> {
+        match pdu {
+            Pdu::Resp(cqe) => {
+                let si = self.slot_for(cqe.cid, "completion")?;
+                let s = &self.slots[si];
+                let req = s.req.as_ref().expect("sent slot has a request");
+                if cqe.status.is_success()
+                    && req.op == Op::Read
+                    && s.got != req.blocks as usize * self.block_size_of(req)
+                {
+                    return Err(Error::Protocol {
+                        addr: self.conn.addr.to_string(),
+                        what: "read completed with short data".into(),
+                    });
+                }
+                if cqe.status == Status::TRANSIENT_TRANSPORT_ERROR && s.retries < DIGEST_RETRIES {
+                    self.slots[si].retries += 1;
+                    self.issue(si as u16);
+                    return Ok(());
+                }
+                let r = if cqe.status.is_success() {
+                    Ok(())
+                } else {
+                    Err(IoError::Status(cqe.status))
+                };
+                self.complete(si, r, out);
+            }
+            Pdu::Data {
+                hdr,
+                flags,
+                range,
+                digest_ok,
+            } => {
+                let si = self.slot_for(hdr.cccid, "C2HData")?;
+                let bs = self.slots[si]
+                    .req
+                    .as_ref()
+                    .map_or(512, |r| self.block_size_of(r));
+                let s = &mut self.slots[si];
+                let req = s.req.as_mut().expect("sent slot has a request");
+                let len = req.blocks as usize * bs;
+                if req.op != Op::Read || hdr.datao as usize != s.got || s.got + range.len() > len {
+                    return Err(Error::Protocol {
+                        addr: self.conn.addr.to_string(),
+                        what: "C2HData outside the read".into(),
+                    });
+                }
+                req.buf[s.got..s.got + range.len()].copy_from_slice(self.conn.data(range.clone()));
+                s.got += range.len();
+                if !digest_ok {
+                    // Damaged data: the connection is suspect; reconnecting
+                    // reissues the read.
+                    return Err(Error::Protocol {
+                        addr: self.conn.addr.to_string(),
+                        what: "data digest mismatch".into(),
+                    });
+                }
+                if flags & nvpool_wire::tcp::flags::SUCCESS != 0 {
+                    if s.got != len {
+                        return Err(Error::Protocol {
+                            addr: self.conn.addr.to_string(),
+                            what: "SUCCESS with short data".into(),
+                        });
+                    }
+                    self.complete(si, Ok(()), out);
+                }
+            }
+            Pdu::R2t(r) => {
+                let si = self.slot_for(r.cccid, "R2T")?;
+                let bs = self.slots[si]
+                    .req
+                    .as_ref()
+                    .map_or(512, |r| self.block_size_of(r));
+                let req = self.slots[si]
+                    .req
+                    .as_ref()
+                    .expect("sent slot has a request");
+                let len = match req.op {
+                    Op::Write => req.blocks as usize * bs,
+                    Op::Deallocate => self.dsm.len(),
+                    _ => 0,
+                };
+                let end = r.r2to as usize + r.r2tl as usize;
+                if end > len {
+                    return Err(Error::Protocol {
+                        addr: self.conn.addr.to_string(),
+                        what: "R2T beyond the command's data".into(),
+                    });
+                }
+                let IoQueue {
+                    slots, dsm, conn, ..
+                } = self;
+                let req = slots[si].req.as_ref().expect("sent slot has a request");
+                let src = if req.op == Op::Deallocate {
+                    &dsm[..]
+                } else {
+                    &req.buf[..]
+                };
+                conn.queue_h2c(r.cccid, r.ttag, r.r2to, &src[r.r2to as usize..end]);
+            }
+            Pdu::Term(t) => {
+                return Err(Error::Terminated {
+                    addr: self.conn.addr.to_string(),
+                    fes: t.fes,
+                })
+            }
+        }
+        Ok(())
+    }
+
+    fn complete(&mut self, si: usize, result: Result<(), IoError>, out: &mut Vec<Completion>) {
+        let s = &mut self.slots[si];
+        let req = s.req.take().expect("sent slot has a request");
+        s.state = SlotState::Free;
+        self.free.push(si as u16);
+        out.push(Completion {
+            token: req.token,
+            result,
+            buf: req.buf,
+        });
+    }
+
+    /// Reconnects this queue (and the controller if needed), then reissues
+    /// every outstanding command.
+    fn recover(&mut self) -> Result<(), Error> {
+        self.conn.shutdown();
+        let give_up = Instant::now() + self.ctrl.params.ctrl_loss_timeout;
+        loop {
+            let (cntlid, gen) = self.ctrl.reconnect(self.generation)?;
+            match self
+                .ctrl
+                .connect_io(self.qid, cntlid, self.ctrl.io_queue_entries())
+            {
+                Ok(c) => {
+                    self.conn = c;
+                    self.generation = gen;
+                    break;
+                }
+                Err(e) => {
+                    if Instant::now() >= give_up {
+                        return Err(Error::ControllerLost {
+                            addr: self.ctrl.addr().to_string(),
+                            secs: self.ctrl.params.ctrl_loss_timeout.as_secs(),
+                        });
+                    }
+                    tracing::warn!(qid = self.qid, error = %e, "I/O queue reconnect failed; retrying");
+                    // The admin queue may be fine while this queue is refused
+                    // (e.g. the controller was replaced): force a new controller.
+                    self.generation = gen;
+                    std::thread::sleep(self.ctrl.params.reconnect_delay);
+                }
+            }
+        }
+        let reissue: Vec<u16> = (0..self.slots.len() as u16)
+            .filter(|&i| self.slots[i as usize].state == SlotState::Sent)
+            .collect();
+        tracing::info!(
+            qid = self.qid,
+            reissued = reissue.len(),
+            "I/O queue reconnected"
+        );
+        for si in reissue {
+            self.issue(si);
+        }
+        Ok(())
+    }
+
+    fn fail_all(&mut self, out: &mut Vec<Completion>) {
+        self.failed = true;
+        for si in 0..self.slots.len() {
+            if self.slots[si].state == SlotState::Sent {
+                self.complete(si, Err(IoError::ControllerLost), out);
+            }
+        }
+    }
+}
+
+impl Drop for IoQueue {
+    fn drop(&mut self) {
+        self.conn.shutdown();
+    }
+}
