@@ -177,6 +177,10 @@ impl Conn {
         }
     }
 
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        self.sock.as_raw_fd()
+    }
+
     pub fn tx_pending(&self) -> bool {
         self.ts < self.tx.len()
     }

@@ -63,4 +63,7 @@ pub enum IoError {
     /// The data arrived damaged (data digest) too often.
     #[error("data digest mismatch")]
     Digest,
+    /// The request itself is wrong (alignment, range).
+    #[error("{0}")]
+    Invalid(&'static str),
 }

@@ -22,11 +22,13 @@
 
 pub mod admin;
 pub mod conn;
+pub mod device;
 pub mod discover;
 pub mod error;
 pub mod hostnqn;
 pub mod queue;
 
 pub use admin::{ConnectParams, Controller, NamespaceInfo};
+pub use device::Device;
 pub use error::{Error, IoError};
 pub use queue::{Completion, IoQueue, Op, Request};

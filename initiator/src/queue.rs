@@ -132,6 +132,16 @@ impl IoQueue {
         self.ctrl.max_transfer()
     }
 
+    /// The socket, for callers that wait on it together with other events.
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        self.conn.fd()
+    }
+
+    /// Queued bytes wait for the socket to accept them.
+    pub fn wants_write(&self) -> bool {
+        self.conn.tx_pending()
+    }
+
     pub fn controller(&self) -> &Arc<Controller> {
         &self.ctrl
     }
