@@ -66,13 +66,16 @@ pub fn main() -> ExitCode {
                     ExitCode::SUCCESS
                 };
             }
-            // One line: clap's first line, without the usage block.
+            // One line: clap's message without the usage block, joined.
             let text = e.render().to_string();
-            let first = text
+            let msg: Vec<&str> = text
                 .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid arguments");
-            eprintln!("nvpool: {}", first.trim_start_matches("error: "));
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:"))
+                .filter(|l| !l.is_empty())
+                .collect();
+            let msg = msg.join(" ");
+            eprintln!("nvpool: {}", msg.trim_start_matches("error: "));
             return ExitCode::from(2);
         }
     };

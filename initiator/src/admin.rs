@@ -239,6 +239,7 @@ pub struct Controller {
     state: Mutex<State>,
     stop: Arc<(Mutex<bool>, Condvar)>,
     keep_alive: Mutex<Option<JoinHandle<()>>>,
+    reconnecting: Mutex<()>,
     shut: AtomicBool,
 }
 
@@ -262,6 +263,7 @@ impl Controller {
             }),
             stop: Arc::new((Mutex::new(false), Condvar::new())),
             keep_alive: Mutex::new(None),
+            reconnecting: Mutex::new(()),
             shut: AtomicBool::new(false),
         });
         if !c.params.kato.is_zero() {
@@ -388,7 +390,7 @@ impl Controller {
     fn lost_error(&self) -> Error {
         Error::ControllerLost {
             addr: self.params.addr.to_string(),
-            secs: self.params.ctrl_loss_timeout.as_secs(),
+            timeout: self.params.ctrl_loss_timeout,
         }
     }
 
@@ -396,23 +398,32 @@ impl Controller {
     /// `seen` (another queue may have done it already). Retries every
     /// reconnect delay until the controller-loss timeout.
     pub(crate) fn reconnect(&self, seen: u64) -> Result<(u16, u64), Error> {
-        let mut s = self.lock();
-        if s.lost {
-            return Err(self.lost_error());
-        }
-        if s.generation != seen || self.shut.load(Ordering::Acquire) {
-            return Ok((s.cntlid, s.generation));
-        }
-        if let Some(a) = s.admin.take() {
-            a.conn.shutdown();
+        // One reconnect at a time; the state lock is held only briefly so
+        // queues and shutdown are never stuck behind a sleeping retry loop.
+        let _one = self.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let mut s = self.lock();
+            if s.lost {
+                return Err(self.lost_error());
+            }
+            if s.generation != seen {
+                return Ok((s.cntlid, s.generation));
+            }
+            if let Some(a) = s.admin.take() {
+                a.conn.shutdown();
+            }
         }
         let give_up = Instant::now() + self.params.ctrl_loss_timeout;
         let mut attempt = 0u32;
         loop {
+            if self.shut.load(Ordering::Acquire) {
+                return Err(self.lost_error());
+            }
             attempt += 1;
             match Self::establish(&self.params) {
                 Ok((q, cntlid, _, _, io_queues)) => {
                     tracing::info!(addr = %self.params.addr, cntlid, attempt, "controller reconnected");
+                    let mut s = self.lock();
                     s.admin = Some(q);
                     s.cntlid = cntlid;
                     s.io_queues = io_queues;
@@ -421,13 +432,20 @@ impl Controller {
                 }
                 Err(e) if !e.is_transport() && !matches!(e, Error::Status { .. }) => return Err(e),
                 Err(e) => {
-                    if Instant::now() + self.params.reconnect_delay > give_up {
+                    let now = Instant::now();
+                    if now >= give_up {
                         tracing::error!(addr = %self.params.addr, error = %e, "controller lost");
-                        s.lost = true;
+                        self.lock().lost = true;
                         return Err(self.lost_error());
                     }
                     tracing::warn!(addr = %self.params.addr, attempt, error = %e, "reconnect failed; retrying");
-                    std::thread::sleep(self.params.reconnect_delay);
+                    // Sleep until the next attempt, waking early on shutdown.
+                    let nap = self.params.reconnect_delay.min(give_up - now);
+                    let (m, cv) = &*self.stop;
+                    let g = m.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = cv
+                        .wait_timeout_while(g, nap, |stopped| !*stopped)
+                        .unwrap_or_else(|p| p.into_inner());
                 }
             }
         }

@@ -30,8 +30,11 @@ pub enum Error {
     },
     #[error("{addr}: timed out waiting for {what}")]
     Timeout { addr: String, what: &'static str },
-    #[error("{addr}: controller lost: no reconnect succeeded within {secs} s")]
-    ControllerLost { addr: String, secs: u64 },
+    #[error("{addr}: controller lost: no reconnect succeeded within {timeout:?}")]
+    ControllerLost {
+        addr: String,
+        timeout: std::time::Duration,
+    },
     #[error("{0}")]
     Invalid(String),
 }

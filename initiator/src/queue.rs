@@ -158,7 +158,7 @@ impl IoQueue {
         if self.failed {
             let e = Error::ControllerLost {
                 addr: self.ctrl.addr().to_string(),
-                secs: self.ctrl.params.ctrl_loss_timeout.as_secs(),
+                timeout: self.ctrl.params.ctrl_loss_timeout,
             };
             return Err((req, e));
         }
@@ -198,17 +198,8 @@ impl IoQueue {
         Ok(())
     }
 
-    fn block_size_of(&self, req: &Request) -> usize {
-        if req.blocks > 0
-            && matches!(req.op, Op::Read | Op::Write)
-            && req.buf.len().is_multiple_of(req.blocks as usize)
-        {
-            // Callers size buffers exactly; trust that over the hint.
-            let bs = req.buf.len() / req.blocks as usize;
-            if bs.is_power_of_two() && bs >= 512 {
-                return bs;
-            }
-        }
+    /// The logical block size requests are sized in ([`IoQueue::set_block_size`]).
+    fn block_size_of(&self, _req: &Request) -> usize {
         self.block_size_hint as usize
     }
 
@@ -505,7 +496,7 @@ impl IoQueue {
                     if Instant::now() >= give_up {
                         return Err(Error::ControllerLost {
                             addr: self.ctrl.addr().to_string(),
-                            secs: self.ctrl.params.ctrl_loss_timeout.as_secs(),
+                            timeout: self.ctrl.params.ctrl_loss_timeout,
                         });
                     }
                     tracing::warn!(qid = self.qid, error = %e, "I/O queue reconnect failed; retrying");
