@@ -16,6 +16,8 @@ pub struct Ring {
     backlog: VecDeque<squeue::Entry>,
     inflight: u32,
     cq_capacity: u32,
+    /// Entries pushed since the last submit (no syscall when zero).
+    unsubmitted: u32,
 }
 
 impl std::fmt::Debug for Ring {
@@ -55,6 +57,7 @@ impl Ring {
             backlog: VecDeque::new(),
             inflight: 0,
             cq_capacity,
+            unsubmitted: 0,
         })
     }
 
@@ -79,19 +82,23 @@ impl Ring {
             return;
         }
         self.inflight += 1;
+        self.unsubmitted += 1;
     }
 
     /// Submits queued entries to the kernel without waiting.
     pub fn submit(&mut self) -> io::Result<()> {
         self.drain_backlog();
+        if self.unsubmitted == 0 {
+            return Ok(());
+        }
         match self.uring.submit() {
-            Ok(_) => Ok(()),
-            Err(e)
-                if e.raw_os_error() == Some(libc::EBUSY)
-                    || e.raw_os_error() == Some(libc::EAGAIN) =>
-            {
+            Ok(n) => {
+                self.unsubmitted = self.unsubmitted.saturating_sub(n as u32);
                 Ok(())
             }
+            // The kernel is short of room; the entries stay queued and go
+            // with the next submit.
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) || e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -107,6 +114,7 @@ impl Ring {
                 break;
             }
             self.inflight += 1;
+            self.unsubmitted += 1;
         }
     }
 
