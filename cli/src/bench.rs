@@ -85,6 +85,8 @@ const VERIFY_HDR: usize = 32;
 /// Per-job results.
 struct JobResult {
     hist: Histogram<u64>,
+    /// When the timed phase ended (before any verify read-back).
+    timed_end: Instant,
     ops: u64,
     bytes: u64,
     errors: u64,
@@ -178,16 +180,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             })
             .collect()
     });
-    let elapsed = start
-        .elapsed()
-        .min(a.runtime + Duration::from_secs(5))
-        .max(Duration::from_millis(1));
+    let mut timed_end = start;
     let mut hist =
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
     let (mut ops, mut bytes, mut errors, mut checked, mut failed) = (0, 0, 0, 0, 0);
     let mut first_error = None;
     for r in results {
         let r = r?;
+        timed_end = timed_end.max(r.timed_end);
         hist.add(&r.hist).expect("same bounds");
         ops += r.ops;
         bytes += r.bytes;
@@ -197,7 +197,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         first_error = first_error.or(r.first_error);
     }
     drop(ctrl);
-    let secs = elapsed.as_secs_f64();
+    let secs = timed_end.duration_since(start).as_secs_f64().max(1e-3);
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     let out = serde_json::json!({
         "target": format!("{addr}"),
@@ -336,6 +336,7 @@ fn job(
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
     let mut res = JobResult {
         hist: Histogram::new(3).expect("valid"),
+        timed_end: Instant::now(),
         ops: 0,
         bytes: 0,
         errors: 0,
@@ -441,6 +442,7 @@ fn job(
             free.push(t);
         }
     }
+    res.timed_end = Instant::now();
     if a.verify && !written.is_empty() {
         verify_all(&mut q, a, blocks, &written, &mut res, &mut bufs)?;
     }

@@ -21,6 +21,7 @@ pub mod queue;
 pub mod reactor;
 pub mod ring;
 pub mod target;
+pub mod tx;
 
 pub use daemon::{Cli, Running, StartOptions};
 pub use target::Target;

@@ -34,32 +34,7 @@ use nvpool_wire::{Cqe, Sqe, Status, WireError};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Bytes waiting to be written to the socket.
-#[derive(Debug, Default)]
-pub struct Tx {
-    pub buf: Vec<u8>,
-    /// Bytes of `buf` already written.
-    pub sent: usize,
-}
-
-impl Tx {
-    pub fn pending(&self) -> &[u8] {
-        &self.buf[self.sent..]
-    }
-    pub fn backlog(&self) -> usize {
-        self.buf.len() - self.sent
-    }
-    pub fn advance(&mut self, n: usize) {
-        self.sent += n;
-        if self.sent == self.buf.len() {
-            self.buf.clear();
-            self.sent = 0;
-        }
-    }
-    fn put(&mut self, b: &[u8]) {
-        self.buf.extend_from_slice(b);
-    }
-}
+pub use crate::tx::Tx;
 
 /// A protocol violation: the connection ends with a C2HTermReq.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +68,8 @@ enum SlotState {
     Free,
     AwaitData,
     Backend,
+    /// Its data is queued for the socket, referenced in place.
+    Sending,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -829,8 +806,8 @@ impl Queue {
         let slot = &self.slots[si];
         let cid = slot.sqe.cid();
         let mut resp_needed = true;
+        let mut sending = false;
         if reply.status.is_success() && reply.data_len > 0 {
-            let data = slot.buf.as_slice(reply.data_len);
             // With SQ flow control off the last data PDU may carry the
             // completion itself (SUCCESS flag), saving one PDU per read.
             let mut extra = flags::LAST_PDU;
@@ -838,7 +815,15 @@ impl Queue {
                 extra |= flags::SUCCESS;
                 resp_needed = false;
             }
-            put_c2h_data(tx, self.dg, cid, data, extra);
+            put_c2h_data(
+                tx,
+                self.dg,
+                cid,
+                slot.buf.as_slice(reply.data_len),
+                si as u16,
+                extra,
+            );
+            sending = true;
         }
         if resp_needed {
             self.put_resp(
@@ -856,7 +841,23 @@ impl Queue {
         if !reply.status.is_success() {
             self.record_error(si, reply.status);
         }
-        self.release(si);
+        if sending {
+            // Freed once the transmit queue has written its data.
+            self.slots[si].state = SlotState::Sending;
+            self.slots[si].ns = None;
+        } else {
+            self.release(si);
+        }
+    }
+
+    /// Frees slots whose data the transmit queue has written.
+    pub fn reclaim(&mut self, tx: &mut Tx) {
+        for i in 0..tx.released.len() {
+            let si = tx.released[i] as usize;
+            debug_assert_eq!(self.slots[si].state, SlotState::Sending);
+            self.release(si);
+        }
+        tx.released.clear();
     }
 
     fn release(&mut self, si: usize) {
@@ -1132,7 +1133,7 @@ fn dsm_ranges(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<Option<Vec<(u64,
     Ok(Some(v))
 }
 
-fn put_c2h_data(tx: &mut Tx, dg: Digests, cid: u16, data: &[u8], extra: u8) {
+fn put_c2h_data(tx: &mut Tx, dg: Digests, cid: u16, data: &[u8], slot: u16, extra: u8) {
     let mut hdr = [0u8; tcp::DATA_HLEN + tcp::DIGEST_LEN];
     let n = DataHeader {
         cccid: cid,
@@ -1142,7 +1143,7 @@ fn put_c2h_data(tx: &mut Tx, dg: Digests, cid: u16, data: &[u8], extra: u8) {
     }
     .encode(PduType::C2HData, extra, dg, &mut hdr);
     tx.put(&hdr[..n]);
-    tx.put(data);
+    tx.put_slot(data, slot);
     if dg.data {
         tx.put(&nvpool_wire::digest::crc32c(data).to_le_bytes());
     }

@@ -14,7 +14,7 @@ use crate::target::Target;
 use mio::net::TcpStream;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
@@ -386,12 +386,12 @@ impl Reactor {
         }
         let mut failed = false;
         while c.tx.backlog() > 0 {
-            match c.sock.write(c.tx.pending()) {
+            match c.tx.write_to(&mut c.sock) {
                 Ok(0) => {
                     failed = true;
                     break;
                 }
-                Ok(n) => c.tx.advance(n),
+                Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => {
@@ -400,6 +400,7 @@ impl Reactor {
                 }
             }
         }
+        c.q.reclaim(&mut c.tx);
         let want_write = c.tx.backlog() > 0;
         if want_write != c.want_write {
             let interest = if want_write {
@@ -433,11 +434,13 @@ impl Reactor {
         }
         // Best effort: whatever responses are ready still go out.
         while c.tx.backlog() > 0 {
-            match c.sock.write(c.tx.pending()) {
-                Ok(n) if n > 0 => c.tx.advance(n),
+            match c.tx.write_to(&mut c.sock) {
+                Ok(n) if n > 0 => {}
                 _ => break,
             }
         }
+        c.tx.abandon();
+        c.q.reclaim(&mut c.tx);
         c.q.close();
         let _ = self.poll.registry().deregister(&mut c.sock);
         let _ = c.sock.shutdown(std::net::Shutdown::Both);

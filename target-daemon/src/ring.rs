@@ -98,7 +98,12 @@ impl Ring {
             }
             // The kernel is short of room; the entries stay queued and go
             // with the next submit.
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) || e.raw_os_error() == Some(libc::EAGAIN) => Ok(()),
+            Err(e)
+                if e.raw_os_error() == Some(libc::EBUSY)
+                    || e.raw_os_error() == Some(libc::EAGAIN) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }
