@@ -35,6 +35,19 @@ VM_BASE_BINS=(bash kmod)
 # Where programs given by name are looked up on the host (root's PATH on Debian).
 VM_HOST_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
+# Networking, only for tests given --guestfwd (VM_GUESTFWDS: GUESTPORT:HOSTPORT words).
+# Without it the guest has no NIC at all.  With it the guest gets one virtio NIC on QEMU's
+# user-mode network (slirp) with restrict=on, which drops every packet leaving the
+# guest except connections to the forwarded ports of VM_NET_FWD_ADDR.  Each such
+# connection runs its own socat that connects to 127.0.0.1:HOSTPORT on the host.  Not
+# QEMU's "guestfwd=...-tcp:HOST:PORT" form: that is one chardev, connected once when
+# QEMU starts and shared by every guest connection to the port, which cannot carry
+# NVMe/TCP's separate admin and I/O queue connections (and a server that drops an idle
+# connection, as nvpool-target does after 10 s without ICReq, leaves it dead).
+VM_NET_GUEST_CIDR=10.0.2.15/24
+VM_NET_FWD_ADDR=10.0.2.100
+VM_NET_MODULES=(virtio_net)
+
 vm_log() {
     printf 'nvpool-vm: %s\n' "$*" >&2
 }
@@ -141,7 +154,10 @@ vm_add_libs() {
 # glibc dlopens libgcc_s at run time (thread cancellation, unwinding); ldd cannot see it.
 vm_add_libgcc() {
     local root=$1 lib
-    lib=$(PATH=$VM_HOST_PATH ldconfig -p | awk '$1 == "libgcc_s.so.1" && /x86-64/ { print $NF; exit }')
+    # awk reads to the end: exiting early would let ldconfig die of SIGPIPE now and then,
+    # which pipefail turns into a silent exit 141 of the whole harness.
+    lib=$(PATH=$VM_HOST_PATH ldconfig -p |
+        awk '$1 == "libgcc_s.so.1" && /x86-64/ && !found { print $NF; found = 1 }')
     [[ -n $lib ]] || vm_die "libgcc_s.so.1 not found on the host (package libgcc-s1)"
     [[ -e $root$lib ]] || install -D -m 0755 "$lib" "$root$lib"
 }
@@ -228,8 +244,8 @@ vm_script_directive() {
     sed -n "s/^# vm-$key:[[:space:]]*//p" "$script" | tr '\n' ' '
 }
 
-# Write the initramfs to $1.  Uses the arrays VM_MODULES, VM_BINS, VM_FILES, VM_ENV and
-# the variables VM_SCRIPT, VM_GUEST_TIMEOUT_S.
+# Write the initramfs to $1.  Uses the arrays VM_MODULES, VM_BINS, VM_FILES, VM_ENV,
+# VM_GUESTFWDS and the variables VM_SCRIPT, VM_GUEST_TIMEOUT_S.
 vm_build_initramfs() {
     local out=$1 root bin file kv
     root=$(mktemp -d "${TMPDIR:-/tmp}/nvpool-vm-root.XXXXXX")
@@ -259,6 +275,10 @@ vm_build_initramfs() {
     # Read by bash before the test script runs.
     {
         printf 'export NVPOOL_VM_TEST=%q\n' "$(basename "$VM_SCRIPT")"
+        if ((${#VM_GUESTFWDS[@]})); then
+            printf 'export NVPOOL_VM_NET_CIDR=%q NVPOOL_VM_FWD_ADDR=%q\n' \
+                "$VM_NET_GUEST_CIDR" "$VM_NET_FWD_ADDR"
+        fi
         for kv in "${VM_ENV[@]}"; do
             printf 'export %s=%q\n' "${kv%%=*}" "${kv#*=}"
         done
@@ -269,15 +289,34 @@ vm_build_initramfs() {
     rm -rf "$root"
 }
 
+# Print qemu's network options, one word a line: "-nic none", or one restricted
+# user-mode NIC carrying a guestfwd rule per VM_GUESTFWDS entry (see VM_NET_FWD_ADDR).
+vm_nic_args() {
+    local nic fwd
+    if ((${#VM_GUESTFWDS[@]} == 0)); then
+        printf '%s\n' -nic none
+        return
+    fi
+    nic=user,model=virtio-net-pci,restrict=on,ipv6=off
+    for fwd in "${VM_GUESTFWDS[@]}"; do
+        # slirp runs the command without a shell, its stdin and stdout (and stderr, hence
+        # -lf) being the guest connection.
+        nic+=",guestfwd=tcp:$VM_NET_FWD_ADDR:${fwd%%:*}-cmd:socat -lf /dev/null"
+        nic+=" STDIO TCP4:127.0.0.1:${fwd#*:}"
+    done
+    printf '%s\n' -nic "$nic"
+}
+
 # Boot once, streaming the console to stdout and appending it to $2.  Returns 0 on PASS,
 # 1 on a failed test, 2 when the guest died before its init started (worth a retry).
 vm_boot_once() {
-    local initrd=$1 log=$2 timeout_s=$3 start rc console
+    local initrd=$1 log=$2 timeout_s=$3 start rc console nic_args
     start=$(($(stat -c %s "$log") + 1))
+    mapfile -t nic_args < <(vm_nic_args)
     set +e
     timeout -k 15 "$timeout_s" qemu-system-x86_64 \
         -nodefaults -no-user-config -accel "$VM_ACCEL" -cpu max -m "$VM_MEM" \
-        -smp "$VM_SMP" -display none -serial stdio -monitor none -nic none -no-reboot \
+        -smp "$VM_SMP" -display none -serial stdio -monitor none "${nic_args[@]}" -no-reboot \
         -kernel "$VM_KERNEL_IMAGE" -initrd "$initrd" \
         -append "console=ttyS0 panic=-1 quiet ${NVPOOL_VM_APPEND:-}" \
         </dev/null 2>&1 | sed -u 's/\r$//' | tee -a "$log"
