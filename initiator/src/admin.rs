@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
 /// Admin commands wait this long for their completion.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Reconnect delays double up to this multiple of the configured delay.
+const RECONNECT_BACKOFF_MAX: u32 = 8;
 /// Largest admin data transfer the host reads in one command.
 const ADMIN_CHUNK_BYTES: usize = 4096;
 
@@ -38,7 +40,8 @@ pub struct ConnectParams {
     pub queue_depth: u16,
     /// Give up reconnecting after this long.
     pub ctrl_loss_timeout: Duration,
-    /// Wait between reconnect attempts.
+    /// Wait before the second reconnect attempt; it doubles after each
+    /// failure, up to `RECONNECT_BACKOFF_MAX` times this value.
     pub reconnect_delay: Duration,
     /// TCP connect and ICResp timeout.
     pub connect_timeout: Duration,
@@ -440,7 +443,8 @@ impl Controller {
                     }
                     tracing::warn!(addr = %self.params.addr, attempt, error = %e, "reconnect failed; retrying");
                     // Sleep until the next attempt, waking early on shutdown.
-                    let nap = self.params.reconnect_delay.min(give_up - now);
+                    let backoff = 1u32 << (attempt - 1).min(RECONNECT_BACKOFF_MAX.trailing_zeros());
+                    let nap = (self.params.reconnect_delay * backoff).min(give_up - now);
                     let (m, cv) = &*self.stop;
                     let g = m.lock().unwrap_or_else(|p| p.into_inner());
                     let _ = cv
