@@ -30,10 +30,7 @@ pub fn host_identity() -> (String, [u8; 16]) {
     }
 }
 
-/// `nqn.2014-08.org.nvmexpress:uuid:<uuid>` for a host ID.
-pub fn uuid_nqn(u: &[u8; 16]) -> String {
-    format!("nqn.2014-08.org.nvmexpress:uuid:{}", format_uuid(u))
-}
+pub use nvpool_wire::nqn::{format_uuid, parse_uuid, uuid_nqn};
 
 pub fn random_uuid() -> [u8; 16] {
     let mut b = [0u8; 16];
@@ -43,30 +40,6 @@ pub fn random_uuid() -> [u8; 16] {
     b[6] = (b[6] & 0x0F) | 0x40;
     b[8] = (b[8] & 0x3F) | 0x80;
     b
-}
-
-pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let hex: String = s.chars().filter(|&c| c != '-').collect();
-    if hex.len() != 32 || s.len() != 36 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(hex.get(i * 2..i * 2 + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
-pub fn format_uuid(u: &[u8; 16]) -> String {
-    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
 }
 
 #[cfg(test)]

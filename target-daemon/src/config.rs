@@ -255,30 +255,7 @@ pub fn validate_nsid(nsid: u32) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// Parses `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
-pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
-    let hex: String = s.chars().filter(|&c| c != '-').collect();
-    if hex.len() != 32 || s.len() != 36 {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&hex[i * 2..i * 2 + 2], 16).ok()?;
-    }
-    Some(out)
-}
-
-pub fn format_uuid(u: &[u8; 16]) -> String {
-    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
-}
+pub use nvpool_wire::nqn::{format_uuid, parse_uuid};
 
 #[cfg(test)]
 mod tests {

@@ -24,6 +24,7 @@ pub mod fuzz;
 pub mod identify;
 pub mod le;
 pub mod log;
+pub mod nqn;
 pub mod sqe;
 pub mod status;
 pub mod tcp;
