@@ -12,7 +12,7 @@ pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
         return None;
     }
     let hex: Vec<u8> = b.iter().copied().filter(|&c| c != b'-').collect();
-    if hex.len() != 32 {
+    if hex.len() != 32 || !hex.iter().all(u8::is_ascii_hexdigit) {
         return None;
     }
     let mut out = [0u8; 16];
