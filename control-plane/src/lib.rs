@@ -1,0 +1,38 @@
+//! nvpool control plane, as a library: the metadata store, the cluster
+//! model, extent placement, the volume address mapping, and the
+//! transactional operations that tie them together. The `nvpool-control`
+//! daemon (REST API, target programming) and the `nvpool` CLI build on it.
+//!
+//! ```text
+//!   REST API / CLI (later)
+//!          │
+//!   state::Cluster ── register, heartbeat, pools, create/grow/delete volumes
+//!      │        │
+//!      │   placement::Allocator ── pure: devices + extents in, extents out
+//!      │        └── mapping ── volume offset → (member, row, offset); shared with the initiator
+//!      │
+//!   store::Store ── txn(conditions, ops), list, changes_since
+//!      ├── RedbStore (embedded, default; feature "redb")
+//!      └── MemStore  (tests)
+//! ```
+//!
+//! Crates that need only the model and the mapping (the initiator) depend
+//! on this one with `default-features = false`, which leaves out redb.
+
+pub mod clock;
+pub mod limits;
+pub mod mapping;
+pub mod model;
+pub mod placement;
+pub mod state;
+pub mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use mapping::{Geometry, Location, MapError, Segment};
+pub use model::{
+    Device, DeviceRef, Extent, Health, Layout, ModelError, Pool, Target, TargetState, Uuid, Volume,
+    VolumeSpec, VolumeStatus,
+};
+pub use placement::{Allocator, PlacementError};
+pub use state::{Cluster, StateConfig, StateError, TargetRegistration};
+pub use store::{Store, StoreError};

@@ -1,0 +1,131 @@
+//! Every limit of the control plane, named, with its unit last and its reason.
+
+/// Allocation unit of device space. Volumes are built from extents of one
+/// fixed size: placement then never fragments a device into unusable
+/// slivers, a freed extent fits any later volume, and a volume record stays
+/// small (a 1 TiB mirror is 2048 extents). 1 GiB is small enough that the
+/// rounding waste of a volume is negligible and large enough that a
+/// many-terabyte volume needs only thousands of extents. Each volume records
+/// the extent size it was created with, so changing the default later
+/// leaves existing volumes readable.
+pub const EXTENT_BYTES: u64 = 1 << 30;
+/// Smallest configurable extent. Tests use 1 MiB extents to build many-extent
+/// volumes on small fake devices; nothing smaller is useful.
+pub const EXTENT_BYTES_MIN: u64 = 1 << 20;
+/// Largest configurable extent: with `EXTENTS_PER_VOLUME_MAX` it bounds a
+/// volume at 512 TiB of raw space.
+pub const EXTENT_BYTES_MAX: u64 = 64 << 30;
+
+/// Volume sizes and stripe units are multiples of this: the logical block
+/// size every target namespace offers and the smallest O_DIRECT unit.
+pub const BLOCK_BYTES: u64 = 4096;
+/// Smallest stripe unit (one block).
+pub const STRIPE_BYTES_MIN: u64 = BLOCK_BYTES;
+/// Stripe members of a raid0/raid10 volume. Each member of a row sits on its
+/// own target, so this is also the number of targets one row may span; 32
+/// covers any sensible fan-out and keeps a row's placement a small loop.
+pub const STRIPE_WIDTH_MAX: u32 = 32;
+/// Copies of a mirrored volume: 2 survives one failure, 3 survives two;
+/// more buys nothing a failure-domain-aware 3 does not.
+pub const COPIES_MIN: u8 = 2;
+pub const COPIES_MAX: u8 = 3;
+
+/// Extents of one volume, all members and copies counted. Bounds the size
+/// of a volume record (see `VOLUME_ENCODED_BYTES_MAX`) so that one volume
+/// is one store value even on etcd. 8192 extents of the default size is
+/// 8 TiB of raw space; larger volumes need a larger extent size.
+pub const EXTENTS_PER_VOLUME_MAX: u32 = 8192;
+
+/// Target, device and pool identifiers. They appear in store keys and in
+/// every extent of a volume record, so they are short; a UUID (36 bytes)
+/// fits with room to spare.
+pub const ID_BYTES_MAX: usize = 64;
+/// Human names of targets and volumes.
+pub const NAME_BYTES_MAX: usize = 128;
+/// Labels per target or device (host, rack, zone, class…).
+pub const LABELS_MAX: usize = 16;
+/// Label keys and values: 63 bytes, like Kubernetes label values.
+pub const LABEL_BYTES_MAX: usize = 63;
+/// Backend spec of a device (`file:/dev/disk/by-id/…`): a path, bounded.
+pub const BACKEND_SPEC_BYTES_MAX: usize = 512;
+/// Devices one target may register: a 2U server holds 24 NVMe drives,
+/// some hold 36; 64 leaves room for partitions.
+pub const DEVICES_PER_TARGET_MAX: usize = 64;
+/// Targets in one cluster. Every mutation reads the whole cluster state
+/// (one consistent snapshot), so the cluster's size is bounded.
+pub const TARGETS_MAX: usize = 1024;
+/// Pools in one cluster.
+pub const POOLS_MAX: usize = 256;
+/// Devices named by one pool: every device of `TARGETS_MAX` targets at a
+/// typical 16 devices each.
+pub const DEVICES_PER_POOL_MAX: usize = 16384;
+/// Volumes in one cluster.
+pub const VOLUMES_MAX: usize = 65536;
+
+/// A target whose last heartbeat is older than this is offline: placement
+/// skips it and the volumes with extents on it are degraded or offline.
+/// Three missed heartbeats, so one lost packet or a slow control-plane
+/// write does not flap a target.
+pub const HEARTBEAT_TIMEOUT_MS: u64 = 15_000;
+/// How often targets are expected to heartbeat.
+pub const HEARTBEAT_INTERVAL_MS: u64 = 5_000;
+
+/// Attempts of one read → compute → compare-and-swap operation before it
+/// gives up with `Contention`. Every conflict means another mutation
+/// committed, so the system as a whole progresses; 32 losses in a row only
+/// happen under a pathological write storm.
+pub const TXN_ATTEMPTS_MAX: u32 = 32;
+/// Backoff before the second attempt: up to this long (random), doubling
+/// per attempt. A commit takes about a millisecond (one fsync), so 0.5 ms
+/// spreads two colliding writers apart.
+pub const TXN_BACKOFF_BASE_US: u64 = 500;
+/// Backoff cap: 32 attempts then take at most about 1.5 s in total, which
+/// a REST client will wait for.
+pub const TXN_BACKOFF_MAX_US: u64 = 50_000;
+
+/// Store keys. etcd allows more, but our keys are a prefix and an ID.
+pub const KEY_BYTES_MAX: usize = 512;
+/// One store value: etcd's default request limit (`--max-request-bytes`,
+/// 1.5 MiB), so a volume record is one value there too.
+pub const VALUE_BYTES_MAX: usize = 3 << 19;
+/// Keys and values written by one transaction. An etcd backend must run with
+/// `--max-request-bytes` above this (4 MiB, say).
+pub const TXN_BYTES_MAX: usize = 2 << 20;
+/// Operations (puts and deletes) in one transaction: etcd's `--max-txn-ops`
+/// default.
+pub const TXN_OPS_MAX: usize = 128;
+/// Conditions in one transaction (same bound as operations).
+pub const TXN_CONDITIONS_MAX: usize = 128;
+
+/// Revisions kept in the change log for watchers (`changes_since`). A
+/// watcher polling once a second falls behind only after this many
+/// mutations in between; it then re-lists.
+pub const CHANGE_LOG_REVISIONS_MAX: u64 = 10_000;
+/// Bytes of keys and values kept in the change log, so a burst of large
+/// volume records cannot make the log unbounded in size.
+pub const CHANGE_LOG_BYTES_MAX: u64 = 64 << 20;
+
+/// Worst-case encoded size of one extent in a volume record: two IDs with
+/// their length prefixes, offset and length as 10-byte varints, member and
+/// row as 5-byte varints, the copy index as one byte.
+pub const EXTENT_ENCODED_BYTES_MAX: usize = 2 * (1 + ID_BYTES_MAX) + 2 * 10 + 2 * 5 + 1;
+/// Worst-case encoded size of a volume record without its extents: format
+/// byte, UUID, name, pool ID, layout and a handful of varints.
+pub const VOLUME_FIXED_ENCODED_BYTES_MAX: usize =
+    1 + 17 + (2 + NAME_BYTES_MAX) + (2 + ID_BYTES_MAX) + 32 + 8 * 10;
+/// Worst-case encoded size of a volume record.
+pub const VOLUME_ENCODED_BYTES_MAX: usize =
+    VOLUME_FIXED_ENCODED_BYTES_MAX + 5 + EXTENTS_PER_VOLUME_MAX as usize * EXTENT_ENCODED_BYTES_MAX;
+
+const _: () = assert!(EXTENT_BYTES.is_power_of_two());
+const _: () = assert!(EXTENT_BYTES >= EXTENT_BYTES_MIN && EXTENT_BYTES <= EXTENT_BYTES_MAX);
+const _: () = assert!(EXTENT_BYTES_MIN.is_power_of_two() && EXTENT_BYTES_MAX.is_power_of_two());
+const _: () =
+    assert!(EXTENT_BYTES_MIN.is_multiple_of(BLOCK_BYTES) && STRIPE_BYTES_MIN <= EXTENT_BYTES_MIN);
+const _: () = assert!(HEARTBEAT_TIMEOUT_MS >= 3 * HEARTBEAT_INTERVAL_MS);
+// A volume record always fits one store value, and its transaction (the
+// record, its name-index key and the allocation epoch) fits one transaction.
+const _: () = assert!(VOLUME_ENCODED_BYTES_MAX <= VALUE_BYTES_MAX);
+const _: () = assert!(VALUE_BYTES_MAX + 4 * KEY_BYTES_MAX + 1024 <= TXN_BYTES_MAX);
+// The newest transaction always survives trimming of the change log.
+const _: () = assert!(CHANGE_LOG_BYTES_MAX >= 2 * TXN_BYTES_MAX as u64);

@@ -1,0 +1,942 @@
+//! The control plane's objects — targets and their devices, pools, volumes
+//! and their extents — with their validation and their stored encoding.
+//!
+//! Stored values are `[FORMAT, postcard bytes…]`. postcard is compact (a
+//! volume of 8192 extents fits one etcd value) but not self-describing: a
+//! struct cannot gain a field in place. So any change to a stored type bumps
+//! [`FORMAT`] and `decode` keeps a path for every older format it still
+//! reads. The same types derive JSON-friendly serde (snake_case enums, UUIDs
+//! as strings) for the REST API.
+
+use crate::limits::{
+    BACKEND_SPEC_BYTES_MAX, BLOCK_BYTES, COPIES_MAX, COPIES_MIN, DEVICES_PER_TARGET_MAX,
+    EXTENTS_PER_VOLUME_MAX, EXTENT_BYTES_MAX, EXTENT_BYTES_MIN, ID_BYTES_MAX, LABELS_MAX,
+    LABEL_BYTES_MAX, NAME_BYTES_MAX, STRIPE_BYTES_MIN, STRIPE_WIDTH_MAX,
+};
+use crate::mapping::Geometry;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+/// Format byte in front of every stored value.
+pub const FORMAT: u8 = 1;
+
+/// Why an object is invalid or does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error("{kind} {value:?} is not a valid identifier (1..={max} bytes of A-Z a-z 0-9 . _ : -)")]
+    InvalidId {
+        kind: &'static str,
+        value: String,
+        max: usize,
+    },
+    #[error("invalid layout: {0}")]
+    InvalidLayout(String),
+    #[error("invalid size: {0}")]
+    InvalidSize(String),
+    #[error("{0}")]
+    Invalid(String),
+    /// A volume's extents do not match its geometry: a corrupt record or a bug.
+    #[error("volume {uuid} is inconsistent: {reason}")]
+    Inconsistent { uuid: Uuid, reason: String },
+    #[error("cannot decode {what}: {message}")]
+    Decode { what: &'static str, message: String },
+    #[error("{what} is stored in format {found}; this build reads format {FORMAT}")]
+    UnknownFormat { what: &'static str, found: u8 },
+}
+
+/// Encodes a value for the store.
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut out = vec![FORMAT];
+    // postcard fails only for types it cannot represent (maps with
+    // non-serialisable keys, `deserialize_any`); ours are plain structs.
+    out.extend(postcard::to_allocvec(value).expect("model types encode with postcard"));
+    out
+}
+
+/// Decodes a stored value; `what` names it in errors ("volume", "target").
+pub fn decode<T: DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, ModelError> {
+    match bytes.split_first() {
+        Some((&FORMAT, body)) => {
+            let (value, rest) =
+                postcard::take_from_bytes(body).map_err(|e| ModelError::Decode {
+                    what,
+                    message: e.to_string(),
+                })?;
+            if !rest.is_empty() {
+                return Err(ModelError::Decode {
+                    what,
+                    message: format!("{} trailing bytes", rest.len()),
+                });
+            }
+            Ok(value)
+        }
+        Some((&found, _)) => Err(ModelError::UnknownFormat { what, found }),
+        None => Err(ModelError::Decode {
+            what,
+            message: "empty value".into(),
+        }),
+    }
+}
+
+/// Checks an identifier: target, device and pool IDs and volume names
+/// appear in store keys, so they are short and free of `/`.
+pub fn validate_id(kind: &'static str, value: &str, max: usize) -> Result<(), ModelError> {
+    let ok = !value.is_empty()
+        && value.len() <= max
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidId {
+            kind,
+            value: value.to_owned(),
+            max,
+        })
+    }
+}
+
+/// Labels: at most `LABELS_MAX`; keys 1..=63 bytes of `A-Za-z0-9._-/`
+/// (Kubernetes-style `topology.example.com/rack` works), values 0..=63
+/// bytes of `A-Za-z0-9._-`.
+pub fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ModelError> {
+    if labels.len() > LABELS_MAX {
+        return Err(ModelError::Invalid(format!(
+            "{} labels, at most {LABELS_MAX}",
+            labels.len()
+        )));
+    }
+    let chars_ok = |s: &str, extra: &[u8]| {
+        s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b) || extra.contains(&b))
+    };
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > LABEL_BYTES_MAX || !chars_ok(k, b"/") {
+            return Err(ModelError::Invalid(format!(
+                "label key {k:?} must be 1..={LABEL_BYTES_MAX} bytes of A-Z a-z 0-9 . _ - /"
+            )));
+        }
+        if v.len() > LABEL_BYTES_MAX || !chars_ok(v, b"") {
+            return Err(ModelError::Invalid(format!(
+                "label {k}={v:?}: values are 0..={LABEL_BYTES_MAX} bytes of A-Z a-z 0-9 . _ -"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A volume's identity, chosen by the client so that a retried create is
+/// recognised. Canonical text form: lowercase, hyphenated.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Uuid(pub [u8; 16]);
+
+impl Uuid {
+    pub fn from_bytes(bytes: [u8; 16]) -> Uuid {
+        Uuid(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+}
+
+impl fmt::Display for Uuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, b) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                f.write_str("-")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Uuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl FromStr for Uuid {
+    type Err = ModelError;
+
+    /// Parses `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (either case).
+    fn from_str(s: &str) -> Result<Uuid, ModelError> {
+        let bad = || ModelError::InvalidId {
+            kind: "volume UUID",
+            value: s.to_owned(),
+            max: 36,
+        };
+        let b = s.as_bytes();
+        if b.len() != 36 || [8, 13, 18, 23].iter().any(|&i| b[i] != b'-') {
+            return Err(bad());
+        }
+        let hex: Vec<u8> = b.iter().copied().filter(|&c| c != b'-').collect();
+        if hex.len() != 32 || !hex.iter().all(u8::is_ascii_hexdigit) {
+            return Err(bad());
+        }
+        let nibble = |c: u8| (c as char).to_digit(16).expect("checked hex digit") as u8;
+        let mut out = [0u8; 16];
+        for (o, pair) in out.iter_mut().zip(hex.chunks(2)) {
+            *o = nibble(pair[0]) << 4 | nibble(pair[1]);
+        }
+        Ok(Uuid(out))
+    }
+}
+
+impl Serialize for Uuid {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            self.0.serialize(s)
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Uuid {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Uuid, D::Error> {
+        if d.is_human_readable() {
+            let s = String::deserialize(d)?;
+            s.parse().map_err(serde::de::Error::custom)
+        } else {
+            <[u8; 16]>::deserialize(d).map(Uuid)
+        }
+    }
+}
+
+/// Whether placement may put new extents on a target. Set by an operator;
+/// distinct from health, which is derived from heartbeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetState {
+    /// Takes new extents.
+    Active,
+    /// Keeps serving its extents but takes no new ones (before maintenance
+    /// or decommissioning).
+    Cordoned,
+}
+
+/// A target's liveness as judged from its last heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    Online,
+    Offline,
+}
+
+/// A storage server running `nvpool-target`, as it registered itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Target {
+    /// Stable identity chosen by the target (it keeps it in its state
+    /// directory); survives address changes.
+    pub id: String,
+    /// Human name, usually the host name.
+    pub name: String,
+    /// The NVMe/TCP listener initiators connect to.
+    pub addr: SocketAddr,
+    /// The target's admin API, which the control plane programs.
+    pub admin_addr: SocketAddr,
+    /// Failure-domain and other labels: `host`, `rack`, `zone`…
+    pub labels: BTreeMap<String, String>,
+    pub devices: Vec<Device>,
+    pub registered_ms: u64,
+    /// Wall-clock time of the last heartbeat (ms since the Unix epoch).
+    pub last_heartbeat_ms: u64,
+    pub state: TargetState,
+}
+
+impl Target {
+    pub fn device(&self, id: &str) -> Option<&Device> {
+        self.devices.iter().find(|d| d.id == id)
+    }
+
+    /// Online when the last heartbeat is at most `timeout_ms` old. A
+    /// heartbeat from the future (clock skew) counts as fresh.
+    pub fn health(&self, now_ms: u64, timeout_ms: u64) -> Health {
+        if now_ms.saturating_sub(self.last_heartbeat_ms) <= timeout_ms {
+            Health::Online
+        } else {
+            Health::Offline
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ModelError> {
+        validate_id("target id", &self.id, ID_BYTES_MAX)?;
+        validate_id("target name", &self.name, NAME_BYTES_MAX)?;
+        validate_labels(&self.labels)?;
+        if self.devices.len() > DEVICES_PER_TARGET_MAX {
+            return Err(ModelError::Invalid(format!(
+                "target {}: {} devices, at most {DEVICES_PER_TARGET_MAX}",
+                self.id,
+                self.devices.len()
+            )));
+        }
+        let mut seen = BTreeSet::new();
+        for d in &self.devices {
+            d.validate()?;
+            if !seen.insert(d.id.as_str()) {
+                return Err(ModelError::Invalid(format!(
+                    "target {}: device {} is listed twice",
+                    self.id, d.id
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One device (drive, partition or file) a target offers for extents.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Device {
+    /// Unique within its target (`nvme1n1`, a serial number…).
+    pub id: String,
+    /// How the target opens it: `file:/dev/disk/by-id/nvme-…`. Extents are
+    /// exported as `BACKEND,offset=…,length=…`.
+    pub backend: String,
+    pub capacity_bytes: u64,
+    /// Device labels (`class=tlc`…); a failure-domain label here overrides
+    /// the target's.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl Device {
+    pub fn validate(&self) -> Result<(), ModelError> {
+        validate_id("device id", &self.id, ID_BYTES_MAX)?;
+        if self.backend.is_empty() || self.backend.len() > BACKEND_SPEC_BYTES_MAX {
+            return Err(ModelError::Invalid(format!(
+                "device {}: backend spec must be 1..={BACKEND_SPEC_BYTES_MAX} bytes",
+                self.id
+            )));
+        }
+        validate_labels(&self.labels)
+    }
+}
+
+/// A device of a target.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct DeviceRef {
+    pub target: String,
+    pub device: String,
+}
+
+impl DeviceRef {
+    pub fn new(target: &str, device: &str) -> DeviceRef {
+        DeviceRef {
+            target: target.to_owned(),
+            device: device.to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for DeviceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.target, self.device)
+    }
+}
+
+/// A named set of devices. A device belongs to at most one pool; volumes
+/// created without a pool use the devices that belong to none.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pool {
+    pub name: String,
+    /// Sorted, without duplicates.
+    pub devices: Vec<DeviceRef>,
+    pub created_ms: u64,
+}
+
+/// How a volume's bytes are spread over extents.
+///
+/// A volume has `width` stripe members (1 for concat and raid1), and each
+/// member has `copies` identical copies (1 for concat and raid0). See
+/// [`crate::mapping`] for the byte mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layout {
+    /// Extents one after another, one copy.
+    Concat,
+    /// Striped over `width` members in units of `stripe_bytes`, one copy.
+    Raid0 { stripe_bytes: u64, width: u32 },
+    /// `copies` mirrors of a concatenation.
+    Raid1 { copies: u8 },
+    /// Striped over `width` members, each mirrored `copies` times.
+    Raid10 {
+        stripe_bytes: u64,
+        width: u32,
+        copies: u8,
+    },
+}
+
+impl Layout {
+    /// Stripe members (1 for concat and raid1).
+    pub fn width(&self) -> u32 {
+        match *self {
+            Layout::Concat | Layout::Raid1 { .. } => 1,
+            Layout::Raid0 { width, .. } | Layout::Raid10 { width, .. } => width,
+        }
+    }
+
+    /// Copies of each member (1 for concat and raid0).
+    pub fn copies(&self) -> u8 {
+        match *self {
+            Layout::Concat | Layout::Raid0 { .. } => 1,
+            Layout::Raid1 { copies } | Layout::Raid10 { copies, .. } => copies,
+        }
+    }
+
+    /// The stripe unit of striped layouts.
+    pub fn stripe_bytes(&self) -> Option<u64> {
+        match *self {
+            Layout::Concat | Layout::Raid1 { .. } => None,
+            Layout::Raid0 { stripe_bytes, .. } | Layout::Raid10 { stripe_bytes, .. } => {
+                Some(stripe_bytes)
+            }
+        }
+    }
+
+    /// Extents in one row: every member's copies.
+    pub fn extents_per_row(&self) -> u32 {
+        self.width() * u32::from(self.copies())
+    }
+
+    /// Checks the layout for volumes built of `extent_bytes` extents: copies
+    /// 2..=3, width 2..=`STRIPE_WIDTH_MAX`, stripe a power of two of at
+    /// least 4 KiB and at most one extent.
+    pub fn validate(&self, extent_bytes: u64) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::InvalidLayout(m));
+        if let Layout::Raid1 { copies } | Layout::Raid10 { copies, .. } = *self {
+            if !(COPIES_MIN..=COPIES_MAX).contains(&copies) {
+                return bad(format!(
+                    "{copies} copies; mirrored layouts have {COPIES_MIN}..={COPIES_MAX}"
+                ));
+            }
+        }
+        if let Layout::Raid0 {
+            stripe_bytes,
+            width,
+        }
+        | Layout::Raid10 {
+            stripe_bytes,
+            width,
+            ..
+        } = *self
+        {
+            if !(2..=STRIPE_WIDTH_MAX).contains(&width) {
+                return bad(format!(
+                    "stripe width {width}; striped layouts have 2..={STRIPE_WIDTH_MAX} members"
+                ));
+            }
+            if !stripe_bytes.is_power_of_two()
+                || stripe_bytes < STRIPE_BYTES_MIN
+                || stripe_bytes > extent_bytes
+            {
+                return bad(format!(
+                    "stripe of {stripe_bytes} bytes; it must be a power of two from \
+                     {STRIPE_BYTES_MIN} to the extent size ({extent_bytes})"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Layout::Concat => write!(f, "concat"),
+            Layout::Raid0 {
+                stripe_bytes,
+                width,
+            } => write!(f, "raid0(width {width}, stripe {stripe_bytes})"),
+            Layout::Raid1 { copies } => write!(f, "raid1({copies} copies)"),
+            Layout::Raid10 {
+                stripe_bytes,
+                width,
+                copies,
+            } => write!(
+                f,
+                "raid10(width {width}, stripe {stripe_bytes}, {copies} copies)"
+            ),
+        }
+    }
+}
+
+/// Checks an extent size: a power of two in `EXTENT_BYTES_MIN..=EXTENT_BYTES_MAX`.
+pub fn validate_extent_bytes(extent_bytes: u64) -> Result<(), ModelError> {
+    if extent_bytes.is_power_of_two()
+        && (EXTENT_BYTES_MIN..=EXTENT_BYTES_MAX).contains(&extent_bytes)
+    {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidSize(format!(
+            "extent size {extent_bytes} must be a power of two from {EXTENT_BYTES_MIN} to \
+             {EXTENT_BYTES_MAX}"
+        )))
+    }
+}
+
+/// Checks a volume size against its layout and extent size: a positive
+/// multiple of 4 KiB that needs at most `EXTENTS_PER_VOLUME_MAX` extents.
+pub fn validate_size(
+    size_bytes: u64,
+    layout: &Layout,
+    extent_bytes: u64,
+) -> Result<(), ModelError> {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_BYTES) {
+        return Err(ModelError::InvalidSize(format!(
+            "{size_bytes} bytes; a volume is a positive multiple of {BLOCK_BYTES} bytes"
+        )));
+    }
+    let rows = size_bytes.div_ceil(extent_bytes * u64::from(layout.width()));
+    let extents = rows * u64::from(layout.extents_per_row());
+    if extents > u64::from(EXTENTS_PER_VOLUME_MAX) {
+        return Err(ModelError::InvalidSize(format!(
+            "{size_bytes} bytes as {layout} needs {extents} extents of {extent_bytes} bytes, \
+             at most {EXTENTS_PER_VOLUME_MAX}"
+        )));
+    }
+    Ok(())
+}
+
+/// One fixed-size piece of a device holding part of a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub target: String,
+    pub device: String,
+    /// Byte offset on the device; a multiple of the extent size.
+    pub offset: u64,
+    /// Always the volume's `extent_bytes`.
+    pub length: u64,
+    /// Stripe member (0 for concat and raid1).
+    pub member: u32,
+    /// Position within the member: the member's `row`-th extent.
+    pub row: u32,
+    /// Which copy (0 for concat and raid0).
+    pub copy: u8,
+}
+
+impl Extent {
+    pub fn device_ref(&self) -> DeviceRef {
+        DeviceRef::new(&self.target, &self.device)
+    }
+
+    /// `[offset, offset + length)` on the device (saturating: a corrupt
+    /// record must not overflow; the allocator refuses it anyway).
+    pub fn end(&self) -> u64 {
+        self.offset.saturating_add(self.length)
+    }
+}
+
+/// What a client asks for when it creates a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeSpec {
+    pub uuid: Uuid,
+    pub name: String,
+    pub size_bytes: u64,
+    pub layout: Layout,
+    pub pool: Option<String>,
+}
+
+impl VolumeSpec {
+    pub fn validate(&self, extent_bytes: u64) -> Result<(), ModelError> {
+        validate_id("volume name", &self.name, NAME_BYTES_MAX)?;
+        if let Some(p) = &self.pool {
+            validate_id("pool name", p, ID_BYTES_MAX)?;
+        }
+        validate_extent_bytes(extent_bytes)?;
+        self.layout.validate(extent_bytes)?;
+        validate_size(self.size_bytes, &self.layout, extent_bytes)
+    }
+}
+
+/// A volume: its parameters and every extent, in canonical order.
+///
+/// Extents are sorted by `(row, member, copy)`: the extent for a given
+/// position is at index `(row × width + member) × copies + copy`, and
+/// growing a volume only appends rows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    pub uuid: Uuid,
+    pub name: String,
+    pub size_bytes: u64,
+    pub layout: Layout,
+    pub pool: Option<String>,
+    /// The extent size this volume was created with.
+    pub extent_bytes: u64,
+    pub extents: Vec<Extent>,
+    pub created_ms: u64,
+}
+
+impl Volume {
+    pub fn geometry(&self) -> Geometry {
+        Geometry::new(self.size_bytes, self.extent_bytes, &self.layout)
+    }
+
+    /// Extents per member.
+    pub fn rows(&self) -> u32 {
+        self.geometry().rows()
+    }
+
+    /// The copies of `member`'s `row`-th extent (copy 0 first). Panics if
+    /// the volume lacks them: call on validated volumes, or use `locate`.
+    pub fn copies_of(&self, row: u32, member: u32) -> &[Extent] {
+        let copies = usize::from(self.layout.copies());
+        let start = (row as usize * self.layout.width() as usize + member as usize) * copies;
+        &self.extents[start..start + copies]
+    }
+
+    /// The parameters this volume was created from, as a spec, for
+    /// idempotency checks.
+    pub fn spec(&self) -> VolumeSpec {
+        VolumeSpec {
+            uuid: self.uuid,
+            name: self.name.clone(),
+            size_bytes: self.size_bytes,
+            layout: self.layout,
+            pool: self.pool.clone(),
+        }
+    }
+
+    /// Whether I/O can be served: online when every extent's target is
+    /// online, degraded when some copy is on an offline target but every
+    /// (row, member) keeps a live copy, offline otherwise.
+    pub fn status(&self, health: impl Fn(&str) -> Health) -> VolumeStatus {
+        let mut degraded = false;
+        let copies = usize::from(self.layout.copies());
+        for group in self.extents.chunks(copies) {
+            let live = group
+                .iter()
+                .filter(|e| health(&e.target) == Health::Online)
+                .count();
+            if live == 0 {
+                return VolumeStatus::Offline;
+            }
+            degraded |= live < group.len();
+        }
+        if degraded {
+            VolumeStatus::Degraded
+        } else {
+            VolumeStatus::Online
+        }
+    }
+
+    /// Checks the volume's parameters and that its extents are exactly the
+    /// ones its geometry needs, in canonical order, each of the volume's
+    /// extent size and extent-aligned, and the extents of a row on
+    /// distinct targets.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        self.spec().validate(self.extent_bytes)?;
+        let inconsistent = |reason: String| ModelError::Inconsistent {
+            uuid: self.uuid,
+            reason,
+        };
+        let g = self.geometry();
+        let (width, copies) = (self.layout.width(), self.layout.copies());
+        let expected = g.rows() as usize * width as usize * usize::from(copies);
+        if self.extents.len() != expected {
+            return Err(inconsistent(format!(
+                "{} extents, its geometry needs {expected}",
+                self.extents.len()
+            )));
+        }
+        let mut i = 0;
+        for row in 0..g.rows() {
+            let mut targets = BTreeSet::new();
+            for member in 0..width {
+                for copy in 0..copies {
+                    let e = &self.extents[i];
+                    i += 1;
+                    if (e.row, e.member, e.copy) != (row, member, copy) {
+                        return Err(inconsistent(format!(
+                            "extent {} is (row {}, member {}, copy {}), expected \
+                             ({row}, {member}, {copy})",
+                            i - 1,
+                            e.row,
+                            e.member,
+                            e.copy
+                        )));
+                    }
+                    if e.length != self.extent_bytes || !e.offset.is_multiple_of(self.extent_bytes)
+                    {
+                        return Err(inconsistent(format!(
+                            "extent {} is [{}, +{}), not an aligned {}-byte extent",
+                            i - 1,
+                            e.offset,
+                            e.length,
+                            self.extent_bytes
+                        )));
+                    }
+                    if !targets.insert(e.target.as_str()) {
+                        return Err(inconsistent(format!(
+                            "row {row} has two extents on target {}",
+                            e.target
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a volume can serve I/O, from the health of its extents' targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeStatus {
+    Online,
+    Degraded,
+    Offline,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::{EXTENT_BYTES, VOLUME_ENCODED_BYTES_MAX};
+
+    const MIB: u64 = 1 << 20;
+
+    fn uuid(n: u8) -> Uuid {
+        Uuid([n; 16])
+    }
+
+    #[test]
+    fn uuid_text_and_encodings() {
+        assert!(
+            "0123456789AB-cdef-0123-4-56789abcdef"
+                .parse::<Uuid>()
+                .is_err(),
+            "misplaced hyphens are refused"
+        );
+        let u: Uuid = "01234567-89AB-cdef-0123-456789abcdef".parse().unwrap();
+        assert_eq!(u.to_string(), "01234567-89ab-cdef-0123-456789abcdef");
+        assert!("01234567-89ab-cdef-0123-456789abcdeg"
+            .parse::<Uuid>()
+            .is_err());
+        assert!("01234567-89ab-cdef-0123-456789abcde"
+            .parse::<Uuid>()
+            .is_err());
+        assert!("+1234567-89ab-cdef-0123-456789abcdef"
+            .parse::<Uuid>()
+            .is_err());
+        let json = serde_json::to_string(&u).unwrap();
+        assert_eq!(json, "\"01234567-89ab-cdef-0123-456789abcdef\"");
+        assert_eq!(serde_json::from_str::<Uuid>(&json).unwrap(), u);
+        let stored = encode(&u);
+        assert_eq!(stored.len(), 1 + 16, "binary form is the 16 bytes");
+        assert_eq!(decode::<Uuid>("uuid", &stored).unwrap(), u);
+    }
+
+    #[test]
+    fn identifiers_and_labels() {
+        assert!(validate_id("t", "node-1.rack_a:x", ID_BYTES_MAX).is_ok());
+        for bad in ["", "a/b", "a b", "é"] {
+            assert!(validate_id("t", bad, ID_BYTES_MAX).is_err(), "{bad:?}");
+        }
+        assert!(validate_id("t", &"a".repeat(ID_BYTES_MAX + 1), ID_BYTES_MAX).is_err());
+        let mut l = BTreeMap::new();
+        l.insert("topology.example.com/rack".to_string(), "r1".to_string());
+        l.insert("empty".to_string(), String::new());
+        assert!(validate_labels(&l).is_ok());
+        l.insert("bad".into(), "a/b".into());
+        assert!(validate_labels(&l).is_err());
+        let many = (0..=LABELS_MAX)
+            .map(|i| (format!("k{i}"), "v".into()))
+            .collect();
+        assert!(validate_labels(&many).is_err());
+    }
+
+    #[test]
+    fn layout_validation() {
+        let e = EXTENT_BYTES;
+        assert!(Layout::Concat.validate(e).is_ok());
+        assert!(Layout::Raid1 { copies: 2 }.validate(e).is_ok());
+        assert!(Layout::Raid1 { copies: 3 }.validate(e).is_ok());
+        assert!(Layout::Raid1 { copies: 1 }.validate(e).is_err());
+        assert!(Layout::Raid1 { copies: 4 }.validate(e).is_err());
+        let r0 = |stripe_bytes, width| Layout::Raid0 {
+            stripe_bytes,
+            width,
+        };
+        assert!(r0(4096, 2).validate(e).is_ok());
+        assert!(r0(e, STRIPE_WIDTH_MAX).validate(e).is_ok());
+        assert!(r0(4096, 1).validate(e).is_err());
+        assert!(r0(4096, STRIPE_WIDTH_MAX + 1).validate(e).is_err());
+        assert!(r0(2048, 2).validate(e).is_err());
+        assert!(r0(3 * 4096, 2).validate(e).is_err());
+        assert!(r0(2 * e, 2).validate(e).is_err());
+        let r10 = Layout::Raid10 {
+            stripe_bytes: 65536,
+            width: 2,
+            copies: 2,
+        };
+        assert!(r10.validate(e).is_ok());
+        assert_eq!(
+            (r10.width(), r10.copies(), r10.extents_per_row()),
+            (2, 2, 4)
+        );
+        assert!(Layout::Raid10 {
+            stripe_bytes: 65536,
+            width: 2,
+            copies: 5
+        }
+        .validate(e)
+        .is_err());
+    }
+
+    #[test]
+    fn size_validation() {
+        let e = MIB;
+        assert!(validate_size(4096, &Layout::Concat, e).is_ok());
+        assert!(validate_size(0, &Layout::Concat, e).is_err());
+        assert!(validate_size(4097, &Layout::Concat, e).is_err());
+        let max = u64::from(EXTENTS_PER_VOLUME_MAX) * e;
+        assert!(validate_size(max, &Layout::Concat, e).is_ok());
+        assert!(validate_size(max + 4096, &Layout::Concat, e).is_err());
+        assert!(validate_size(max, &Layout::Raid1 { copies: 2 }, e).is_err());
+        assert!(validate_size(max / 2, &Layout::Raid1 { copies: 2 }, e).is_ok());
+        assert!(validate_extent_bytes(EXTENT_BYTES).is_ok());
+        assert!(validate_extent_bytes(EXTENT_BYTES_MIN / 2).is_err());
+        assert!(validate_extent_bytes(EXTENT_BYTES_MAX * 2).is_err());
+        assert!(validate_extent_bytes(3 * MIB).is_err());
+    }
+
+    fn mirror(rows: u32) -> Volume {
+        let mut extents = Vec::new();
+        for row in 0..rows {
+            for copy in 0..2u8 {
+                extents.push(Extent {
+                    target: format!("t{copy}"),
+                    device: "d".into(),
+                    offset: u64::from(row) * MIB,
+                    length: MIB,
+                    member: 0,
+                    row,
+                    copy,
+                });
+            }
+        }
+        Volume {
+            uuid: uuid(1),
+            name: "v".into(),
+            size_bytes: u64::from(rows) * MIB,
+            layout: Layout::Raid1 { copies: 2 },
+            pool: None,
+            extent_bytes: MIB,
+            extents,
+            created_ms: 5,
+        }
+    }
+
+    #[test]
+    fn volume_validation_and_status() {
+        let v = mirror(3);
+        v.validate().unwrap();
+        assert_eq!(v.copies_of(2, 0)[1].target, "t1");
+
+        let mut bad = v.clone();
+        bad.extents.pop();
+        assert!(matches!(
+            bad.validate(),
+            Err(ModelError::Inconsistent { .. })
+        ));
+        let mut bad = v.clone();
+        bad.extents.swap(0, 1);
+        assert!(bad.validate().is_err());
+        let mut bad = v.clone();
+        bad.extents[1].target = "t0".into();
+        assert!(bad.validate().is_err(), "copies on one target");
+        let mut bad = v.clone();
+        bad.extents[3].offset += 4096;
+        assert!(bad.validate().is_err(), "unaligned");
+
+        let all = |_: &str| Health::Online;
+        assert_eq!(v.status(all), VolumeStatus::Online);
+        let t1_down = |t: &str| {
+            if t == "t1" {
+                Health::Offline
+            } else {
+                Health::Online
+            }
+        };
+        assert_eq!(v.status(t1_down), VolumeStatus::Degraded);
+        assert_eq!(v.status(|_| Health::Offline), VolumeStatus::Offline);
+        let mut concat = v.clone();
+        concat.layout = Layout::Concat;
+        concat.extents.retain(|e| e.copy == 0);
+        concat.validate().unwrap();
+        assert_eq!(
+            concat.status(|t| if t == "t0" {
+                Health::Offline
+            } else {
+                Health::Online
+            }),
+            VolumeStatus::Offline
+        );
+    }
+
+    #[test]
+    fn stored_encoding_is_versioned_and_strict() {
+        let v = mirror(2);
+        let bytes = encode(&v);
+        assert_eq!(bytes[0], FORMAT);
+        assert_eq!(decode::<Volume>("volume", &bytes).unwrap(), v);
+        let mut future = bytes.clone();
+        future[0] = FORMAT + 1;
+        assert_eq!(
+            decode::<Volume>("volume", &future),
+            Err(ModelError::UnknownFormat {
+                what: "volume",
+                found: FORMAT + 1
+            })
+        );
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert!(decode::<Volume>("volume", &trailing).is_err());
+        assert!(decode::<Volume>("volume", &bytes[..bytes.len() - 1]).is_err());
+        assert!(decode::<Volume>("volume", &[]).is_err());
+        let json = serde_json::to_value(&v).unwrap();
+        assert_eq!(json["layout"]["raid1"]["copies"], 2);
+        assert_eq!(json["uuid"], uuid(1).to_string());
+    }
+
+    #[test]
+    fn largest_volume_record_fits_its_bound() {
+        let id = "x".repeat(ID_BYTES_MAX);
+        let extents = (0..EXTENTS_PER_VOLUME_MAX)
+            .map(|i| Extent {
+                target: id.clone(),
+                device: id.clone(),
+                offset: u64::MAX,
+                length: u64::MAX,
+                member: u32::MAX,
+                row: u32::MAX - i,
+                copy: u8::MAX,
+            })
+            .collect();
+        let v = Volume {
+            uuid: uuid(9),
+            name: "n".repeat(NAME_BYTES_MAX),
+            size_bytes: u64::MAX,
+            layout: Layout::Raid10 {
+                stripe_bytes: u64::MAX,
+                width: u32::MAX,
+                copies: u8::MAX,
+            },
+            pool: Some(id.clone()),
+            extent_bytes: u64::MAX,
+            extents,
+            created_ms: u64::MAX,
+        };
+        let len = encode(&v).len();
+        assert!(
+            len <= VOLUME_ENCODED_BYTES_MAX,
+            "{len} > {VOLUME_ENCODED_BYTES_MAX}"
+        );
+    }
+}

@@ -1,0 +1,1477 @@
+//! The cluster state and every operation that changes it, as optimistic
+//! transactions over a [`Store`].
+//!
+//! Each mutation is *read → compute → commit*: read one consistent snapshot
+//! (`list("/")`), compute the new records (placement runs here, purely),
+//! then `txn` with conditions saying "nothing I read has changed"; on a
+//! conflict, start again (at most `TXN_ATTEMPTS_MAX` times). Nothing in the
+//! store is locked, so this works unchanged over etcd with several
+//! control-plane processes. (Within one process, mutations that conflict by
+//! design also queue on a mutex; see [`Cluster`].)
+//!
+//! **Store layout** (values are `model::encode`d):
+//!
+//! | key | value |
+//! |---|---|
+//! | `/targets/{id}` | [`Target`] |
+//! | `/pools/{name}` | [`Pool`] |
+//! | `/volumes/{uuid}` | [`Volume`], with all its extents |
+//! | `/volume-names/{name}` | the volume's [`Uuid`] (keeps names unique) |
+//! | `/meta/alloc-epoch` | u64, see below |
+//!
+//! **The allocation epoch.** "Nothing I read has changed" cannot be said
+//! key by key for a placement: it depends on every volume, and a volume
+//! created concurrently is a key the snapshot never saw. So every
+//! transaction that changes what is allocated or allocatable — volume
+//! create, grow and delete, target registration and removal, pool create
+//! and delete — conditions on the epoch's version and rewrites it. Such
+//! transactions are therefore serialised, and a placement is only ever
+//! committed against the exact state it was computed from: two creates can
+//! never hand out the same extent. Heartbeats and cordoning touch only their
+//! target's key (they change health, which placement reads, but acting on a
+//! slightly stale health is harmless).
+//!
+//! **Derived, never stored:** capacity and usage (summed from the volumes'
+//! extents), target health (from `last_heartbeat_ms` and the clock),
+//! volume status (from the health of its extents' targets).
+
+use crate::clock::Clock;
+use crate::limits::{
+    DEVICES_PER_POOL_MAX, EXTENT_BYTES, HEARTBEAT_TIMEOUT_MS, ID_BYTES_MAX, LABEL_BYTES_MAX,
+    POOLS_MAX, TARGETS_MAX, TXN_ATTEMPTS_MAX, TXN_BACKOFF_BASE_US, TXN_BACKOFF_MAX_US, VOLUMES_MAX,
+};
+use crate::model::{
+    decode, encode, validate_extent_bytes, validate_id, Device, DeviceRef, Health, ModelError,
+    Pool, Target, TargetState, Uuid, Volume, VolumeSpec, VolumeStatus,
+};
+use crate::placement::{
+    failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
+    DEFAULT_FAILURE_DOMAIN_LABEL,
+};
+use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Store keys of the cluster state.
+pub mod keys {
+    use crate::model::Uuid;
+
+    pub const TARGETS: &str = "/targets/";
+    pub const POOLS: &str = "/pools/";
+    pub const VOLUMES: &str = "/volumes/";
+    pub const VOLUME_NAMES: &str = "/volume-names/";
+    pub const ALLOC_EPOCH: &str = "/meta/alloc-epoch";
+
+    pub fn target(id: &str) -> String {
+        format!("{TARGETS}{id}")
+    }
+
+    pub fn pool(name: &str) -> String {
+        format!("{POOLS}{name}")
+    }
+
+    pub fn volume(uuid: &Uuid) -> String {
+        format!("{VOLUMES}{uuid}")
+    }
+
+    pub fn volume_name(name: &str) -> String {
+        format!("{VOLUME_NAMES}{name}")
+    }
+}
+
+/// Why a cluster operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(transparent)]
+    Invalid(#[from] ModelError),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("target {0} is not registered")]
+    TargetNotFound(String),
+    #[error("pool {0} does not exist")]
+    PoolNotFound(String),
+    #[error("volume {0} does not exist")]
+    VolumeNotFound(String),
+    /// A create reused a UUID with different parameters.
+    #[error("volume {uuid} already exists with different parameters ({existing:?})")]
+    UuidConflict { uuid: Uuid, existing: VolumeSpec },
+    #[error("volume name {name} is taken by volume {uuid}")]
+    NameTaken { name: String, uuid: Uuid },
+    #[error("pool {0} already exists with different devices")]
+    PoolConflict(String),
+    #[error("device {0} is not registered")]
+    UnknownDevice(DeviceRef),
+    #[error("device {device} already belongs to pool {pool}")]
+    DeviceInPool { device: DeviceRef, pool: String },
+    #[error("device {device} is in use: {reason}")]
+    DeviceInUse { device: DeviceRef, reason: String },
+    #[error("pool {pool} still holds {volumes} volumes")]
+    PoolInUse { pool: String, volumes: usize },
+    #[error("target {target} still holds {extents} extents")]
+    TargetInUse { target: String, extents: usize },
+    #[error("volume {uuid} is {size_bytes} bytes; volumes only grow (asked for {requested})")]
+    Shrink {
+        uuid: Uuid,
+        size_bytes: u64,
+        requested: u64,
+    },
+    #[error("too many {what}: at most {max}")]
+    TooMany { what: &'static str, max: usize },
+    #[error("gave up after {attempts} conflicting attempts")]
+    Contention { attempts: u32 },
+    #[error("stored record {key} is corrupt")]
+    Corrupt {
+        key: String,
+        #[source]
+        source: ModelError,
+    },
+    /// The stored state breaks an invariant (overlapping extents…): a bug
+    /// or a corrupt store. Mutations stop rather than build on it.
+    #[error("stored state is inconsistent: {0}")]
+    Inconsistent(String),
+}
+
+/// Settings of the cluster state layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateConfig {
+    /// Extent size of new volumes (existing volumes keep theirs).
+    pub extent_bytes: u64,
+    /// A target whose last heartbeat is older is offline.
+    pub heartbeat_timeout_ms: u64,
+    /// Label whose values are failure domains (see `placement`).
+    pub failure_domain_label: String,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            extent_bytes: EXTENT_BYTES,
+            heartbeat_timeout_ms: HEARTBEAT_TIMEOUT_MS,
+            failure_domain_label: DEFAULT_FAILURE_DOMAIN_LABEL.into(),
+        }
+    }
+}
+
+impl StateConfig {
+    pub fn validate(&self) -> Result<(), ModelError> {
+        validate_extent_bytes(self.extent_bytes)?;
+        if self.heartbeat_timeout_ms == 0 {
+            return Err(ModelError::Invalid(
+                "heartbeat timeout must be positive".into(),
+            ));
+        }
+        let l = &self.failure_domain_label;
+        if l.is_empty() || l.len() > LABEL_BYTES_MAX {
+            return Err(ModelError::Invalid(format!(
+                "failure-domain label {l:?} must be 1..={LABEL_BYTES_MAX} bytes"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What a target sends to register (and re-register after a restart or a
+/// change of address, labels or devices).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetRegistration {
+    pub id: String,
+    pub name: String,
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub labels: BTreeMap<String, String>,
+    pub devices: Vec<Device>,
+}
+
+/// A stored value and its version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Versioned<T> {
+    pub value: T,
+    pub version: Revision,
+}
+
+/// The whole cluster state as of one store revision.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub revision: Revision,
+    pub targets: BTreeMap<String, Versioned<Target>>,
+    pub pools: BTreeMap<String, Versioned<Pool>>,
+    pub volumes: BTreeMap<Uuid, Versioned<Volume>>,
+    pub volume_names: BTreeMap<String, Versioned<Uuid>>,
+    pub alloc_epoch: Option<Versioned<u64>>,
+}
+
+impl Snapshot {
+    /// The condition "no allocation changed since this snapshot" and the
+    /// op that records a new one.
+    fn epoch_guard(&self) -> (Condition, Op) {
+        let (condition, next) = match &self.alloc_epoch {
+            Some(e) => (
+                Condition::VersionIs(keys::ALLOC_EPOCH.into(), e.version),
+                e.value + 1,
+            ),
+            None => (Condition::Missing(keys::ALLOC_EPOCH.into()), 1),
+        };
+        (condition, Op::Put(keys::ALLOC_EPOCH.into(), encode(&next)))
+    }
+
+    /// device → pool, from the pool records.
+    pub fn device_pools(&self) -> BTreeMap<DeviceRef, String> {
+        let mut out = BTreeMap::new();
+        for (name, p) in &self.pools {
+            for d in &p.value.devices {
+                out.insert(d.clone(), name.clone());
+            }
+        }
+        out
+    }
+}
+
+/// A target and its health.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetView {
+    pub target: Target,
+    pub health: Health,
+}
+
+/// A volume and its status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeView {
+    pub volume: Volume,
+    pub status: VolumeStatus,
+}
+
+/// The result of `create_volume`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Created {
+    pub volume: Volume,
+    /// False when the volume already existed with these parameters (a
+    /// retried create).
+    pub created: bool,
+}
+
+/// Capacity of a set of devices. `free_bytes = total_bytes - used_bytes`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+    /// Extents of the configured size that still fit.
+    pub free_extents: u64,
+}
+
+impl Capacity {
+    fn add(&mut self, u: &DeviceUsage) {
+        self.total_bytes += u.capacity_bytes;
+        self.used_bytes += u.used_bytes;
+        self.free_bytes += u.free_bytes;
+        self.free_extents += u.free_extents;
+    }
+}
+
+/// Capacity of the whole cluster, of each pool and of the unpooled devices,
+/// derived from the volumes' extents.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapacityReport {
+    pub total: Capacity,
+    pub unpooled: Capacity,
+    pub pools: BTreeMap<String, Capacity>,
+    pub devices: Vec<DeviceUsage>,
+}
+
+/// The cluster: the store, the clock and the settings. Clones share
+/// everything; every method may run concurrently with any other, in this
+/// process or another one using the same store.
+///
+/// Mutations guarded by the allocation epoch are serialised by the store
+/// anyway, so within one process they also take a mutex first: threads
+/// then queue instead of repeatedly invalidating each other's snapshots
+/// (with optimistic retries alone, a thread doing slow placements can lose
+/// every race to one doing quick deletes). Across processes the
+/// compare-and-swap still decides, with a randomised backoff between
+/// attempts.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    config: StateConfig,
+    mutations: Arc<Mutex<()>>,
+}
+
+/// A mutation attempt: committed with a result, or lost a race.
+enum Attempt<T> {
+    Done(T),
+    Retry,
+}
+
+/// Sleeps before attempt `n` (≥ 1): a random duration up to
+/// `TXN_BACKOFF_BASE_US × 2^(n-1)`, capped at `TXN_BACKOFF_MAX_US`, so that
+/// competing processes stop colliding.
+fn backoff(n: u32) {
+    let ceiling = (TXN_BACKOFF_BASE_US << (n - 1).min(16)).min(TXN_BACKOFF_MAX_US);
+    // Jitter from the clock's nanoseconds and a per-thread counter: cheap,
+    // and different in every thread and process.
+    thread_local!(static SALT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
+    let salt = SALT.with(|s| {
+        let v = s.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        s.set(v);
+        v
+    });
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::from(d.subsec_nanos()));
+    let jitter = (nanos ^ salt ^ u64::from(std::process::id())) % (ceiling + 1);
+    std::thread::sleep(std::time::Duration::from_micros(jitter));
+}
+
+fn decode_at<T: serde::de::DeserializeOwned>(
+    what: &'static str,
+    key: &str,
+    bytes: &[u8],
+) -> Result<T, StateError> {
+    decode(what, bytes).map_err(|source| StateError::Corrupt {
+        key: key.to_owned(),
+        source,
+    })
+}
+
+impl Cluster {
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        config: StateConfig,
+    ) -> Result<Cluster, StateError> {
+        config.validate()?;
+        Ok(Cluster {
+            store,
+            clock,
+            config,
+            mutations: Arc::default(),
+        })
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn config(&self) -> &StateConfig {
+        &self.config
+    }
+
+    fn now(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    /// Runs `attempt` until it commits, at most `TXN_ATTEMPTS_MAX` times,
+    /// backing off between attempts.
+    fn retry<T>(
+        &self,
+        mut attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
+    ) -> Result<T, StateError> {
+        for n in 0..TXN_ATTEMPTS_MAX {
+            if n > 0 {
+                backoff(n);
+            }
+            if let Attempt::Done(t) = attempt()? {
+                return Ok(t);
+            }
+        }
+        Err(StateError::Contention {
+            attempts: TXN_ATTEMPTS_MAX,
+        })
+    }
+
+    /// `retry` for mutations guarded by the allocation epoch: one at a time
+    /// in this process.
+    fn retry_serialized<T>(
+        &self,
+        attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
+    ) -> Result<T, StateError> {
+        // The mutex orders mutations and guards no data: a panic of a
+        // previous holder leaves nothing to repair.
+        let _turn = self
+            .mutations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.retry(attempt)
+    }
+
+    /// Commits, or reports that a condition failed.
+    fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
+        Ok(matches!(
+            self.store.txn(conditions, ops)?,
+            TxnOutcome::Committed { .. }
+        ))
+    }
+
+    /// Reads the whole cluster state from one store snapshot.
+    pub fn snapshot(&self) -> Result<Snapshot, StateError> {
+        let listing = self.store.list("/")?;
+        let mut s = Snapshot {
+            revision: listing.revision,
+            ..Snapshot::default()
+        };
+        for kv in listing.entries {
+            let k = kv.key.as_str();
+            let version = kv.version;
+            // A record under another record's key is as corrupt as garbage.
+            let misfiled = |what: String| StateError::Corrupt {
+                key: k.to_owned(),
+                source: ModelError::Invalid(format!("the key holds {what}")),
+            };
+            if let Some(id) = k.strip_prefix(keys::TARGETS) {
+                let value: Target = decode_at("target", k, &kv.value)?;
+                if value.id != id {
+                    return Err(misfiled(format!("target {}", value.id)));
+                }
+                s.targets
+                    .insert(id.to_owned(), Versioned { value, version });
+            } else if let Some(name) = k.strip_prefix(keys::POOLS) {
+                let value: Pool = decode_at("pool", k, &kv.value)?;
+                if value.name != name {
+                    return Err(misfiled(format!("pool {}", value.name)));
+                }
+                s.pools
+                    .insert(name.to_owned(), Versioned { value, version });
+            } else if k.starts_with(keys::VOLUMES) {
+                let value: Volume = decode_at("volume", k, &kv.value)?;
+                if k != keys::volume(&value.uuid) {
+                    return Err(misfiled(format!("volume {}", value.uuid)));
+                }
+                s.volumes.insert(value.uuid, Versioned { value, version });
+            } else if let Some(name) = k.strip_prefix(keys::VOLUME_NAMES) {
+                let value: Uuid = decode_at("volume name", k, &kv.value)?;
+                s.volume_names
+                    .insert(name.to_owned(), Versioned { value, version });
+            } else if k == keys::ALLOC_EPOCH {
+                let value: u64 = decode_at("allocation epoch", k, &kv.value)?;
+                s.alloc_epoch = Some(Versioned { value, version });
+            }
+        }
+        Ok(s)
+    }
+
+    fn health_of(&self, t: &Target, now: u64) -> Health {
+        t.health(now, self.config.heartbeat_timeout_ms)
+    }
+
+    /// The allocator loaded with every device and every extent of `s`.
+    pub fn allocator(&self, s: &Snapshot) -> Result<Allocator, StateError> {
+        let now = self.now();
+        let pools = s.device_pools();
+        let label = &self.config.failure_domain_label;
+        let mut a = Allocator::new();
+        for t in s.targets.values().map(|v| &v.value) {
+            let accepting =
+                t.state == TargetState::Active && self.health_of(t, now) == Health::Online;
+            for d in &t.devices {
+                a.add_device(DeviceInfo {
+                    target: t.id.clone(),
+                    device: d.id.clone(),
+                    capacity_bytes: d.capacity_bytes,
+                    domain: failure_domain(t, d, label),
+                    pool: pools.get(&DeviceRef::new(&t.id, &d.id)).cloned(),
+                    accepting,
+                })
+                .map_err(|e| StateError::Inconsistent(e.to_string()))?;
+            }
+        }
+        for v in s.volumes.values() {
+            a.occupy_volume(&v.value)
+                .map_err(|e| StateError::Inconsistent(format!("volume {}: {e}", v.value.uuid)))?;
+        }
+        Ok(a)
+    }
+
+    // ----- targets -----
+
+    /// Registers a target, or updates its address, labels and devices. A
+    /// device holding extents cannot disappear or shrink below them.
+    pub fn register_target(&self, reg: &TargetRegistration) -> Result<Target, StateError> {
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let now = self.now();
+            let existing = s.targets.get(&reg.id);
+            let target = Target {
+                id: reg.id.clone(),
+                name: reg.name.clone(),
+                addr: reg.addr,
+                admin_addr: reg.admin_addr,
+                labels: reg.labels.clone(),
+                devices: reg.devices.clone(),
+                registered_ms: existing.map_or(now, |e| e.value.registered_ms),
+                last_heartbeat_ms: now,
+                state: existing.map_or(TargetState::Active, |e| e.value.state),
+            };
+            target.validate()?;
+            if existing.is_none() && s.targets.len() >= TARGETS_MAX {
+                return Err(StateError::TooMany {
+                    what: "targets",
+                    max: TARGETS_MAX,
+                });
+            }
+            for v in s.volumes.values() {
+                for e in v.value.extents.iter().filter(|e| e.target == reg.id) {
+                    let reason = match target.device(&e.device) {
+                        None => "the registration omits it".to_string(),
+                        Some(d) if d.capacity_bytes < e.end() => format!(
+                            "its new capacity {} is below an extent ending at {}",
+                            d.capacity_bytes,
+                            e.end()
+                        ),
+                        Some(_) => continue,
+                    };
+                    return Err(StateError::DeviceInUse {
+                        device: e.device_ref(),
+                        reason: format!("{reason} (volume {} has extents on it)", v.value.uuid),
+                    });
+                }
+            }
+            let key = keys::target(&reg.id);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let cond = match existing {
+                Some(e) => Condition::VersionIs(key.clone(), e.version),
+                None => Condition::Missing(key.clone()),
+            };
+            let ops = [Op::Put(key, encode(&target)), epoch_op];
+            Ok(if self.commit(&[cond, epoch_cond], &ops)? {
+                Attempt::Done(target)
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    /// Records a heartbeat now; returns the updated target.
+    pub fn heartbeat(&self, id: &str) -> Result<Target, StateError> {
+        self.update_target(id, |t, now| {
+            t.last_heartbeat_ms = t.last_heartbeat_ms.max(now)
+        })
+    }
+
+    /// Cordons (no new extents) or re-activates a target.
+    pub fn set_target_state(&self, id: &str, state: TargetState) -> Result<Target, StateError> {
+        self.update_target(id, |t, _| t.state = state)
+    }
+
+    fn update_target(
+        &self,
+        id: &str,
+        change: impl Fn(&mut Target, u64),
+    ) -> Result<Target, StateError> {
+        validate_id("target id", id, ID_BYTES_MAX)?;
+        let key = keys::target(id);
+        self.retry(|| {
+            let kv = self
+                .store
+                .get(&key)?
+                .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
+            let mut t: Target = decode_at("target", &key, &kv.value)?;
+            change(&mut t, self.now());
+            let ops = [Op::Put(key.clone(), encode(&t))];
+            Ok(
+                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
+                    Attempt::Done(t)
+                } else {
+                    Attempt::Retry
+                },
+            )
+        })
+    }
+
+    /// Forgets a target that holds no extents.
+    pub fn remove_target(&self, id: &str) -> Result<(), StateError> {
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let t = s
+                .targets
+                .get(id)
+                .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
+            let extents = s
+                .volumes
+                .values()
+                .flat_map(|v| &v.value.extents)
+                .filter(|e| e.target == id)
+                .count();
+            if extents > 0 {
+                return Err(StateError::TargetInUse {
+                    target: id.to_owned(),
+                    extents,
+                });
+            }
+            let key = keys::target(id);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let conds = [Condition::VersionIs(key.clone(), t.version), epoch_cond];
+            let ops = [Op::Delete(key), epoch_op];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(())
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    pub fn target(&self, id: &str) -> Result<TargetView, StateError> {
+        validate_id("target id", id, ID_BYTES_MAX)?;
+        let key = keys::target(id);
+        let kv = self
+            .store
+            .get(&key)?
+            .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
+        let target: Target = decode_at("target", &key, &kv.value)?;
+        let health = self.health_of(&target, self.now());
+        Ok(TargetView { target, health })
+    }
+
+    pub fn targets(&self) -> Result<Vec<TargetView>, StateError> {
+        let now = self.now();
+        let listing = self.store.list(keys::TARGETS)?;
+        listing
+            .entries
+            .iter()
+            .map(|kv| {
+                let target: Target = decode_at("target", &kv.key, &kv.value)?;
+                let health = self.health_of(&target, now);
+                Ok(TargetView { target, health })
+            })
+            .collect()
+    }
+
+    // ----- pools -----
+
+    /// Creates a pool of registered devices that belong to no other pool
+    /// and hold no extents yet. Creating the same pool again is a no-op;
+    /// the same name with other devices is `PoolConflict`.
+    pub fn create_pool(&self, name: &str, devices: &[DeviceRef]) -> Result<Pool, StateError> {
+        validate_id("pool name", name, ID_BYTES_MAX)?;
+        let wanted: BTreeSet<DeviceRef> = devices.iter().cloned().collect();
+        if wanted.len() > DEVICES_PER_POOL_MAX {
+            return Err(StateError::TooMany {
+                what: "devices in a pool",
+                max: DEVICES_PER_POOL_MAX,
+            });
+        }
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            if let Some(p) = s.pools.get(name) {
+                return if p.value.devices.iter().cloned().collect::<BTreeSet<_>>() == wanted {
+                    Ok(Attempt::Done(p.value.clone()))
+                } else {
+                    Err(StateError::PoolConflict(name.to_owned()))
+                };
+            }
+            if s.pools.len() >= POOLS_MAX {
+                return Err(StateError::TooMany {
+                    what: "pools",
+                    max: POOLS_MAX,
+                });
+            }
+            let owners = s.device_pools();
+            for d in &wanted {
+                let known = s
+                    .targets
+                    .get(&d.target)
+                    .is_some_and(|t| t.value.device(&d.device).is_some());
+                if !known {
+                    return Err(StateError::UnknownDevice(d.clone()));
+                }
+                if let Some(pool) = owners.get(d) {
+                    return Err(StateError::DeviceInPool {
+                        device: d.clone(),
+                        pool: pool.clone(),
+                    });
+                }
+            }
+            for v in s.volumes.values() {
+                if let Some(e) = v
+                    .value
+                    .extents
+                    .iter()
+                    .find(|e| wanted.contains(&e.device_ref()))
+                {
+                    return Err(StateError::DeviceInUse {
+                        device: e.device_ref(),
+                        reason: format!("volume {} has extents on it", v.value.uuid),
+                    });
+                }
+            }
+            let pool = Pool {
+                name: name.to_owned(),
+                devices: wanted.iter().cloned().collect(),
+                created_ms: self.now(),
+            };
+            let key = keys::pool(name);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let conds = [Condition::Missing(key.clone()), epoch_cond];
+            let ops = [Op::Put(key, encode(&pool)), epoch_op];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(pool)
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    /// Deletes a pool that no volume uses; its devices become unpooled.
+    pub fn delete_pool(&self, name: &str) -> Result<(), StateError> {
+        validate_id("pool name", name, ID_BYTES_MAX)?;
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let p = s
+                .pools
+                .get(name)
+                .ok_or_else(|| StateError::PoolNotFound(name.to_owned()))?;
+            let volumes = s
+                .volumes
+                .values()
+                .filter(|v| v.value.pool.as_deref() == Some(name))
+                .count();
+            if volumes > 0 {
+                return Err(StateError::PoolInUse {
+                    pool: name.to_owned(),
+                    volumes,
+                });
+            }
+            let key = keys::pool(name);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let conds = [Condition::VersionIs(key.clone(), p.version), epoch_cond];
+            let ops = [Op::Delete(key), epoch_op];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(())
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    pub fn pools(&self) -> Result<Vec<Pool>, StateError> {
+        let listing = self.store.list(keys::POOLS)?;
+        listing
+            .entries
+            .iter()
+            .map(|kv| decode_at("pool", &kv.key, &kv.value))
+            .collect()
+    }
+
+    // ----- volumes -----
+
+    /// Creates a volume, placing its extents. Idempotent by UUID: the same
+    /// spec again returns the existing volume (`created: false`); the same
+    /// UUID with other parameters is `UuidConflict`. (A volume grown since
+    /// its creation no longer matches its original size.)
+    pub fn create_volume(&self, spec: &VolumeSpec) -> Result<Created, StateError> {
+        let extent_bytes = self.config.extent_bytes;
+        spec.validate(extent_bytes)?;
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            if let Some(v) = s.volumes.get(&spec.uuid) {
+                let existing = v.value.spec();
+                return if existing == *spec {
+                    Ok(Attempt::Done(Created {
+                        volume: v.value.clone(),
+                        created: false,
+                    }))
+                } else {
+                    Err(StateError::UuidConflict {
+                        uuid: spec.uuid,
+                        existing,
+                    })
+                };
+            }
+            if let Some(other) = s.volume_names.get(&spec.name) {
+                return Err(StateError::NameTaken {
+                    name: spec.name.clone(),
+                    uuid: other.value,
+                });
+            }
+            if let Some(p) = &spec.pool {
+                if !s.pools.contains_key(p) {
+                    return Err(StateError::PoolNotFound(p.clone()));
+                }
+            }
+            if s.volumes.len() >= VOLUMES_MAX {
+                return Err(StateError::TooMany {
+                    what: "volumes",
+                    max: VOLUMES_MAX,
+                });
+            }
+            let extents = self.allocator(&s)?.allocate(spec, extent_bytes)?;
+            let volume = Volume {
+                uuid: spec.uuid,
+                name: spec.name.clone(),
+                size_bytes: spec.size_bytes,
+                layout: spec.layout,
+                pool: spec.pool.clone(),
+                extent_bytes,
+                extents,
+                created_ms: self.now(),
+            };
+            volume.validate()?;
+            let key = keys::volume(&spec.uuid);
+            let name_key = keys::volume_name(&spec.name);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let conds = [
+                Condition::Missing(key.clone()),
+                Condition::Missing(name_key.clone()),
+                epoch_cond,
+            ];
+            let ops = [
+                Op::Put(key, encode(&volume)),
+                Op::Put(name_key, encode(&spec.uuid)),
+                epoch_op,
+            ];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(Created {
+                    volume,
+                    created: true,
+                })
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    /// Grows a volume to `size_bytes`, adding rows of extents under the same
+    /// placement rules. The same size is a no-op; a smaller one is `Shrink`.
+    pub fn resize_volume(&self, uuid: &Uuid, size_bytes: u64) -> Result<Volume, StateError> {
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let v = s
+                .volumes
+                .get(uuid)
+                .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
+            let mut volume = v.value.clone();
+            if size_bytes < volume.size_bytes {
+                return Err(StateError::Shrink {
+                    uuid: *uuid,
+                    size_bytes: volume.size_bytes,
+                    requested: size_bytes,
+                });
+            }
+            if size_bytes == volume.size_bytes {
+                return Ok(Attempt::Done(volume));
+            }
+            let added = self.allocator(&s)?.grow(&volume, size_bytes)?;
+            volume.size_bytes = size_bytes;
+            volume.extents.extend(added);
+            volume.validate()?;
+            let key = keys::volume(uuid);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let conds = [Condition::VersionIs(key.clone(), v.version), epoch_cond];
+            let ops = [Op::Put(key, encode(&volume)), epoch_op];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(volume)
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    /// Deletes a volume and frees its extents; returns what was deleted.
+    pub fn delete_volume(&self, uuid: &Uuid) -> Result<Volume, StateError> {
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let v = s
+                .volumes
+                .get(uuid)
+                .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
+            let key = keys::volume(uuid);
+            let name_key = keys::volume_name(&v.value.name);
+            let (epoch_cond, epoch_op) = s.epoch_guard();
+            let conds = [Condition::VersionIs(key.clone(), v.version), epoch_cond];
+            let ops = [Op::Delete(key), Op::Delete(name_key), epoch_op];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(v.value.clone())
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    fn view(&self, volume: Volume, targets: &BTreeMap<String, Target>, now: u64) -> VolumeView {
+        let status = volume.status(|id| {
+            targets
+                .get(id)
+                .map_or(Health::Offline, |t| self.health_of(t, now))
+        });
+        VolumeView { volume, status }
+    }
+
+    fn target_map(&self) -> Result<BTreeMap<String, Target>, StateError> {
+        Ok(self
+            .targets()?
+            .into_iter()
+            .map(|v| (v.target.id.clone(), v.target))
+            .collect())
+    }
+
+    pub fn volume(&self, uuid: &Uuid) -> Result<VolumeView, StateError> {
+        let key = keys::volume(uuid);
+        let kv = self
+            .store
+            .get(&key)?
+            .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
+        let volume: Volume = decode_at("volume", &key, &kv.value)?;
+        Ok(self.view(volume, &self.target_map()?, self.now()))
+    }
+
+    pub fn volume_by_name(&self, name: &str) -> Result<VolumeView, StateError> {
+        validate_id("volume name", name, crate::limits::NAME_BYTES_MAX)?;
+        let key = keys::volume_name(name);
+        let kv = self
+            .store
+            .get(&key)?
+            .ok_or_else(|| StateError::VolumeNotFound(name.to_owned()))?;
+        let uuid: Uuid = decode_at("volume name", &key, &kv.value)?;
+        self.volume(&uuid)
+    }
+
+    pub fn volumes(&self) -> Result<Vec<VolumeView>, StateError> {
+        let s = self.snapshot()?;
+        let now = self.now();
+        let targets: BTreeMap<String, Target> =
+            s.targets.into_iter().map(|(id, t)| (id, t.value)).collect();
+        Ok(s.volumes
+            .into_values()
+            .map(|v| self.view(v.value, &targets, now))
+            .collect())
+    }
+
+    // ----- capacity and consistency -----
+
+    /// Capacity of the cluster, each pool and the unpooled devices, summed
+    /// from the volumes' extents.
+    pub fn capacity(&self) -> Result<CapacityReport, StateError> {
+        let s = self.snapshot()?;
+        let devices = self.allocator(&s)?.usage(self.config.extent_bytes);
+        let mut report = CapacityReport::default();
+        for name in s.pools.keys() {
+            report.pools.insert(name.clone(), Capacity::default());
+        }
+        for u in &devices {
+            report.total.add(u);
+            match &u.pool {
+                Some(p) => report.pools.entry(p.clone()).or_default().add(u),
+                None => report.unpooled.add(u),
+            }
+        }
+        report.devices = devices;
+        Ok(report)
+    }
+
+    /// Checks every invariant of the stored state and lists the violations
+    /// (empty: consistent). For tests, crash recovery checks and a future
+    /// `fsck` command.
+    pub fn check(&self) -> Result<Vec<String>, StateError> {
+        let s = self.snapshot()?;
+        let mut problems = Vec::new();
+        let pools = s.device_pools();
+        for (uuid, v) in &s.volumes {
+            let v = &v.value;
+            if let Err(e) = v.validate() {
+                problems.push(e.to_string());
+            }
+            match s.volume_names.get(&v.name) {
+                Some(n) if n.value == *uuid => {}
+                _ => problems.push(format!("volume {uuid}: name {} is not indexed", v.name)),
+            }
+            for e in &v.extents {
+                let known = s
+                    .targets
+                    .get(&e.target)
+                    .is_some_and(|t| t.value.device(&e.device).is_some());
+                if !known {
+                    problems.push(format!(
+                        "volume {uuid}: extent on unknown device {}",
+                        e.device_ref()
+                    ));
+                }
+                if pools.get(&e.device_ref()) != v.pool.as_ref() {
+                    problems.push(format!(
+                        "volume {uuid} (pool {:?}): extent on {} outside its pool",
+                        v.pool,
+                        e.device_ref()
+                    ));
+                }
+            }
+            if let Some(p) = &v.pool {
+                if !s.pools.contains_key(p) {
+                    problems.push(format!("volume {uuid}: pool {p} does not exist"));
+                }
+            }
+        }
+        for (name, u) in &s.volume_names {
+            match s.volumes.get(&u.value) {
+                Some(v) if v.value.name == *name => {}
+                _ => problems.push(format!("name {name} points at missing volume {}", u.value)),
+            }
+        }
+        let mut owners: BTreeMap<&DeviceRef, &str> = BTreeMap::new();
+        for (name, p) in &s.pools {
+            for d in &p.value.devices {
+                if let Some(other) = owners.insert(d, name) {
+                    problems.push(format!("device {d} is in pools {other} and {name}"));
+                }
+            }
+        }
+        // Overlapping and out-of-bounds extents: loading them all fails.
+        if let Err(e) = self.allocator(&s) {
+            problems.push(e.to_string());
+        }
+        Ok(problems)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::limits::EXTENT_BYTES_MIN;
+    use crate::model::Layout;
+    use crate::store::MemStore;
+
+    const E: u64 = EXTENT_BYTES_MIN;
+    const T0: u64 = 1_000_000;
+
+    struct Fixture {
+        cluster: Cluster,
+        clock: Arc<ManualClock>,
+    }
+
+    fn fixture() -> Fixture {
+        let clock = Arc::new(ManualClock::new(T0));
+        let config = StateConfig {
+            extent_bytes: E,
+            ..StateConfig::default()
+        };
+        let cluster = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+        Fixture { cluster, clock }
+    }
+
+    fn registration(i: usize, rack: &str, devices: usize, extents: u64) -> TargetRegistration {
+        TargetRegistration {
+            id: format!("t{i}"),
+            name: format!("host{i}"),
+            addr: format!("10.0.0.{i}:4420").parse().unwrap(),
+            admin_addr: format!("10.0.0.{i}:4480").parse().unwrap(),
+            labels: [("rack".to_string(), rack.to_string())].into(),
+            devices: (0..devices)
+                .map(|d| Device {
+                    id: format!("d{d}"),
+                    backend: format!("file:/dev/nvme{d}n1"),
+                    capacity_bytes: extents * E,
+                    labels: BTreeMap::new(),
+                })
+                .collect(),
+        }
+    }
+
+    fn spec(n: u8, layout: Layout, size_bytes: u64, pool: Option<&str>) -> VolumeSpec {
+        VolumeSpec {
+            uuid: Uuid([n; 16]),
+            name: format!("vol{n}"),
+            size_bytes,
+            layout,
+            pool: pool.map(str::to_owned),
+        }
+    }
+
+    fn assert_consistent(c: &Cluster) {
+        assert_eq!(c.check().unwrap(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn targets_register_heartbeat_and_expire() {
+        let f = fixture();
+        let c = &f.cluster;
+        let t = c.register_target(&registration(0, "a", 2, 4)).unwrap();
+        assert_eq!((t.registered_ms, t.last_heartbeat_ms), (T0, T0));
+        assert_eq!(t.state, TargetState::Active);
+        f.clock.advance(1000);
+        c.set_target_state("t0", TargetState::Cordoned).unwrap();
+        let mut reg = registration(0, "b", 3, 4);
+        reg.addr = "10.0.1.1:4420".parse().unwrap();
+        let t = c.register_target(&reg).unwrap();
+        assert_eq!(t.registered_ms, T0, "re-registration keeps the first time");
+        assert_eq!(t.state, TargetState::Cordoned, "and the operator's state");
+        assert_eq!((t.devices.len(), t.addr), (3, reg.addr));
+
+        f.clock.advance(HEARTBEAT_TIMEOUT_MS);
+        assert_eq!(c.target("t0").unwrap().health, Health::Online);
+        f.clock.advance(1);
+        assert_eq!(c.target("t0").unwrap().health, Health::Offline);
+        c.heartbeat("t0").unwrap();
+        assert_eq!(c.targets().unwrap()[0].health, Health::Online);
+        assert!(matches!(
+            c.heartbeat("t9"),
+            Err(StateError::TargetNotFound(_))
+        ));
+        assert!(matches!(c.heartbeat("a/b"), Err(StateError::Invalid(_))));
+        let mut bad = registration(1, "a", 1, 4);
+        bad.devices.push(bad.devices[0].clone());
+        assert!(matches!(
+            c.register_target(&bad),
+            Err(StateError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn create_is_idempotent_by_uuid() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..3 {
+            c.register_target(&registration(i, &format!("r{i}"), 1, 8))
+                .unwrap();
+        }
+        let s = spec(1, Layout::Raid1 { copies: 2 }, 3 * E, None);
+        let first = c.create_volume(&s).unwrap();
+        assert!(first.created);
+        assert_eq!(first.volume.extents.len(), 6);
+        let again = c.create_volume(&s).unwrap();
+        assert!(!again.created);
+        assert_eq!(again.volume, first.volume, "same request, same result");
+
+        let mut bigger = s.clone();
+        bigger.size_bytes += E;
+        assert!(matches!(
+            c.create_volume(&bigger),
+            Err(StateError::UuidConflict { .. })
+        ));
+        let mut other = spec(2, Layout::Concat, E, None);
+        other.name = s.name.clone();
+        assert!(matches!(
+            c.create_volume(&other),
+            Err(StateError::NameTaken { .. })
+        ));
+        let bad = spec(3, Layout::Raid1 { copies: 4 }, E, None);
+        assert!(matches!(c.create_volume(&bad), Err(StateError::Invalid(_))));
+        let too_wide = spec(4, Layout::Raid1 { copies: 3 }, E, None);
+        c.create_volume(&too_wide).unwrap();
+        let layout = Layout::Raid10 {
+            stripe_bytes: 4096,
+            width: 2,
+            copies: 2,
+        };
+        assert!(matches!(
+            c.create_volume(&spec(5, layout, E, None)),
+            Err(StateError::Placement(PlacementError::NotEnoughTargets {
+                need: 4,
+                have: 3,
+                ..
+            }))
+        ));
+        assert_eq!(c.volume_by_name("vol1").unwrap().volume.uuid, s.uuid);
+        assert_consistent(c);
+    }
+
+    #[test]
+    fn resize_and_delete() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..2 {
+            c.register_target(&registration(i, "a", 1, 6)).unwrap();
+        }
+        let s = spec(1, Layout::Raid1 { copies: 2 }, E, None);
+        c.create_volume(&s).unwrap();
+        let v = c.resize_volume(&s.uuid, 3 * E).unwrap();
+        assert_eq!((v.size_bytes, v.extents.len()), (3 * E, 6));
+        assert_eq!(c.resize_volume(&s.uuid, 3 * E).unwrap(), v);
+        assert!(matches!(
+            c.resize_volume(&s.uuid, E),
+            Err(StateError::Shrink { .. })
+        ));
+        assert!(matches!(
+            c.resize_volume(&s.uuid, 7 * E),
+            Err(StateError::Placement(PlacementError::NoSpace { .. }))
+        ));
+        assert_eq!(
+            c.volume(&s.uuid).unwrap().volume.size_bytes,
+            3 * E,
+            "failed grow changes nothing"
+        );
+        let cap = c.capacity().unwrap();
+        assert_eq!(cap.total.used_bytes, 6 * E);
+        assert_eq!(
+            cap.total.free_bytes + cap.total.used_bytes,
+            cap.total.total_bytes
+        );
+
+        let deleted = c.delete_volume(&s.uuid).unwrap();
+        assert_eq!(deleted.uuid, s.uuid);
+        assert!(matches!(
+            c.delete_volume(&s.uuid),
+            Err(StateError::VolumeNotFound(_))
+        ));
+        assert!(matches!(
+            c.volume_by_name("vol1"),
+            Err(StateError::VolumeNotFound(_))
+        ));
+        assert_eq!(c.capacity().unwrap().total.used_bytes, 0);
+        // The name and the space are free again.
+        let mut again = spec(2, Layout::Raid1 { copies: 2 }, 6 * E, None);
+        again.name = s.name.clone();
+        c.create_volume(&again).unwrap();
+        assert_consistent(c);
+    }
+
+    #[test]
+    fn pools_partition_devices() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..4 {
+            c.register_target(&registration(i, "a", 2, 4)).unwrap();
+        }
+        let fast: Vec<DeviceRef> = (0..4)
+            .map(|i| DeviceRef::new(&format!("t{i}"), "d1"))
+            .collect();
+        let pool = c.create_pool("fast", &fast).unwrap();
+        assert_eq!(c.create_pool("fast", &fast).unwrap(), pool, "idempotent");
+        assert!(matches!(
+            c.create_pool("fast", &fast[..2]),
+            Err(StateError::PoolConflict(_))
+        ));
+        assert!(matches!(
+            c.create_pool("other", &fast[..1]),
+            Err(StateError::DeviceInPool { .. })
+        ));
+        assert!(matches!(
+            c.create_pool("other", &[DeviceRef::new("t0", "d9")]),
+            Err(StateError::UnknownDevice(_))
+        ));
+        assert!(matches!(
+            c.create_volume(&spec(1, Layout::Concat, E, Some("nope"))),
+            Err(StateError::PoolNotFound(_))
+        ));
+        let pooled = c
+            .create_volume(&spec(1, Layout::Raid1 { copies: 3 }, 4 * E, Some("fast")))
+            .unwrap()
+            .volume;
+        assert!(pooled.extents.iter().all(|e| e.device == "d1"));
+        let plain = c
+            .create_volume(&spec(2, Layout::Raid1 { copies: 2 }, 2 * E, None))
+            .unwrap()
+            .volume;
+        assert!(plain.extents.iter().all(|e| e.device == "d0"));
+        // A device holding extents cannot join a pool.
+        assert!(matches!(
+            c.create_pool("late", &[DeviceRef::new(&plain.extents[0].target, "d0")]),
+            Err(StateError::DeviceInUse { .. })
+        ));
+        let cap = c.capacity().unwrap();
+        assert_eq!(cap.pools["fast"].total_bytes, 16 * E);
+        assert_eq!(cap.pools["fast"].used_bytes, 12 * E);
+        assert_eq!(cap.unpooled.used_bytes, 4 * E);
+        assert_eq!(cap.total.total_bytes, 32 * E);
+        assert_eq!(cap.total.free_extents, 16);
+        assert!(matches!(
+            c.delete_pool("fast"),
+            Err(StateError::PoolInUse { volumes: 1, .. })
+        ));
+        c.delete_volume(&pooled.uuid).unwrap();
+        c.delete_pool("fast").unwrap();
+        assert!(c.pools().unwrap().is_empty());
+        assert_consistent(c);
+    }
+
+    #[test]
+    fn volume_status_follows_target_health() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..3 {
+            c.register_target(&registration(i, "a", 1, 4)).unwrap();
+        }
+        let mirror = c
+            .create_volume(&spec(1, Layout::Raid1 { copies: 2 }, E, None))
+            .unwrap()
+            .volume;
+        let plain = c
+            .create_volume(&spec(2, Layout::Concat, E, None))
+            .unwrap()
+            .volume;
+        assert_eq!(c.volume(&mirror.uuid).unwrap().status, VolumeStatus::Online);
+        // Everyone but the first copy's target keeps heartbeating.
+        let down = mirror.extents[0].target.clone();
+        f.clock.advance(HEARTBEAT_TIMEOUT_MS + 1);
+        for i in 0..3 {
+            let id = format!("t{i}");
+            if id != down {
+                c.heartbeat(&id).unwrap();
+            }
+        }
+        assert_eq!(
+            c.volume(&mirror.uuid).unwrap().status,
+            VolumeStatus::Degraded
+        );
+        let plain_status = c.volume(&plain.uuid).unwrap().status;
+        let expected = if plain.extents[0].target == down {
+            VolumeStatus::Offline
+        } else {
+            VolumeStatus::Online
+        };
+        assert_eq!(plain_status, expected);
+        // New volumes avoid the offline target.
+        let v = c
+            .create_volume(&spec(3, Layout::Raid1 { copies: 2 }, E, None))
+            .unwrap()
+            .volume;
+        assert!(v.extents.iter().all(|e| e.target != down));
+        assert!(matches!(
+            c.create_volume(&spec(4, Layout::Raid1 { copies: 3 }, E, None)),
+            Err(StateError::Placement(PlacementError::NotEnoughTargets {
+                have: 2,
+                ..
+            }))
+        ));
+        f.clock.advance(HEARTBEAT_TIMEOUT_MS + 1);
+        let statuses: Vec<VolumeStatus> = c.volumes().unwrap().iter().map(|v| v.status).collect();
+        assert_eq!(statuses, vec![VolumeStatus::Offline; 3]);
+    }
+
+    #[test]
+    fn devices_and_targets_in_use_are_protected() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..2 {
+            c.register_target(&registration(i, "a", 1, 4)).unwrap();
+        }
+        c.register_target(&registration(2, "a", 1, 4)).unwrap();
+        c.set_target_state("t2", TargetState::Cordoned).unwrap();
+        let v = c
+            .create_volume(&spec(1, Layout::Raid1 { copies: 2 }, 2 * E, None))
+            .unwrap()
+            .volume;
+        assert!(v.extents.iter().all(|e| e.target != "t2"), "cordoned");
+        // Shrinking below the extents, or dropping the device, is refused.
+        assert!(matches!(
+            c.register_target(&registration(0, "a", 1, 1)),
+            Err(StateError::DeviceInUse { .. })
+        ));
+        assert!(matches!(
+            c.register_target(&registration(0, "a", 0, 4)),
+            Err(StateError::DeviceInUse { .. })
+        ));
+        c.register_target(&registration(0, "a", 2, 8)).unwrap();
+        assert!(matches!(
+            c.remove_target("t0"),
+            Err(StateError::TargetInUse { extents: 2, .. })
+        ));
+        c.remove_target("t2").unwrap();
+        assert!(matches!(
+            c.remove_target("t2"),
+            Err(StateError::TargetNotFound(_))
+        ));
+        assert_consistent(c);
+    }
+
+    #[test]
+    fn corrupt_or_inconsistent_state_stops_mutations() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..2 {
+            c.register_target(&registration(i, "a", 1, 4)).unwrap();
+        }
+        let v = c
+            .create_volume(&spec(1, Layout::Concat, E, None))
+            .unwrap()
+            .volume;
+        // A second record claiming the same extent, written behind our back.
+        let mut twin = v.clone();
+        twin.uuid = Uuid([2; 16]);
+        twin.name = "twin".into();
+        let store = c.store();
+        let ops = [
+            Op::Put(keys::volume(&twin.uuid), encode(&twin)),
+            Op::Put(keys::volume_name("twin"), encode(&twin.uuid)),
+        ];
+        assert!(matches!(
+            store.txn(&[], &ops).unwrap(),
+            TxnOutcome::Committed { .. }
+        ));
+        let problems = c.check().unwrap();
+        assert!(
+            problems.iter().any(|p| p.contains("overlaps")),
+            "{problems:?}"
+        );
+        assert!(matches!(
+            c.create_volume(&spec(3, Layout::Concat, E, None)),
+            Err(StateError::Inconsistent(_))
+        ));
+        let misfiled = [Op::Put(keys::volume(&Uuid([3; 16])), encode(&v))];
+        assert!(matches!(
+            store.txn(&[], &misfiled).unwrap(),
+            TxnOutcome::Committed { .. }
+        ));
+        assert!(matches!(c.snapshot(), Err(StateError::Corrupt { .. })));
+        let undo = [Op::Delete(keys::volume(&Uuid([3; 16])))];
+        assert!(matches!(
+            store.txn(&[], &undo).unwrap(),
+            TxnOutcome::Committed { .. }
+        ));
+        assert!(c.snapshot().is_ok());
+        let garbage = [Op::Put(keys::pool("p"), vec![9, 9])];
+        assert!(matches!(
+            store.txn(&[], &garbage).unwrap(),
+            TxnOutcome::Committed { .. }
+        ));
+        assert!(matches!(c.snapshot(), Err(StateError::Corrupt { .. })));
+    }
+
+    /// Four "processes" (clusters with their own mutex) over one store:
+    /// only compare-and-swap keeps them apart.
+    #[test]
+    fn concurrent_creates_never_share_an_extent() {
+        let f = fixture();
+        let c = &f.cluster;
+        for i in 0..4 {
+            c.register_target(&registration(i, &format!("r{}", i % 2), 2, 16))
+                .unwrap();
+        }
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let c = Cluster::new(c.store.clone(), f.clock.clone(), c.config.clone()).unwrap();
+                s.spawn(move || {
+                    for n in 0..6u8 {
+                        let layout = if n % 2 == 0 {
+                            Layout::Raid1 { copies: 2 }
+                        } else {
+                            Layout::Concat
+                        };
+                        c.create_volume(&spec(t * 10 + n, layout, 2 * E, None))
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(c.volumes().unwrap().len(), 24);
+        assert_eq!(
+            c.capacity().unwrap().total.used_bytes,
+            (12 * 4 + 12 * 2) * E
+        );
+        assert_consistent(c);
+    }
+
+    #[test]
+    fn watchers_see_every_mutation() {
+        let f = fixture();
+        let c = &f.cluster;
+        let start = c.store().revision().unwrap();
+        c.register_target(&registration(0, "a", 1, 4)).unwrap();
+        let v = c
+            .create_volume(&spec(1, Layout::Concat, E, None))
+            .unwrap()
+            .volume;
+        c.delete_volume(&v.uuid).unwrap();
+        let changes = c.store().changes_since(start).unwrap();
+        let vol_key = keys::volume(&v.uuid);
+        let kinds: Vec<bool> = changes
+            .iter()
+            .filter(|ch| ch.key == vol_key)
+            .map(|ch| ch.value.is_some())
+            .collect();
+        assert_eq!(kinds, [true, false], "put then delete");
+        assert!(changes.iter().any(|ch| ch.key == keys::target("t0")));
+    }
+}

@@ -1,0 +1,320 @@
+//! Crash safety of the embedded store and the cluster state: a child
+//! process hammers a redb-backed cluster with volume creates, grows and
+//! deletes from two threads and is killed with SIGKILL at a random moment;
+//! the parent reopens the store and checks, every cycle:
+//!
+//! - the store opens (redb repairs the file) and its revision never goes back;
+//! - the state is consistent: no overlapping or double-allocated extents,
+//!   every volume complete, name index and pools coherent (`Cluster::check`);
+//! - durability: every operation the child saw committed is there (created
+//!   volumes exist unless a delete of them had started, deleted ones are
+//!   gone, grown ones are at least that large), and no volume exists that
+//!   the child never started to create.
+//!
+//! The child is this test executable itself, re-run with `NVPOOL_CRASH_WORKER`
+//! set so that `crash_worker` enters worker mode; it reports each operation
+//! on stdout as `BEGIN op uuid [size]` before and `OK op uuid [size]` after.
+
+use nvpool_control::clock::SystemClock;
+use nvpool_control::limits::EXTENT_BYTES_MIN;
+use nvpool_control::model::{Device, Layout, Uuid, VolumeSpec};
+use nvpool_control::state::{Cluster, StateConfig, StateError, TargetRegistration};
+use nvpool_control::store::{RedbStore, Store};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const WORKER_ENV: &str = "NVPOOL_CRASH_WORKER";
+const E: u64 = EXTENT_BYTES_MIN;
+/// Kill cycles. Each runs the child for 150..=450 ms.
+const CYCLES: u64 = 8;
+/// A worker left behind by a dead parent stops by itself after this long.
+const WORKER_LIFETIME: Duration = Duration::from_secs(30);
+
+/// xorshift64*: enough randomness for choosing operations, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn cluster(dir: &std::path::Path) -> Cluster {
+    let store: Arc<dyn Store> = Arc::new(RedbStore::open_in_dir(dir).expect("store opens"));
+    let config = StateConfig {
+        extent_bytes: E,
+        ..StateConfig::default()
+    };
+    Cluster::new(store, Arc::new(SystemClock), config).unwrap()
+}
+
+fn registration(i: usize) -> TargetRegistration {
+    TargetRegistration {
+        id: format!("t{i}"),
+        name: format!("host{i}"),
+        addr: format!("127.0.0.1:{}", 4420 + i).parse().unwrap(),
+        admin_addr: format!("127.0.0.1:{}", 5420 + i).parse().unwrap(),
+        labels: [("rack".to_string(), format!("r{}", i % 3))].into(),
+        devices: (0..2)
+            .map(|d| Device {
+                id: format!("d{d}"),
+                backend: format!("ram:{}", 48 * E),
+                capacity_bytes: 48 * E,
+                labels: BTreeMap::new(),
+            })
+            .collect(),
+    }
+}
+
+fn worker(dir: &std::path::Path) {
+    let c = cluster(dir);
+    for i in 0..6 {
+        c.register_target(&registration(i)).unwrap();
+    }
+    let seed = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        ^ u64::from(std::process::id()) << 32;
+    let live: Mutex<Vec<Uuid>> = Mutex::new(
+        c.volumes()
+            .unwrap()
+            .into_iter()
+            .map(|v| v.volume.uuid)
+            .collect(),
+    );
+    let deadline = Instant::now() + WORKER_LIFETIME;
+    std::thread::scope(|s| {
+        for t in 0..2u64 {
+            // Each thread acts as its own control-plane process on the
+            // shared store: only compare-and-swap keeps them apart.
+            let c =
+                Cluster::new(c.store().clone(), Arc::new(SystemClock), c.config().clone()).unwrap();
+            let live = &live;
+            s.spawn(move || {
+                let c = &c;
+                let mut rng = Rng(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+                while Instant::now() < deadline {
+                    step(c, live, &mut rng);
+                }
+            });
+        }
+    });
+}
+
+fn step(c: &Cluster, live: &Mutex<Vec<Uuid>>, rng: &mut Rng) {
+    let roll = rng.below(100);
+    let pick = {
+        let mut l = live.lock().unwrap();
+        if l.is_empty() || roll < 60 {
+            None
+        } else {
+            // Take it out so the other thread does not operate on it too.
+            let i = rng.below(l.len() as u64) as usize;
+            Some(l.swap_remove(i))
+        }
+    };
+    match pick {
+        None => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&rng.next().to_le_bytes());
+            bytes[8..].copy_from_slice(&rng.next().to_le_bytes());
+            let uuid = Uuid(bytes);
+            let layout = match rng.below(4) {
+                0 => Layout::Concat,
+                1 => Layout::Raid0 {
+                    stripe_bytes: 65536,
+                    width: 3,
+                },
+                2 => Layout::Raid1 { copies: 2 },
+                _ => Layout::Raid10 {
+                    stripe_bytes: 4096,
+                    width: 2,
+                    copies: 3,
+                },
+            };
+            let spec = VolumeSpec {
+                uuid,
+                name: uuid.to_string(),
+                size_bytes: (1 + rng.below(4 * 256)) * 4096,
+                layout,
+                pool: None,
+            };
+            println!("@@ BEGIN create {uuid}");
+            match c.create_volume(&spec) {
+                Ok(_) => {
+                    println!("@@ OK create {uuid}");
+                    live.lock().unwrap().push(uuid);
+                }
+                Err(StateError::Placement(_)) => println!("@@ FULL create {uuid}"),
+                Err(e) => panic!("create: {e}"),
+            }
+        }
+        Some(uuid) if roll < 85 => {
+            println!("@@ BEGIN delete {uuid}");
+            c.delete_volume(&uuid).unwrap();
+            println!("@@ OK delete {uuid}");
+        }
+        Some(uuid) => {
+            let size = c.volume(&uuid).unwrap().volume.size_bytes + (1 + rng.below(512)) * 4096;
+            println!("@@ BEGIN grow {uuid} {size}");
+            match c.resize_volume(&uuid, size) {
+                Ok(_) => println!("@@ OK grow {uuid} {size}"),
+                Err(StateError::Placement(_)) => println!("@@ FULL grow {uuid} {size}"),
+                Err(e) => panic!("grow: {e}"),
+            }
+            live.lock().unwrap().push(uuid);
+        }
+    }
+}
+
+/// What the parent knows from the child's reports, across all cycles.
+#[derive(Default)]
+struct Expect {
+    started: BTreeSet<String>,
+    created: BTreeSet<String>,
+    delete_started: BTreeSet<String>,
+    deleted: BTreeSet<String>,
+    grown: BTreeMap<String, u64>,
+    ok_ops: usize,
+    /// Cycles killed while an operation was under way.
+    killed_in_flight: usize,
+}
+
+impl Expect {
+    fn absorb(&mut self, output: &str) {
+        let mut in_flight = BTreeSet::new();
+        for line in output.lines() {
+            // The test harness may print on the same line before ours.
+            let Some(at) = line.find("@@ ") else {
+                continue;
+            };
+            let words: Vec<&str> = line[at + 3..].split_whitespace().collect();
+            if let [kind, op, u, ..] = words[..] {
+                if kind == "BEGIN" {
+                    in_flight.insert((op, u));
+                } else {
+                    in_flight.remove(&(op, u));
+                }
+            }
+            match words[..] {
+                ["BEGIN", "create", u] => {
+                    self.started.insert(u.into());
+                }
+                ["OK", "create", u] => {
+                    self.created.insert(u.into());
+                    self.ok_ops += 1;
+                }
+                ["BEGIN", "delete", u] => {
+                    self.delete_started.insert(u.into());
+                }
+                ["OK", "delete", u] => {
+                    self.deleted.insert(u.into());
+                    self.ok_ops += 1;
+                }
+                ["OK", "grow", u, size] => {
+                    let size: u64 = size.parse().unwrap();
+                    let g = self.grown.entry(u.into()).or_default();
+                    *g = (*g).max(size);
+                    self.ok_ops += 1;
+                }
+                _ => {}
+            }
+        }
+        if !in_flight.is_empty() {
+            self.killed_in_flight += 1;
+        }
+    }
+
+    fn verify(&self, c: &Cluster) {
+        let volumes: BTreeMap<String, u64> = c
+            .volumes()
+            .unwrap()
+            .into_iter()
+            .map(|v| (v.volume.uuid.to_string(), v.volume.size_bytes))
+            .collect();
+        for u in volumes.keys() {
+            assert!(self.started.contains(u), "volume {u} was never created");
+            assert!(!self.deleted.contains(u), "deleted volume {u} is back");
+        }
+        for u in &self.created {
+            if !self.delete_started.contains(u) {
+                assert!(volumes.contains_key(u), "committed volume {u} is lost");
+            }
+        }
+        for (u, &size) in &self.grown {
+            if let Some(&now) = volumes.get(u) {
+                assert!(now >= size, "volume {u} lost a committed grow to {size}");
+            }
+        }
+    }
+}
+
+#[test]
+fn crash_worker() {
+    // Worker mode only when the parent test re-runs this executable.
+    if let Some(dir) = std::env::var_os(WORKER_ENV) {
+        worker(std::path::Path::new(&dir));
+    }
+}
+
+#[test]
+fn kill_9_during_mutations_leaves_a_consistent_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut rng = Rng(0x5eed_1234_abcd_ef01);
+    let mut expect = Expect::default();
+    let mut last_revision = 0;
+    for cycle in 0..CYCLES {
+        let mut child = Command::new(&exe)
+            .args(["--exact", "crash_worker", "--nocapture", "--test-threads=1"])
+            .env(WORKER_ENV, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        // Drain stdout while the child runs, so it never blocks on a full pipe.
+        let mut stdout = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut output = String::new();
+            stdout.read_to_string(&mut output).unwrap();
+            output
+        });
+        std::thread::sleep(Duration::from_millis(150 + rng.below(301)));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "cycle {cycle}: the worker stopped before it was killed"
+        );
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        expect.absorb(&reader.join().unwrap());
+
+        let c = cluster(dir.path());
+        let revision = c.store().revision().unwrap();
+        assert!(revision >= last_revision, "revision went back");
+        last_revision = revision;
+        assert_eq!(c.check().unwrap(), Vec::<String>::new(), "cycle {cycle}");
+        expect.verify(&c);
+        let cap = c.capacity().unwrap();
+        assert_eq!(
+            cap.total.free_bytes + cap.total.used_bytes,
+            cap.total.total_bytes
+        );
+    }
+    assert!(
+        expect.ok_ops >= 20 && expect.killed_in_flight >= 1,
+        "{} operations committed, {} cycles killed mid-operation: the test exercised nothing",
+        expect.ok_ops,
+        expect.killed_in_flight
+    );
+}
