@@ -78,7 +78,7 @@ pub struct IoQueue {
     slots: Vec<Slot>,
     free: Vec<u16>,
     inline_max: usize,
-    block_size_hint: u32,
+    block_size: u32,
     failed: bool,
     /// DSM range buffer (4096 bytes, like the Linux host), reused.
     dsm: Vec<u8>,
@@ -108,7 +108,7 @@ impl IoQueue {
             slots,
             free: (0..depth).rev().collect(),
             inline_max,
-            block_size_hint: 512,
+            block_size: 512,
             failed: false,
             dsm: vec![0; 4096],
         })
@@ -146,10 +146,10 @@ impl IoQueue {
         &self.ctrl
     }
 
-    /// Block size used to size Write Zeroes / Deallocate ranges when the
-    /// request carries no buffer (set from the namespace's Identify).
+    /// The namespace's logical block size, in which requests count blocks
+    /// (from its Identify; 512 until set).
     pub fn set_block_size(&mut self, bs: u32) {
-        self.block_size_hint = bs;
+        self.block_size = bs;
     }
 
     /// Queues a request. Err gives the request back: the queue is full, or
@@ -163,7 +163,7 @@ impl IoQueue {
             return Err((req, e));
         }
         let data_len = match req.op {
-            Op::Read | Op::Write => req.blocks as usize * self.block_size_of(&req),
+            Op::Read | Op::Write => req.blocks as usize * self.block_size as usize,
             _ => 0,
         };
         if matches!(req.op, Op::WriteZeroes { .. }) && (req.blocks == 0 || req.blocks > 65536) {
@@ -198,17 +198,9 @@ impl IoQueue {
         Ok(())
     }
 
-    /// The logical block size requests are sized in ([`IoQueue::set_block_size`]).
-    fn block_size_of(&self, _req: &Request) -> usize {
-        self.block_size_hint as usize
-    }
-
     /// Builds and queues the command of slot `si` (also used to reissue).
     fn issue(&mut self, si: u16) {
-        let bs = self.slots[si as usize]
-            .req
-            .as_ref()
-            .map_or(512, |r| self.block_size_of(r));
+        let bs = self.block_size as usize;
         let s = &mut self.slots[si as usize];
         s.gen = (s.gen + 1) & 0xF;
         s.got = 0;
@@ -362,7 +354,7 @@ impl IoQueue {
                 let req = s.req.as_ref().expect("sent slot has a request");
                 if cqe.status.is_success()
                     && req.op == Op::Read
-                    && s.got != req.blocks as usize * self.block_size_of(req)
+                    && s.got != req.blocks as usize * self.block_size as usize
                 {
                     return Err(Error::Protocol {
                         addr: self.conn.addr.to_string(),
@@ -388,10 +380,7 @@ impl IoQueue {
                 digest_ok,
             } => {
                 let si = self.slot_for(hdr.cccid, "C2HData")?;
-                let bs = self.slots[si]
-                    .req
-                    .as_ref()
-                    .map_or(512, |r| self.block_size_of(r));
+                let bs = self.block_size as usize;
                 let s = &mut self.slots[si];
                 let req = s.req.as_mut().expect("sent slot has a request");
                 let len = req.blocks as usize * bs;
@@ -423,10 +412,7 @@ impl IoQueue {
             }
             Pdu::R2t(r) => {
                 let si = self.slot_for(r.cccid, "R2T")?;
-                let bs = self.slots[si]
-                    .req
-                    .as_ref()
-                    .map_or(512, |r| self.block_size_of(r));
+                let bs = self.block_size as usize;
                 let req = self.slots[si]
                     .req
                     .as_ref()
