@@ -1,10 +1,11 @@
 //! nvpool control plane, as a library: the metadata store, the cluster
 //! model, extent placement, the volume address mapping, and the
-//! transactional operations that tie them together. The `nvpool-control`
-//! daemon (REST API, target programming) and the `nvpool` CLI build on it.
+//! transactional operations that tie them together; with the `server`
+//! feature (default) also the REST API and the `nvpool-control` daemon.
 //!
 //! ```text
-//!   REST API / CLI (later)
+//!   daemon ── command line, redb store, signals
+//!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
 //!          │
 //!   state::Cluster ── register, heartbeat, pools, create/grow/delete volumes
 //!      │        │
@@ -17,9 +18,14 @@
 //! ```
 //!
 //! Crates that need only the model and the mapping (the initiator) depend
-//! on this one with `default-features = false`, which leaves out redb.
+//! on this one with `default-features = false`, which leaves out redb and
+//! the server (axum, tokio, utoipa).
 
+#[cfg(feature = "server")]
+pub mod api;
 pub mod clock;
+#[cfg(feature = "server")]
+pub mod daemon;
 pub mod limits;
 pub mod mapping;
 pub mod model;

@@ -1,0 +1,1141 @@
+//! The control plane's REST API: JSON over HTTP under `/v1`, built on
+//! [`Cluster`]. Handlers are thin: decode and validate the request, run the
+//! cluster operation on the blocking pool (every store call may fsync),
+//! and shape the answer.
+//!
+//! | method and path | does | auth |
+//! |---|---|---|
+//! | `GET /healthz` | liveness | — |
+//! | `GET /metrics` | Prometheus text: volumes, capacity, target health | — |
+//! | `GET /v1/openapi.json` | this API as OpenAPI 3 (also `docs/openapi.json`) | — |
+//! | `POST /v1/targets` | a target registers (or re-registers) itself | target |
+//! | `PUT /v1/targets/{id}/heartbeat` | a target is alive | target |
+//! | `GET /v1/targets`, `GET /v1/targets/{id}` | health and capacity | — |
+//! | `PUT /v1/pools/{name}` | create a pool (idempotent; body: devices) | admin |
+//! | `GET /v1/pools`, `GET /v1/pools/{name}` | pools and their capacity | — |
+//! | `DELETE /v1/pools/{name}` | delete an unused pool | admin |
+//! | `PUT /v1/volumes/{uuid}` | idempotent create: 201, or 200 when the same spec exists | admin |
+//! | `GET /v1/volumes`, `GET /v1/volumes/{uuid}` | volumes with status and extents | — |
+//! | `POST /v1/volumes/{uuid}/resize` | grow (body: size_bytes) | admin |
+//! | `DELETE /v1/volumes/{uuid}` | delete | admin |
+//!
+//! Every error is `{"kind", "message", "details"}` with a 4xx status for
+//! anything the request got wrong (see [`ApiError::from_state`], the one
+//! place where cluster errors become HTTP statuses), 503 when the store is
+//! busy or unavailable, and 500 only for a corrupt store or a bug. Sizes
+//! are bytes (u64) everywhere.
+//!
+//! When tokens are configured, mutating calls need `Authorization: Bearer
+//! TOKEN`: the admin token for pools and volumes, the target token (or the
+//! admin token) for registration and heartbeats. Reads are open.
+
+use crate::model::{Device, DeviceRef, Extent, Health, Layout, TargetState, Uuid, VolumeStatus};
+use crate::placement::{DeviceUsage, PlacementError};
+use crate::state::{Capacity, Cluster, StateError, TargetRegistration, TargetView, VolumeView};
+use crate::store::StoreError;
+use axum::extract::{FromRequest, Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use utoipa::{OpenApi, ToSchema};
+
+/// Bearer tokens. `None` leaves that class of calls unauthenticated (a
+/// loopback-only development setup).
+#[derive(Clone, Default)]
+pub struct AuthConfig {
+    /// Required by every mutating pool and volume call; also accepted for
+    /// target calls.
+    pub admin_token: Option<String>,
+    /// Required by target registration and heartbeats.
+    pub target_token: Option<String>,
+}
+
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secrets themselves.
+        f.debug_struct("AuthConfig")
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "…"))
+            .field("target_token", &self.target_token.as_ref().map(|_| "…"))
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Api {
+    cluster: Arc<Cluster>,
+    auth: Arc<AuthConfig>,
+}
+
+/// The API's routes over `cluster`.
+pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
+    let api = Api {
+        cluster,
+        auth: Arc::new(auth),
+    };
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/v1/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
+        .route("/v1/targets", post(register_target).get(list_targets))
+        .route("/v1/targets/{id}", get(get_target))
+        .route("/v1/targets/{id}/heartbeat", put(heartbeat))
+        .route("/v1/pools", get(list_pools))
+        .route(
+            "/v1/pools/{name}",
+            put(put_pool).get(get_pool).delete(delete_pool),
+        )
+        .route("/v1/volumes", get(list_volumes))
+        .route(
+            "/v1/volumes/{uuid}",
+            put(put_volume).get(get_volume).delete(delete_volume),
+        )
+        .route("/v1/volumes/{uuid}/resize", post(resize_volume))
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+        })
+        .with_state(api)
+}
+
+// ----- errors -----
+
+/// The body of every failed request.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApiError {
+    #[serde(skip)]
+    #[schema(ignore)]
+    status: StatusCode,
+    /// Stable, machine-readable: `invalid`, `not_found`, `uuid_conflict`,
+    /// `no_space`, `unauthorized`…
+    #[schema(value_type = String)]
+    kind: &'static str,
+    /// For humans.
+    message: String,
+    /// Kind-specific fields (an object, maybe empty).
+    #[schema(value_type = Object)]
+    details: Value,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            details: json!({}),
+        }
+    }
+
+    fn with(mut self, details: Value) -> ApiError {
+        self.details = details;
+        self
+    }
+
+    fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid", message)
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// The one mapping from cluster errors to HTTP: 400 for invalid input,
+    /// 404 for unknown objects, 409 for conflicts with the current state,
+    /// 422 for requests the cluster cannot satisfy (placement), 503 for a
+    /// busy or failed store, 500 for corruption and bugs only.
+    pub fn from_state(e: StateError) -> ApiError {
+        use StatusCode as S;
+        let message = e.to_string();
+        let (status, kind, details) = match &e {
+            StateError::Invalid(_) => (S::BAD_REQUEST, "invalid", json!({})),
+            StateError::Placement(p) => match p {
+                PlacementError::Invalid(_) => (S::BAD_REQUEST, "invalid", json!({})),
+                PlacementError::NotEnoughTargets { need, have, pool } => (
+                    S::UNPROCESSABLE_ENTITY,
+                    "not_enough_targets",
+                    json!({"need": need, "have": have, "pool": pool}),
+                ),
+                PlacementError::NoSpace {
+                    need,
+                    have,
+                    extent_bytes,
+                    pool,
+                } => (
+                    S::UNPROCESSABLE_ENTITY,
+                    "no_space",
+                    json!({"need": need, "have": have, "extent_bytes": extent_bytes, "pool": pool}),
+                ),
+                // The rest come from loading stored extents: a bug or a
+                // corrupt store, never the request.
+                _ => (S::INTERNAL_SERVER_ERROR, "inconsistent", json!({})),
+            },
+            StateError::Store(s) => match s {
+                StoreError::Backend { .. } => (S::SERVICE_UNAVAILABLE, "unavailable", json!({})),
+                _ => (S::INTERNAL_SERVER_ERROR, "store", json!({})),
+            },
+            StateError::TargetNotFound(id) => (S::NOT_FOUND, "not_found", json!({"target": id})),
+            StateError::PoolNotFound(p) => (S::NOT_FOUND, "not_found", json!({"pool": p})),
+            StateError::VolumeNotFound(v) => (S::NOT_FOUND, "not_found", json!({"volume": v})),
+            StateError::UuidConflict { uuid, existing } => (
+                S::CONFLICT,
+                "uuid_conflict",
+                json!({"uuid": uuid, "existing": VolumeSpecBody::from_spec(existing)}),
+            ),
+            StateError::NameTaken { name, uuid } => (
+                S::CONFLICT,
+                "name_taken",
+                json!({"name": name, "uuid": uuid}),
+            ),
+            StateError::PoolConflict(p) => (S::CONFLICT, "pool_conflict", json!({"pool": p})),
+            StateError::UnknownDevice(d) => (
+                S::UNPROCESSABLE_ENTITY,
+                "unknown_device",
+                json!({"device": d}),
+            ),
+            StateError::DeviceInPool { device, pool } => (
+                S::CONFLICT,
+                "device_in_pool",
+                json!({"device": device, "pool": pool}),
+            ),
+            StateError::DeviceInUse { device, .. } => {
+                (S::CONFLICT, "device_in_use", json!({"device": device}))
+            }
+            StateError::PoolInUse { pool, volumes } => (
+                S::CONFLICT,
+                "pool_in_use",
+                json!({"pool": pool, "volumes": volumes}),
+            ),
+            StateError::TargetInUse { target, extents } => (
+                S::CONFLICT,
+                "target_in_use",
+                json!({"target": target, "extents": extents}),
+            ),
+            StateError::Shrink {
+                size_bytes,
+                requested,
+                ..
+            } => (
+                S::CONFLICT,
+                "shrink",
+                json!({"size_bytes": size_bytes, "requested": requested}),
+            ),
+            StateError::TooMany { what, max } => {
+                (S::CONFLICT, "limit", json!({"what": what, "max": max}))
+            }
+            StateError::Contention { attempts } => (
+                S::SERVICE_UNAVAILABLE,
+                "contention",
+                json!({"attempts": attempts}),
+            ),
+            StateError::Corrupt { .. } | StateError::Inconsistent(_) => {
+                (S::INTERNAL_SERVER_ERROR, "inconsistent", json!({}))
+            }
+        };
+        if status.is_server_error() {
+            tracing::warn!(error = %e, kind, "request failed");
+        }
+        ApiError::new(status, kind, message).with(details)
+    }
+}
+
+impl From<StateError> for ApiError {
+    fn from(e: StateError) -> ApiError {
+        ApiError::from_state(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(&self)).into_response();
+        match self.status {
+            StatusCode::UNAUTHORIZED => {
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        r
+    }
+}
+
+/// JSON body extractor whose rejections are JSON errors too: 415 without
+/// a JSON content type, 400 for anything that does not parse or does not
+/// fit the request type (unknown layout, missing field…).
+#[derive(Debug)]
+struct JsonBody<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(JsonBody(v)),
+            Err(e) if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE => Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                e.body_text(),
+            )),
+            Err(e) => Err(ApiError::invalid(e.body_text())),
+        }
+    }
+}
+
+// ----- auth -----
+
+#[derive(Debug, Clone, Copy)]
+enum Role {
+    Admin,
+    Target,
+}
+
+/// Equal in time independent of where the strings first differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Api {
+    fn authorize(&self, headers: &HeaderMap, role: Role) -> Result<(), ApiError> {
+        let admin = self.auth.admin_token.as_deref();
+        let accepted: Vec<&str> = match role {
+            Role::Admin => admin.into_iter().collect(),
+            Role::Target => match self.auth.target_token.as_deref() {
+                // Without a target token, target calls are as open as the
+                // admin ones: guarded by the admin token if there is one.
+                Some(t) => [Some(t), admin].into_iter().flatten().collect(),
+                None => admin.into_iter().collect(),
+            },
+        };
+        if accepted.is_empty() {
+            return Ok(());
+        }
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        match presented {
+            Some(p)
+                if accepted
+                    .iter()
+                    .any(|a| same_secret(a.as_bytes(), p.as_bytes())) =>
+            {
+                Ok(())
+            }
+            Some(_) => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "the bearer token is not valid for this call",
+            )),
+            None => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this call needs an Authorization: Bearer token",
+            )),
+        }
+    }
+
+    /// Runs a cluster operation on the blocking pool.
+    async fn run<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Cluster) -> Result<T, StateError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let cluster = self.cluster.clone();
+        match tokio::task::spawn_blocking(move || op(&cluster)).await {
+            Ok(r) => r.map_err(ApiError::from_state),
+            Err(e) => {
+                tracing::error!(error = %e, "cluster operation panicked");
+                Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the operation failed unexpectedly",
+                ))
+            }
+        }
+    }
+}
+
+fn parse_uuid(s: &str) -> Result<Uuid, ApiError> {
+    s.parse::<Uuid>()
+        .map_err(|e| ApiError::invalid(e.to_string()))
+}
+
+// ----- request and response bodies -----
+
+/// A device as a target registers it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceBody {
+    pub id: String,
+    /// How the target opens it, e.g. `file:/dev/disk/by-id/nvme-…`.
+    pub backend: String,
+    pub capacity_bytes: u64,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// `POST /v1/targets`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterTargetBody {
+    pub id: String,
+    pub name: String,
+    /// NVMe/TCP listener, `host:port`.
+    #[schema(value_type = String, example = "10.0.0.1:4420")]
+    pub addr: SocketAddr,
+    /// The target's admin API, `host:port`.
+    #[schema(value_type = String, example = "10.0.0.1:4480")]
+    pub admin_addr: SocketAddr,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    pub devices: Vec<DeviceBody>,
+}
+
+/// A device with its usage.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct DeviceOut {
+    pub id: String,
+    pub backend: String,
+    pub labels: BTreeMap<String, String>,
+    pub pool: Option<String>,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+}
+
+/// Bytes of a set of devices; `free_bytes = total_bytes - used_bytes`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema)]
+pub struct CapacityOut {
+    pub total_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+    /// Whole extents of the configured size that still fit.
+    pub free_extents: u64,
+}
+
+impl From<&Capacity> for CapacityOut {
+    fn from(c: &Capacity) -> CapacityOut {
+        CapacityOut {
+            total_bytes: c.total_bytes,
+            used_bytes: c.used_bytes,
+            free_bytes: c.free_bytes,
+            free_extents: c.free_extents,
+        }
+    }
+}
+
+/// A target as listed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TargetOut {
+    pub id: String,
+    pub name: String,
+    #[schema(value_type = String)]
+    pub addr: SocketAddr,
+    #[schema(value_type = String)]
+    pub admin_addr: SocketAddr,
+    pub labels: BTreeMap<String, String>,
+    /// `online` or `offline`, from the age of the last heartbeat.
+    #[schema(value_type = String)]
+    pub health: Health,
+    /// `active` (takes new extents) or `cordoned`.
+    #[schema(value_type = String)]
+    pub state: TargetState,
+    pub registered_ms: u64,
+    pub last_heartbeat_ms: u64,
+    pub capacity: CapacityOut,
+    pub devices: Vec<DeviceOut>,
+}
+
+fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
+    let t = &v.target;
+    let mut capacity = CapacityOut::default();
+    let devices = t
+        .devices
+        .iter()
+        .map(|d| {
+            let u = usage.iter().find(|u| u.target == t.id && u.device == d.id);
+            let (used, free, free_extents, pool) = u.map_or((0, d.capacity_bytes, 0, None), |u| {
+                (u.used_bytes, u.free_bytes, u.free_extents, u.pool.clone())
+            });
+            capacity.total_bytes += d.capacity_bytes;
+            capacity.used_bytes += used;
+            capacity.free_bytes += free;
+            capacity.free_extents += free_extents;
+            DeviceOut {
+                id: d.id.clone(),
+                backend: d.backend.clone(),
+                labels: d.labels.clone(),
+                pool,
+                capacity_bytes: d.capacity_bytes,
+                used_bytes: used,
+                free_bytes: free,
+            }
+        })
+        .collect();
+    TargetOut {
+        id: t.id.clone(),
+        name: t.name.clone(),
+        addr: t.addr,
+        admin_addr: t.admin_addr,
+        labels: t.labels.clone(),
+        health: v.health,
+        state: t.state,
+        registered_ms: t.registered_ms,
+        last_heartbeat_ms: t.last_heartbeat_ms,
+        capacity,
+        devices,
+    }
+}
+
+/// A device of a target.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceRefBody {
+    pub target: String,
+    pub device: String,
+}
+
+impl From<DeviceRef> for DeviceRefBody {
+    fn from(d: DeviceRef) -> DeviceRefBody {
+        DeviceRefBody {
+            target: d.target,
+            device: d.device,
+        }
+    }
+}
+
+/// One extent of a volume: `length` bytes at `offset` of a target's device,
+/// holding copy `copy` of stripe member `member`'s `row`-th extent.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ExtentOut {
+    pub target: String,
+    pub device: String,
+    pub offset: u64,
+    pub length: u64,
+    pub member: u32,
+    pub row: u32,
+    pub copy: u8,
+}
+
+impl From<Extent> for ExtentOut {
+    fn from(e: Extent) -> ExtentOut {
+        ExtentOut {
+            target: e.target,
+            device: e.device,
+            offset: e.offset,
+            length: e.length,
+            member: e.member,
+            row: e.row,
+            copy: e.copy,
+        }
+    }
+}
+
+/// `PUT /v1/pools/{name}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PoolBody {
+    pub devices: Vec<DeviceRefBody>,
+}
+
+/// A pool as listed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PoolOut {
+    pub name: String,
+    pub devices: Vec<DeviceRefBody>,
+    pub created_ms: u64,
+    pub capacity: CapacityOut,
+}
+
+/// A volume layout: `{"type": "concat"}`, `{"type": "raid0",
+/// "stripe_bytes": 65536, "width": 4}`, `{"type": "raid1", "copies": 2}`,
+/// `{"type": "raid10", "stripe_bytes": 65536, "width": 2, "copies": 2}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LayoutBody {
+    Concat,
+    Raid0 {
+        stripe_bytes: u64,
+        width: u32,
+    },
+    Raid1 {
+        copies: u8,
+    },
+    Raid10 {
+        stripe_bytes: u64,
+        width: u32,
+        copies: u8,
+    },
+}
+
+impl From<LayoutBody> for Layout {
+    fn from(l: LayoutBody) -> Layout {
+        match l {
+            LayoutBody::Concat => Layout::Concat,
+            LayoutBody::Raid0 {
+                stripe_bytes,
+                width,
+            } => Layout::Raid0 {
+                stripe_bytes,
+                width,
+            },
+            LayoutBody::Raid1 { copies } => Layout::Raid1 { copies },
+            LayoutBody::Raid10 {
+                stripe_bytes,
+                width,
+                copies,
+            } => Layout::Raid10 {
+                stripe_bytes,
+                width,
+                copies,
+            },
+        }
+    }
+}
+
+impl From<Layout> for LayoutBody {
+    fn from(l: Layout) -> LayoutBody {
+        match l {
+            Layout::Concat => LayoutBody::Concat,
+            Layout::Raid0 {
+                stripe_bytes,
+                width,
+            } => LayoutBody::Raid0 {
+                stripe_bytes,
+                width,
+            },
+            Layout::Raid1 { copies } => LayoutBody::Raid1 { copies },
+            Layout::Raid10 {
+                stripe_bytes,
+                width,
+                copies,
+            } => LayoutBody::Raid10 {
+                stripe_bytes,
+                width,
+                copies,
+            },
+        }
+    }
+}
+
+/// `PUT /v1/volumes/{uuid}`: what to create. The UUID is the path's.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeSpecBody {
+    pub name: String,
+    /// A positive multiple of 4096.
+    pub size_bytes: u64,
+    pub layout: LayoutBody,
+    /// Place on this pool's devices; without it, on unpooled devices.
+    #[serde(default)]
+    pub pool: Option<String>,
+}
+
+impl VolumeSpecBody {
+    fn from_spec(s: &crate::model::VolumeSpec) -> VolumeSpecBody {
+        VolumeSpecBody {
+            name: s.name.clone(),
+            size_bytes: s.size_bytes,
+            layout: s.layout.into(),
+            pool: s.pool.clone(),
+        }
+    }
+}
+
+/// `POST /v1/volumes/{uuid}/resize`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeBody {
+    /// The new size: at least the current one (volumes only grow).
+    pub size_bytes: u64,
+}
+
+/// A volume as listed, with its status and every extent.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VolumeOut {
+    #[schema(value_type = String, example = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42")]
+    pub uuid: Uuid,
+    pub name: String,
+    pub size_bytes: u64,
+    pub layout: LayoutBody,
+    pub pool: Option<String>,
+    /// `online`, `degraded` (a copy is on an offline target) or `offline`.
+    #[schema(value_type = String)]
+    pub status: VolumeStatus,
+    pub extent_bytes: u64,
+    pub created_ms: u64,
+    pub extents: Vec<ExtentOut>,
+}
+
+fn volume_out(v: crate::model::Volume, status: VolumeStatus) -> VolumeOut {
+    VolumeOut {
+        uuid: v.uuid,
+        name: v.name,
+        size_bytes: v.size_bytes,
+        layout: v.layout.into(),
+        pool: v.pool,
+        status,
+        extent_bytes: v.extent_bytes,
+        created_ms: v.created_ms,
+        extents: v.extents.into_iter().map(ExtentOut::from).collect(),
+    }
+}
+
+fn volume_view_out(v: VolumeView) -> VolumeOut {
+    volume_out(v.volume, v.status)
+}
+
+// ----- handlers -----
+
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "the daemon serves requests")))]
+async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "operations", responses((status = 200, description = "this document", body = Object)))]
+async fn openapi() -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        openapi_json(),
+    )
+        .into_response()
+}
+
+#[utoipa::path(post, path = "/v1/targets", tag = "targets", request_body = RegisterTargetBody, security(("target_token" = []), ("admin_token" = [])), responses((status = 200, description = "registered (or re-registered)", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn register_target(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<RegisterTargetBody>,
+) -> Result<Json<TargetOut>, ApiError> {
+    api.authorize(&headers, Role::Target)?;
+    let reg = TargetRegistration {
+        id: body.id,
+        name: body.name,
+        addr: body.addr,
+        admin_addr: body.admin_addr,
+        labels: body.labels,
+        devices: body
+            .devices
+            .into_iter()
+            .map(|d| Device {
+                id: d.id,
+                backend: d.backend,
+                capacity_bytes: d.capacity_bytes,
+                labels: d.labels,
+            })
+            .collect(),
+    };
+    let out = api
+        .run(move |c| {
+            let t = c.register_target(&reg)?;
+            let view = c.target(&t.id)?;
+            Ok(target_out(&view, &c.capacity()?.devices))
+        })
+        .await?;
+    tracing::info!(target_id = %out.id, devices = out.devices.len(), "target registered");
+    Ok(Json(out))
+}
+
+#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), security(("target_token" = []), ("admin_token" = [])), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn heartbeat(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<TargetOut>, ApiError> {
+    api.authorize(&headers, Role::Target)?;
+    let out = api
+        .run(move |c| {
+            c.heartbeat(&id)?;
+            let view = c.target(&id)?;
+            Ok(target_out(&view, &c.capacity()?.devices))
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(get, path = "/v1/targets", tag = "targets", responses((status = 200, description = "every target with health and capacity", body = Vec<TargetOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn list_targets(State(api): State<Api>) -> Result<Json<Vec<TargetOut>>, ApiError> {
+    let out = api
+        .run(|c| {
+            let usage = c.capacity()?.devices;
+            Ok(c.targets()?.iter().map(|v| target_out(v, &usage)).collect())
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(get, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_target(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+) -> Result<Json<TargetOut>, ApiError> {
+    let out = api
+        .run(move |c| {
+            let view = c.target(&id)?;
+            Ok(target_out(&view, &c.capacity()?.devices))
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+fn pools_out(c: &Cluster) -> Result<Vec<PoolOut>, StateError> {
+    let capacity = c.capacity()?;
+    Ok(c.pools()?
+        .into_iter()
+        .map(|p| PoolOut {
+            capacity: capacity
+                .pools
+                .get(&p.name)
+                .map(CapacityOut::from)
+                .unwrap_or_default(),
+            name: p.name,
+            devices: p.devices.into_iter().map(DeviceRefBody::from).collect(),
+            created_ms: p.created_ms,
+        })
+        .collect())
+}
+
+#[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), request_body = PoolBody, security(("admin_token" = [])), responses((status = 201, description = "created", body = PoolOut), (status = 200, description = "already existed with these devices", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_pool(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    JsonBody(body): JsonBody<PoolBody>,
+) -> Result<(StatusCode, Json<PoolOut>), ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let (existed, out) = api
+        .run(move |c| {
+            // Only for the status code: a racing identical create makes
+            // both answers 201, which is harmless.
+            let existed = c.pools()?.iter().any(|p| p.name == name);
+            let devices: Vec<DeviceRef> = body
+                .devices
+                .iter()
+                .map(|d| DeviceRef::new(&d.target, &d.device))
+                .collect();
+            c.create_pool(&name, &devices)?;
+            let out = pools_out(c)?
+                .into_iter()
+                .find(|p| p.name == name)
+                .ok_or(StateError::PoolNotFound(name))?;
+            Ok((existed, out))
+        })
+        .await?;
+    let status = if existed {
+        StatusCode::OK
+    } else {
+        StatusCode::CREATED
+    };
+    Ok((status, Json(out)))
+}
+
+#[utoipa::path(get, path = "/v1/pools", tag = "pools", responses((status = 200, description = "every pool with its capacity", body = Vec<PoolOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn list_pools(State(api): State<Api>) -> Result<Json<Vec<PoolOut>>, ApiError> {
+    Ok(Json(api.run(pools_out).await?))
+}
+
+#[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 200, description = "the pool", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_pool(
+    State(api): State<Api>,
+    Path(name): Path<String>,
+) -> Result<Json<PoolOut>, ApiError> {
+    let out = api
+        .run(move |c| {
+            crate::model::validate_id("pool name", &name, crate::limits::ID_BYTES_MAX)?;
+            pools_out(c)?
+                .into_iter()
+                .find(|p| p.name == name)
+                .ok_or(StateError::PoolNotFound(name))
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), security(("admin_token" = [])), responses((status = 204, description = "deleted"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn delete_pool(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    api.run(move |c| c.delete_pool(&name)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, security(("admin_token" = [])), responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_volume(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(uuid): Path<String>,
+    JsonBody(body): JsonBody<VolumeSpecBody>,
+) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let spec = crate::model::VolumeSpec {
+        uuid,
+        name: body.name,
+        size_bytes: body.size_bytes,
+        layout: body.layout.into(),
+        pool: body.pool,
+    };
+    let (created, out) = api
+        .run(move |c| {
+            let r = c.create_volume(&spec)?;
+            let status = c.volume(&uuid)?.status;
+            Ok((r.created, volume_out(r.volume, status)))
+        })
+        .await?;
+    if created {
+        tracing::info!(volume = %out.uuid, name = %out.name, size_bytes = out.size_bytes, "volume created");
+        Ok((StatusCode::CREATED, Json(out)))
+    } else {
+        Ok((StatusCode::OK, Json(out)))
+    }
+}
+
+#[utoipa::path(get, path = "/v1/volumes", tag = "volumes", responses((status = 200, description = "every volume with status and extents", body = Vec<VolumeOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn list_volumes(State(api): State<Api>) -> Result<Json<Vec<VolumeOut>>, ApiError> {
+    let out = api
+        .run(|c| Ok(c.volumes()?.into_iter().map(volume_view_out).collect()))
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), responses((status = 200, description = "the volume", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_volume(
+    State(api): State<Api>,
+    Path(uuid): Path<String>,
+) -> Result<Json<VolumeOut>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| c.volume(&uuid).map(volume_view_out))
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, security(("admin_token" = [])), responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn resize_volume(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(uuid): Path<String>,
+    JsonBody(body): JsonBody<ResizeBody>,
+) -> Result<Json<VolumeOut>, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| {
+            c.resize_volume(&uuid, body.size_bytes)?;
+            c.volume(&uuid).map(volume_view_out)
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+/// Deletes a volume and frees its extents. Attach does not exist yet, so
+/// no volume is ever attached; when it does, deleting an attached volume
+/// will need `?force=true`.
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), security(("admin_token" = [])), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn delete_volume(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(uuid): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    api.run(move |c| c.delete_volume(&uuid)).await?;
+    tracing::info!(volume = %uuid, "volume deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ----- metrics -----
+
+fn status_name(s: VolumeStatus) -> &'static str {
+    match s {
+        VolumeStatus::Online => "online",
+        VolumeStatus::Degraded => "degraded",
+        VolumeStatus::Offline => "offline",
+    }
+}
+
+/// Escapes a Prometheus label value.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn render_metrics(c: &Cluster) -> Result<String, StateError> {
+    let volumes = c.volumes()?;
+    let targets = c.targets()?;
+    let cap = c.capacity()?;
+    let mut out = String::new();
+    // `write!` to a String cannot fail: the results are ignored.
+    let _ = writeln!(out, "# HELP nvpool_volumes Volumes by status.");
+    let _ = writeln!(out, "# TYPE nvpool_volumes gauge");
+    for s in [
+        VolumeStatus::Online,
+        VolumeStatus::Degraded,
+        VolumeStatus::Offline,
+    ] {
+        let n = volumes.iter().filter(|v| v.status == s).count();
+        let _ = writeln!(out, "nvpool_volumes{{status=\"{}\"}} {n}", status_name(s));
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nvpool_capacity_bytes Device bytes in the cluster."
+    );
+    let _ = writeln!(out, "# TYPE nvpool_capacity_bytes gauge");
+    for (kind, v) in [
+        ("total", cap.total.total_bytes),
+        ("used", cap.total.used_bytes),
+        ("free", cap.total.free_bytes),
+    ] {
+        let _ = writeln!(out, "nvpool_capacity_bytes{{kind=\"{kind}\"}} {v}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nvpool_target_up Whether a target heartbeats (1) or is offline (0)."
+    );
+    let _ = writeln!(out, "# TYPE nvpool_target_up gauge");
+    for t in &targets {
+        let up = u8::from(t.health == Health::Online);
+        let _ = writeln!(
+            out,
+            "nvpool_target_up{{target=\"{}\"}} {up}",
+            label(&t.target.id)
+        );
+    }
+    let _ = writeln!(out, "# HELP nvpool_targets Registered targets.");
+    let _ = writeln!(out, "# TYPE nvpool_targets gauge");
+    let _ = writeln!(out, "nvpool_targets {}", targets.len());
+    Ok(out)
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain"), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
+    let text = api.run(render_metrics).await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response())
+}
+
+// ----- OpenAPI -----
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "nvpool control plane",
+        description = "Targets, pools and volumes of an nvpool cluster. Errors are \
+                       {kind, message, details}; sizes are bytes."
+    ),
+    paths(
+        healthz, metrics, openapi, register_target, heartbeat, list_targets, get_target,
+        put_pool, list_pools, get_pool, delete_pool, put_volume, list_volumes, get_volume,
+        resize_volume, delete_volume
+    ),
+    modifiers(&BearerSchemes)
+)]
+struct ApiDoc;
+
+/// Declares the two bearer-token schemes the paths refer to.
+#[derive(Debug)]
+struct BearerSchemes;
+
+impl utoipa::Modify for BearerSchemes {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        let components = doc.components.get_or_insert_with(Default::default);
+        for name in ["admin_token", "target_token"] {
+            components.add_security_scheme(
+                name,
+                SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+            );
+        }
+    }
+}
+
+/// The OpenAPI 3 document of this API, as served at `/v1/openapi.json`
+/// and checked in as `docs/openapi.json`: pretty JSON with a final newline.
+pub fn openapi_json() -> String {
+    let mut doc = ApiDoc::openapi();
+    // The crate's version would make the checked-in copy stale on every
+    // release; the API carries its version in its paths.
+    doc.info.version = "v1".into();
+    let mut text = doc
+        .to_pretty_json()
+        .expect("an OpenAPI document serialises to JSON");
+    text.push('\n');
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_statuses() {
+        let cases: Vec<(StateError, u16, &str)> = vec![
+            (
+                StateError::Invalid(crate::model::ModelError::InvalidSize("0".into())),
+                400,
+                "invalid",
+            ),
+            (StateError::VolumeNotFound("v".into()), 404, "not_found"),
+            (StateError::PoolConflict("p".into()), 409, "pool_conflict"),
+            (
+                StateError::Placement(PlacementError::NoSpace {
+                    need: 2,
+                    have: 1,
+                    extent_bytes: 1 << 20,
+                    pool: None,
+                }),
+                422,
+                "no_space",
+            ),
+            (StateError::Contention { attempts: 32 }, 503, "contention"),
+            (
+                StateError::Store(StoreError::Backend {
+                    op: "commit",
+                    source: "disk full".into(),
+                }),
+                503,
+                "unavailable",
+            ),
+            (StateError::Inconsistent("x".into()), 500, "inconsistent"),
+        ];
+        for (e, status, kind) in cases {
+            let a = ApiError::from_state(e);
+            assert_eq!((a.status().as_u16(), a.kind()), (status, kind));
+        }
+        let r = ApiError::from_state(StateError::Contention { attempts: 1 }).into_response();
+        assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+    }
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"abc", b"abc"));
+        assert!(!same_secret(b"abc", b"abd"));
+        assert!(!same_secret(b"abc", b"abcd"));
+    }
+}

@@ -1,0 +1,204 @@
+//! The `nvpool-control` daemon: command line, store, REST API, shutdown.
+//! `main.rs` only calls [`main_exit_code`].
+
+use crate::api::{router, AuthConfig};
+use crate::clock::SystemClock;
+use crate::limits::EXTENT_BYTES;
+use crate::state::{Cluster, StateConfig};
+use crate::store::RedbStore;
+use anyhow::Context as _;
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Default state directory when running as root.
+const STATE_DIR_DEFAULT: &str = "/var/lib/nvpool-control";
+/// A token file larger than this is a mistake (a key file, a log).
+const TOKEN_FILE_BYTES_MAX: u64 = 4096;
+
+/// nvpool control plane: targets, pools and volumes over a REST API.
+#[derive(Debug, Parser)]
+#[command(name = "nvpool-control", version)]
+pub struct Args {
+    /// Address of the REST API.
+    #[arg(long, default_value = "127.0.0.1:4430")]
+    pub listen: SocketAddr,
+    /// Directory of the metadata store (default /var/lib/nvpool-control
+    /// when running as root; required otherwise).
+    #[arg(long, env = "NVPOOL_CONTROL_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// File holding the bearer token of admin (pool and volume) calls.
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
+    /// File holding the bearer token targets present.
+    #[arg(long)]
+    pub target_token_file: Option<PathBuf>,
+    /// Extent size of new volumes, in bytes (power of two, 1 MiB..=64 GiB).
+    #[arg(long, default_value_t = EXTENT_BYTES, value_parser = parse_extent_size)]
+    pub extent_size: u64,
+    /// Log filter (tracing env-filter syntax), e.g. `info` or `nvpool_control=debug`.
+    #[arg(long, default_value = "info", env = "NVPOOL_LOG", value_parser = parse_log_filter)]
+    pub log: String,
+}
+
+fn parse_extent_size(s: &str) -> Result<u64, String> {
+    let n: u64 = s.parse().map_err(|e| format!("{e}"))?;
+    crate::model::validate_extent_bytes(n).map_err(|e| e.to_string())?;
+    Ok(n)
+}
+
+fn parse_log_filter(s: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::try_new(s).map_err(|e| e.to_string())?;
+    Ok(s.to_owned())
+}
+
+fn read_token(path: &Path) -> anyhow::Result<String> {
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("reading token file {}", path.display()))?
+        .len();
+    anyhow::ensure!(
+        len <= TOKEN_FILE_BYTES_MAX,
+        "token file {} is {len} bytes; at most {TOKEN_FILE_BYTES_MAX}",
+        path.display()
+    );
+    let token = std::fs::read_to_string(path)
+        .with_context(|| format!("reading token file {}", path.display()))?
+        .trim()
+        .to_owned();
+    anyhow::ensure!(!token.is_empty(), "token file {} is empty", path.display());
+    Ok(token)
+}
+
+fn is_root() -> bool {
+    // No libc dependency for this: root's /proc/self is owned by uid 0.
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+        .with_context(|| format!("invalid --log filter {:?}", args.log))?;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    let state_dir = match args.state_dir {
+        Some(d) => d,
+        None if is_root() => PathBuf::from(STATE_DIR_DEFAULT),
+        None => anyhow::bail!("--state-dir is required when not running as root"),
+    };
+    let auth = AuthConfig {
+        admin_token: args
+            .admin_token_file
+            .as_deref()
+            .map(read_token)
+            .transpose()?,
+        target_token: args
+            .target_token_file
+            .as_deref()
+            .map(read_token)
+            .transpose()?,
+    };
+    let config = StateConfig {
+        extent_bytes: args.extent_size,
+        ..StateConfig::default()
+    };
+    config.validate().context("invalid --extent-size")?;
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
+    let store = RedbStore::open_in_dir(&state_dir)
+        .with_context(|| format!("opening the store in {}", state_dir.display()))?;
+    let cluster = Cluster::new(Arc::new(store), Arc::new(SystemClock), config)?;
+    if auth.admin_token.is_none() {
+        tracing::warn!("no --admin-token-file: mutating calls are unauthenticated");
+    }
+    let app = router(Arc::new(cluster), auth);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("listening on {}", args.listen))?;
+        tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("serving the API")?;
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+/// Parses the command line and runs: exit code 0 on a clean stop, 2 for a
+/// bad command line, 1 for any other failure.
+pub fn main_exit_code() -> i32 {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) if e.use_stderr() => {
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            eprintln!("nvpool-control: {first} (see --help)");
+            return 2;
+        }
+        Err(e) => {
+            // --help and --version.
+            let _ = e.print();
+            return 0;
+        }
+    };
+    if args.state_dir.is_none() && !is_root() {
+        eprintln!("nvpool-control: --state-dir is required when not running as root (see --help)");
+        return 2;
+    }
+    match run(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("nvpool-control: {e:#}");
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line() {
+        Args::command().debug_assert();
+        let a = Args::try_parse_from(["nvpool-control", "--state-dir", "/tmp/s"]).unwrap();
+        assert_eq!(a.listen, "127.0.0.1:4430".parse().unwrap());
+        assert_eq!(a.extent_size, EXTENT_BYTES);
+        for bad in [
+            &["--extent-size", "3"][..],
+            &["--extent-size", "x"],
+            &["--listen", "nope"],
+            &["--log", "a=b=c"],
+        ] {
+            let argv = ["nvpool-control"].iter().chain(bad);
+            assert!(Args::try_parse_from(argv).is_err(), "{bad:?}");
+        }
+    }
+}

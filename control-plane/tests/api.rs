@@ -1,0 +1,626 @@
+//! The REST API over real HTTP: the router served on a loopback port, a
+//! MemStore-backed cluster with a manual clock, and a minimal HTTP/1.1
+//! client (one request per connection).
+
+use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::store::MemStore;
+use nvpool_control::{Cluster, ManualClock, StateConfig};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const T0: u64 = 1_000_000;
+const ADMIN: &str = "admin-secret";
+const TARGET: &str = "target-secret";
+
+struct Server {
+    addr: SocketAddr,
+    clock: Arc<ManualClock>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(auth: AuthConfig) -> Server {
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = StateConfig {
+        extent_bytes: MIB,
+        ..StateConfig::default()
+    };
+    let cluster = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+    let app = router(Arc::new(cluster), auth);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(l, app)
+                .with_graceful_shutdown(async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    Server {
+        addr,
+        clock,
+        stop: Some(tx),
+        thread: Some(thread),
+    }
+}
+
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+}
+
+impl Server {
+    fn raw(&self, method: &str, path: &str, token: Option<&str>, body: Option<&str>) -> Reply {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+        if let Some(t) = token {
+            req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+        }
+        let body = body.unwrap_or("");
+        if !body.is_empty() || method != "GET" {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").expect("a full response");
+        let status = head[9..12].parse().unwrap();
+        assert!(
+            !head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "the test client reads Content-Length bodies only"
+        );
+        Reply {
+            status,
+            headers: head.to_owned(),
+            body: body.to_owned(),
+        }
+    }
+
+    fn call(&self, method: &str, path: &str, token: Option<&str>, body: Option<Value>) -> Reply {
+        let text = body.map(|b| b.to_string());
+        self.raw(method, path, token, text.as_deref())
+    }
+
+    fn admin(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
+        self.call(method, path, Some(ADMIN), body)
+    }
+
+    /// An error reply: the status, and a JSON body with kind, message and details.
+    fn expect_error(&self, r: &Reply, status: u16, kind: &str) {
+        assert_eq!(r.status, status, "{}", r.body);
+        let j = r.json();
+        assert_eq!(j["kind"], kind, "{j}");
+        assert!(j["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
+        assert!(j["details"].is_object(), "{j}");
+    }
+}
+
+fn tokens() -> AuthConfig {
+    AuthConfig {
+        admin_token: Some(ADMIN.into()),
+        target_token: Some(TARGET.into()),
+    }
+}
+
+fn registration(i: usize, rack: &str, devices: usize, extents: u64) -> Value {
+    json!({
+        "id": format!("t{i}"),
+        "name": format!("host{i}"),
+        "addr": format!("10.0.0.{i}:4420"),
+        "admin_addr": format!("10.0.0.{i}:4480"),
+        "labels": {"rack": rack, "host": format!("host{i}")},
+        "devices": (0..devices).map(|d| json!({
+            "id": format!("d{d}"),
+            "backend": format!("file:/dev/nvme{d}n1"),
+            "capacity_bytes": extents * MIB,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Four targets in two racks, each with two 8-extent devices.
+fn cluster_of_four(s: &Server) {
+    for i in 0..4 {
+        let r = s.call(
+            "POST",
+            "/v1/targets",
+            Some(TARGET),
+            Some(registration(i, &format!("r{}", i % 2), 2, 8)),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+}
+
+fn uuid(n: u8) -> String {
+    format!("{n:08x}-0000-4000-8000-000000000000")
+}
+
+fn volume(name: &str, size_bytes: u64, layout: Value) -> Value {
+    json!({"name": name, "size_bytes": size_bytes, "layout": layout})
+}
+
+#[test]
+fn health_and_unknown_paths() {
+    let s = serve(AuthConfig::default());
+    let r = s.call("GET", "/healthz", None, None);
+    assert_eq!((r.status, r.json()["status"].clone()), (200, json!("ok")));
+    let r = s.call("GET", "/v2/nothing", None, None);
+    s.expect_error(&r, 404, "not_found");
+}
+
+#[test]
+fn targets_register_list_and_expire() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let list = s.call("GET", "/v1/targets", None, None).json();
+    let list = list.as_array().unwrap();
+    assert_eq!(list.len(), 4);
+    assert_eq!(list[0]["health"], "online");
+    assert_eq!(list[0]["labels"]["rack"], "r0");
+    assert_eq!(list[0]["capacity"]["total_bytes"], 16 * MIB);
+    assert_eq!(list[0]["capacity"]["free_bytes"], 16 * MIB);
+    assert_eq!(list[0]["devices"][1]["capacity_bytes"], 8 * MIB);
+
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{}", uuid(1)),
+        Some(volume("m", 2 * MIB, json!({"type": "raid1", "copies": 2}))),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let v = r.json();
+    let down = v["extents"][0]["target"].as_str().unwrap().to_owned();
+    let t = s
+        .call("GET", &format!("/v1/targets/{down}"), None, None)
+        .json();
+    assert_eq!(t["capacity"]["used_bytes"], 2 * MIB);
+
+    // Everyone but `down` keeps heartbeating past the timeout.
+    s.clock
+        .advance(nvpool_control::limits::HEARTBEAT_TIMEOUT_MS + 1);
+    for i in 0..4 {
+        let id = format!("t{i}");
+        if id != down {
+            let r = s.call(
+                "PUT",
+                &format!("/v1/targets/{id}/heartbeat"),
+                Some(TARGET),
+                None,
+            );
+            assert_eq!(r.status, 200, "{}", r.body);
+            assert_eq!(r.json()["health"], "online");
+        }
+    }
+    let t = s
+        .call("GET", &format!("/v1/targets/{down}"), None, None)
+        .json();
+    assert_eq!(t["health"], "offline");
+    let v = s
+        .call("GET", &format!("/v1/volumes/{}", uuid(1)), None, None)
+        .json();
+    assert_eq!(v["status"], "degraded");
+    let m = s.call("GET", "/metrics", None, None);
+    assert_eq!(m.status, 200);
+    assert!(m.headers.contains("text/plain"), "{}", m.headers);
+    assert!(
+        m.body
+            .contains(&format!("nvpool_target_up{{target=\"{down}\"}} 0")),
+        "{}",
+        m.body
+    );
+    assert!(
+        m.body.contains("nvpool_volumes{status=\"degraded\"} 1"),
+        "{}",
+        m.body
+    );
+
+    let r = s.call("PUT", "/v1/targets/nope/heartbeat", Some(TARGET), None);
+    s.expect_error(&r, 404, "not_found");
+    let r = s.call("GET", "/v1/targets/nope", None, None);
+    s.expect_error(&r, 404, "not_found");
+    let mut bad = registration(9, "r0", 1, 8);
+    bad["id"] = json!("a/b");
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(bad));
+    s.expect_error(&r, 400, "invalid");
+    let mut bad = registration(9, "r0", 1, 8);
+    bad["addr"] = json!("not an address");
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(bad));
+    s.expect_error(&r, 400, "invalid");
+}
+
+#[test]
+fn every_layout_and_idempotent_create() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let layouts = [
+        json!({"type": "concat"}),
+        json!({"type": "raid0", "stripe_bytes": 65536, "width": 4}),
+        json!({"type": "raid1", "copies": 3}),
+        json!({"type": "raid10", "stripe_bytes": 4096, "width": 2, "copies": 2}),
+    ];
+    for (i, layout) in layouts.iter().enumerate() {
+        let path = format!("/v1/volumes/{}", uuid(i as u8 + 1));
+        let body = volume(&format!("vol{i}"), 2 * MIB, layout.clone());
+        let first = s.admin("PUT", &path, Some(body.clone()));
+        assert_eq!(first.status, 201, "{layout}: {}", first.body);
+        let v = first.json();
+        assert_eq!(v["layout"], *layout);
+        assert_eq!(v["size_bytes"], 2 * MIB);
+        assert_eq!(v["status"], "online");
+        let again = s.admin("PUT", &path, Some(body));
+        assert_eq!(again.status, 200, "a retried create is OK");
+        assert_eq!(again.json()["extents"], v["extents"], "and changes nothing");
+        let got = s.call("GET", &path, None, None).json();
+        assert_eq!(got["extents"], v["extents"]);
+    }
+    let list = s.call("GET", "/v1/volumes", None, None).json();
+    assert_eq!(list.as_array().unwrap().len(), 4);
+
+    // Same UUID, different spec.
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{}", uuid(1)),
+        Some(volume("vol0", 4 * MIB, json!({"type": "concat"}))),
+    );
+    s.expect_error(&r, 409, "uuid_conflict");
+    assert_eq!(r.json()["details"]["existing"]["size_bytes"], 2 * MIB);
+    // Same name, other UUID.
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{}", uuid(9)),
+        Some(volume("vol0", MIB, json!({"type": "concat"}))),
+    );
+    s.expect_error(&r, 409, "name_taken");
+
+    let m = s.call("GET", "/metrics", None, None).body;
+    assert!(m.contains("nvpool_volumes{status=\"online\"} 4"), "{m}");
+    assert!(
+        m.contains(&format!(
+            "nvpool_capacity_bytes{{kind=\"total\"}} {}",
+            64 * MIB
+        )),
+        "{m}"
+    );
+    // concat 2 + raid0 (one row of 4) 4 + raid1×3 6 + raid10 (one row of 2×2) 4.
+    assert!(
+        m.contains(&format!(
+            "nvpool_capacity_bytes{{kind=\"used\"}} {}",
+            16 * MIB
+        )),
+        "{m}"
+    );
+    assert!(
+        m.contains(&format!(
+            "nvpool_capacity_bytes{{kind=\"free\"}} {}",
+            48 * MIB
+        )),
+        "{m}"
+    );
+}
+
+#[test]
+fn impossible_placement_is_422_and_creates_nothing() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let wide = volume(
+        "wide",
+        MIB,
+        json!({"type": "raid10", "stripe_bytes": 4096, "width": 4, "copies": 2}),
+    );
+    let r = s.admin("PUT", &format!("/v1/volumes/{}", uuid(1)), Some(wide));
+    s.expect_error(&r, 422, "not_enough_targets");
+    assert_eq!(r.json()["details"]["need"], 8);
+    let huge = volume("huge", 65 * MIB, json!({"type": "concat"}));
+    let r = s.admin("PUT", &format!("/v1/volumes/{}", uuid(2)), Some(huge));
+    s.expect_error(&r, 422, "no_space");
+    let list = s.call("GET", "/v1/volumes", None, None).json();
+    assert_eq!(list, json!([]), "nothing half-created");
+    let r = s.call("GET", &format!("/v1/volumes/{}", uuid(1)), None, None);
+    s.expect_error(&r, 404, "not_found");
+}
+
+#[test]
+fn bad_input_is_400_never_500() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let path = format!("/v1/volumes/{}", uuid(1));
+    let concat = json!({"type": "concat"});
+    let cases: Vec<(&str, Value)> = vec![
+        ("zero size", volume("v", 0, concat.clone())),
+        ("unaligned size", volume("v", MIB + 1, concat.clone())),
+        ("unknown layout", volume("v", MIB, json!({"type": "raid5"}))),
+        (
+            "layout missing fields",
+            volume("v", MIB, json!({"type": "raid0"})),
+        ),
+        (
+            "one copy",
+            volume("v", MIB, json!({"type": "raid1", "copies": 1})),
+        ),
+        (
+            "odd stripe",
+            volume(
+                "v",
+                MIB,
+                json!({"type": "raid0", "stripe_bytes": 3000, "width": 2}),
+            ),
+        ),
+        ("bad name", volume("a b/c", MIB, concat.clone())),
+        ("empty name", volume("", MIB, concat.clone())),
+        (
+            "negative size",
+            json!({"name": "v", "size_bytes": -1, "layout": concat}),
+        ),
+        (
+            "unknown field",
+            json!({"name": "v", "size_bytes": MIB, "layout": concat, "colour": "red"}),
+        ),
+        (
+            "bad pool name",
+            json!({"name": "v", "size_bytes": MIB, "layout": concat, "pool": "a/b"}),
+        ),
+    ];
+    for (what, body) in cases {
+        let r = s.admin("PUT", &path, Some(body));
+        assert_eq!(r.status, 400, "{what}: {}", r.body);
+        assert!(r.json()["kind"].is_string(), "{what}");
+    }
+    let r = s.admin(
+        "PUT",
+        "/v1/volumes/not-a-uuid",
+        Some(volume("v", MIB, concat.clone())),
+    );
+    s.expect_error(&r, 400, "invalid");
+    let r = s.call("GET", "/v1/volumes/not-a-uuid", None, None);
+    s.expect_error(&r, 400, "invalid");
+    let r = s.raw("PUT", &path, Some(ADMIN), Some("{\"name\": "));
+    s.expect_error(&r, 400, "invalid");
+    let r = s.raw("POST", "/v1/targets", Some(TARGET), Some("[1, 2"));
+    s.expect_error(&r, 400, "invalid");
+    // A body without a JSON content type.
+    let mut stream = TcpStream::connect(s.addr).unwrap();
+    let body = volume("v", MIB, concat).to_string();
+    write!(
+        stream,
+        "PUT {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {ADMIN}\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 415"), "{out}");
+    assert!(out.contains("unsupported_media_type"), "{out}");
+    assert_eq!(s.call("GET", "/v1/volumes", None, None).json(), json!([]));
+}
+
+#[test]
+fn tokens_guard_every_mutation() {
+    let s = serve(tokens());
+    let reg = registration(0, "r0", 1, 8);
+    let r = s.call("POST", "/v1/targets", None, Some(reg.clone()));
+    s.expect_error(&r, 401, "unauthorized");
+    assert!(
+        r.headers.contains("www-authenticate: Bearer"),
+        "{}",
+        r.headers
+    );
+    let r = s.call("POST", "/v1/targets", Some("wrong"), Some(reg.clone()));
+    s.expect_error(&r, 401, "unauthorized");
+    assert_eq!(
+        s.call("POST", "/v1/targets", Some(ADMIN), Some(reg.clone()))
+            .status,
+        200,
+        "admin may register too"
+    );
+    assert_eq!(
+        s.call("POST", "/v1/targets", Some(TARGET), Some(reg))
+            .status,
+        200
+    );
+    let r = s.call("PUT", "/v1/targets/t0/heartbeat", None, None);
+    s.expect_error(&r, 401, "unauthorized");
+
+    let path = format!("/v1/volumes/{}", uuid(1));
+    let body = volume("v", MIB, json!({"type": "concat"}));
+    for token in [None, Some(TARGET)] {
+        let r = s.call("PUT", &path, token, Some(body.clone()));
+        s.expect_error(&r, 401, "unauthorized");
+        let r = s.call("PUT", "/v1/pools/p", token, Some(json!({"devices": []})));
+        s.expect_error(&r, 401, "unauthorized");
+        let r = s.call("DELETE", "/v1/pools/p", token, None);
+        s.expect_error(&r, 401, "unauthorized");
+        let r = s.call(
+            "POST",
+            &format!("{path}/resize"),
+            token,
+            Some(json!({"size_bytes": MIB})),
+        );
+        s.expect_error(&r, 401, "unauthorized");
+        let r = s.call("DELETE", &path, token, None);
+        s.expect_error(&r, 401, "unauthorized");
+    }
+    assert_eq!(
+        s.call("GET", "/v1/volumes", None, None).json(),
+        json!([]),
+        "reads are open"
+    );
+    assert_eq!(s.admin("PUT", &path, Some(body)).status, 201);
+}
+
+#[test]
+fn pools_resize_and_delete() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let fast: Vec<Value> = (0..4)
+        .map(|i| json!({"target": format!("t{i}"), "device": "d1"}))
+        .collect();
+    let r = s.admin("PUT", "/v1/pools/fast", Some(json!({"devices": fast})));
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["capacity"]["total_bytes"], 32 * MIB);
+    let r = s.admin("PUT", "/v1/pools/fast", Some(json!({"devices": fast})));
+    assert_eq!(r.status, 200, "idempotent");
+    let r = s.admin(
+        "PUT",
+        "/v1/pools/fast",
+        Some(json!({"devices": &fast[..2]})),
+    );
+    s.expect_error(&r, 409, "pool_conflict");
+    let r = s.admin(
+        "PUT",
+        "/v1/pools/other",
+        Some(json!({"devices": &fast[..1]})),
+    );
+    s.expect_error(&r, 409, "device_in_pool");
+    let r = s.admin(
+        "PUT",
+        "/v1/pools/other",
+        Some(json!({"devices": [{"target": "t0", "device": "d9"}]})),
+    );
+    s.expect_error(&r, 422, "unknown_device");
+    let r = s.admin("PUT", "/v1/pools/a%2Fb", Some(json!({"devices": []})));
+    s.expect_error(&r, 400, "invalid");
+
+    let path = format!("/v1/volumes/{}", uuid(1));
+    let mut body = volume("pooled", 2 * MIB, json!({"type": "raid1", "copies": 2}));
+    body["pool"] = json!("fast");
+    let v = s.admin("PUT", &path, Some(body)).json();
+    assert!(
+        v["extents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["device"] == "d1"),
+        "{v}"
+    );
+    let p = s.call("GET", "/v1/pools/fast", None, None).json();
+    assert_eq!(p["capacity"]["used_bytes"], 4 * MIB);
+    assert_eq!(
+        s.call("GET", "/v1/pools", None, None)
+            .json()
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    let r = s.call("GET", "/v1/pools/none", None, None);
+    s.expect_error(&r, 404, "not_found");
+    let mut body = volume("lost", MIB, json!({"type": "concat"}));
+    body["pool"] = json!("none");
+    let r = s.admin("PUT", &format!("/v1/volumes/{}", uuid(2)), Some(body));
+    s.expect_error(&r, 404, "not_found");
+
+    // Grow, then refuse to shrink or overfill.
+    let r = s.admin(
+        "POST",
+        &format!("{path}/resize"),
+        Some(json!({"size_bytes": 5 * MIB})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["size_bytes"], 5 * MIB);
+    assert_eq!(v["extents"].as_array().unwrap().len(), 10);
+    let r = s.admin(
+        "POST",
+        &format!("{path}/resize"),
+        Some(json!({"size_bytes": MIB})),
+    );
+    s.expect_error(&r, 409, "shrink");
+    let r = s.admin(
+        "POST",
+        &format!("{path}/resize"),
+        Some(json!({"size_bytes": 64 * MIB})),
+    );
+    s.expect_error(&r, 422, "no_space");
+    let r = s.admin(
+        "POST",
+        &format!("{path}/resize"),
+        Some(json!({"size_bytes": 5 * MIB + 1})),
+    );
+    s.expect_error(&r, 400, "invalid");
+    let r = s.admin(
+        "POST",
+        &format!("/v1/volumes/{}/resize", uuid(7)),
+        Some(json!({"size_bytes": MIB})),
+    );
+    s.expect_error(&r, 404, "not_found");
+
+    let r = s.admin("DELETE", "/v1/pools/fast", None);
+    s.expect_error(&r, 409, "pool_in_use");
+    assert_eq!(s.admin("DELETE", &path, None).status, 204);
+    let r = s.admin("DELETE", &path, None);
+    s.expect_error(&r, 404, "not_found");
+    assert_eq!(s.admin("DELETE", "/v1/pools/fast", None).status, 204);
+    let r = s.admin("DELETE", "/v1/pools/fast", None);
+    s.expect_error(&r, 404, "not_found");
+    assert_eq!(s.call("GET", "/v1/pools", None, None).json(), json!([]));
+    let m = s.call("GET", "/metrics", None, None).body;
+    assert!(m.contains("nvpool_capacity_bytes{kind=\"used\"} 0"), "{m}");
+}
+
+/// `docs/openapi.json` is the document the code generates. Regenerate it
+/// with `NVPOOL_BLESS=1 cargo test -p nvpool-control --test api openapi_is_current`.
+#[test]
+fn openapi_is_current() {
+    let generated = nvpool_control::api::openapi_json();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json");
+    if std::env::var_os("NVPOOL_BLESS").is_some_and(|v| v == "1") {
+        std::fs::write(&path, &generated).unwrap();
+        return;
+    }
+    let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        checked_in == generated,
+        "{} is stale (or missing); regenerate it with\n  \
+         NVPOOL_BLESS=1 cargo test -p nvpool-control --test api openapi_is_current",
+        path.display()
+    );
+    let s = serve(AuthConfig::default());
+    let r = s.call("GET", "/v1/openapi.json", None, None);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, generated, "the daemon serves the same document");
+    let doc = r.json();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    for p in [
+        "/v1/volumes/{uuid}",
+        "/v1/targets",
+        "/v1/pools/{name}",
+        "/metrics",
+        "/healthz",
+    ] {
+        assert!(doc["paths"][p].is_object(), "{p} is documented");
+    }
+}
