@@ -400,6 +400,26 @@ impl Cluster {
     }
 
     /// Commits, or reports that a condition failed.
+    /// Commits a change to what is allocated or allocatable: `ops` apply if
+    /// `conds` hold and the allocation epoch is still the one `s` read (the
+    /// epoch is bumped with them); otherwise the caller retries.
+    fn commit_allocation<T>(
+        &self,
+        s: &Snapshot,
+        mut conds: Vec<Condition>,
+        mut ops: Vec<Op>,
+        done: T,
+    ) -> Result<Attempt<T>, StateError> {
+        let (epoch_cond, epoch_op) = s.epoch_guard();
+        conds.push(epoch_cond);
+        ops.push(epoch_op);
+        Ok(if self.commit(&conds, &ops)? {
+            Attempt::Done(done)
+        } else {
+            Attempt::Retry
+        })
+    }
+
     fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
         Ok(matches!(
             self.store.txn(conditions, ops)?,
@@ -531,17 +551,12 @@ impl Cluster {
                 }
             }
             let key = keys::target(&reg.id);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
             let cond = match existing {
                 Some(e) => Condition::VersionIs(key.clone(), e.version),
                 None => Condition::Missing(key.clone()),
             };
-            let ops = [Op::Put(key, encode(&target)), epoch_op];
-            Ok(if self.commit(&[cond, epoch_cond], &ops)? {
-                Attempt::Done(target)
-            } else {
-                Attempt::Retry
-            })
+            let op = Op::Put(key, encode(&target));
+            self.commit_allocation(&s, vec![cond], vec![op], target)
         })
     }
 
@@ -603,14 +618,12 @@ impl Cluster {
                 });
             }
             let key = keys::target(id);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
-            let conds = [Condition::VersionIs(key.clone(), t.version), epoch_cond];
-            let ops = [Op::Delete(key), epoch_op];
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(())
-            } else {
-                Attempt::Retry
-            })
+            self.commit_allocation(
+                &s,
+                vec![Condition::VersionIs(key.clone(), t.version)],
+                vec![Op::Delete(key)],
+                (),
+            )
         })
     }
 
@@ -704,14 +717,12 @@ impl Cluster {
                 created_ms: self.now(),
             };
             let key = keys::pool(name);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
-            let conds = [Condition::Missing(key.clone()), epoch_cond];
-            let ops = [Op::Put(key, encode(&pool)), epoch_op];
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(pool)
-            } else {
-                Attempt::Retry
-            })
+            self.commit_allocation(
+                &s,
+                vec![Condition::Missing(key.clone())],
+                vec![Op::Put(key, encode(&pool))],
+                pool,
+            )
         })
     }
 
@@ -736,14 +747,12 @@ impl Cluster {
                 });
             }
             let key = keys::pool(name);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
-            let conds = [Condition::VersionIs(key.clone(), p.version), epoch_cond];
-            let ops = [Op::Delete(key), epoch_op];
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(())
-            } else {
-                Attempt::Retry
-            })
+            self.commit_allocation(
+                &s,
+                vec![Condition::VersionIs(key.clone(), p.version)],
+                vec![Op::Delete(key)],
+                (),
+            )
         })
     }
 
@@ -812,25 +821,23 @@ impl Cluster {
             volume.validate()?;
             let key = keys::volume(&spec.uuid);
             let name_key = keys::volume_name(&spec.name);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
-            let conds = [
+            let conds = vec![
                 Condition::Missing(key.clone()),
                 Condition::Missing(name_key.clone()),
-                epoch_cond,
             ];
-            let ops = [
+            let ops = vec![
                 Op::Put(key, encode(&volume)),
                 Op::Put(name_key, encode(&spec.uuid)),
-                epoch_op,
             ];
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(Created {
+            self.commit_allocation(
+                &s,
+                conds,
+                ops,
+                Created {
                     volume,
                     created: true,
-                })
-            } else {
-                Attempt::Retry
-            })
+                },
+            )
         })
     }
 
@@ -859,14 +866,12 @@ impl Cluster {
             volume.extents.extend(added);
             volume.validate()?;
             let key = keys::volume(uuid);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
-            let conds = [Condition::VersionIs(key.clone(), v.version), epoch_cond];
-            let ops = [Op::Put(key, encode(&volume)), epoch_op];
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(volume)
-            } else {
-                Attempt::Retry
-            })
+            self.commit_allocation(
+                &s,
+                vec![Condition::VersionIs(key.clone(), v.version)],
+                vec![Op::Put(key, encode(&volume))],
+                volume,
+            )
         })
     }
 
@@ -880,14 +885,12 @@ impl Cluster {
                 .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
             let key = keys::volume(uuid);
             let name_key = keys::volume_name(&v.value.name);
-            let (epoch_cond, epoch_op) = s.epoch_guard();
-            let conds = [Condition::VersionIs(key.clone(), v.version), epoch_cond];
-            let ops = [Op::Delete(key), Op::Delete(name_key), epoch_op];
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(v.value.clone())
-            } else {
-                Attempt::Retry
-            })
+            self.commit_allocation(
+                &s,
+                vec![Condition::VersionIs(key.clone(), v.version)],
+                vec![Op::Delete(key), Op::Delete(name_key)],
+                v.value.clone(),
+            )
         })
     }
 
