@@ -31,6 +31,7 @@
 
 use crate::model::{Device, DeviceRef, Extent, Health, Layout, TargetState, Uuid, VolumeStatus};
 use crate::placement::{DeviceUsage, PlacementError};
+use crate::plan::{ConnectionPlan, LayoutBody, PlanExtent};
 use crate::state::{Capacity, Cluster, StateError, TargetRegistration, TargetView, VolumeView};
 use crate::store::StoreError;
 use axum::extract::{FromRequest, Path, Request, State};
@@ -558,77 +559,6 @@ pub struct PoolOut {
     pub devices: Vec<DeviceRefBody>,
     pub created_ms: u64,
     pub capacity: CapacityOut,
-}
-
-/// A volume layout: `{"type": "concat"}`, `{"type": "raid0",
-/// "stripe_bytes": 65536, "width": 4}`, `{"type": "raid1", "copies": 2}`,
-/// `{"type": "raid10", "stripe_bytes": 65536, "width": 2, "copies": 2}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-pub enum LayoutBody {
-    Concat,
-    Raid0 {
-        stripe_bytes: u64,
-        width: u32,
-    },
-    Raid1 {
-        copies: u8,
-    },
-    Raid10 {
-        stripe_bytes: u64,
-        width: u32,
-        copies: u8,
-    },
-}
-
-impl From<LayoutBody> for Layout {
-    fn from(l: LayoutBody) -> Layout {
-        match l {
-            LayoutBody::Concat => Layout::Concat,
-            LayoutBody::Raid0 {
-                stripe_bytes,
-                width,
-            } => Layout::Raid0 {
-                stripe_bytes,
-                width,
-            },
-            LayoutBody::Raid1 { copies } => Layout::Raid1 { copies },
-            LayoutBody::Raid10 {
-                stripe_bytes,
-                width,
-                copies,
-            } => Layout::Raid10 {
-                stripe_bytes,
-                width,
-                copies,
-            },
-        }
-    }
-}
-
-impl From<Layout> for LayoutBody {
-    fn from(l: Layout) -> LayoutBody {
-        match l {
-            Layout::Concat => LayoutBody::Concat,
-            Layout::Raid0 {
-                stripe_bytes,
-                width,
-            } => LayoutBody::Raid0 {
-                stripe_bytes,
-                width,
-            },
-            Layout::Raid1 { copies } => LayoutBody::Raid1 { copies },
-            Layout::Raid10 {
-                stripe_bytes,
-                width,
-                copies,
-            } => LayoutBody::Raid10 {
-                stripe_bytes,
-                width,
-                copies,
-            },
-        }
-    }
 }
 
 /// `PUT /v1/volumes/{uuid}`: what to create. The UUID is the path's.

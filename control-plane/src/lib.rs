@@ -30,6 +30,7 @@ pub mod limits;
 pub mod mapping;
 pub mod model;
 pub mod placement;
+pub mod plan;
 pub mod state;
 pub mod store;
 
@@ -40,5 +41,6 @@ pub use model::{
     VolumeSpec, VolumeStatus,
 };
 pub use placement::{Allocator, PlacementError};
+pub use plan::{ConnectionPlan, LayoutBody, PlanExtent};
 pub use state::{Cluster, StateConfig, StateError, TargetRegistration};
 pub use store::{Store, StoreError};

@@ -21,6 +21,7 @@
 //! completed. After the controller-loss timeout it gives up and fails them.
 
 pub mod admin;
+pub mod blockdev;
 pub mod conn;
 pub mod device;
 pub mod discover;
@@ -29,6 +30,7 @@ pub mod hostnqn;
 pub mod queue;
 
 pub use admin::{ConnectParams, Controller, NamespaceInfo};
+pub use blockdev::{BlockDev, BufResult, IoFuture};
 pub use device::Device;
 pub use error::{Error, IoError};
 pub use queue::{Completion, IoQueue, Op, Request};
