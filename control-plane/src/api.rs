@@ -29,12 +29,15 @@
 //! TOKEN`: the admin token for pools and volumes, the target token (or the
 //! admin token) for registration and heartbeats. Reads are open.
 
-use crate::model::{Device, DeviceRef, Extent, Health, Layout, TargetState, Uuid, VolumeStatus};
+use crate::attach::{Attachment, AttachmentState};
+use crate::model::{Device, DeviceRef, Extent, Health, TargetState, Uuid, VolumeStatus};
 use crate::placement::{DeviceUsage, PlacementError};
-use crate::plan::{ConnectionPlan, LayoutBody, PlanExtent};
+use crate::plan::{ConnectionPlan, LayoutBody};
+use crate::program::{self, ProgramError};
 use crate::state::{Capacity, Cluster, StateError, TargetRegistration, TargetView, VolumeView};
 use crate::store::StoreError;
-use axum::extract::{FromRequest, Path, Request, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{FromRequest, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
@@ -98,6 +101,18 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
             put(put_volume).get(get_volume).delete(delete_volume),
         )
         .route("/v1/volumes/{uuid}/resize", post(resize_volume))
+        .route("/v1/volumes/{uuid}/attachments", get(list_attachments))
+        .route(
+            "/v1/volumes/{uuid}/attachments/{host_nqn}",
+            put(put_attachment)
+                .get(get_attachment)
+                .delete(delete_attachment),
+        )
+        .route(
+            "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents",
+            put(put_failed_extents),
+        )
+        .route("/v1/targets/{id}/reconcile", post(reconcile_target))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
@@ -233,6 +248,16 @@ impl ApiError {
             StateError::TooMany { what, max } => {
                 (S::CONFLICT, "limit", json!({"what": what, "max": max}))
             }
+            StateError::Attached { volume, hosts } => (
+                S::CONFLICT,
+                "attached",
+                json!({"volume": volume, "hosts": hosts}),
+            ),
+            StateError::NotAttached { volume, host } => (
+                S::NOT_FOUND,
+                "not_found",
+                json!({"volume": volume, "host_nqn": host}),
+            ),
             StateError::Contention { attempts } => (
                 S::SERVICE_UNAVAILABLE,
                 "contention",
@@ -246,6 +271,27 @@ impl ApiError {
             tracing::warn!(error = %e, kind, "request failed");
         }
         ApiError::new(status, kind, message).with(details)
+    }
+}
+
+impl ApiError {
+    /// Target failures: 503 when a target cannot be reached (retry later),
+    /// 422 when one refused (the request cannot be satisfied as things are).
+    pub fn from_program(e: ProgramError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            ProgramError::State(s) => ApiError::from_state(s),
+            ProgramError::Unreachable { target, addr, .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "target_unreachable",
+                message,
+            )
+            .with(json!({"target": target, "admin_addr": addr.to_string()})),
+            ProgramError::Refused { target, what, .. } => {
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "target_refused", message)
+                    .with(json!({"target": target, "what": what}))
+            }
+        }
     }
 }
 
@@ -346,6 +392,25 @@ impl Api {
                 "unauthorized",
                 "this call needs an Authorization: Bearer token",
             )),
+        }
+    }
+
+    /// Runs an operation that programs targets on the blocking pool.
+    async fn program<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Cluster) -> Result<T, ProgramError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let cluster = self.cluster.clone();
+        match tokio::task::spawn_blocking(move || op(&cluster)).await {
+            Ok(r) => r.map_err(ApiError::from_program),
+            Err(e) => {
+                tracing::error!(error = %e, "target operation panicked");
+                Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the operation failed unexpectedly",
+                ))
+            }
         }
     }
 
@@ -608,6 +673,91 @@ pub struct VolumeOut {
     pub extent_bytes: u64,
     pub created_ms: u64,
     pub extents: Vec<ExtentOut>,
+    /// Host NQNs the volume is attached to.
+    pub attachments: Vec<String>,
+}
+
+/// Fills in each volume's attachments.
+fn with_attachments(c: &Cluster, mut out: Vec<VolumeOut>) -> Result<Vec<VolumeOut>, StateError> {
+    let mut by: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
+    for a in c.attachments()? {
+        by.entry(a.volume).or_default().push(a.host_nqn);
+    }
+    for v in &mut out {
+        v.attachments = by.remove(&v.uuid).unwrap_or_default();
+    }
+    Ok(out)
+}
+
+fn one_with_attachments(c: &Cluster, out: VolumeOut) -> Result<VolumeOut, StateError> {
+    Ok(with_attachments(c, vec![out])?
+        .pop()
+        .expect("one volume in, one out"))
+}
+
+/// `DELETE` options.
+#[derive(Debug, Clone, Copy, Default, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ForceQuery {
+    /// Go ahead although the object is in use (attached), or a target
+    /// cannot be reached (its leftovers are cleaned up when it returns).
+    #[serde(default)]
+    pub force: bool,
+}
+
+/// An attachment of a volume to a host, with the connection plan.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct AttachmentOut {
+    #[schema(value_type = String)]
+    pub volume: Uuid,
+    pub host_nqn: String,
+    /// `attaching`, `attached` or `detaching` (the last two only while a
+    /// detach is in progress or after one failed).
+    #[schema(value_type = String)]
+    pub state: AttachmentState,
+    pub created_ms: u64,
+    /// Extents (indices into `plan.extents`) the host reported failed: they
+    /// missed writes, so hosts must neither read nor write them until they
+    /// are rebuilt.
+    pub failed_extents: Vec<u32>,
+    pub plan: ConnectionPlan,
+}
+
+fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentOut {
+    AttachmentOut {
+        volume: a.volume,
+        host_nqn: a.host_nqn,
+        state: a.state,
+        created_ms: a.created_ms,
+        failed_extents: a.failed_extents,
+        plan,
+    }
+}
+
+/// `PUT /v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FailedExtentsBody {
+    /// Indices into the plan's extents of copies that failed.
+    pub failed_extents: Vec<u32>,
+}
+
+fn attachment_with_plan(c: &Cluster, a: Attachment) -> Result<AttachmentOut, StateError> {
+    let v = c.volume(&a.volume)?.volume;
+    let plan = c.plan(&v, &a)?;
+    Ok(attachment_out(a, plan))
+}
+
+/// What a reconciliation changed on a target.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ReconcileOut {
+    pub subsystems_removed: usize,
+    pub namespaces_removed: usize,
+    pub namespaces_added: usize,
+    /// Stale exports of a forced detach were confirmed gone and their
+    /// extents freed.
+    pub stale_cleared: bool,
 }
 
 fn volume_out(v: crate::model::Volume, status: VolumeStatus) -> VolumeOut {
@@ -621,6 +771,7 @@ fn volume_out(v: crate::model::Volume, status: VolumeStatus) -> VolumeOut {
         extent_bytes: v.extent_bytes,
         created_ms: v.created_ms,
         extents: v.extents.into_iter().map(ExtentOut::from).collect(),
+        attachments: Vec::new(),
     }
 }
 
@@ -679,6 +830,9 @@ async fn register_target(
         })
         .await?;
     tracing::info!(target_id = %out.id, devices = out.devices.len(), "target registered");
+    // A target that restarted or was unreachable may export less or more
+    // than the records say: bring it in line.
+    program::spawn_reconcile(api.cluster.clone(), out.id.clone());
     Ok(Json(out))
 }
 
@@ -828,7 +982,10 @@ async fn put_volume(
         .run(move |c| {
             let r = c.create_volume(&spec)?;
             let status = c.volume(&uuid)?.status;
-            Ok((r.created, volume_out(r.volume, status)))
+            Ok((
+                r.created,
+                one_with_attachments(c, volume_out(r.volume, status))?,
+            ))
         })
         .await?;
     if created {
@@ -842,7 +999,7 @@ async fn put_volume(
 #[utoipa::path(get, path = "/v1/volumes", tag = "volumes", responses((status = 200, description = "every volume with status and extents", body = Vec<VolumeOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn list_volumes(State(api): State<Api>) -> Result<Json<Vec<VolumeOut>>, ApiError> {
     let out = api
-        .run(|c| Ok(c.volumes()?.into_iter().map(volume_view_out).collect()))
+        .run(|c| with_attachments(c, c.volumes()?.into_iter().map(volume_view_out).collect()))
         .await?;
     Ok(Json(out))
 }
@@ -854,7 +1011,7 @@ async fn get_volume(
 ) -> Result<Json<VolumeOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let out = api
-        .run(move |c| c.volume(&uuid).map(volume_view_out))
+        .run(move |c| one_with_attachments(c, c.volume(&uuid).map(volume_view_out)?))
         .await?;
     Ok(Json(out))
 }
@@ -869,28 +1026,178 @@ async fn resize_volume(
     api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let out = api
-        .run(move |c| {
+        .program(move |c| {
             c.resize_volume(&uuid, body.size_bytes)?;
-            c.volume(&uuid).map(volume_view_out)
+            // Hosts that have it attached get the new extents exported
+            // too; a target that fails here is caught up by reconciliation.
+            for a in c.volume_attachments(&uuid)? {
+                if let Err(e) = program::attach(c, &uuid, &a.host_nqn) {
+                    tracing::warn!(volume = %uuid, host = %a.host_nqn, error = %e,
+                        "exporting grown extents failed; reconciliation will retry");
+                }
+            }
+            Ok(one_with_attachments(
+                c,
+                c.volume(&uuid).map(volume_view_out)?,
+            )?)
         })
         .await?;
     Ok(Json(out))
 }
 
-/// Deletes a volume and frees its extents. Attach does not exist yet, so
-/// no volume is ever attached; when it does, deleting an attached volume
-/// will need `?force=true`.
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), security(("admin_token" = [])), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+/// Deletes a volume and frees its extents. An attached volume is refused
+/// (409 `attached`) unless `force`, which detaches it from every host
+/// first (forcibly: an unreachable target's leftovers keep their extents
+/// allocated until it is reconciled).
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), security(("admin_token" = [])), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "attached (use force)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_volume(
     State(api): State<Api>,
     headers: HeaderMap,
     Path(uuid): Path<String>,
+    query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
     api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
-    api.run(move |c| c.delete_volume(&uuid)).await?;
-    tracing::info!(volume = %uuid, "volume deleted");
+    let force = force_of(query)?;
+    api.program(move |c| {
+        if force {
+            for a in c.volume_attachments(&uuid)? {
+                program::detach(c, &uuid, &a.host_nqn, true)?;
+            }
+        }
+        Ok(c.delete_volume(&uuid)?)
+    })
+    .await?;
+    tracing::info!(volume = %uuid, force, "volume deleted");
     Ok(StatusCode::NO_CONTENT)
+}
+
+fn force_of(q: Result<Query<ForceQuery>, QueryRejection>) -> Result<bool, ApiError> {
+    q.map(|Query(q)| q.force)
+        .map_err(|e| ApiError::invalid(e.body_text()))
+}
+
+fn parse_host(s: &str) -> Result<String, ApiError> {
+    crate::attach::validate_host_nqn(s).map_err(|e| ApiError::invalid(e.to_string()))?;
+    Ok(s.to_owned())
+}
+
+/// Attaches a volume to a host: every target holding its extents exports
+/// them, as namespaces of that host's subsystem visible to that host
+/// alone; the answer is the connection plan. Idempotent: attaching again
+/// returns the same plan (200) and re-exports anything missing. If a
+/// target fails, whatever this call set up is taken back.
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), security(("admin_token" = [])), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
+async fn put_attachment(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+) -> Result<(StatusCode, Json<AttachmentOut>), ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let r = api
+        .program(move |c| program::attach(c, &uuid, &host))
+        .await?;
+    let code = if r.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((code, Json(attachment_out(r.attachment, r.plan))))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_attachment(
+    State(api): State<Api>,
+    Path((uuid, host)): Path<(String, String)>,
+) -> Result<Json<AttachmentOut>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let out = api
+        .run(move |c| attachment_with_plan(c, c.attachment(&uuid, &host)?))
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "every host the volume is attached to", body = Vec<AttachmentOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn list_attachments(
+    State(api): State<Api>,
+    Path(uuid): Path<String>,
+) -> Result<Json<Vec<AttachmentOut>>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| {
+            c.volume_attachments(&uuid)?
+                .into_iter()
+                .map(|a| attachment_with_plan(c, a))
+                .collect()
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+/// Detaches a volume from a host: the targets stop exporting its extents
+/// to that host. An unreachable target fails the detach (503; the
+/// attachment stays `detaching`, retry) unless `force`.
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), security(("admin_token" = [])), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
+async fn delete_attachment(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+    query: Result<Query<ForceQuery>, QueryRejection>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let force = force_of(query)?;
+    api.program(move |c| program::detach(c, &uuid, &host, force))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A host reports copies it stopped using because I/O to them failed (the
+/// volume engine keeps serving from the other copies). The volume turns
+/// degraded; later attaches carry the list so the stale copies are never
+/// read. Failures accumulate until the extent is rebuilt.
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, security(("admin_token" = [])), responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_failed_extents(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+    JsonBody(body): JsonBody<FailedExtentsBody>,
+) -> Result<Json<AttachmentOut>, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let out = api
+        .run(move |c| {
+            let a = c.report_failed_extents(&uuid, &host, &body.failed_extents)?;
+            attachment_with_plan(c, a)
+        })
+        .await?;
+    tracing::warn!(volume = %uuid, host = %out.host_nqn, failed = ?out.failed_extents,
+        "host reported failed extents; volume degraded");
+    Ok(Json(out))
+}
+
+/// Makes the target's host subsystems match the attachment records now
+/// (the control plane also does this when a target registers, and
+/// periodically).
+#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), security(("admin_token" = [])), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
+async fn reconcile_target(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<ReconcileOut>, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let r = api.program(move |c| program::reconcile(c, &id)).await?;
+    Ok(Json(ReconcileOut {
+        subsystems_removed: r.subsystems_removed,
+        namespaces_removed: r.namespaces_removed,
+        namespaces_added: r.namespaces_added,
+        stale_cleared: r.stale_cleared,
+    }))
 }
 
 // ----- metrics -----
@@ -982,7 +1289,8 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
     paths(
         healthz, metrics, openapi, register_target, heartbeat, list_targets, get_target,
         put_pool, list_pools, get_pool, delete_pool, put_volume, list_volumes, get_volume,
-        resize_volume, delete_volume
+        resize_volume, delete_volume, put_attachment, get_attachment, list_attachments,
+        delete_attachment, put_failed_extents, reconcile_target
     ),
     modifiers(&BearerSchemes)
 )]

@@ -116,7 +116,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if auth.admin_token.is_none() {
         tracing::warn!("no --admin-token-file: mutating calls are unauthenticated");
     }
-    let app = router(Arc::new(cluster), auth);
+    let cluster = Arc::new(cluster);
+    let app = router(cluster.clone(), auth);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -126,6 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
+        tokio::spawn(crate::program::reconcile_loop(cluster));
         axum::serve(listener, app)
             .with_graceful_shutdown(shutdown_signal())
             .await

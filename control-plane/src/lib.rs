@@ -23,6 +23,7 @@
 
 #[cfg(feature = "server")]
 pub mod api;
+pub mod attach;
 pub mod clock;
 #[cfg(feature = "server")]
 pub mod daemon;
@@ -31,6 +32,8 @@ pub mod mapping;
 pub mod model;
 pub mod placement;
 pub mod plan;
+#[cfg(feature = "server")]
+pub mod program;
 pub mod state;
 pub mod store;
 

@@ -62,6 +62,18 @@ pub const DEVICES_PER_POOL_MAX: usize = 16384;
 /// Volumes in one cluster.
 pub const VOLUMES_MAX: usize = 65536;
 
+/// Namespaces of one host's subsystem on one target: each attached extent
+/// is one. Matches the target's per-subsystem namespace limit.
+pub const NAMESPACES_PER_HOST_TARGET_MAX: usize = 1024;
+
+/// One call to a target's admin API (a namespace opens a file: quick), so
+/// an attach to a dead target fails in seconds, not minutes.
+pub const TARGET_CALL_TIMEOUT_MS: u64 = 5_000;
+
+/// How often every online target is reconciled against the attachment
+/// records (besides right after it registers).
+pub const RECONCILE_INTERVAL_MS: u64 = 30_000;
+
 /// A target whose last heartbeat is older than this is offline: placement
 /// skips it and the volumes with extents on it are degraded or offline.
 /// Three missed heartbeats, so one lost packet or a slow control-plane

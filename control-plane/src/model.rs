@@ -607,12 +607,25 @@ impl Volume {
     /// online, degraded when some copy is on an offline target but every
     /// (row, member) keeps a live copy, offline otherwise.
     pub fn status(&self, health: impl Fn(&str) -> Health) -> VolumeStatus {
+        self.status_with(health, &BTreeSet::new())
+    }
+
+    /// `status`, also counting the extents in `failed` (indices into
+    /// `extents` that a host reported failed: they missed writes) as dead.
+    pub fn status_with(
+        &self,
+        health: impl Fn(&str) -> Health,
+        failed: &BTreeSet<usize>,
+    ) -> VolumeStatus {
         let mut degraded = false;
         let copies = usize::from(self.layout.copies());
-        for group in self.extents.chunks(copies) {
+        for (g, group) in self.extents.chunks(copies).enumerate() {
             let live = group
                 .iter()
-                .filter(|e| health(&e.target) == Health::Online)
+                .enumerate()
+                .filter(|(c, e)| {
+                    health(&e.target) == Health::Online && !failed.contains(&(g * copies + c))
+                })
                 .count();
             if live == 0 {
                 return VolumeStatus::Offline;

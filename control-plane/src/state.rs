@@ -17,6 +17,9 @@
 //! | `/pools/{name}` | [`Pool`] |
 //! | `/volumes/{uuid}` | [`Volume`], with all its extents |
 //! | `/volume-names/{name}` | the volume's [`Uuid`] (keeps names unique) |
+//! | `/attachments/{uuid}/{host_nqn}` | [`Attachment`]: NSIDs, state |
+//! | `/hosts/{host_nqn}` | [`HostRecord`]: guards the host's NSID allocation |
+//! | `/stale-exports/{target}` | [`StaleExports`]: see [`crate::attach`] |
 //! | `/meta/alloc-epoch` | u64, see below |
 //!
 //! **The allocation epoch.** "Nothing I read has changed" cannot be said
@@ -35,6 +38,7 @@
 //! extents), target health (from `last_heartbeat_ms` and the clock),
 //! volume status (from the health of its extents' targets).
 
+use crate::attach::{attach_keys as ak, Attachment, HostRecord, StaleExports};
 use crate::clock::Clock;
 use crate::limits::{
     DEVICES_PER_POOL_MAX, EXTENT_BYTES, HEARTBEAT_TIMEOUT_MS, ID_BYTES_MAX, LABEL_BYTES_MAX,
@@ -121,6 +125,10 @@ pub enum StateError {
     },
     #[error("too many {what}: at most {max}")]
     TooMany { what: &'static str, max: usize },
+    #[error("volume {volume} is attached to {}", hosts.join(", "))]
+    Attached { volume: Uuid, hosts: Vec<String> },
+    #[error("volume {volume} is not attached to {host}")]
+    NotAttached { volume: Uuid, host: String },
     #[error("gave up after {attempts} conflicting attempts")]
     Contention { attempts: u32 },
     #[error("stored record {key} is corrupt")]
@@ -202,6 +210,11 @@ pub struct Snapshot {
     pub volumes: BTreeMap<Uuid, Versioned<Volume>>,
     pub volume_names: BTreeMap<String, Versioned<Uuid>>,
     pub alloc_epoch: Option<Versioned<u64>>,
+    /// (volume, host NQN) → attachment.
+    pub attachments: BTreeMap<(Uuid, String), Versioned<Attachment>>,
+    pub hosts: BTreeMap<String, Versioned<HostRecord>>,
+    /// target → namespaces it may still export after a forced detach.
+    pub stale_exports: BTreeMap<String, Versioned<StaleExports>>,
 }
 
 impl Snapshot {
@@ -302,7 +315,7 @@ pub struct Cluster {
 }
 
 /// A mutation attempt: committed with a result, or lost a race.
-enum Attempt<T> {
+pub(crate) enum Attempt<T> {
     Done(T),
     Retry,
 }
@@ -361,13 +374,13 @@ impl Cluster {
         &self.config
     }
 
-    fn now(&self) -> u64 {
+    pub(crate) fn now(&self) -> u64 {
         self.clock.now_ms()
     }
 
     /// Runs `attempt` until it commits, at most `TXN_ATTEMPTS_MAX` times,
     /// backing off between attempts.
-    fn retry<T>(
+    pub(crate) fn retry<T>(
         &self,
         mut attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
     ) -> Result<T, StateError> {
@@ -386,7 +399,7 @@ impl Cluster {
 
     /// `retry` for mutations guarded by the allocation epoch: one at a time
     /// in this process.
-    fn retry_serialized<T>(
+    pub(crate) fn retry_serialized<T>(
         &self,
         attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
     ) -> Result<T, StateError> {
@@ -403,7 +416,7 @@ impl Cluster {
     /// Commits a change to what is allocated or allocatable: `ops` apply if
     /// `conds` hold and the allocation epoch is still the one `s` read (the
     /// epoch is bumped with them); otherwise the caller retries.
-    fn commit_allocation<T>(
+    pub(crate) fn commit_allocation<T>(
         &self,
         s: &Snapshot,
         mut conds: Vec<Condition>,
@@ -420,7 +433,7 @@ impl Cluster {
         })
     }
 
-    fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
+    pub(crate) fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
         Ok(matches!(
             self.store.txn(conditions, ops)?,
             TxnOutcome::Committed { .. }
@@ -466,6 +479,32 @@ impl Cluster {
                 let value: Uuid = decode_at("volume name", k, &kv.value)?;
                 s.volume_names
                     .insert(name.to_owned(), Versioned { value, version });
+            } else if let Some(rest) = k.strip_prefix(ak::ATTACHMENTS) {
+                let value: Attachment = decode_at("attachment", k, &kv.value)?;
+                if rest != format!("{}/{}", value.volume, value.host_nqn) {
+                    return Err(misfiled(format!(
+                        "the attachment of {} to {}",
+                        value.volume, value.host_nqn
+                    )));
+                }
+                s.attachments.insert(
+                    (value.volume, value.host_nqn.clone()),
+                    Versioned { value, version },
+                );
+            } else if let Some(host) = k.strip_prefix(ak::HOSTS) {
+                let value: HostRecord = decode_at("host", k, &kv.value)?;
+                if value.host_nqn != host {
+                    return Err(misfiled(format!("host {}", value.host_nqn)));
+                }
+                s.hosts
+                    .insert(host.to_owned(), Versioned { value, version });
+            } else if let Some(target) = k.strip_prefix(ak::STALE_EXPORTS) {
+                let value: StaleExports = decode_at("stale exports", k, &kv.value)?;
+                if value.target != target {
+                    return Err(misfiled(format!("stale exports of {}", value.target)));
+                }
+                s.stale_exports
+                    .insert(target.to_owned(), Versioned { value, version });
             } else if k == keys::ALLOC_EPOCH {
                 let value: u64 = decode_at("allocation epoch", k, &kv.value)?;
                 s.alloc_epoch = Some(Versioned { value, version });
@@ -502,6 +541,13 @@ impl Cluster {
         for v in s.volumes.values() {
             a.occupy_volume(&v.value)
                 .map_err(|e| StateError::Inconsistent(format!("volume {}: {e}", v.value.uuid)))?;
+        }
+        // Extents a target may still export after a forced detach stay
+        // taken until it is reconciled.
+        for e in s.stale_extents() {
+            a.occupy(&e).map_err(|err| {
+                StateError::Inconsistent(format!("stale export on {}: {err}", e.device_ref()))
+            })?;
         }
         Ok(a)
     }
@@ -876,6 +922,7 @@ impl Cluster {
     }
 
     /// Deletes a volume and frees its extents; returns what was deleted.
+    /// Refused while the volume is attached (detach first).
     pub fn delete_volume(&self, uuid: &Uuid) -> Result<Volume, StateError> {
         self.retry_serialized(|| {
             let s = self.snapshot()?;
@@ -883,6 +930,17 @@ impl Cluster {
                 .volumes
                 .get(uuid)
                 .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
+            let hosts: Vec<String> = s
+                .attachments_of(uuid)
+                .iter()
+                .map(|a| a.value.host_nqn.clone())
+                .collect();
+            if !hosts.is_empty() {
+                return Err(StateError::Attached {
+                    volume: *uuid,
+                    hosts,
+                });
+            }
             let key = keys::volume(uuid);
             let name_key = keys::volume_name(&v.value.name);
             self.commit_allocation(
@@ -894,12 +952,25 @@ impl Cluster {
         })
     }
 
-    fn view(&self, volume: Volume, targets: &BTreeMap<String, Target>, now: u64) -> VolumeView {
-        let status = volume.status(|id| {
-            targets
-                .get(id)
-                .map_or(Health::Offline, |t| self.health_of(t, now))
-        });
+    fn view(
+        &self,
+        volume: Volume,
+        targets: &BTreeMap<String, Target>,
+        now: u64,
+        attachments: &[&Attachment],
+    ) -> VolumeView {
+        let failed: BTreeSet<usize> = attachments
+            .iter()
+            .flat_map(|a| a.failed_extents.iter().map(|&i| i as usize))
+            .collect();
+        let status = volume.status_with(
+            |id| {
+                targets
+                    .get(id)
+                    .map_or(Health::Offline, |t| self.health_of(t, now))
+            },
+            &failed,
+        );
         VolumeView { volume, status }
     }
 
@@ -918,7 +989,15 @@ impl Cluster {
             .get(&key)?
             .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
         let volume: Volume = decode_at("volume", &key, &kv.value)?;
-        Ok(self.view(volume, &self.target_map()?, self.now()))
+        let attachments = self
+            .store
+            .list(&ak::volume_attachments(uuid))?
+            .entries
+            .iter()
+            .map(|kv| decode_at::<Attachment>("attachment", &kv.key, &kv.value))
+            .collect::<Result<Vec<_>, _>>()?;
+        let refs: Vec<&Attachment> = attachments.iter().collect();
+        Ok(self.view(volume, &self.target_map()?, self.now(), &refs))
     }
 
     pub fn volume_by_name(&self, name: &str) -> Result<VolumeView, StateError> {
@@ -935,11 +1014,21 @@ impl Cluster {
     pub fn volumes(&self) -> Result<Vec<VolumeView>, StateError> {
         let s = self.snapshot()?;
         let now = self.now();
-        let targets: BTreeMap<String, Target> =
-            s.targets.into_iter().map(|(id, t)| (id, t.value)).collect();
+        let targets: BTreeMap<String, Target> = s
+            .targets
+            .iter()
+            .map(|(id, t)| (id.clone(), t.value.clone()))
+            .collect();
         Ok(s.volumes
-            .into_values()
-            .map(|v| self.view(v.value, &targets, now))
+            .values()
+            .map(|v| {
+                let attachments: Vec<&Attachment> = s
+                    .attachments_of(&v.value.uuid)
+                    .into_iter()
+                    .map(|a| &a.value)
+                    .collect();
+                self.view(v.value.clone(), &targets, now, &attachments)
+            })
             .collect())
     }
 
@@ -1017,6 +1106,25 @@ impl Cluster {
             for d in &p.value.devices {
                 if let Some(other) = owners.insert(d, name) {
                     problems.push(format!("device {d} is in pools {other} and {name}"));
+                }
+            }
+        }
+        let mut nsids: BTreeSet<(&str, &str, u32)> = BTreeSet::new();
+        for ((uuid, host), a) in &s.attachments {
+            let Some(v) = s.volumes.get(uuid) else {
+                problems.push(format!("attachment of missing volume {uuid} to {host}"));
+                continue;
+            };
+            if a.value.nsids.len() > v.value.extents.len() {
+                problems.push(format!(
+                    "attachment of {uuid} to {host}: {} NSIDs for {} extents",
+                    a.value.nsids.len(),
+                    v.value.extents.len()
+                ));
+            }
+            for (e, &n) in v.value.extents.iter().zip(&a.value.nsids) {
+                if !nsids.insert((host.as_str(), e.target.as_str(), n)) {
+                    problems.push(format!("host {host} has NSID {n} twice on {}", e.target));
                 }
             }
         }

@@ -160,10 +160,41 @@ fn step(c: &Cluster, live: &Mutex<Vec<Uuid>>, rng: &mut Rng) {
                 Err(e) => panic!("create: {e}"),
             }
         }
-        Some(uuid) if roll < 85 => {
+        Some(uuid) if roll < 75 => {
+            // Detach every host first (a delete of an attached volume is
+            // refused), now and then as a forced detach that leaves stale
+            // exports behind on one target.
+            for a in c.volume_attachments(&uuid).unwrap() {
+                let host = a.host_nqn;
+                println!("@@ BEGIN detach {uuid} {host}");
+                let (a, by_target) = c.begin_detach(&uuid, &host).unwrap();
+                let mut stale = BTreeMap::new();
+                if rng.below(2) == 0 {
+                    if let Some((t, xs)) = by_target.into_iter().next() {
+                        stale.insert(t, xs);
+                    }
+                }
+                c.finish_detach(&a.volume, &host, &stale).unwrap();
+                println!("@@ OK detach {uuid} {host}");
+            }
             println!("@@ BEGIN delete {uuid}");
             c.delete_volume(&uuid).unwrap();
             println!("@@ OK delete {uuid}");
+            // Sometimes a target "reconciles": its stale exports go.
+            if rng.below(3) == 0 {
+                let t = format!("t{}", rng.below(6));
+                if let Some((_, version)) = c.stale_exports(&t).unwrap() {
+                    c.clear_stale_exports(&t, version).unwrap();
+                }
+            }
+        }
+        Some(uuid) if roll < 90 => {
+            let host = format!("nqn.2014-08.org.nvmexpress:uuid:host-{}", rng.below(3));
+            println!("@@ BEGIN attach {uuid} {host}");
+            c.begin_attach(&uuid, &host).unwrap();
+            c.finish_attach(&uuid, &host).unwrap();
+            println!("@@ OK attach {uuid} {host}");
+            live.lock().unwrap().push(uuid);
         }
         Some(uuid) => {
             let size = c.volume(&uuid).unwrap().volume.size_bytes + (1 + rng.below(512)) * 4096;
@@ -186,6 +217,7 @@ struct Expect {
     delete_started: BTreeSet<String>,
     deleted: BTreeSet<String>,
     grown: BTreeMap<String, u64>,
+    attach_started: BTreeSet<(String, String)>,
     ok_ops: usize,
     /// Cycles killed while an operation was under way.
     killed_in_flight: usize,
@@ -222,6 +254,10 @@ impl Expect {
                     self.deleted.insert(u.into());
                     self.ok_ops += 1;
                 }
+                ["BEGIN", "attach", u, h] => {
+                    self.attach_started.insert((u.into(), h.into()));
+                }
+                ["OK", "attach", ..] | ["OK", "detach", ..] => self.ok_ops += 1,
                 ["OK", "grow", u, size] => {
                     let size: u64 = size.parse().unwrap();
                     let g = self.grown.entry(u.into()).or_default();
@@ -251,6 +287,13 @@ impl Expect {
             if !self.delete_started.contains(u) {
                 assert!(volumes.contains_key(u), "committed volume {u} is lost");
             }
+        }
+        for a in c.attachments().unwrap() {
+            let k = (a.volume.to_string(), a.host_nqn.clone());
+            assert!(
+                self.attach_started.contains(&k),
+                "attachment {k:?} was never made"
+            );
         }
         for (u, &size) in &self.grown {
             if let Some(&now) = volumes.get(u) {
@@ -312,9 +355,11 @@ fn kill_9_during_mutations_leaves_a_consistent_store() {
         );
     }
     assert!(
-        expect.ok_ops >= 20 && expect.killed_in_flight >= 1,
-        "{} operations committed, {} cycles killed mid-operation: the test exercised nothing",
+        expect.ok_ops >= 20 && expect.killed_in_flight >= 1 && !expect.attach_started.is_empty(),
+        "{} operations committed ({} attaches), {} cycles killed mid-operation: the test \
+         exercised nothing",
         expect.ok_ops,
+        expect.attach_started.len(),
         expect.killed_in_flight
     );
 }

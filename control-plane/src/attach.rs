@@ -1,0 +1,722 @@
+//! Attachments: which host may reach which volume, and the namespaces that
+//! export the volume's extents to it.
+//!
+//! **One subsystem per host on each target.** Host `H` reaches every
+//! volume attached to it on target `T` through one subsystem,
+//! [`host_subsystem_nqn`]`(H)`, whose ACL lists `H` alone. Each extent of an
+//! attached volume on `T` is one namespace of that subsystem. So a host
+//! needs one NVMe/TCP association per target it uses, however many volumes
+//! it attaches; attaching another volume adds namespaces, which the target
+//! announces through the Changed Namespace List log and an async event.
+//!
+//! **NSIDs** are allocated per (host, target): the lowest NSIDs no other
+//! extent of that host uses on that target. Every attach and detach of a
+//! host rewrites its [`HostRecord`], and commits only if that record is
+//! unchanged since it was read, so concurrent attaches of one host never
+//! hand out the same NSID. An attach also rewrites its volume's record
+//! (unchanged), so a delete racing with it sees the attachment or fails
+//! its condition and looks again.
+//!
+//! **States.** An attachment is recorded as `attaching` before any target
+//! is programmed, becomes `attached` when every target has the namespaces,
+//! and `detaching` before they are removed. A crash in between leaves a
+//! record that says what may be exported: a retried attach finishes it, a
+//! detach removes it, and a target that re-registers is reconciled against
+//! the records (namespaces nobody should see are removed).
+//!
+//! **Stale exports.** A forced detach cannot wait for an unreachable
+//! target. The namespaces it could not remove are recorded under
+//! `/stale-exports/{target}`, and their extents stay allocated, even after
+//! their volume is deleted, until the target has been reconciled: a freed
+//! extent is never handed to a new volume while an old host may still
+//! reach it.
+
+use crate::limits::{ID_BYTES_MAX, NAMESPACES_PER_HOST_TARGET_MAX};
+use crate::model::{encode, DeviceRef, Extent, ModelError, Target, Uuid, Volume};
+use crate::plan::{ConnectionPlan, PlanExtent, HOST_SUBSYSTEM_PREFIX};
+use crate::state::{keys, Attempt, Cluster, Snapshot, StateError, Versioned};
+use crate::store::{Condition, Op};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Longest NQN the NVMe specification allows, in bytes.
+pub const NQN_BYTES_MAX: usize = 223;
+
+/// Logical block size of exported extents and volumes.
+pub const VOLUME_BLOCK_BYTES: u32 = 4096;
+
+/// Where an attachment stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachmentState {
+    /// Recorded; targets are being programmed (or a crash interrupted it).
+    Attaching,
+    /// Every target exports the namespaces to the host.
+    Attached,
+    /// Targets are being told to remove the namespaces.
+    Detaching,
+}
+
+/// A volume attached to a host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attachment {
+    pub volume: Uuid,
+    pub host_nqn: String,
+    pub state: AttachmentState,
+    pub created_ms: u64,
+    /// The NSID of each extent, in the volume's extent order. Shorter than
+    /// the extent list after a grow until the new extents are exported.
+    pub nsids: Vec<u32>,
+    /// Extents (indices into the volume's extents) the host reported failed:
+    /// copies that missed writes. They are never read again (the host is
+    /// told on every attach) until rebuilt; the volume is degraded.
+    pub failed_extents: Vec<u32>,
+}
+
+/// Per-host record; its version guards NSID allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostRecord {
+    pub host_nqn: String,
+    /// Bumped by every attach and detach of the host.
+    pub changes: u64,
+}
+
+/// One namespace a target exports (or should, or may still).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Export {
+    pub subsystem_nqn: String,
+    pub host_nqn: String,
+    pub nsid: u32,
+    pub device: String,
+    pub offset: u64,
+    pub length: u64,
+}
+
+impl Export {
+    /// The backend spec the target opens: the device's spec restricted to
+    /// the extent.
+    pub fn backend_spec(&self, target: &Target) -> Option<String> {
+        let d = target.device(&self.device)?;
+        Some(format!(
+            "{},offset={},length={}",
+            d.backend, self.offset, self.length
+        ))
+    }
+}
+
+/// Namespaces an unreachable target may still export after a forced
+/// detach; their extents stay allocated until it is reconciled.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StaleExports {
+    pub target: String,
+    pub exports: Vec<Export>,
+}
+
+/// The subsystem through which `host_nqn` reaches its volumes on every
+/// target: a prefix and the first 128 bits of SHA-256 of the host NQN, so
+/// two hosts never share one (and a host cannot pick an NQN that lands in
+/// another's subsystem).
+pub fn host_subsystem_nqn(host_nqn: &str) -> String {
+    let digest = Sha256::digest(host_nqn.as_bytes());
+    let mut out = String::with_capacity(HOST_SUBSYSTEM_PREFIX.len() + 32);
+    out.push_str(HOST_SUBSYSTEM_PREFIX);
+    for b in &digest[..16] {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
+/// A host NQN: `nqn.` then printable ASCII without spaces or `/`, at most
+/// 223 bytes (it appears in store keys and URL paths).
+pub fn validate_host_nqn(nqn: &str) -> Result<(), ModelError> {
+    let ok = nqn.starts_with("nqn.")
+        && nqn.len() > 4
+        && nqn.len() <= NQN_BYTES_MAX
+        && nqn.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
+    if ok {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidId {
+            kind: "host NQN",
+            value: nqn.to_owned(),
+            max: NQN_BYTES_MAX,
+        })
+    }
+}
+
+/// The store keys of this module.
+pub mod attach_keys {
+    use crate::model::Uuid;
+
+    pub const ATTACHMENTS: &str = "/attachments/";
+    pub const HOSTS: &str = "/hosts/";
+    pub const STALE_EXPORTS: &str = "/stale-exports/";
+
+    pub fn attachment(volume: &Uuid, host: &str) -> String {
+        format!("{ATTACHMENTS}{volume}/{host}")
+    }
+
+    pub fn volume_attachments(volume: &Uuid) -> String {
+        format!("{ATTACHMENTS}{volume}/")
+    }
+
+    pub fn host(host: &str) -> String {
+        format!("{HOSTS}{host}")
+    }
+
+    pub fn stale_exports(target: &str) -> String {
+        format!("{STALE_EXPORTS}{target}")
+    }
+}
+
+use attach_keys as ak;
+
+/// What `begin_attach` decided.
+#[derive(Debug, Clone)]
+pub struct AttachStart {
+    pub attachment: Attachment,
+    pub volume: Volume,
+    /// False when the attachment existed already (a retry, or new extents
+    /// after a grow).
+    pub created: bool,
+}
+
+/// Every namespace that should exist on one target, by subsystem.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DesiredExports {
+    /// subsystem NQN → (host NQN, NSID → export).
+    pub subsystems: BTreeMap<String, (String, BTreeMap<u32, Export>)>,
+}
+
+impl Snapshot {
+    /// Every extent of `host`'s attachments, as exports, keyed by target.
+    fn host_exports(&self, host: &str) -> BTreeMap<String, Vec<Export>> {
+        let mut out: BTreeMap<String, Vec<Export>> = BTreeMap::new();
+        for ((uuid, h), a) in &self.attachments {
+            if h != host {
+                continue;
+            }
+            if let Some(v) = self.volumes.get(uuid) {
+                for (e, &nsid) in v.value.extents.iter().zip(&a.value.nsids) {
+                    out.entry(e.target.clone())
+                        .or_default()
+                        .push(export_of(host, e, nsid));
+                }
+            }
+        }
+        out
+    }
+
+    /// The attachments of one volume.
+    pub fn attachments_of(&self, volume: &Uuid) -> Vec<&Versioned<Attachment>> {
+        self.attachments
+            .range((*volume, String::new())..)
+            .take_while(|((u, _), _)| u == volume)
+            .map(|(_, a)| a)
+            .collect()
+    }
+
+    /// Extents kept allocated for stale exports (those not already part of
+    /// a volume), deduplicated.
+    pub(crate) fn stale_extents(&self) -> Vec<Extent> {
+        let live: BTreeSet<(&str, &str, u64)> = self
+            .volumes
+            .values()
+            .flat_map(|v| &v.value.extents)
+            .map(|e| (e.target.as_str(), e.device.as_str(), e.offset))
+            .collect();
+        let mut seen = BTreeSet::new();
+        let mut out = Vec::new();
+        for s in self.stale_exports.values() {
+            for x in &s.value.exports {
+                let k = (s.value.target.as_str(), x.device.as_str(), x.offset);
+                if live.contains(&k) || !seen.insert(k) {
+                    continue;
+                }
+                out.push(Extent {
+                    target: s.value.target.clone(),
+                    device: x.device.clone(),
+                    offset: x.offset,
+                    length: x.length,
+                    member: 0,
+                    row: 0,
+                    copy: 0,
+                });
+            }
+        }
+        out
+    }
+}
+
+fn export_of(host: &str, e: &Extent, nsid: u32) -> Export {
+    Export {
+        subsystem_nqn: host_subsystem_nqn(host),
+        host_nqn: host.to_owned(),
+        nsid,
+        device: e.device.clone(),
+        offset: e.offset,
+        length: e.length,
+    }
+}
+
+/// Lowest NSID from 1 not in `used`.
+fn lowest_free(used: &BTreeSet<u32>) -> u32 {
+    let mut n = 1;
+    for &u in used {
+        if u == n {
+            n += 1;
+        } else if u > n {
+            break;
+        }
+    }
+    n
+}
+
+impl Cluster {
+    fn attachment_key_checks(volume: &Uuid, host: &str) -> Result<String, StateError> {
+        validate_host_nqn(host)?;
+        Ok(ak::attachment(volume, host))
+    }
+
+    /// Records (or extends) the attachment of `volume` to `host`: assigns
+    /// an NSID to every extent that lacks one and marks the attachment
+    /// `attaching` unless it is already `attached`. Targets are programmed
+    /// after this returns; see `finish_attach` and `abort_attach`.
+    pub fn begin_attach(&self, volume: &Uuid, host: &str) -> Result<AttachStart, StateError> {
+        let key = Self::attachment_key_checks(volume, host)?;
+        self.retry(|| {
+            let s = self.snapshot()?;
+            let v = s
+                .volumes
+                .get(volume)
+                .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
+            let existing = s.attachments.get(&(*volume, host.to_owned()));
+            let mut a = existing.map_or_else(
+                || Attachment {
+                    volume: *volume,
+                    host_nqn: host.to_owned(),
+                    state: AttachmentState::Attaching,
+                    created_ms: self.now(),
+                    nsids: Vec::new(),
+                    failed_extents: Vec::new(),
+                },
+                |e| e.value.clone(),
+            );
+            if a.state == AttachmentState::Detaching {
+                a.state = AttachmentState::Attaching;
+            }
+            // NSIDs this host already uses, per target.
+            let mut used: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
+            for (t, exports) in s.host_exports(host) {
+                used.entry(t)
+                    .or_default()
+                    .extend(exports.iter().map(|x| x.nsid));
+            }
+            for e in &v.value.extents[a.nsids.len().min(v.value.extents.len())..] {
+                let set = used.entry(e.target.clone()).or_default();
+                if set.len() >= NAMESPACES_PER_HOST_TARGET_MAX {
+                    return Err(StateError::TooMany {
+                        what: "namespaces of one host on one target",
+                        max: NAMESPACES_PER_HOST_TARGET_MAX,
+                    });
+                }
+                let n = lowest_free(set);
+                set.insert(n);
+                a.nsids.push(n);
+            }
+            let host_key = ak::host(host);
+            let host_rec = s.hosts.get(host);
+            let next = HostRecord {
+                host_nqn: host.to_owned(),
+                changes: host_rec.map_or(1, |h| h.value.changes + 1),
+            };
+            let vkey = keys::volume(volume);
+            let conds = vec![
+                Condition::VersionIs(vkey.clone(), v.version),
+                match existing {
+                    Some(e) => Condition::VersionIs(key.clone(), e.version),
+                    None => Condition::Missing(key.clone()),
+                },
+                match host_rec {
+                    Some(h) => Condition::VersionIs(host_key.clone(), h.version),
+                    None => Condition::Missing(host_key.clone()),
+                },
+            ];
+            let ops = vec![
+                Op::Put(vkey, encode(&v.value)),
+                Op::Put(key.clone(), encode(&a)),
+                Op::Put(host_key, encode(&next)),
+            ];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(AttachStart {
+                    attachment: a,
+                    volume: v.value.clone(),
+                    created: existing.is_none(),
+                })
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    /// Marks an attachment `attached` once every target exports it.
+    pub fn finish_attach(&self, volume: &Uuid, host: &str) -> Result<Attachment, StateError> {
+        self.update_attachment(volume, host, |a| {
+            a.state = AttachmentState::Attached;
+            Ok(Some(()))
+        })
+        .map(|(a, _)| a)
+    }
+
+    /// Records the extents `host` found failed (copies that missed writes).
+    /// Failures only accumulate: an extent once failed stays failed for
+    /// this attachment until it is rebuilt, so a host that restarts never
+    /// reads a stale copy. Returns the attachment.
+    pub fn report_failed_extents(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        failed: &[u32],
+    ) -> Result<Attachment, StateError> {
+        let s = self.snapshot()?;
+        let count = s
+            .volumes
+            .get(volume)
+            .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?
+            .value
+            .extents
+            .len();
+        if let Some(&bad) = failed.iter().find(|&&i| i as usize >= count) {
+            return Err(ModelError::Invalid(format!(
+                "extent {bad} does not exist; the volume has {count}"
+            ))
+            .into());
+        }
+        self.update_attachment(volume, host, |a| {
+            let mut all: BTreeSet<u32> = a.failed_extents.iter().copied().collect();
+            all.extend(failed.iter().copied());
+            a.failed_extents = all.into_iter().collect();
+            Ok(Some(()))
+        })
+        .map(|(a, ())| a)
+    }
+
+    /// Undoes `begin_attach` after a target refused: forgets a new
+    /// attachment; an older one keeps its state and its NSIDs (the
+    /// namespaces not yet exported are exported by the next attach).
+    pub fn abort_attach(&self, volume: &Uuid, host: &str, created: bool) -> Result<(), StateError> {
+        if !created {
+            return Ok(());
+        }
+        let key = Self::attachment_key_checks(volume, host)?;
+        self.retry(|| {
+            let Some(kv) = self.store().get(&key)? else {
+                return Ok(Attempt::Done(()));
+            };
+            let ops = [Op::Delete(key.clone())];
+            Ok(
+                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
+                    Attempt::Done(())
+                } else {
+                    Attempt::Retry
+                },
+            )
+        })
+    }
+
+    /// Marks an attachment `detaching` and returns it with its volume and
+    /// the exports to remove, by target.
+    pub fn begin_detach(
+        &self,
+        volume: &Uuid,
+        host: &str,
+    ) -> Result<(Attachment, BTreeMap<String, Vec<Export>>), StateError> {
+        let (a, ()) = self.update_attachment(volume, host, |a| {
+            a.state = AttachmentState::Detaching;
+            Ok(Some(()))
+        })?;
+        let s = self.snapshot()?;
+        let v = s
+            .volumes
+            .get(volume)
+            .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
+        let mut by_target: BTreeMap<String, Vec<Export>> = BTreeMap::new();
+        for (e, &nsid) in v.value.extents.iter().zip(&a.nsids) {
+            by_target
+                .entry(e.target.clone())
+                .or_default()
+                .push(export_of(host, e, nsid));
+        }
+        Ok((a, by_target))
+    }
+
+    /// Forgets a detached attachment. `stale` lists namespaces that could
+    /// not be removed (a forced detach): they are kept allocated until
+    /// their target is reconciled.
+    pub fn finish_detach(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        stale: &BTreeMap<String, Vec<Export>>,
+    ) -> Result<(), StateError> {
+        let key = Self::attachment_key_checks(volume, host)?;
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let Some(a) = s.attachments.get(&(*volume, host.to_owned())) else {
+                return Ok(Attempt::Done(()));
+            };
+            let host_key = ak::host(host);
+            let mut conds = vec![Condition::VersionIs(key.clone(), a.version)];
+            let mut ops = vec![Op::Delete(key.clone())];
+            if let Some(h) = s.hosts.get(host) {
+                conds.push(Condition::VersionIs(host_key.clone(), h.version));
+                let next = HostRecord {
+                    host_nqn: host.to_owned(),
+                    changes: h.value.changes + 1,
+                };
+                ops.push(Op::Put(host_key, encode(&next)));
+            }
+            for (target, exports) in stale.iter().filter(|(_, x)| !x.is_empty()) {
+                let skey = ak::stale_exports(target);
+                let mut rec = match s.stale_exports.get(target) {
+                    Some(r) => {
+                        conds.push(Condition::VersionIs(skey.clone(), r.version));
+                        r.value.clone()
+                    }
+                    None => {
+                        conds.push(Condition::Missing(skey.clone()));
+                        StaleExports {
+                            target: target.clone(),
+                            exports: Vec::new(),
+                        }
+                    }
+                };
+                rec.exports.extend(exports.iter().cloned());
+                rec.exports.sort();
+                rec.exports.dedup();
+                ops.push(Op::Put(skey, encode(&rec)));
+            }
+            self.commit_allocation(&s, conds, ops, ())
+        })
+    }
+
+    /// The namespaces `target` should export now: every extent on it of
+    /// every `attaching` or `attached` attachment.
+    pub fn desired_exports(&self, target: &str) -> Result<DesiredExports, StateError> {
+        let s = self.snapshot()?;
+        let mut out = DesiredExports::default();
+        for ((uuid, host), a) in &s.attachments {
+            if a.value.state == AttachmentState::Detaching {
+                continue;
+            }
+            let Some(v) = s.volumes.get(uuid) else {
+                continue;
+            };
+            for (e, &nsid) in v.value.extents.iter().zip(&a.value.nsids) {
+                if e.target != target {
+                    continue;
+                }
+                let x = export_of(host, e, nsid);
+                out.subsystems
+                    .entry(x.subsystem_nqn.clone())
+                    .or_insert_with(|| (host.clone(), BTreeMap::new()))
+                    .1
+                    .insert(nsid, x);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stale exports recorded for `target`, with the record's version.
+    pub fn stale_exports(&self, target: &str) -> Result<Option<(StaleExports, u64)>, StateError> {
+        crate::model::validate_id("target id", target, ID_BYTES_MAX)?;
+        let key = ak::stale_exports(target);
+        match self.store().get(&key)? {
+            Some(kv) => Ok(Some((
+                crate::model::decode("stale exports", &kv.value).map_err(|source| {
+                    StateError::Corrupt {
+                        key: key.clone(),
+                        source,
+                    }
+                })?,
+                kv.version,
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    /// Forgets the stale exports of a reconciled target (if the record is
+    /// still the version that was reconciled), freeing their extents.
+    pub fn clear_stale_exports(&self, target: &str, version: u64) -> Result<(), StateError> {
+        let key = ak::stale_exports(target);
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            match s.stale_exports.get(target) {
+                Some(r) if r.version == version => self.commit_allocation(
+                    &s,
+                    vec![Condition::VersionIs(key.clone(), version)],
+                    vec![Op::Delete(key.clone())],
+                    (),
+                ),
+                _ => Ok(Attempt::Done(())),
+            }
+        })
+    }
+
+    /// Every attachment.
+    pub fn attachments(&self) -> Result<Vec<Attachment>, StateError> {
+        let s = self.snapshot()?;
+        Ok(s.attachments.into_values().map(|a| a.value).collect())
+    }
+
+    /// The attachments of one volume.
+    pub fn volume_attachments(&self, volume: &Uuid) -> Result<Vec<Attachment>, StateError> {
+        let s = self.snapshot()?;
+        if !s.volumes.contains_key(volume) {
+            return Err(StateError::VolumeNotFound(volume.to_string()));
+        }
+        Ok(s.attachments_of(volume)
+            .into_iter()
+            .map(|a| a.value.clone())
+            .collect())
+    }
+
+    /// One attachment.
+    pub fn attachment(&self, volume: &Uuid, host: &str) -> Result<Attachment, StateError> {
+        let s = self.snapshot()?;
+        s.attachments
+            .get(&(*volume, host.to_owned()))
+            .map(|a| a.value.clone())
+            .ok_or_else(|| StateError::NotAttached {
+                volume: *volume,
+                host: host.to_owned(),
+            })
+    }
+
+    /// The connection plan of an attachment: where each extent is exported.
+    pub fn plan(&self, volume: &Volume, a: &Attachment) -> Result<ConnectionPlan, StateError> {
+        let s = self.snapshot()?;
+        let mut extents = Vec::with_capacity(volume.extents.len());
+        for (e, &nsid) in volume.extents.iter().zip(&a.nsids) {
+            let t = s
+                .targets
+                .get(&e.target)
+                .ok_or_else(|| StateError::TargetNotFound(e.target.clone()))?;
+            extents.push(PlanExtent {
+                target: e.target.clone(),
+                addr: t.value.addr,
+                subsystem_nqn: host_subsystem_nqn(&a.host_nqn),
+                nsid,
+                device: e.device.clone(),
+                offset: e.offset,
+                length: e.length,
+                member: e.member,
+                row: e.row,
+                copy: e.copy,
+            });
+        }
+        if extents.len() != volume.extents.len() {
+            return Err(StateError::Inconsistent(format!(
+                "attachment of volume {} to {} lists {} NSIDs for {} extents",
+                volume.uuid,
+                a.host_nqn,
+                a.nsids.len(),
+                volume.extents.len()
+            )));
+        }
+        Ok(ConnectionPlan {
+            volume: volume.uuid,
+            name: volume.name.clone(),
+            host_nqn: a.host_nqn.clone(),
+            size_bytes: volume.size_bytes,
+            block_bytes: VOLUME_BLOCK_BYTES,
+            extent_bytes: volume.extent_bytes,
+            layout: volume.layout.into(),
+            extents,
+        })
+    }
+
+    fn update_attachment<T>(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        change: impl Fn(&mut Attachment) -> Result<Option<T>, StateError>,
+    ) -> Result<(Attachment, T), StateError> {
+        let key = Self::attachment_key_checks(volume, host)?;
+        self.retry(|| {
+            let kv = self
+                .store()
+                .get(&key)?
+                .ok_or_else(|| StateError::NotAttached {
+                    volume: *volume,
+                    host: host.to_owned(),
+                })?;
+            let mut a: Attachment =
+                crate::model::decode("attachment", &kv.value).map_err(|source| {
+                    StateError::Corrupt {
+                        key: key.clone(),
+                        source,
+                    }
+                })?;
+            let Some(t) = change(&mut a)? else {
+                return Ok(Attempt::Retry);
+            };
+            let ops = [Op::Put(key.clone(), encode(&a))];
+            Ok(
+                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
+                    Attempt::Done((a, t))
+                } else {
+                    Attempt::Retry
+                },
+            )
+        })
+    }
+}
+
+/// Device references of a list of exports (for messages).
+pub fn export_devices(target: &str, exports: &[Export]) -> Vec<DeviceRef> {
+    exports
+        .iter()
+        .map(|x| DeviceRef::new(target, &x.device))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_subsystems_are_distinct_and_valid_nqns() {
+        let a = host_subsystem_nqn("nqn.2014-08.org.nvmexpress:uuid:1");
+        let b = host_subsystem_nqn("nqn.2014-08.org.nvmexpress:uuid:2");
+        assert_ne!(a, b);
+        assert!(a.starts_with(HOST_SUBSYSTEM_PREFIX));
+        assert_eq!(a.len(), HOST_SUBSYSTEM_PREFIX.len() + 32);
+        assert_eq!(a, host_subsystem_nqn("nqn.2014-08.org.nvmexpress:uuid:1"));
+    }
+
+    #[test]
+    fn host_nqns_are_checked() {
+        assert!(validate_host_nqn("nqn.2014-08.org.nvmexpress:uuid:x").is_ok());
+        for bad in [
+            "",
+            "nqn.",
+            "host1",
+            "nqn.a/b",
+            "nqn.a b",
+            &"nqn.x".repeat(60),
+        ] {
+            assert!(validate_host_nqn(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn lowest_free_fills_gaps() {
+        let set = |v: &[u32]| v.iter().copied().collect::<BTreeSet<u32>>();
+        assert_eq!(lowest_free(&set(&[])), 1);
+        assert_eq!(lowest_free(&set(&[1, 2, 3])), 4);
+        assert_eq!(lowest_free(&set(&[1, 3])), 2);
+        assert_eq!(lowest_free(&set(&[2, 3])), 1);
+    }
+}

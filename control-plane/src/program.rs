@@ -1,0 +1,619 @@
+//! Programming targets: the attach, detach and reconcile protocols, which
+//! turn attachment records into namespaces on the targets through each
+//! target's admin API (`nvpool-target --admin-listen`).
+//!
+//! ```text
+//! attach   begin_attach (record: attaching, NSIDs)      ── store
+//!          per target: subsystem + host ACL + namespaces ── targets, in parallel
+//!          any target failed → remove what this call added, abort_attach
+//!          finish_attach (record: attached) → connection plan
+//! detach   begin_detach (record: detaching)
+//!          per target: remove namespaces (+ the subsystem when it empties)
+//!          a target failed → error, record stays detaching (retry), or with
+//!          force: finish anyway, the leftovers recorded as stale exports
+//!          finish_detach (record gone)
+//! reconcile (a target registered, and periodically)
+//!          make the target's host subsystems exactly the records' exports;
+//!          then forget its stale exports
+//! ```
+//!
+//! Everything here blocks (HTTP calls with a timeout); the API runs it on
+//! the blocking pool.
+
+use crate::attach::Attachment;
+use crate::attach::{validate_host_nqn, AttachmentState, Export};
+use crate::limits::TARGET_CALL_TIMEOUT_MS;
+use crate::model::{Target, Uuid};
+use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
+use crate::state::{Cluster, StateError};
+use serde::Deserialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Why programming a target failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProgramError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The target did not answer (down, partitioned, timed out).
+    #[error("target {target} is unreachable at {addr}: {message}")]
+    Unreachable {
+        target: String,
+        addr: SocketAddr,
+        message: String,
+    },
+    /// The target answered with an error.
+    #[error("target {target} refused {what}: {message}")]
+    Refused {
+        target: String,
+        what: String,
+        message: String,
+    },
+}
+
+/// A subsystem as the target's admin API lists it.
+#[derive(Debug, Clone, Deserialize)]
+struct SubsystemState {
+    nqn: String,
+    allow_any_host: bool,
+    allowed_hosts: Vec<String>,
+    namespaces: Vec<NamespaceState>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct NamespaceState {
+    nsid: u32,
+    backend: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct TargetErrorBody {
+    message: String,
+}
+
+/// Percent-encodes one URL path segment (NQNs may hold any printable byte).
+fn segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~:@".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A blocking client of one target's admin API.
+struct TargetAdmin {
+    agent: ureq::Agent,
+    target: String,
+    addr: SocketAddr,
+}
+
+impl TargetAdmin {
+    fn new(t: &Target) -> TargetAdmin {
+        let config = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_millis(TARGET_CALL_TIMEOUT_MS)))
+            .http_status_as_error(false)
+            .build();
+        TargetAdmin {
+            agent: ureq::Agent::new_with_config(config),
+            target: t.id.clone(),
+            addr: t.admin_addr,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    fn unreachable(&self, e: ureq::Error) -> ProgramError {
+        ProgramError::Unreachable {
+            target: self.target.clone(),
+            addr: self.addr,
+            message: e.to_string(),
+        }
+    }
+
+    /// Turns a response into its body, `None` for 404, or an error.
+    fn check(
+        &self,
+        what: &str,
+        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<Option<ureq::http::Response<ureq::Body>>, ProgramError> {
+        let mut r = r.map_err(|e| self.unreachable(e))?;
+        let status = r.status().as_u16();
+        if (200..300).contains(&status) {
+            return Ok(Some(r));
+        }
+        if status == 404 {
+            return Ok(None);
+        }
+        let message = r
+            .body_mut()
+            .read_json::<TargetErrorBody>()
+            .map_or_else(|_| format!("HTTP {status}"), |b| b.message);
+        Err(ProgramError::Refused {
+            target: self.target.clone(),
+            what: what.to_owned(),
+            message,
+        })
+    }
+
+    fn subsystems(&self) -> Result<Vec<SubsystemState>, ProgramError> {
+        let r = self.agent.get(self.url("/v1/subsystems")).call();
+        match self.check("listing subsystems", r)? {
+            Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn subsystem(&self, nqn: &str) -> Result<Option<SubsystemState>, ProgramError> {
+        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
+        let r = self.agent.get(url).call();
+        match self.check("reading a subsystem", r)? {
+            Some(mut r) => r
+                .body_mut()
+                .read_json()
+                .map(Some)
+                .map_err(|e| self.unreachable(e)),
+            None => Ok(None),
+        }
+    }
+
+    fn create_subsystem(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
+        let body = serde_json::json!({"allowed_hosts": [host], "allow_any_host": false});
+        let r = self.agent.put(url).send_json(body);
+        self.check(&format!("creating subsystem {nqn}"), r)
+            .map(drop)
+    }
+
+    fn allow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+        let url = self.url(&format!(
+            "/v1/subsystems/{}/hosts/{}",
+            segment(nqn),
+            segment(host)
+        ));
+        let r = self.agent.put(url).send_empty();
+        match self.check(&format!("allowing {host} on {nqn}"), r)? {
+            Some(_) => Ok(()),
+            None => Err(ProgramError::Refused {
+                target: self.target.clone(),
+                what: format!("allowing {host} on {nqn}"),
+                message: "the subsystem vanished".into(),
+            }),
+        }
+    }
+
+    fn put_namespace(&self, nqn: &str, nsid: u32, backend: &str) -> Result<(), ProgramError> {
+        let url = self.url(&format!(
+            "/v1/subsystems/{}/namespaces/{nsid}",
+            segment(nqn)
+        ));
+        let r = self
+            .agent
+            .put(url)
+            .send_json(serde_json::json!({"backend": backend}));
+        match self.check(&format!("namespace {nsid} of {nqn}"), r)? {
+            Some(_) => Ok(()),
+            None => Err(ProgramError::Refused {
+                target: self.target.clone(),
+                what: format!("namespace {nsid} of {nqn}"),
+                message: "the subsystem vanished".into(),
+            }),
+        }
+    }
+
+    /// Removes a namespace; one already gone is fine.
+    fn delete_namespace(&self, nqn: &str, nsid: u32) -> Result<(), ProgramError> {
+        let url = self.url(&format!(
+            "/v1/subsystems/{}/namespaces/{nsid}",
+            segment(nqn)
+        ));
+        let r = self.agent.delete(url).call();
+        self.check(&format!("removing namespace {nsid} of {nqn}"), r)
+            .map(drop)
+    }
+
+    /// Removes a subsystem; one already gone is fine.
+    fn delete_subsystem(&self, nqn: &str) -> Result<(), ProgramError> {
+        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
+        let r = self.agent.delete(url).call();
+        self.check(&format!("removing subsystem {nqn}"), r)
+            .map(drop)
+    }
+}
+
+/// What `ensure_exports` changed on one target, so a failed attach can
+/// take exactly that back.
+#[derive(Debug, Default)]
+struct Added {
+    subsystem: Option<String>,
+    namespaces: Vec<(String, u32)>,
+}
+
+/// Makes `target` export `exports` (all of one host's subsystem) to
+/// `host`, leaving other namespaces of the subsystem alone. Records what
+/// it added in `added`, also when it fails half-way.
+fn ensure_exports(
+    admin: &TargetAdmin,
+    target: &Target,
+    host: &str,
+    exports: &[Export],
+    added: &mut Added,
+) -> Result<(), ProgramError> {
+    let Some(nqn) = exports.first().map(|x| x.subsystem_nqn.clone()) else {
+        return Ok(());
+    };
+    let existing = match admin.subsystem(&nqn)? {
+        Some(s) => s,
+        None => {
+            admin.create_subsystem(&nqn, host)?;
+            added.subsystem = Some(nqn.clone());
+            SubsystemState {
+                nqn: nqn.clone(),
+                allow_any_host: false,
+                allowed_hosts: vec![host.to_owned()],
+                namespaces: Vec::new(),
+            }
+        }
+    };
+    if existing.allow_any_host || existing.allowed_hosts != [host] {
+        // Only this host may see its subsystem: rebuild the ACL by
+        // recreating would drop namespaces, so fix it in place.
+        admin.allow_host(&nqn, host)?;
+        if existing.allow_any_host || existing.allowed_hosts.iter().any(|h| h != host) {
+            return Err(ProgramError::Refused {
+                target: target.id.clone(),
+                what: format!("subsystem {nqn}"),
+                message: format!(
+                    "its access list ({:?}, any host: {}) is not {host} alone; remove the \
+                     subsystem on the target and retry",
+                    existing.allowed_hosts, existing.allow_any_host
+                ),
+            });
+        }
+    }
+    let have: BTreeMap<u32, &str> = existing
+        .namespaces
+        .iter()
+        .map(|n| (n.nsid, n.backend.as_str()))
+        .collect();
+    for x in exports {
+        let spec = x
+            .backend_spec(target)
+            .ok_or_else(|| ProgramError::Refused {
+                target: target.id.clone(),
+                what: format!("namespace {}", x.nsid),
+                message: format!("device {} is no longer registered", x.device),
+            })?;
+        if have.get(&x.nsid) == Some(&spec.as_str()) {
+            continue;
+        }
+        admin.put_namespace(&nqn, x.nsid, &spec)?;
+        if !have.contains_key(&x.nsid) {
+            added.namespaces.push((nqn.clone(), x.nsid));
+        }
+    }
+    Ok(())
+}
+
+/// Takes back what a failed `ensure_exports` added (best effort: a target
+/// that fails here is cleaned up by reconciliation).
+fn undo(admin: &TargetAdmin, added: &Added) {
+    for (nqn, nsid) in added.namespaces.iter().rev() {
+        if let Err(e) = admin.delete_namespace(nqn, *nsid) {
+            tracing::warn!(error = %e, "could not take back a namespace; reconciliation will");
+        }
+    }
+    if let Some(nqn) = &added.subsystem {
+        if let Err(e) = admin.delete_subsystem(nqn) {
+            tracing::warn!(error = %e, "could not take back a subsystem; reconciliation will");
+        }
+    }
+}
+
+/// Runs `f` for every target at once (one thread each; a volume spans a
+/// handful of targets) and returns the results in target order.
+fn on_targets<T: Send, F>(items: Vec<(Target, Vec<Export>)>, f: F) -> Vec<(Target, T)>
+where
+    F: Fn(&Target, &[Export]) -> T + Sync,
+{
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .iter()
+            .map(|(t, xs)| {
+                let f = &f;
+                scope.spawn(move || f(t, xs))
+            })
+            .collect();
+        items
+            .iter()
+            .zip(handles)
+            .map(|((t, _), h)| {
+                let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                (t.clone(), r)
+            })
+            .collect()
+    })
+}
+
+/// The result of an attach.
+#[derive(Debug, Clone)]
+pub struct Attached {
+    pub attachment: Attachment,
+    pub plan: ConnectionPlan,
+    /// False when the attachment existed already.
+    pub created: bool,
+}
+
+/// Groups an attachment's exports by target, with the target records.
+fn exports_by_target(
+    cluster: &Cluster,
+    volume: &crate::model::Volume,
+    a: &Attachment,
+) -> Result<Vec<(Target, Vec<Export>)>, StateError> {
+    let s = cluster.snapshot()?;
+    let mut by: BTreeMap<String, Vec<Export>> = BTreeMap::new();
+    for (e, &nsid) in volume.extents.iter().zip(&a.nsids) {
+        by.entry(e.target.clone()).or_default().push(Export {
+            subsystem_nqn: crate::attach::host_subsystem_nqn(&a.host_nqn),
+            host_nqn: a.host_nqn.clone(),
+            nsid,
+            device: e.device.clone(),
+            offset: e.offset,
+            length: e.length,
+        });
+    }
+    by.into_iter()
+        .map(|(id, xs)| {
+            let t = s
+                .targets
+                .get(&id)
+                .ok_or_else(|| StateError::TargetNotFound(id.clone()))?;
+            Ok((t.value.clone(), xs))
+        })
+        .collect()
+}
+
+/// Attaches `volume` to `host`: records it, programs every target
+/// involved, and returns the connection plan. If any target fails, what
+/// this call added is taken back everywhere and the error is returned.
+pub fn attach(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<Attached, ProgramError> {
+    validate_host_nqn(host).map_err(StateError::from)?;
+    let start = cluster.begin_attach(volume, host)?;
+    let work = exports_by_target(cluster, &start.volume, &start.attachment)?;
+    let results = on_targets(work, |t, xs| {
+        let admin = TargetAdmin::new(t);
+        let mut added = Added::default();
+        let r = ensure_exports(&admin, t, host, xs, &mut added);
+        (r, added)
+    });
+    let failed = results.iter().find_map(|(_, (r, _))| r.as_ref().err());
+    if let Some(e) = failed {
+        let message = e.to_string();
+        for (t, (_, added)) in &results {
+            undo(&TargetAdmin::new(t), added);
+        }
+        cluster.abort_attach(volume, host, start.created)?;
+        tracing::warn!(%volume, host, error = %message, "attach failed and was rolled back");
+        // Hand back the first failure itself.
+        let err = results
+            .into_iter()
+            .find_map(|(_, (r, _))| r.err())
+            .expect("a failure was found above");
+        return Err(err);
+    }
+    let attachment = cluster.finish_attach(volume, host)?;
+    let plan = cluster.plan(&start.volume, &attachment)?;
+    tracing::info!(%volume, host, extents = plan.extents.len(), "volume attached");
+    Ok(Attached {
+        attachment,
+        plan,
+        created: start.created,
+    })
+}
+
+/// Detaches `volume` from `host`: removes its namespaces on every target
+/// (and the host's subsystem where it empties), then forgets the
+/// attachment. A target that cannot be reached fails the detach (the
+/// record stays `detaching`; retry), unless `force`, which forgets the
+/// attachment anyway and records the leftovers as stale exports.
+pub fn detach(
+    cluster: &Cluster,
+    volume: &Uuid,
+    host: &str,
+    force: bool,
+) -> Result<(), ProgramError> {
+    validate_host_nqn(host).map_err(StateError::from)?;
+    let (a, _) = cluster.begin_detach(volume, host)?;
+    let s = cluster.snapshot()?;
+    let v = s
+        .volumes
+        .get(volume)
+        .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?
+        .value
+        .clone();
+    let work = exports_by_target(cluster, &v, &a)?;
+    let results = on_targets(work, |t, xs| -> Result<(), ProgramError> {
+        let admin = TargetAdmin::new(t);
+        for x in xs {
+            admin.delete_namespace(&x.subsystem_nqn, x.nsid)?;
+        }
+        // Drop the host's subsystem when no other attachment uses it.
+        let desired = cluster.desired_exports(&t.id)?;
+        if let Some(x) = xs.first() {
+            if !desired.subsystems.contains_key(&x.subsystem_nqn) {
+                admin.delete_subsystem(&x.subsystem_nqn)?;
+            }
+        }
+        Ok(())
+    });
+    let mut stale: BTreeMap<String, Vec<Export>> = BTreeMap::new();
+    let mut first_error = None;
+    for (t, r) in results {
+        if let Err(e) = r {
+            tracing::warn!(%volume, host, target = %t.id, error = %e, force, "detach: target failed");
+            let xs: Vec<Export> = v
+                .extents
+                .iter()
+                .zip(&a.nsids)
+                .filter(|(e, _)| e.target == t.id)
+                .map(|(e, &nsid)| Export {
+                    subsystem_nqn: crate::attach::host_subsystem_nqn(host),
+                    host_nqn: host.to_owned(),
+                    nsid,
+                    device: e.device.clone(),
+                    offset: e.offset,
+                    length: e.length,
+                })
+                .collect();
+            stale.insert(t.id.clone(), xs);
+            first_error.get_or_insert(e);
+        }
+    }
+    if let Some(e) = first_error {
+        if !force {
+            return Err(e);
+        }
+    }
+    cluster.finish_detach(volume, host, &stale)?;
+    tracing::info!(%volume, host, stale_targets = stale.len(), "volume detached");
+    Ok(())
+}
+
+/// What a reconciliation did on one target.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reconciled {
+    pub subsystems_removed: usize,
+    pub namespaces_removed: usize,
+    pub namespaces_added: usize,
+    pub stale_cleared: bool,
+}
+
+/// Makes the host subsystems of `target` exactly what the attachment
+/// records say (subsystems outside the nvpool host prefix are left
+/// alone), then forgets the target's stale exports.
+pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, ProgramError> {
+    let t = cluster.target(target_id)?.target;
+    let stale = cluster.stale_exports(target_id)?;
+    let desired = cluster.desired_exports(target_id)?;
+    let admin = TargetAdmin::new(&t);
+    let mut out = Reconciled::default();
+    let present = admin.subsystems()?;
+    for sub in present
+        .iter()
+        .filter(|s| s.nqn.starts_with(HOST_SUBSYSTEM_PREFIX))
+    {
+        match desired.subsystems.get(&sub.nqn) {
+            None => {
+                admin.delete_subsystem(&sub.nqn)?;
+                out.subsystems_removed += 1;
+            }
+            Some((_, want)) => {
+                for n in &sub.namespaces {
+                    let keep = want
+                        .get(&n.nsid)
+                        .and_then(|x| x.backend_spec(&t))
+                        .is_some_and(|spec| spec == n.backend);
+                    if !keep {
+                        admin.delete_namespace(&sub.nqn, n.nsid)?;
+                        out.namespaces_removed += 1;
+                    }
+                }
+            }
+        }
+    }
+    for (nqn, (host, want)) in &desired.subsystems {
+        let before: BTreeSet<u32> = present
+            .iter()
+            .find(|s| &s.nqn == nqn)
+            .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
+            .unwrap_or_default();
+        let xs: Vec<Export> = want.values().cloned().collect();
+        let mut added = Added::default();
+        ensure_exports(&admin, &t, host, &xs, &mut added)?;
+        out.namespaces_added += xs.iter().filter(|x| !before.contains(&x.nsid)).count();
+    }
+    if let Some((_, version)) = stale {
+        cluster.clear_stale_exports(target_id, version)?;
+        out.stale_cleared = true;
+    }
+    if out != Reconciled::default() {
+        tracing::info!(target = target_id, ?out, "target reconciled");
+    }
+    Ok(out)
+}
+
+/// Reconciles one target in the background (after it registered).
+pub fn spawn_reconcile(cluster: std::sync::Arc<Cluster>, target: String) {
+    tokio::task::spawn_blocking(move || {
+        if let Err(e) = reconcile(&cluster, &target) {
+            tracing::warn!(target = %target, error = %e, "reconciling the target failed; will retry");
+        }
+    });
+}
+
+/// Reconciles every online target every `RECONCILE_INTERVAL_MS`, one at a
+/// time, so exports a failed attach, detach or crash left behind (or
+/// lost) converge to the records.
+pub async fn reconcile_loop(cluster: std::sync::Arc<Cluster>) {
+    let mut tick =
+        tokio::time::interval(Duration::from_millis(crate::limits::RECONCILE_INTERVAL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let c = cluster.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let targets = match c.targets() {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconcile: cannot list targets");
+                    return;
+                }
+            };
+            for t in targets
+                .iter()
+                .filter(|t| t.health == crate::model::Health::Online)
+            {
+                if let Err(e) = reconcile(&c, &t.target.id) {
+                    tracing::warn!(target = %t.target.id, error = %e, "reconcile failed");
+                }
+            }
+            if let Ok(u) = unfinished(&c) {
+                for a in u {
+                    tracing::info!(volume = %a.volume, host = %a.host_nqn, state = ?a.state,
+                        "attachment unfinished: retry the attach or detach");
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// Attachments still `attaching` or `detaching` (a crash or a failure
+/// interrupted them), for the reconcile loop to report.
+pub fn unfinished(cluster: &Cluster) -> Result<Vec<Attachment>, StateError> {
+    Ok(cluster
+        .attachments()?
+        .into_iter()
+        .filter(|a| a.state != AttachmentState::Attached)
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_are_percent_encoded() {
+        assert_eq!(
+            segment("nqn.2014-08.org.nvmexpress:uuid:ab"),
+            "nqn.2014-08.org.nvmexpress:uuid:ab"
+        );
+        assert_eq!(segment("nqn.a b/c?d#e%"), "nqn.a%20b%2Fc%3Fd%23e%25");
+    }
+}

@@ -1,0 +1,602 @@
+//! Attach and detach against real targets: one control plane (in process,
+//! over HTTP), four `nvpool-target` daemons on loopback with file-backed
+//! devices, and the userspace NVMe/TCP host to check what hosts can see.
+
+mod common;
+
+use common::{serve, Server, ADMIN, MIB};
+use nvpool_control::api::AuthConfig;
+use nvpool_initiator::{ConnectParams, Controller, Device};
+use nvpool_target::daemon::{Running, StartOptions};
+use nvpool_target::target::Target;
+use serde_json::{json, Value};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
+const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-0000-4000-8000-000000000002";
+/// Device size: 16 extents of 1 MiB.
+const DEVICE_BYTES: u64 = 16 * MIB;
+
+/// One target daemon with one file device.
+struct Node {
+    id: String,
+    running: Option<Running>,
+    target: Arc<Target>,
+    addr: SocketAddr,
+    admin: SocketAddr,
+    device: PathBuf,
+    state_dir: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn start_running(target: Arc<Target>, listen: SocketAddr, admin: SocketAddr) -> Running {
+    let opts = StartOptions {
+        listeners: vec![listen],
+        reactors: 1,
+        io_uring: false,
+        admin_listen: Some(admin),
+    };
+    // A port a previous daemon just left may take a moment to free up.
+    for _ in 0..100 {
+        match Running::start(target.clone(), &opts) {
+            Ok(r) => return r,
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    panic!("target does not start on {listen}");
+}
+
+impl Node {
+    fn start(i: usize) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let device = dir.path().join("d0.img");
+        std::fs::File::create(&device)
+            .unwrap()
+            .set_len(DEVICE_BYTES)
+            .unwrap();
+        let state_dir = dir.path().join("state");
+        std::fs::create_dir_all(&state_dir).unwrap();
+        let target = Target::new(Some(state_dir.clone())).unwrap();
+        let running = start_running(
+            target.clone(),
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1:0".parse().unwrap(),
+        );
+        let addr = running.listen_addrs()[0];
+        let admin = running.admin_addr().unwrap();
+        Node {
+            id: format!("t{i}"),
+            running: Some(running),
+            target,
+            addr,
+            admin,
+            device,
+            state_dir,
+            _dir: dir,
+        }
+    }
+
+    fn registration(&self, rack: &str) -> Value {
+        json!({
+            "id": self.id,
+            "name": self.id,
+            "addr": self.addr.to_string(),
+            "admin_addr": self.admin.to_string(),
+            "labels": {"rack": rack},
+            "devices": [{
+                "id": "d0",
+                "backend": format!("file:{}", self.device.display()),
+                "capacity_bytes": DEVICE_BYTES,
+            }],
+        })
+    }
+
+    fn stop(&mut self) {
+        if let Some(r) = self.running.take() {
+            r.shutdown();
+        }
+    }
+
+    /// Starts again on the same ports from the saved state (what a restart
+    /// of the daemon does).
+    fn restart(&mut self) {
+        self.stop();
+        self.target = Target::new(Some(self.state_dir.clone())).unwrap();
+        if let Some(cfg) = nvpool_target::config::Config::load_state(&self.state_dir).unwrap() {
+            self.target.apply_config(&cfg).unwrap();
+        }
+        self.running = Some(start_running(self.target.clone(), self.addr, self.admin));
+    }
+
+    /// Subsystems under the nvpool host prefix: NQN → (allowed hosts, NSIDs).
+    fn host_subsystems(&self) -> Vec<(String, Vec<String>, Vec<u32>)> {
+        self.target
+            .subsystems()
+            .values()
+            .filter(|s| s.nqn.starts_with("nqn.2026-11.io.nvpool:host:"))
+            .map(|s| {
+                (
+                    s.nqn.clone(),
+                    s.hosts.iter().cloned().collect(),
+                    s.namespaces.keys().copied().collect(),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+struct Cluster {
+    server: Server,
+    nodes: Vec<Node>,
+}
+
+fn cluster(n: usize) -> Cluster {
+    let server = serve(AuthConfig {
+        admin_token: Some(ADMIN.into()),
+        target_token: None,
+    });
+    let nodes: Vec<Node> = (0..n).map(Node::start).collect();
+    for (i, node) in nodes.iter().enumerate() {
+        let r = server.admin(
+            "POST",
+            "/v1/targets",
+            Some(node.registration(&format!("r{i}"))),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // Registration reconciles in the background; let that settle so it
+    // does not race with the test's own checks.
+    std::thread::sleep(Duration::from_millis(200));
+    Cluster { server, nodes }
+}
+
+fn uuid(n: u8) -> String {
+    format!("{n:08x}-0000-4000-8000-000000000000")
+}
+
+fn create(s: &Server, n: u8, size: u64, layout: Value) -> String {
+    let id = uuid(n);
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{id}"),
+        Some(json!({"name": format!("vol{n}"), "size_bytes": size, "layout": layout})),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    id
+}
+
+fn enc(host: &str) -> String {
+    host.replace(':', "%3A")
+}
+
+fn attach(s: &Server, vol: &str, host: &str) -> common::Reply {
+    s.admin(
+        "PUT",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(host)),
+        None,
+    )
+}
+
+fn detach(s: &Server, vol: &str, host: &str, force: bool) -> common::Reply {
+    let q = if force { "?force=true" } else { "" };
+    s.admin(
+        "DELETE",
+        &format!("/v1/volumes/{vol}/attachments/{}{q}", enc(host)),
+        None,
+    )
+}
+
+fn node_of<'a>(c: &'a Cluster, target: &str) -> &'a Node {
+    c.nodes.iter().find(|n| n.id == target).unwrap()
+}
+
+fn params(addr: SocketAddr, subnqn: &str, host: &str) -> ConnectParams {
+    let mut p = ConnectParams::new(addr, subnqn);
+    p.hostnqn = host.to_owned();
+    p.io_queues = 1;
+    p.queue_depth = 16;
+    p.ctrl_loss_timeout = Duration::from_secs(2);
+    p.connect_timeout = Duration::from_secs(5);
+    p
+}
+
+fn read_file_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let mut f = std::fs::File::open(path).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    let mut buf = vec![0; len];
+    f.read_exact(&mut buf).unwrap();
+    buf
+}
+
+#[test]
+fn attach_exports_every_extent_to_that_host_alone() {
+    let c = cluster(4);
+    let s = &c.server;
+    let vol = create(
+        s,
+        1,
+        4 * MIB,
+        json!({"type": "raid10", "stripe_bytes": 65536, "width": 2, "copies": 2}),
+    );
+    let r = attach(s, &vol, HOST_A);
+    assert_eq!(r.status, 201, "{}", r.body);
+    let a = r.json();
+    assert_eq!(a["state"], "attached");
+    assert_eq!(a["host_nqn"], HOST_A);
+    let plan = &a["plan"];
+    assert_eq!(plan["size_bytes"], 4 * MIB);
+    assert_eq!(plan["layout"]["type"], "raid10");
+    let extents = plan["extents"].as_array().unwrap();
+    // 4 MiB over 2 members of 1 MiB extents = 2 rows × 2 members × 2 copies.
+    assert_eq!(extents.len(), 8);
+    let subsystem = extents[0]["subsystem_nqn"].as_str().unwrap().to_owned();
+    assert!(subsystem.starts_with("nqn.2026-11.io.nvpool:host:"));
+
+    // Every target holds the host's subsystem with exactly its extents,
+    // visible to host A alone, backed by the right bytes of the device.
+    for node in &c.nodes {
+        let mine: Vec<&Value> = extents.iter().filter(|e| e["target"] == node.id).collect();
+        let subs = node.host_subsystems();
+        if mine.is_empty() {
+            assert!(subs.is_empty(), "{}: {subs:?}", node.id);
+            continue;
+        }
+        assert_eq!(subs.len(), 1, "{}: {subs:?}", node.id);
+        let (nqn, hosts, nsids) = &subs[0];
+        assert_eq!(nqn, &subsystem);
+        assert_eq!(hosts, &[HOST_A.to_owned()]);
+        let mut want: Vec<u32> = mine
+            .iter()
+            .map(|e| e["nsid"].as_u64().unwrap() as u32)
+            .collect();
+        want.sort_unstable();
+        assert_eq!(nsids, &want, "{}", node.id);
+        assert_eq!(mine[0]["addr"], node.addr.to_string());
+        let sub = node.target.subsystem(nqn).unwrap();
+        for e in &mine {
+            let ns = &sub.namespaces[&(e["nsid"].as_u64().unwrap() as u32)];
+            assert_eq!(
+                ns.spec,
+                format!(
+                    "file:{},offset={},length={}",
+                    node.device.display(),
+                    e["offset"],
+                    e["length"]
+                )
+            );
+        }
+    }
+
+    // The host it was attached to connects and its writes land in the
+    // extent's bytes of the device; another host is refused.
+    let e0 = &extents[0];
+    let node = node_of(&c, e0["target"].as_str().unwrap());
+    let nsid = e0["nsid"].as_u64().unwrap() as u32;
+    let ctrl = Controller::connect(params(node.addr, &subsystem, HOST_A)).unwrap();
+    let info = ctrl.namespace(nsid).unwrap();
+    assert_eq!(info.size_bytes(), MIB);
+    let dev = Device::open(ctrl.clone(), nsid, 1).unwrap();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 3) as u8).collect();
+    let (r, _) = Device::block_on(dev.write(4096, data.clone(), true));
+    r.unwrap();
+    let on_disk = read_file_at(&node.device, e0["offset"].as_u64().unwrap() + 4096, 8192);
+    assert_eq!(on_disk, data);
+    drop(dev);
+    ctrl.shutdown();
+    assert!(
+        Controller::connect(params(node.addr, &subsystem, HOST_B)).is_err(),
+        "host B must be refused"
+    );
+
+    // Attaching again is idempotent: the same plan, 200.
+    let again = attach(s, &vol, HOST_A);
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert_eq!(again.json()["plan"], a["plan"]);
+    let listed = s
+        .call("GET", &format!("/v1/volumes/{vol}"), None, None)
+        .json();
+    assert_eq!(listed["attachments"], json!([HOST_A]));
+}
+
+#[test]
+fn a_second_volume_shares_the_host_subsystem_and_appears_to_a_connected_host() {
+    let c = cluster(3);
+    let s = &c.server;
+    let v1 = create(s, 1, 2 * MIB, json!({"type": "raid1", "copies": 3}));
+    let p1 = attach(s, &v1, HOST_A).json()["plan"].clone();
+    let e = &p1["extents"][0];
+    let node = node_of(&c, e["target"].as_str().unwrap());
+    let subsystem = e["subsystem_nqn"].as_str().unwrap().to_owned();
+    let ctrl = Controller::connect(params(node.addr, &subsystem, HOST_A)).unwrap();
+
+    let v2 = create(s, 2, 2 * MIB, json!({"type": "raid1", "copies": 3}));
+    let p2 = attach(s, &v2, HOST_A).json()["plan"].clone();
+    // Same subsystem on each target (connections grow with targets, not
+    // volumes), fresh NSIDs.
+    let nsids = |p: &Value, target: &str| -> Vec<u64> {
+        p["extents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["target"] == target)
+            .map(|e| e["nsid"].as_u64().unwrap())
+            .collect()
+    };
+    for n in &c.nodes {
+        let (a, b) = (nsids(&p1, &n.id), nsids(&p2, &n.id));
+        assert_eq!(a.len(), 2);
+        assert_eq!(b.len(), 2);
+        assert!(a.iter().all(|x| !b.contains(x)), "{a:?} vs {b:?}");
+        assert_eq!(n.host_subsystems().len(), 1);
+        assert_eq!(n.host_subsystems()[0].2.len(), 4);
+    }
+    for e in p2["extents"].as_array().unwrap() {
+        assert_eq!(e["subsystem_nqn"], subsystem.as_str());
+    }
+    // The already-connected controller sees the new namespace.
+    let new_nsid = nsids(&p2, &node.id)[0] as u32;
+    assert_eq!(ctrl.namespace(new_nsid).unwrap().size_bytes(), MIB);
+    ctrl.shutdown();
+
+    // Detaching one volume keeps the subsystem for the other.
+    let r = detach(s, &v1, HOST_A, false);
+    assert_eq!(r.status, 204, "{}", r.body);
+    for n in &c.nodes {
+        let subs = n.host_subsystems();
+        assert_eq!(subs.len(), 1);
+        let left: Vec<u64> = subs[0].2.iter().map(|&x| u64::from(x)).collect();
+        assert_eq!(left, nsids(&p2, &n.id));
+    }
+    // Detaching the last removes it.
+    assert_eq!(detach(s, &v2, HOST_A, false).status, 204);
+    for n in &c.nodes {
+        assert!(n.host_subsystems().is_empty(), "{}", n.id);
+    }
+    let r = detach(s, &v2, HOST_A, false);
+    s.expect_error(&r, 404, "not_found");
+}
+
+#[test]
+fn attached_volumes_are_not_deleted_without_force() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(
+        s,
+        1,
+        2 * MIB,
+        json!({"type": "raid0", "stripe_bytes": 65536, "width": 2}),
+    );
+    assert_eq!(attach(s, &vol, HOST_A).status, 201);
+    assert_eq!(attach(s, &vol, HOST_B).status, 201);
+    let r = s.admin("DELETE", &format!("/v1/volumes/{vol}"), None);
+    s.expect_error(&r, 409, "attached");
+    assert_eq!(r.json()["details"]["hosts"].as_array().unwrap().len(), 2);
+    let r = s.admin("DELETE", &format!("/v1/volumes/{vol}?force=maybe"), None);
+    s.expect_error(&r, 400, "invalid");
+    let r = s.admin("DELETE", &format!("/v1/volumes/{vol}?force=true"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    for n in &c.nodes {
+        assert!(n.host_subsystems().is_empty(), "{}", n.id);
+    }
+    let cap = s.call("GET", "/v1/targets", None, None).json();
+    for t in cap.as_array().unwrap() {
+        assert_eq!(t["capacity"]["used_bytes"], 0, "{t}");
+    }
+}
+
+#[test]
+fn a_refusing_target_rolls_the_whole_attach_back() {
+    let mut c = cluster(3);
+    let vol = create(
+        &c.server,
+        1,
+        3 * MIB,
+        json!({"type": "raid0", "stripe_bytes": 65536, "width": 3}),
+    );
+    // One target's admin API goes away (the daemon stops).
+    c.nodes[2].stop();
+    let r = attach(&c.server, &vol, HOST_A);
+    c.server.expect_error(&r, 503, "target_unreachable");
+    assert_eq!(r.json()["details"]["target"], "t2");
+    // Nothing is left on the targets that accepted, nor in the records.
+    for n in &c.nodes[..2] {
+        assert!(n.host_subsystems().is_empty(), "{}", n.id);
+    }
+    let r = c
+        .server
+        .call("GET", &format!("/v1/volumes/{vol}/attachments"), None, None);
+    assert_eq!(r.json(), json!([]));
+    assert_eq!(c.server.cluster.check().unwrap(), Vec::<String>::new());
+    // With the target back, the same attach succeeds.
+    c.nodes[2].restart();
+    let r = attach(&c.server, &vol, HOST_A);
+    assert_eq!(r.status, 201, "{}", r.body);
+}
+
+#[test]
+fn forced_detach_keeps_extents_until_the_target_is_reconciled() {
+    let mut c = cluster(2);
+    let vol = create(&c.server, 1, MIB, json!({"type": "raid1", "copies": 2}));
+    assert_eq!(attach(&c.server, &vol, HOST_A).status, 201);
+    c.nodes[1].stop();
+    // Without force, an unreachable target fails the detach and the
+    // attachment stays (detaching).
+    let r = detach(&c.server, &vol, HOST_A, false);
+    c.server.expect_error(&r, 503, "target_unreachable");
+    let r = c.server.call(
+        "GET",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
+        None,
+        None,
+    );
+    assert_eq!(r.json()["state"], "detaching");
+    // Forced: gone from the records, and the volume can be deleted...
+    assert_eq!(detach(&c.server, &vol, HOST_A, true).status, 204);
+    assert!(c.nodes[0].host_subsystems().is_empty());
+    let r = c
+        .server
+        .admin("DELETE", &format!("/v1/volumes/{vol}"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    // ...but the extent t1 may still export stays allocated.
+    let used = |c: &Cluster, id: &str| -> u64 {
+        let t = c
+            .server
+            .call("GET", &format!("/v1/targets/{id}"), None, None)
+            .json();
+        t["capacity"]["used_bytes"].as_u64().unwrap()
+    };
+    assert_eq!(used(&c, "t0"), 0);
+    assert_eq!(used(&c, "t1"), MIB);
+    // The target comes back with its saved state (still exporting), and
+    // reconciliation removes the export and frees the extent.
+    c.nodes[1].restart();
+    assert_eq!(c.nodes[1].host_subsystems().len(), 1);
+    let r = c.server.admin("POST", "/v1/targets/t1/reconcile", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let out = r.json();
+    assert_eq!(out["subsystems_removed"], 1);
+    assert_eq!(out["stale_cleared"], true);
+    assert!(c.nodes[1].host_subsystems().is_empty());
+    assert_eq!(used(&c, "t1"), 0);
+}
+
+#[test]
+fn reconcile_restores_lost_exports_and_drops_unknown_ones() {
+    let mut c = cluster(2);
+    let vol = create(&c.server, 1, MIB, json!({"type": "raid1", "copies": 2}));
+    let plan = attach(&c.server, &vol, HOST_A).json()["plan"].clone();
+    let subsystem = plan["extents"][0]["subsystem_nqn"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // The target loses its state (a rebuilt node)...
+    c.nodes[0].stop();
+    std::fs::remove_dir_all(&c.nodes[0].state_dir).unwrap();
+    std::fs::create_dir_all(&c.nodes[0].state_dir).unwrap();
+    c.nodes[0].restart();
+    assert!(c.nodes[0].host_subsystems().is_empty());
+    // ...and another one gained an export nobody recorded.
+    let stray = "nqn.2026-11.io.nvpool:host:00000000000000000000000000000000";
+    let node1 = &c.nodes[1];
+    node1
+        .target
+        .put_subsystem(&nvpool_target::config::SubsystemConfig {
+            nqn: stray.into(),
+            allowed_hosts: vec![HOST_B.into()],
+            allow_any_host: false,
+            serial: None,
+            namespaces: vec![],
+        })
+        .unwrap();
+    for (i, n) in c.nodes.iter().enumerate() {
+        let r = c
+            .server
+            .admin("POST", &format!("/v1/targets/{}/reconcile", n.id), None);
+        assert_eq!(r.status, 200, "{i}: {}", r.body);
+    }
+    for n in &c.nodes {
+        let subs = n.host_subsystems();
+        assert_eq!(subs.len(), 1, "{}: {subs:?}", n.id);
+        assert_eq!(subs[0].0, subsystem);
+        assert_eq!(subs[0].1, [HOST_A.to_owned()]);
+    }
+}
+
+#[test]
+fn a_target_going_offline_degrades_its_volumes() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(s, 1, MIB, json!({"type": "raid1", "copies": 2}));
+    let status = || {
+        s.call("GET", &format!("/v1/volumes/{vol}"), None, None)
+            .json()["status"]
+            .clone()
+    };
+    assert_eq!(status(), "online");
+    // t0 keeps heartbeating, t1 falls silent past the timeout.
+    s.clock.advance(10_000);
+    assert_eq!(s.admin("PUT", "/v1/targets/t0/heartbeat", None).status, 200);
+    s.clock.advance(10_000);
+    assert_eq!(status(), "degraded");
+    let metrics = s.call("GET", "/metrics", None, None).body;
+    assert!(
+        metrics.contains("nvpool_target_up{target=\"t1\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("nvpool_volumes{status=\"degraded\"} 1"),
+        "{metrics}"
+    );
+    // Both silent: offline.
+    s.clock.advance(20_000);
+    assert_eq!(status(), "offline");
+}
+
+#[test]
+fn bad_attach_requests_get_4xx() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(s, 1, MIB, json!({"type": "raid1", "copies": 2}));
+    let r = attach(s, &vol, "not-an-nqn");
+    s.expect_error(&r, 400, "invalid");
+    let r = attach(s, &uuid(9), HOST_A);
+    s.expect_error(&r, 404, "not_found");
+    let r = s.call(
+        "PUT",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
+        None,
+        None,
+    );
+    s.expect_error(&r, 401, "unauthorized");
+    let r = s.call(
+        "GET",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
+        None,
+        None,
+    );
+    s.expect_error(&r, 404, "not_found");
+    for n in &c.nodes {
+        assert!(n.host_subsystems().is_empty());
+    }
+}
+
+#[test]
+fn failed_extents_reported_by_a_host_degrade_the_volume_and_stick() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(s, 1, 2 * MIB, json!({"type": "raid1", "copies": 2}));
+    assert_eq!(attach(s, &vol, HOST_A).status, 201);
+    let path = format!(
+        "/v1/volumes/{vol}/attachments/{}/failed-extents",
+        enc(HOST_A)
+    );
+    let r = s.admin("PUT", &path, Some(json!({"failed_extents": [9]})));
+    s.expect_error(&r, 400, "invalid");
+    let r = s.admin("PUT", &path, Some(json!({"failed_extents": [1]})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["failed_extents"], json!([1]));
+    let status = || {
+        s.call("GET", &format!("/v1/volumes/{vol}"), None, None)
+            .json()["status"]
+            .clone()
+    };
+    assert_eq!(status(), "degraded");
+    // Both copies of row 0 failed: offline.
+    let r = s.admin("PUT", &path, Some(json!({"failed_extents": [0]})));
+    assert_eq!(r.json()["failed_extents"], json!([0, 1]));
+    assert_eq!(status(), "offline");
+    // A later attach (a restarted host) is told which copies are stale.
+    let r = attach(s, &vol, HOST_A);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["failed_extents"], json!([0, 1]));
+}

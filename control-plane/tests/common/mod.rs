@@ -1,0 +1,142 @@
+//! Shared by the control plane's integration tests: the router served on a
+//! loopback port over a MemStore-backed cluster with a manual clock, and a
+//! minimal HTTP/1.1 client (one request per connection).
+
+#![allow(dead_code)]
+
+use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::store::MemStore;
+use nvpool_control::{Cluster, ManualClock, StateConfig};
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+
+pub const MIB: u64 = 1 << 20;
+pub const T0: u64 = 1_000_000;
+pub const ADMIN: &str = "admin-secret";
+pub const TARGET: &str = "target-secret";
+
+pub struct Server {
+    pub cluster: Arc<Cluster>,
+    pub addr: SocketAddr,
+    pub clock: Arc<ManualClock>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+pub fn serve(auth: AuthConfig) -> Server {
+    let clock = Arc::new(ManualClock::new(T0));
+    let config = StateConfig {
+        extent_bytes: MIB,
+        ..StateConfig::default()
+    };
+    let cluster = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+    let cluster = Arc::new(cluster);
+    let app = router(cluster.clone(), auth);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(l, app)
+                .with_graceful_shutdown(async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    Server {
+        cluster,
+        addr,
+        clock,
+        stop: Some(tx),
+        thread: Some(thread),
+    }
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub headers: String,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+}
+
+impl Server {
+    pub fn raw(&self, method: &str, path: &str, token: Option<&str>, body: Option<&str>) -> Reply {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+        if let Some(t) = token {
+            req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+        }
+        let body = body.unwrap_or("");
+        if !body.is_empty() || method != "GET" {
+            req.push_str("Content-Type: application/json\r\n");
+        }
+        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").expect("a full response");
+        let status = head[9..12].parse().unwrap();
+        assert!(
+            !head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "the test client reads Content-Length bodies only"
+        );
+        Reply {
+            status,
+            headers: head.to_owned(),
+            body: body.to_owned(),
+        }
+    }
+
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> Reply {
+        let text = body.map(|b| b.to_string());
+        self.raw(method, path, token, text.as_deref())
+    }
+
+    pub fn admin(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
+        self.call(method, path, Some(ADMIN), body)
+    }
+
+    /// An error reply: the status, and a JSON body with kind, message and details.
+    pub fn expect_error(&self, r: &Reply, status: u16, kind: &str) {
+        assert_eq!(r.status, status, "{}", r.body);
+        let j = r.json();
+        assert_eq!(j["kind"], kind, "{j}");
+        assert!(j["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
+        assert!(j["details"].is_object(), "{j}");
+    }
+}
