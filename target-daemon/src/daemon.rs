@@ -1,10 +1,12 @@
 //! Putting the target together: listeners, the acceptor, reactor threads,
-//! the admin API, signals and clean shutdown.
+//! the admin API, registration with the control plane, signals and clean
+//! shutdown.
 
 use crate::config::{
     Config, DEFAULT_ADMIN_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_LISTEN, DEFAULT_STATE_DIR,
 };
 use crate::reactor::{Reactor, ReactorHandle};
+use crate::register::{self, Registrar};
 use crate::ring::Ring;
 use crate::target::Target;
 use crate::{api, limits};
@@ -363,6 +365,30 @@ pub struct Cli {
     /// Run backend I/O synchronously instead of through io_uring.
     #[arg(long)]
     pub no_io_uring: bool,
+    /// Register with this control plane and heartbeat to it, e.g. http://10.0.0.5:4430 (plain HTTP only).
+    #[arg(long, env = "NVPOOL_CONTROL_PLANE", value_name = "URL")]
+    pub control_plane: Option<String>,
+    /// File holding the bearer token for the control plane (whitespace trimmed).
+    #[arg(long, env = "NVPOOL_TARGET_TOKEN_FILE", value_name = "PATH")]
+    pub control_plane_token_file: Option<PathBuf>,
+    /// Offer a device to the pool: ID=BACKEND, e.g. d0=file:/dev/nvme1n1 (repeatable). The control plane exports extents of it; it is not exported by itself.
+    #[arg(long = "device", value_name = "ID=BACKEND")]
+    pub device: Vec<String>,
+    /// Label a --device: ID:KEY=VALUE, e.g. d0:class=tlc (repeatable).
+    #[arg(long = "device-label", value_name = "ID:KEY=VALUE")]
+    pub device_label: Vec<String>,
+    /// Label this target: KEY=VALUE, e.g. rack=r1 (repeatable; host=HOSTNAME unless given).
+    #[arg(long = "label", value_name = "KEY=VALUE")]
+    pub label: Vec<String>,
+    /// Target ID in the control plane (default: the identity kept in --state-dir, else HOSTNAME-PORT).
+    #[arg(long, value_name = "ID")]
+    pub target_id: Option<String>,
+    /// Human name in the control plane (default: the host name).
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// NVMe/TCP address hosts should connect to (default: the first --listen address).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub advertise: Option<SocketAddr>,
     /// Log filter (RUST_LOG syntax), e.g. info or nvpool_target=debug.
     #[arg(long, default_value = "info", env = "NVPOOL_LOG")]
     pub log: String,
@@ -466,7 +492,9 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
 /// The whole daemon: configure, start, wait for SIGTERM/SIGINT, shut down.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let (cfg, state_dir) = resolve_config(&cli)?;
-    let target = Target::new(state_dir)?;
+    // Checked (devices opened, token read) before anything is bound.
+    let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
+    let target = Target::new(state_dir.clone())?;
     target.apply_config(&cfg)?;
     let opts = StartOptions {
         listeners: cfg.listeners.iter().map(|l| l.addr).collect(),
@@ -482,8 +510,33 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(a) = running.admin_addr() {
         tracing::info!(addr = %a, "admin API listening");
     }
+    let registrar = match registration {
+        Some(settings) => {
+            let configured: Vec<SocketAddr> = cfg.listeners.iter().map(|l| l.addr).collect();
+            let started = settings
+                .finish(
+                    &configured,
+                    &running.listen_addrs(),
+                    running.admin_addr(),
+                    state_dir.as_deref(),
+                )
+                .map_err(anyhow::Error::from)
+                .and_then(|rc| Ok(Registrar::start(rc)?));
+            match started {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    running.shutdown();
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "signal received");
+    }
+    if let Some(r) = registrar {
+        r.stop();
     }
     running.shutdown();
     Ok(())

@@ -8,6 +8,8 @@
 //!               Target: subsystems, namespaces, ACLs, controllers (target.rs)
 //!                 ▲
 //!  admin API (api.rs, tokio+axum) ── changes ──► saved to STATE_DIR/target.json
+//!
+//!  register.rs ── POST /v1/targets, heartbeats ──► control plane (optional)
 //! ```
 
 pub mod admin;
@@ -19,9 +21,11 @@ pub mod daemon;
 pub mod limits;
 pub mod queue;
 pub mod reactor;
+pub mod register;
 pub mod ring;
 pub mod target;
 pub mod tx;
 
 pub use daemon::{Cli, Running, StartOptions};
+pub use register::{Registrar, RegistrationConfig};
 pub use target::Target;

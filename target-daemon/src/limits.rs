@@ -73,6 +73,25 @@ pub const SUBSYSTEMS_MAX: usize = 4096;
 /// Allowed host NQNs per subsystem.
 pub const HOSTS_PER_SUBSYS_MAX: usize = 4096;
 
+/// Between heartbeats to the control plane. The control plane marks a
+/// target offline after 15 s without one (its `HEARTBEAT_TIMEOUT_MS`), so
+/// two heartbeats can be lost before hosts see a flap.
+pub const HEARTBEAT_INTERVAL_MS: u64 = 5_000;
+/// One request to the control plane, connect to last byte. Shorter than a
+/// heartbeat interval so a hung control plane delays at most one beat, and
+/// bounds how long shutdown waits for a request in flight.
+pub const CONTROL_PLANE_REQUEST_TIMEOUT_MS: u64 = 4_000;
+/// First retry after a failed registration; doubles per failure (with
+/// jitter) up to the maximum, so a fleet does not hammer a control plane
+/// that is coming back.
+pub const REGISTER_BACKOFF_MIN_MS: u64 = 1_000;
+pub const REGISTER_BACKOFF_MAX_MS: u64 = 30_000;
+/// Failed registrations and heartbeats are logged at most this often (the
+/// count of the ones in between is logged with the next line).
+pub const CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS: u64 = 60_000;
+
+const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);
+const _: () = assert!(REGISTER_BACKOFF_MIN_MS <= REGISTER_BACKOFF_MAX_MS);
 const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);
 const _: () = assert!(RX_BUF_BYTES >= IO_INLINE_DATA_BYTES + 72 + 8);
 const _: () = assert!(IO_INLINE_DATA_BYTES <= MDTS_BYTES);

@@ -1,0 +1,963 @@
+//! Registering with the control plane: the target offers its devices to the
+//! pool and then proves it is alive.
+//!
+//! ```text
+//!   start ── Settings::from_cli: URL, token, devices opened and measured ── error → exit 1
+//!     │
+//!   Running::start (listeners and admin API bound)
+//!     │
+//!   Registrar thread ─┬─ POST /v1/targets ── fails → log (rate-limited), back off, retry
+//!                     └─ every HEARTBEAT_INTERVAL: PUT /v1/targets/{id}/heartbeat
+//!                            404 → the control plane forgot us: register again
+//! ```
+//!
+//! The data path never waits on any of this (ARCHITECTURE D7, STYLE 4): a
+//! control plane that is down, slow or refusing our token only produces
+//! log lines; the target keeps serving the namespaces it has.
+//!
+//! A device is a whole file or block device; the control plane carves it
+//! into extents and later exports each as a namespace with the backend
+//! `BACKEND,offset=N,length=M`, which is why a device's own backend spec
+//! may not carry an offset or a length.
+
+use crate::backend::{BackendError, BackendSpec};
+use crate::daemon::Cli;
+use crate::limits::{
+    CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
+    REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
+};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Identifier rules of the control plane (target and device IDs): short,
+/// no `/`, so they fit in store keys and URL paths.
+const ID_BYTES_MAX: usize = 64;
+/// Label keys and values, as the control plane checks them.
+const LABEL_BYTES_MAX: usize = 63;
+
+/// Why registration could not be set up, or one request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// A start-time option is unusable.
+    #[error("{0}")]
+    Usage(String),
+    #[error("--control-plane-token-file {path}: cannot read the token")]
+    TokenFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--device {id}={backend}")]
+    DeviceOpen {
+        id: String,
+        backend: String,
+        #[source]
+        source: BackendError,
+    },
+    #[error("cannot read the target identity from {path}")]
+    Identity {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The request did not get an HTTP answer (refused, timed out, reset).
+    #[error("cannot reach the control plane at {url}")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: ureq::Error,
+    },
+    /// The control plane answered with an error status.
+    #[error("the control plane refused {op} ({status} {kind}): {message}")]
+    Refused {
+        op: &'static str,
+        status: u16,
+        kind: String,
+        message: String,
+    },
+}
+
+impl RegisterError {
+    /// The HTTP status of a refused request.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            RegisterError::Refused { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// The control plane's base URL: `http://HOST[:PORT][/PREFIX]`, without a
+/// trailing slash. Plain HTTP only: this build carries no TLS stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlPlaneUrl(String);
+
+impl ControlPlaneUrl {
+    pub fn parse(url: &str) -> Result<ControlPlaneUrl, RegisterError> {
+        let bad = |reason: &str| RegisterError::Usage(format!("--control-plane {url:?}: {reason}"));
+        let t = url.trim();
+        if t.len() >= 8 && t[..8].eq_ignore_ascii_case("https://") {
+            return Err(bad(
+                "https is not supported; use http:// (put a TLS proxy in front if the \
+                 network needs one)",
+            ));
+        }
+        let rest = match t.get(..7) {
+            Some(p) if p.eq_ignore_ascii_case("http://") => &t[7..],
+            _ => return Err(bad("expected http://HOST:PORT")),
+        };
+        let authority = rest.split('/').next().unwrap_or_default();
+        if authority.is_empty() || authority.contains(['@', '?', '#', ' ']) {
+            return Err(bad("expected http://HOST:PORT"));
+        }
+        Ok(ControlPlaneUrl(format!(
+            "http://{}",
+            rest.trim_end_matches('/')
+        )))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The host part, for the loopback warning.
+    fn host(&self) -> &str {
+        let authority = self.0[7..].split('/').next().unwrap_or_default();
+        match authority.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or_default(),
+            None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+        }
+    }
+}
+
+impl std::fmt::Display for ControlPlaneUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A device offered to the pool, as the control plane's `POST /v1/targets`
+/// body lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceOffer {
+    pub id: String,
+    /// `file:PATH` or `ram:SIZE` (optionally with `block_size=`).
+    pub backend: String,
+    pub capacity_bytes: u64,
+    pub labels: BTreeMap<String, String>,
+}
+
+impl DeviceOffer {
+    /// Checks `id` and `backend`, opens the backend once to prove it can be
+    /// served and measures it: a file's or block device's size (whole
+    /// blocks), or a RAM disk's.
+    pub fn probe(
+        id: &str,
+        backend: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<DeviceOffer, RegisterError> {
+        check_id("--device", id)?;
+        let usage =
+            |reason: String| RegisterError::Usage(format!("--device {id}={backend}: {reason}"));
+        let spec = BackendSpec::parse(backend).map_err(|e| usage(e.to_string()))?;
+        if let BackendSpec::File { offset, length, .. } = &spec {
+            if *offset != 0 || length.is_some() {
+                return Err(usage(
+                    "a device is a whole file or block device; the control plane carves \
+                     extents of it, so leave out offset= and length="
+                        .into(),
+                ));
+            }
+        }
+        let capacity_bytes = match spec {
+            // Opening a RAM disk would allocate and zero all of it.
+            BackendSpec::Ram { size, block_size } => {
+                let bs = u64::from(block_size.unwrap_or(512));
+                size / bs * bs
+            }
+            BackendSpec::File { .. } => spec
+                .open()
+                .map_err(|source| RegisterError::DeviceOpen {
+                    id: id.to_owned(),
+                    backend: backend.to_owned(),
+                    source,
+                })?
+                .size(),
+        };
+        Ok(DeviceOffer {
+            id: id.to_owned(),
+            backend: backend.to_owned(),
+            capacity_bytes,
+            labels,
+        })
+    }
+}
+
+/// Everything the registration thread sends and how often.
+#[derive(Debug, Clone)]
+pub struct RegistrationConfig {
+    pub control_plane: ControlPlaneUrl,
+    /// Bearer token for registration and heartbeats.
+    pub token: Option<String>,
+    pub target_id: String,
+    pub name: String,
+    /// The NVMe/TCP address hosts connect to.
+    pub addr: SocketAddr,
+    /// The admin API the control plane programs.
+    pub admin_addr: SocketAddr,
+    pub labels: BTreeMap<String, String>,
+    pub devices: Vec<DeviceOffer>,
+    /// Between heartbeats (tests shorten it).
+    pub heartbeat_interval: Duration,
+    /// First retry delay after a failed registration; doubles per failure.
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    /// One HTTP request, connect to last byte.
+    pub request_timeout: Duration,
+}
+
+impl RegistrationConfig {
+    /// A configuration with the production intervals.
+    pub fn new(
+        control_plane: ControlPlaneUrl,
+        target_id: String,
+        name: String,
+        addr: SocketAddr,
+        admin_addr: SocketAddr,
+    ) -> RegistrationConfig {
+        RegistrationConfig {
+            control_plane,
+            token: None,
+            target_id,
+            name,
+            addr,
+            admin_addr,
+            labels: BTreeMap::new(),
+            devices: Vec::new(),
+            heartbeat_interval: Duration::from_millis(HEARTBEAT_INTERVAL_MS),
+            backoff_min: Duration::from_millis(REGISTER_BACKOFF_MIN_MS),
+            backoff_max: Duration::from_millis(REGISTER_BACKOFF_MAX_MS),
+            request_timeout: Duration::from_millis(CONTROL_PLANE_REQUEST_TIMEOUT_MS),
+        }
+    }
+}
+
+/// Registration options from the command line, checked before anything is
+/// bound; the addresses are filled in by [`Settings::finish`] once the
+/// listeners are up (port 0 resolves then).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    control_plane: ControlPlaneUrl,
+    token: Option<String>,
+    target_id: Option<String>,
+    name: Option<String>,
+    advertise: Option<SocketAddr>,
+    labels: BTreeMap<String, String>,
+    devices: Vec<DeviceOffer>,
+}
+
+impl Settings {
+    /// None without `--control-plane`. Opens every `--device` (a device that
+    /// cannot be served is a start error, not a surprise at attach time).
+    pub fn from_cli(
+        cli: &Cli,
+        admin_listen: Option<SocketAddr>,
+    ) -> Result<Option<Settings>, RegisterError> {
+        let Some(url) = cli.control_plane.as_deref() else {
+            if let Some(d) = cli.device.first() {
+                return Err(RegisterError::Usage(format!(
+                    "--device {d}: devices are offered to a control plane; give --control-plane URL"
+                )));
+            }
+            if let Some(d) = cli.device_label.first() {
+                return Err(RegisterError::Usage(format!(
+                    "--device-label {d}: needs --control-plane URL and --device"
+                )));
+            }
+            return Ok(None);
+        };
+        let control_plane = ControlPlaneUrl::parse(url)?;
+        if admin_listen.is_none() {
+            return Err(RegisterError::Usage(
+                "--control-plane needs the admin API (the control plane programs the target \
+                 through it); drop --admin-listen off"
+                    .into(),
+            ));
+        }
+        let token = match &cli.control_plane_token_file {
+            Some(p) => Some(read_token(p)?),
+            None => None,
+        };
+        if let Some(id) = &cli.target_id {
+            check_id("--target-id", id)?;
+        }
+        if let Some(n) = &cli.name {
+            check_name(n)?;
+        }
+        let mut labels = BTreeMap::new();
+        for l in &cli.label {
+            let (k, v) = parse_label("--label", l)?;
+            labels.insert(k, v);
+        }
+        let mut device_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for dl in &cli.device_label {
+            let (id, kv) = dl.split_once(':').ok_or_else(|| {
+                RegisterError::Usage(format!("--device-label {dl:?}: expected ID:KEY=VALUE"))
+            })?;
+            if !cli
+                .device
+                .iter()
+                .any(|d| d.split_once('=').is_some_and(|(i, _)| i == id))
+            {
+                return Err(RegisterError::Usage(format!(
+                    "--device-label {dl}: there is no --device {id}"
+                )));
+            }
+            let (k, v) = parse_label("--device-label", kv)?;
+            device_labels.entry(id.to_owned()).or_default().insert(k, v);
+        }
+        let mut devices: Vec<DeviceOffer> = Vec::new();
+        for d in &cli.device {
+            let (id, backend) = d.split_once('=').ok_or_else(|| {
+                RegisterError::Usage(format!("--device {d:?}: expected ID=BACKEND"))
+            })?;
+            if devices.iter().any(|o| o.id == id) {
+                return Err(RegisterError::Usage(format!(
+                    "--device {id} is given twice"
+                )));
+            }
+            let labels = device_labels.remove(id).unwrap_or_default();
+            devices.push(DeviceOffer::probe(id, backend, labels)?);
+        }
+        Ok(Some(Settings {
+            control_plane,
+            token,
+            target_id: cli.target_id.clone(),
+            name: cli.name.clone(),
+            advertise: cli.advertise,
+            labels,
+            devices,
+        }))
+    }
+
+    /// The full registration once the daemon runs. `configured` are the
+    /// listen addresses as given (the first is advertised unless
+    /// `--advertise` says otherwise), `bound` the ones actually bound.
+    pub fn finish(
+        self,
+        configured: &[SocketAddr],
+        bound: &[SocketAddr],
+        admin: Option<SocketAddr>,
+        state_dir: Option<&Path>,
+    ) -> Result<RegistrationConfig, RegisterError> {
+        let usage = |m: String| RegisterError::Usage(m);
+        let addr = match self.advertise {
+            Some(a) => a,
+            None => {
+                let first = *configured
+                    .first()
+                    .ok_or_else(|| usage("no NVMe/TCP listener to advertise".into()))?;
+                resolve_port(first, configured, bound)
+            }
+        };
+        if addr.ip().is_unspecified() || addr.port() == 0 {
+            return Err(usage(format!(
+                "cannot advertise {addr} to hosts; give --advertise ADDR:PORT"
+            )));
+        }
+        let mut admin_addr =
+            admin.ok_or_else(|| usage("--control-plane needs the admin API".into()))?;
+        if admin_addr.ip().is_unspecified() {
+            // Listening everywhere: the control plane reaches it where hosts
+            // reach the data path.
+            admin_addr.set_ip(addr.ip());
+        }
+        let host = hostname();
+        if admin_addr.ip().is_loopback() && !is_loopback_host(self.control_plane.host()) {
+            tracing::warn!(admin = %admin_addr, control_plane = %self.control_plane,
+                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen)");
+        }
+        let target_id = match self.target_id {
+            Some(id) => id,
+            None => default_target_id(state_dir, &host, addr.port())?,
+        };
+        let mut labels = self.labels;
+        labels
+            .entry("host".into())
+            .or_insert_with(|| label_safe(&host));
+        let mut cfg = RegistrationConfig::new(
+            self.control_plane,
+            target_id,
+            self.name.unwrap_or_else(|| host.clone()),
+            addr,
+            admin_addr,
+        );
+        cfg.token = self.token;
+        cfg.labels = labels;
+        cfg.devices = self.devices;
+        Ok(cfg)
+    }
+}
+
+/// A configured `ADDR:0` means "any port": find the port it was bound on.
+fn resolve_port(first: SocketAddr, configured: &[SocketAddr], bound: &[SocketAddr]) -> SocketAddr {
+    if first.port() != 0 {
+        return first;
+    }
+    bound
+        .iter()
+        .find(|b| b.ip() == first.ip() && !configured.contains(b))
+        .copied()
+        .unwrap_or(first)
+}
+
+fn read_token(path: &Path) -> Result<String, RegisterError> {
+    let text = std::fs::read_to_string(path).map_err(|source| RegisterError::TokenFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    let t = text.trim();
+    if t.is_empty() || t.contains(|c: char| c.is_control() || c == ' ') {
+        return Err(RegisterError::TokenFile {
+            path: path.to_owned(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the file must hold one token (no spaces)",
+            ),
+        });
+    }
+    Ok(t.to_owned())
+}
+
+fn check_id(flag: &str, id: &str) -> Result<(), RegisterError> {
+    let ok = !id.is_empty()
+        && id.len() <= ID_BYTES_MAX
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(RegisterError::Usage(format!(
+            "{flag} {id:?}: IDs are 1..={ID_BYTES_MAX} bytes of A-Z a-z 0-9 . _ : -"
+        )))
+    }
+}
+
+fn check_name(name: &str) -> Result<(), RegisterError> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(RegisterError::Usage(format!(
+            "--name {name:?}: names are 1..=128 bytes of A-Z a-z 0-9 . _ : -"
+        )))
+    }
+}
+
+fn parse_label(flag: &str, s: &str) -> Result<(String, String), RegisterError> {
+    let bad = |why: &str| RegisterError::Usage(format!("{flag} {s:?}: {why}"));
+    let (k, v) = s.split_once('=').ok_or_else(|| bad("expected KEY=VALUE"))?;
+    let chars_ok = |t: &str, extra: &[u8]| {
+        t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b) || extra.contains(&b))
+    };
+    if k.is_empty() || k.len() > LABEL_BYTES_MAX || !chars_ok(k, b"/") {
+        return Err(bad(&format!(
+            "keys are 1..={LABEL_BYTES_MAX} bytes of A-Z a-z 0-9 . _ - /"
+        )));
+    }
+    if v.len() > LABEL_BYTES_MAX || !chars_ok(v, b"") {
+        return Err(bad(&format!(
+            "values are 0..={LABEL_BYTES_MAX} bytes of A-Z a-z 0-9 . _ -"
+        )));
+    }
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+/// This machine's host name ("localhost" when the kernel does not say).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// `s` with every character a label value or ID may not hold replaced by
+/// `-`, cut to a label's length.
+fn label_safe(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(LABEL_BYTES_MAX)
+        .collect()
+}
+
+fn is_loopback_host(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The target ID when none is given: the persistent target identity (a
+/// UUID in `STATE_DIR/identity`, the same one namespace UUIDs derive from),
+/// so the ID survives restarts and address changes; without a state
+/// directory, `HOSTNAME-PORT`.
+pub fn default_target_id(
+    state_dir: Option<&Path>,
+    host: &str,
+    port: u16,
+) -> Result<String, RegisterError> {
+    match state_dir {
+        Some(dir) => {
+            let path = dir.join("identity");
+            let text =
+                std::fs::read_to_string(&path).map_err(|source| RegisterError::Identity {
+                    path: path.clone(),
+                    source,
+                })?;
+            let id = text.trim().to_owned();
+            check_id("target identity", &id)?;
+            Ok(id)
+        }
+        None => {
+            let mut id = label_safe(host);
+            id.truncate(ID_BYTES_MAX - 6);
+            Ok(format!("{id}-{port}"))
+        }
+    }
+}
+
+// ----- the client -----
+
+/// The control plane's error body.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ApiErrorBody {
+    #[serde(default)]
+    kind: String,
+    #[serde(default)]
+    message: String,
+}
+
+#[derive(Serialize)]
+struct RegisterBody<'a> {
+    id: &'a str,
+    name: &'a str,
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    labels: &'a BTreeMap<String, String>,
+    devices: &'a [DeviceOffer],
+}
+
+/// Blocking HTTP calls to the control plane.
+#[derive(Debug)]
+struct Client {
+    agent: ureq::Agent,
+    cfg: RegistrationConfig,
+}
+
+impl Client {
+    fn new(cfg: RegistrationConfig) -> Client {
+        let agent = ureq::Agent::config_builder()
+            .timeout_global(Some(cfg.request_timeout))
+            // Error statuses carry a JSON body we want to read.
+            .http_status_as_error(false)
+            // Cluster-internal traffic: never through an environment proxy.
+            .proxy(None)
+            .user_agent(concat!("nvpool-target/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .into();
+        Client { agent, cfg }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.cfg.control_plane)
+    }
+
+    fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.cfg.token {
+            Some(t) => r.header("Authorization", format!("Bearer {t}")),
+            None => r,
+        }
+    }
+
+    fn check(
+        &self,
+        op: &'static str,
+        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<(), RegisterError> {
+        let mut resp = r.map_err(|source| RegisterError::Unreachable {
+            url: self.cfg.control_plane.to_string(),
+            source,
+        })?;
+        let status = resp.status().as_u16();
+        if (200..300).contains(&status) {
+            // Drain the body so the connection can be reused.
+            let _ = resp.body_mut().read_to_vec();
+            return Ok(());
+        }
+        let body: ApiErrorBody = resp.body_mut().read_json().unwrap_or_default();
+        Err(RegisterError::Refused {
+            op,
+            status,
+            kind: if body.kind.is_empty() {
+                "http".into()
+            } else {
+                body.kind
+            },
+            message: if body.message.is_empty() {
+                format!("HTTP status {status}")
+            } else {
+                body.message
+            },
+        })
+    }
+
+    fn register(&self) -> Result<(), RegisterError> {
+        let c = &self.cfg;
+        let body = RegisterBody {
+            id: &c.target_id,
+            name: &c.name,
+            addr: c.addr,
+            admin_addr: c.admin_addr,
+            labels: &c.labels,
+            devices: &c.devices,
+        };
+        let r = self
+            .auth(self.agent.post(self.url("/v1/targets")))
+            .send_json(&body);
+        self.check("registration", r)
+    }
+
+    fn heartbeat(&self) -> Result<(), RegisterError> {
+        let path = format!("/v1/targets/{}/heartbeat", self.cfg.target_id);
+        let r = self.auth(self.agent.put(self.url(&path))).send_empty();
+        self.check("the heartbeat", r)
+    }
+}
+
+// ----- the thread -----
+
+/// What the registration thread has achieved so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RegistrationStatus {
+    /// The control plane knows this target (last registration or
+    /// heartbeat succeeded).
+    pub registered: bool,
+    pub registrations: u64,
+    pub heartbeats: u64,
+    /// Failed requests since start.
+    pub failures: u64,
+    /// The latest failure, as logged.
+    pub last_error: Option<String>,
+}
+
+/// Logs failures at most once per interval, with the count of the ones in
+/// between (STYLE 11: a peer must not be able to flood the log).
+#[derive(Debug)]
+struct FailureLog {
+    interval: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+    in_a_row: u64,
+}
+
+impl FailureLog {
+    fn failure(&mut self, what: &str, e: &RegisterError, text: &str) {
+        self.in_a_row += 1;
+        if self.last.is_some_and(|t| t.elapsed() < self.interval) {
+            self.suppressed += 1;
+            return;
+        }
+        self.last = Some(Instant::now());
+        let suppressed = std::mem::take(&mut self.suppressed);
+        // A refused token or an invalid registration needs an operator; an
+        // unreachable or busy control plane fixes itself.
+        match e.status() {
+            Some(s) if (400..500).contains(&s) && ![404, 408, 429].contains(&s) => {
+                tracing::error!(
+                    error = text,
+                    suppressed,
+                    "control plane {what} failed; retrying"
+                )
+            }
+            _ => tracing::warn!(
+                error = text,
+                suppressed,
+                "control plane {what} failed; retrying"
+            ),
+        }
+    }
+
+    fn success(&mut self) {
+        if self.in_a_row > 0 {
+            tracing::info!(
+                failed_attempts = self.in_a_row,
+                "control plane reachable again"
+            );
+        }
+        self.in_a_row = 0;
+        self.last = None;
+        self.suppressed = 0;
+    }
+}
+
+/// The error with its causes, one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// The background thread that registers the target and sends heartbeats.
+/// Stopping it (or dropping it) waits for a request in flight, at most
+/// one request timeout.
+#[derive(Debug)]
+pub struct Registrar {
+    stop: Option<SyncSender<()>>,
+    thread: Option<JoinHandle<()>>,
+    status: Arc<Mutex<RegistrationStatus>>,
+}
+
+impl Registrar {
+    pub fn start(cfg: RegistrationConfig) -> std::io::Result<Registrar> {
+        let (tx, rx) = mpsc::sync_channel::<()>(1);
+        let status = Arc::new(Mutex::new(RegistrationStatus::default()));
+        let shared = status.clone();
+        tracing::info!(control_plane = %cfg.control_plane, target_id = %cfg.target_id,
+            addr = %cfg.addr, admin = %cfg.admin_addr, devices = cfg.devices.len(),
+            "registering with the control plane");
+        let thread = std::thread::Builder::new()
+            .name("nvpool-register".into())
+            .spawn(move || run(Client::new(cfg), &rx, &shared))?;
+        Ok(Registrar {
+            stop: Some(tx),
+            thread: Some(thread),
+            status,
+        })
+    }
+
+    pub fn status(&self) -> RegistrationStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        // Dropping the sender wakes the thread from its wait.
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Registrar {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// A random delay in `[d/2, d]`, so a fleet restarted together does not
+/// hammer a recovering control plane in lockstep.
+fn jitter(d: Duration) -> Duration {
+    let r = u64::from_le_bytes(
+        crate::target::random_bytes()[..8]
+            .try_into()
+            .expect("8 bytes"),
+    );
+    let half = d / 2;
+    half + Duration::from_nanos(r % (half.as_nanos() as u64 + 1))
+}
+
+fn update(status: &Mutex<RegistrationStatus>, f: impl FnOnce(&mut RegistrationStatus)) {
+    f(&mut status.lock().unwrap_or_else(|p| p.into_inner()));
+}
+
+fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationStatus>) {
+    let cfg = &client.cfg;
+    let mut log = FailureLog {
+        interval: Duration::from_millis(CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS),
+        last: None,
+        suppressed: 0,
+        in_a_row: 0,
+    };
+    let mut backoff = cfg.backoff_min;
+    let mut registered = false;
+    loop {
+        let result = if registered {
+            client.heartbeat()
+        } else {
+            client.register()
+        };
+        let wait = match result {
+            Ok(()) => {
+                if !registered {
+                    tracing::info!(target_id = %cfg.target_id, "registered with the control plane");
+                }
+                update(status, |s| {
+                    s.registered = true;
+                    if registered {
+                        s.heartbeats += 1;
+                    } else {
+                        s.registrations += 1;
+                    }
+                });
+                registered = true;
+                backoff = cfg.backoff_min;
+                log.success();
+                cfg.heartbeat_interval
+            }
+            Err(e) if registered && e.status() == Some(404) => {
+                // The control plane lost or removed our record.
+                tracing::info!(target_id = %cfg.target_id, "the control plane does not know this target; registering again");
+                registered = false;
+                update(status, |s| s.registered = false);
+                Duration::ZERO
+            }
+            Err(e) => {
+                let text = chain(&e);
+                log.failure(
+                    if registered {
+                        "heartbeat"
+                    } else {
+                        "registration"
+                    },
+                    &e,
+                    &text,
+                );
+                update(status, |s| {
+                    s.failures += 1;
+                    s.registered = false;
+                    s.last_error = Some(text);
+                });
+                if registered {
+                    // Keep heartbeating at the usual pace: the control plane
+                    // still has the registration.
+                    cfg.heartbeat_interval
+                } else {
+                    let w = jitter(backoff);
+                    backoff = (backoff * 2).min(cfg.backoff_max);
+                    w
+                }
+            }
+        };
+        match stop.recv_timeout(wait) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        let u = ControlPlaneUrl::parse("http://127.0.0.1:4430/").unwrap();
+        assert_eq!(u.as_str(), "http://127.0.0.1:4430");
+        assert_eq!(u.host(), "127.0.0.1");
+        assert_eq!(
+            ControlPlaneUrl::parse("HTTP://cp:4430").unwrap().host(),
+            "cp"
+        );
+        assert_eq!(
+            ControlPlaneUrl::parse("http://[::1]:4430").unwrap().host(),
+            "::1"
+        );
+        for bad in [
+            "https://cp:4430",
+            "cp:4430",
+            "ftp://cp",
+            "http://",
+            "http:///x",
+            "http://a@b",
+        ] {
+            assert!(ControlPlaneUrl::parse(bad).is_err(), "{bad}");
+        }
+        let e = ControlPlaneUrl::parse("https://cp")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("https is not supported"), "{e}");
+    }
+
+    #[test]
+    fn labels_and_ids() {
+        assert_eq!(
+            parse_label("--label", "rack=r1").unwrap(),
+            ("rack".into(), "r1".into())
+        );
+        assert!(parse_label("--label", "topology.x/rack=r-1").is_ok());
+        assert!(parse_label("--label", "rack").is_err());
+        assert!(parse_label("--label", "=x").is_err());
+        assert!(parse_label("--label", "rack=a b").is_err());
+        assert!(check_id("--device", "nvme0n1").is_ok());
+        assert!(check_id("--device", "a/b").is_err());
+        assert!(check_id("--device", "").is_err());
+        assert_eq!(label_safe("h1.example com"), "h1.example-com");
+        assert_eq!(default_target_id(None, "h1", 4420).unwrap(), "h1-4420");
+    }
+
+    #[test]
+    fn devices_are_whole_and_measured() {
+        let o = DeviceOffer::probe("r0", "ram:8M", BTreeMap::new()).unwrap();
+        assert_eq!(o.capacity_bytes, 8 << 20);
+        let e = DeviceOffer::probe("f0", "file:/x,offset=4096", BTreeMap::new()).unwrap_err();
+        assert!(e.to_string().contains("whole file"), "{e}");
+        let e =
+            DeviceOffer::probe("f0", "file:/nonexistent/nvpool.img", BTreeMap::new()).unwrap_err();
+        assert!(matches!(e, RegisterError::DeviceOpen { .. }), "{e}");
+        assert!(DeviceOffer::probe("f0", "disk:/x", BTreeMap::new()).is_err());
+    }
+
+    #[test]
+    fn port_zero_resolves_to_the_bound_port() {
+        let c: Vec<SocketAddr> = vec![
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1:8009".parse().unwrap(),
+        ];
+        let b: Vec<SocketAddr> = vec![
+            "127.0.0.1:8009".parse().unwrap(),
+            "127.0.0.1:40000".parse().unwrap(),
+        ];
+        assert_eq!(resolve_port(c[0], &c, &b), b[1]);
+        assert_eq!(resolve_port(c[1], &c, &b), c[1]);
+    }
+
+    #[test]
+    fn jitter_stays_in_range() {
+        for _ in 0..100 {
+            let j = jitter(Duration::from_millis(1000));
+            assert!(j >= Duration::from_millis(500) && j <= Duration::from_millis(1000));
+        }
+        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
+    }
+}

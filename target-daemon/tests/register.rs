@@ -1,0 +1,496 @@
+//! Registration with the control plane: an in-process `nvpool-control` API
+//! (MemStore, real clock) on a loopback port, and targets that register
+//! their devices, heartbeat, survive a refused token or an absent control
+//! plane, and re-register when the control plane forgets them.
+
+mod common;
+
+use common::*;
+use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::store::MemStore;
+use nvpool_control::{Cluster, StateConfig, SystemClock};
+use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegistrationStatus};
+use nvpool_target::{Registrar, RegistrationConfig};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+/// How long a test waits for something the registration thread does.
+const PATIENCE: Duration = Duration::from_secs(15);
+
+// ----- an in-process control plane -----
+
+struct ControlPlane {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ControlPlane {
+    /// Serves a fresh cluster on `bind` (port 0 for any).
+    fn start_on(bind: SocketAddr, auth: AuthConfig) -> ControlPlane {
+        let config = StateConfig {
+            extent_bytes: MIB,
+            ..StateConfig::default()
+        };
+        let cluster =
+            Cluster::new(Arc::new(MemStore::new()), Arc::new(SystemClock), config).unwrap();
+        let app = router(Arc::new(cluster), auth);
+        let listener = TcpListener::bind(bind).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(listener).unwrap();
+                axum::serve(l, app)
+                    .with_graceful_shutdown(async {
+                        let _ = rx.await;
+                    })
+                    .await
+                    .unwrap();
+            });
+        });
+        ControlPlane {
+            addr,
+            stop: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    fn start(auth: AuthConfig) -> ControlPlane {
+        ControlPlane::start_on("127.0.0.1:0".parse().unwrap(), auth)
+    }
+
+    fn url(&self) -> ControlPlaneUrl {
+        ControlPlaneUrl::parse(&format!("http://{}", self.addr)).unwrap()
+    }
+
+    fn get(&self, path: &str) -> (u16, Value) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .build()
+            .into();
+        let mut r = agent
+            .get(format!("http://{}{path}", self.addr))
+            .call()
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.body_mut().read_json().unwrap())
+    }
+
+    fn targets(&self) -> Vec<Value> {
+        let (status, v) = self.get("/v1/targets");
+        assert_eq!(status, 200, "{v}");
+        v.as_array().unwrap().clone()
+    }
+
+    fn target(&self, id: &str) -> Option<Value> {
+        self.targets().into_iter().find(|t| t["id"] == id)
+    }
+
+    fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+// ----- helpers -----
+
+/// Waits until `f` holds, or fails the test with `what`.
+#[track_caller]
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[track_caller]
+fn wait_status(r: &Registrar, what: &str, f: impl Fn(&RegistrationStatus) -> bool) {
+    wait_for(what, || f(&r.status()));
+}
+
+/// A registration with quick heartbeats and retries.
+fn quick(url: ControlPlaneUrl, id: &str, d: &Daemon) -> RegistrationConfig {
+    let mut c = RegistrationConfig::new(url, id.into(), format!("{id}-name"), d.addr, d.api);
+    c.heartbeat_interval = Duration::from_millis(100);
+    c.backoff_min = Duration::from_millis(20);
+    c.backoff_max = Duration::from_millis(100);
+    c.request_timeout = Duration::from_secs(2);
+    c
+}
+
+/// A port nothing listens on (bound, then released).
+fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Log lines of every test in this binary (the registration thread logs
+/// from its own thread, so a thread-local subscriber would miss them).
+fn logs() -> &'static Mutex<Vec<u8>> {
+    static LOGS: OnceLock<Mutex<Vec<u8>>> = OnceLock::new();
+    static INIT: OnceLock<()> = OnceLock::new();
+    let buf = LOGS.get_or_init(|| Mutex::new(Vec::new()));
+    INIT.get_or_init(|| {
+        #[derive(Clone)]
+        struct Sink;
+        impl Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                logs().lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("nvpool_target::register=info")
+            .with_ansi(false)
+            .with_writer(|| Sink)
+            .try_init();
+    });
+    buf
+}
+
+fn log_text() -> String {
+    String::from_utf8_lossy(&logs().lock().unwrap()).into_owned()
+}
+
+/// One NVMe/TCP write and read back through the target.
+fn serves_io(d: &Daemon) {
+    let (_admin, mut q) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let data = pattern(42, 4096);
+    q.write(1, 8, &data, 512, false).ok();
+    assert_eq!(q.read_ok(1, 8, 8, 512), data);
+}
+
+// ----- tests -----
+
+#[test]
+fn target_registers_its_devices_labels_and_addresses_then_heartbeats() {
+    logs();
+    let cp = ControlPlane::start(AuthConfig::default());
+    let (_dir0, f0) = scratch_file(8 * MIB);
+    let (_dir1, f1) = scratch_file(16 * MIB + 4096);
+    let d = Daemon::start(&[]);
+    let mut cfg = quick(cp.url(), "t-reg", &d);
+    cfg.labels = BTreeMap::from([
+        ("rack".to_string(), "r1".to_string()),
+        ("host".to_string(), "h1".to_string()),
+    ]);
+    cfg.devices = vec![
+        DeviceOffer::probe("d0", &file_spec(&f0), BTreeMap::new()).unwrap(),
+        DeviceOffer::probe(
+            "d1",
+            &file_spec(&f1),
+            BTreeMap::from([("class".to_string(), "tlc".to_string())]),
+        )
+        .unwrap(),
+    ];
+    let r = Registrar::start(cfg).unwrap();
+    wait_for("the target to be listed", || cp.target("t-reg").is_some());
+    let t = cp.target("t-reg").unwrap();
+    assert_eq!(t["name"], "t-reg-name");
+    assert_eq!(t["addr"], d.addr.to_string());
+    assert_eq!(t["admin_addr"], d.api.to_string());
+    assert_eq!(t["labels"], serde_json::json!({"rack": "r1", "host": "h1"}));
+    assert_eq!(t["health"], "online");
+    let devices = t["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2, "{t}");
+    assert_eq!(devices[0]["id"], "d0");
+    assert_eq!(devices[0]["backend"], file_spec(&f0));
+    assert_eq!(devices[0]["capacity_bytes"], 8 * MIB);
+    assert_eq!(devices[0]["labels"], serde_json::json!({}));
+    assert_eq!(devices[1]["id"], "d1");
+    assert_eq!(devices[1]["capacity_bytes"], 16 * MIB + 4096);
+    assert_eq!(devices[1]["labels"], serde_json::json!({"class": "tlc"}));
+    assert_eq!(t["capacity"]["total_bytes"], 24 * MIB + 4096);
+
+    // Heartbeats move last_heartbeat_ms forward.
+    let first = t["last_heartbeat_ms"].as_u64().unwrap();
+    wait_for("a later heartbeat", || {
+        cp.target("t-reg").unwrap()["last_heartbeat_ms"]
+            .as_u64()
+            .unwrap()
+            > first
+    });
+    wait_status(&r, "counted heartbeats", |s| s.heartbeats >= 2);
+    let s = r.status();
+    assert!(
+        s.registered && s.registrations == 1 && s.failures == 0,
+        "{s:?}"
+    );
+
+    // Stopping is prompt: the thread sleeps on a channel, not a timer.
+    let t0 = Instant::now();
+    r.stop();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    d.shutdown();
+    cp.stop();
+}
+
+#[test]
+fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
+    logs();
+    let cp = ControlPlane::start(AuthConfig {
+        admin_token: Some("admin-secret".into()),
+        target_token: Some("target-secret".into()),
+    });
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    let mut cfg = quick(cp.url(), "t-token", &d);
+    cfg.token = Some("not-the-secret".into());
+    let r = Registrar::start(cfg).unwrap();
+    wait_status(&r, "three refusals", |s| s.failures >= 3);
+    let s = r.status();
+    assert!(!s.registered, "{s:?}");
+    let err = s.last_error.unwrap();
+    assert!(
+        err.contains("401") && err.contains("unauthorized") && err.contains("not valid"),
+        "{err}"
+    );
+    assert!(cp.target("t-token").is_none());
+    serves_io(&d);
+    r.stop();
+    // Logged at error level, once: later refusals fall in the rate limit.
+    let text = log_text();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("bearer token is not valid"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{text}");
+    assert!(
+        lines[0].contains("ERROR") && lines[0].contains("registration failed"),
+        "{}",
+        lines[0]
+    );
+
+    // The right token registers.
+    let mut cfg = quick(cp.url(), "t-token", &d);
+    cfg.token = Some("target-secret".into());
+    let r = Registrar::start(cfg).unwrap();
+    wait_for("the target to be listed", || cp.target("t-token").is_some());
+    r.stop();
+}
+
+#[test]
+fn the_target_serves_io_while_the_control_plane_is_unreachable() {
+    logs();
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    let url = ControlPlaneUrl::parse(&format!("http://{}", closed_port())).unwrap();
+    let r = Registrar::start(quick(url, "t-down", &d)).unwrap();
+    wait_status(&r, "failed attempts", |s| s.failures >= 3);
+    let err = r.status().last_error.unwrap();
+    assert!(err.contains("cannot reach the control plane"), "{err}");
+    serves_io(&d);
+    serves_io(&d);
+    let t0 = Instant::now();
+    r.stop();
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+    d.shutdown();
+}
+
+#[test]
+fn a_control_plane_that_forgot_the_target_gets_a_new_registration() {
+    logs();
+    let cp = ControlPlane::start(AuthConfig::default());
+    let addr = cp.addr;
+    let d = Daemon::start(&[]);
+    let r = Registrar::start(quick(cp.url(), "t-forgot", &d)).unwrap();
+    wait_status(&r, "heartbeats", |s| s.heartbeats >= 1);
+    // A new control plane on the same address with an empty store: the next
+    // heartbeat gets 404 and the target registers again.
+    cp.stop();
+    let cp = ControlPlane::start_on(addr, AuthConfig::default());
+    wait_for("the target to be listed again", || {
+        cp.target("t-forgot").is_some()
+    });
+    wait_status(&r, "a second registration", |s| {
+        s.registrations >= 2 && s.registered
+    });
+    r.stop();
+}
+
+// ----- the daemon binary -----
+
+fn daemon_bin() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_nvpool-target"));
+    c.env_remove("NVPOOL_CONTROL_PLANE")
+        .env_remove("NVPOOL_TARGET_TOKEN_FILE")
+        .env_remove("NVPOOL_TARGET_CONFIG")
+        .env_remove("NVPOOL_TARGET_STATE_DIR")
+        .env("NVPOOL_LOG", "warn");
+    c
+}
+
+/// Runs the daemon with `args` expecting it to refuse to start.
+#[track_caller]
+fn start_error(args: &[&str]) -> String {
+    let mut cmd = daemon_bin();
+    cmd.args(["--listen", "127.0.0.1:0"]);
+    if !args.contains(&"--admin-listen") {
+        cmd.args(["--admin-listen", "127.0.0.1:0"]);
+    }
+    let out = cmd.args(args).output().unwrap();
+    assert!(!out.status.success(), "{args:?} started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn bad_registration_options_stop_the_daemon_at_start() {
+    let (_dir, f) = scratch_file(4 * MIB);
+    let dev = format!("d0={}", file_spec(&f));
+    let cp = format!("http://{}", closed_port());
+    let e = start_error(&["--control-plane", "https://cp:4430", "--device", &dev]);
+    assert!(e.contains("https is not supported"), "{e}");
+    let e = start_error(&["--control-plane", "cp:4430"]);
+    assert!(e.contains("expected http://HOST:PORT"), "{e}");
+    let e = start_error(&["--control-plane", &cp, "--admin-listen", "off"]);
+    assert!(e.contains("needs the admin API"), "{e}");
+    let e = start_error(&[
+        "--control-plane",
+        &cp,
+        "--device",
+        "d0=file:/nonexistent/x.img",
+    ]);
+    assert!(
+        e.contains("--device d0=file:/nonexistent/x.img: cannot open /nonexistent/x.img"),
+        "{e}"
+    );
+    let e = start_error(&[
+        "--control-plane",
+        &cp,
+        "--device",
+        &format!("{dev},offset=4096"),
+    ]);
+    assert!(e.contains("whole file"), "{e}");
+    let e = start_error(&["--control-plane", &cp, "--device", "d/0=ram:1M"]);
+    assert!(e.contains("IDs are"), "{e}");
+    let e = start_error(&[
+        "--control-plane",
+        &cp,
+        "--device",
+        "d0=ram:1M",
+        "--device",
+        "d0=ram:2M",
+    ]);
+    assert!(e.contains("given twice"), "{e}");
+    let e = start_error(&["--control-plane", &cp, "--label", "rack"]);
+    assert!(e.contains("KEY=VALUE"), "{e}");
+    let e = start_error(&["--device", &dev]);
+    assert!(e.contains("give --control-plane"), "{e}");
+    let e = start_error(&[
+        "--control-plane",
+        &cp,
+        "--control-plane-token-file",
+        "/nonexistent/token",
+    ]);
+    assert!(e.contains("cannot read the token"), "{e}");
+    // Every error is one line.
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+}
+
+#[test]
+fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
+    let cp = ControlPlane::start(AuthConfig {
+        admin_token: None,
+        target_token: Some("tok".into()),
+    });
+    let (dir, f) = scratch_file(4 * MIB);
+    let state = dir.path().join("state");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "tok\n").unwrap();
+    let mut child = daemon_bin()
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--no-io-uring", "--reactors", "1"])
+        .arg("--state-dir")
+        .arg(&state)
+        .args(["--control-plane", &format!("http://{}", cp.addr)])
+        .arg("--control-plane-token-file")
+        .arg(&token)
+        .args(["--device", &format!("d0={}", file_spec(&f))])
+        .args(["--device", "r0=ram:2M"])
+        .args(["--device-label", "r0:class=ram"])
+        .args(["--label", "rack=r9", "--name", "bin-node"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let id = || {
+        std::fs::read_to_string(state.join("identity"))
+            .ok()
+            .map(|s| s.trim().to_owned())
+    };
+    wait_for("the identity file", || id().is_some());
+    let id = id().unwrap();
+    wait_for("the daemon to register", || cp.target(&id).is_some());
+    let t = cp.target(&id).unwrap();
+    assert_eq!(t["name"], "bin-node");
+    let addr: SocketAddr = t["addr"].as_str().unwrap().parse().unwrap();
+    let admin: SocketAddr = t["admin_addr"].as_str().unwrap().parse().unwrap();
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{t}");
+    assert!(
+        admin.ip().is_loopback() && admin.port() != 0 && admin != addr,
+        "{t}"
+    );
+    assert_eq!(t["labels"]["rack"], "r9");
+    assert!(
+        t["labels"]["host"].as_str().is_some_and(|h| !h.is_empty()),
+        "{t}"
+    );
+    assert_eq!(t["devices"][0]["capacity_bytes"], 4 * MIB);
+    assert_eq!(t["devices"][1]["id"], "r0");
+    assert_eq!(t["devices"][1]["capacity_bytes"], 2 * MIB);
+    assert_eq!(t["devices"][1]["labels"]["class"], "ram");
+    // The admin API answers where the control plane was told it is.
+    let (status, _) = {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .build()
+            .into();
+        let mut r = agent
+            .get(format!("http://{admin}/v1/target"))
+            .call()
+            .unwrap();
+        let s = r.status().as_u16();
+        (s, r.body_mut().read_to_string().unwrap())
+    };
+    assert_eq!(status, 200);
+
+    // SAFETY: kill has no memory preconditions; the pid is our child's.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < PATIENCE, "the daemon did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}
