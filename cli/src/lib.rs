@@ -1,8 +1,19 @@
 //! The `nvpool` command line.
+//!
+//! ```text
+//!   discover, bench ── NVMe/TCP straight to a target (nvpool-initiator)
+//!   target, pool, volume ── REST to the control plane (client.rs; cluster.rs, volume.rs)
+//! ```
+//!
+//! Exit codes: 0 success, 1 failure, 2 usage error; every error is one
+//! `nvpool: …` line on stderr.
 
 pub mod bench;
+pub mod client;
+pub mod cluster;
 pub mod discover;
 pub mod size;
+pub mod volume;
 
 use clap::{Parser, Subcommand};
 use std::io::IsTerminal;
@@ -20,6 +31,12 @@ pub struct Cli {
     /// Log filter (RUST_LOG syntax).
     #[arg(long, global = true, default_value = "warn", env = "NVPOOL_LOG")]
     pub log: String,
+    /// Control plane URL (target, pool and volume commands).
+    #[arg(long, global = true, env = "NVPOOL_ENDPOINT", default_value = client::DEFAULT_ENDPOINT, value_name = "URL")]
+    pub endpoint: String,
+    /// File holding the admin bearer token for changes (target, pool and volume commands).
+    #[arg(long, global = true, env = "NVPOOL_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub cmd: Command,
 }
@@ -30,7 +47,19 @@ pub enum Command {
     Discover(discover::Args),
     /// Load an NVMe/TCP namespace like fio does and report IOPS, bandwidth and latency.
     Bench(bench::Args),
+    /// Storage targets registered with the control plane.
+    Target(cluster::TargetArgs),
+    /// Pools: named sets of target devices that volumes are placed on.
+    Pool(cluster::PoolArgs),
+    /// Volumes: create, list, grow, delete, attach to and detach from hosts.
+    Volume(volume::VolumeArgs),
 }
+
+/// A command line that parsed but makes no sense (a flag that does not
+/// apply, a size that is not whole blocks): exit code 2, like clap's own.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
 
 /// Output formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -86,15 +115,60 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    let conn = cluster::Connection {
+        endpoint: cli.endpoint,
+        token_file: cli.token_file,
+    };
     let r = match cli.cmd {
         Command::Discover(a) => discover::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Target(a) => cluster::run_target(&conn, a),
+        Command::Pool(a) => cluster::run_pool(&conn, a),
+        Command::Volume(a) => volume::run(&conn, a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("nvpool: {}", format!("{e:#}").replace('\n', " "));
-            ExitCode::from(1)
+            let usage = e.downcast_ref::<Usage>().is_some()
+                || matches!(
+                    e.downcast_ref::<client::ClientError>(),
+                    Some(client::ClientError::Endpoint { .. })
+                );
+            if usage {
+                ExitCode::from(2)
+            } else {
+                ExitCode::from(1)
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn global_options_go_anywhere() {
+        let c = Cli::try_parse_from([
+            "nvpool",
+            "--endpoint",
+            "http://cp:1",
+            "volume",
+            "ls",
+            "-o",
+            "json",
+        ])
+        .unwrap();
+        assert_eq!(c.endpoint, "http://cp:1");
+        let c = Cli::try_parse_from(["nvpool", "pool", "-o", "json", "ls", "--token-file", "/t"])
+            .unwrap();
+        assert_eq!(c.token_file.as_deref(), Some(std::path::Path::new("/t")));
     }
 }

@@ -28,6 +28,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
+/// A byte count for people, in IEC units with one decimal: `512 B`,
+/// `4.0 KiB`, `10.0 GiB`, `1.5 TiB`.
+pub fn format_iec(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    // Round first so 1023.96 KiB prints as 1.0 MiB, not 1024.0 KiB.
+    while (v * 10.0).round() / 10.0 >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
 /// `10s`, `500ms`, `2m`, or bare seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
@@ -62,6 +79,17 @@ mod tests {
         assert_eq!(parse_size("1TiB").unwrap(), 1 << 40);
         assert!(parse_size("4q").is_err());
         assert!(parse_size("k").is_err());
+    }
+
+    #[test]
+    fn iec_output() {
+        assert_eq!(format_iec(0), "0 B");
+        assert_eq!(format_iec(1023), "1023 B");
+        assert_eq!(format_iec(4096), "4.0 KiB");
+        assert_eq!(format_iec(10 << 30), "10.0 GiB");
+        assert_eq!(format_iec(3 << 39), "1.5 TiB");
+        assert_eq!(format_iec((1 << 20) - 1), "1.0 MiB");
+        assert_eq!(format_iec(u64::MAX), "16.0 EiB");
     }
 
     #[test]

@@ -1,0 +1,312 @@
+//! A blocking client of the control plane's REST API (`nvpool-control`).
+//!
+//! JSON over plain HTTP/1.1 (ureq, no TLS stack). Reads are open; mutating
+//! calls carry the admin bearer token when one is configured. Failures come
+//! back as one [`ClientError`] whose `Display` is the one line the command
+//! prints: the control plane's own `message` for an API error, or "cannot
+//! reach the control plane at URL: …" when no HTTP answer arrived.
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The control plane a fresh install listens on.
+pub const DEFAULT_ENDPOINT: &str = "http://127.0.0.1:4430";
+
+/// One request, connect to last byte. An attach programs every target
+/// holding an extent of the volume before it answers; a minute covers a
+/// large volume on a slow network without leaving a dead connection
+/// hanging forever.
+pub const REQUEST_TIMEOUT_MS: u64 = 60_000;
+/// Connecting only: a control plane that does not accept within this is
+/// down or firewalled, and the user should hear so quickly.
+pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
+/// Largest response body read (a full volume list with every extent of
+/// many volumes fits).
+pub const RESPONSE_BYTES_MAX: u64 = 256 << 20;
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("--endpoint {url:?}: {reason}")]
+    Endpoint { url: String, reason: String },
+    #[error("--token-file {path}: cannot read the token")]
+    TokenFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// No HTTP answer: refused, timed out, reset.
+    #[error("cannot reach the control plane at {url}")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: ureq::Error,
+    },
+    /// The control plane answered with an error (`{kind, message, details}`).
+    #[error("{message}{hint}")]
+    Api {
+        status: u16,
+        kind: String,
+        message: String,
+        details: serde_json::Value,
+        /// What the user can do about it, when we know (starts with a space).
+        hint: String,
+    },
+    /// An answer that is not what the API documents.
+    #[error("unexpected answer from the control plane to {method} {path}: {reason}")]
+    Protocol {
+        method: &'static str,
+        path: String,
+        reason: String,
+    },
+}
+
+impl ClientError {
+    /// The API error kind (`not_found`, `unauthorized`…), if the control
+    /// plane answered.
+    pub fn kind(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { kind, .. } => Some(kind),
+            _ => None,
+        }
+    }
+
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+struct ErrorBody {
+    #[serde(default)]
+    kind: String,
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    details: serde_json::Value,
+}
+
+/// Checks and normalises the endpoint: `http://HOST[:PORT][/PREFIX]`
+/// without a trailing slash.
+pub fn parse_endpoint(url: &str) -> Result<String, ClientError> {
+    let bad = |reason: &str| ClientError::Endpoint {
+        url: url.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let t = url.trim();
+    if t.get(..8)
+        .is_some_and(|p| p.eq_ignore_ascii_case("https://"))
+    {
+        return Err(bad(
+            "https is not supported; use http:// (through a TLS proxy if needed)",
+        ));
+    }
+    let rest = match t.get(..7) {
+        Some(p) if p.eq_ignore_ascii_case("http://") => &t[7..],
+        _ => return Err(bad("expected http://HOST:PORT")),
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    if authority.is_empty() || authority.contains(['@', '?', '#', ' ']) {
+        return Err(bad("expected http://HOST:PORT"));
+    }
+    Ok(format!("http://{}", rest.trim_end_matches('/')))
+}
+
+/// Reads a bearer token: the file's content, whitespace trimmed.
+pub fn read_token(path: &Path) -> Result<String, ClientError> {
+    let err = |source| ClientError::TokenFile {
+        path: path.to_owned(),
+        source,
+    };
+    let text = std::fs::read_to_string(path).map_err(err)?;
+    let t = text.trim();
+    if t.is_empty() || t.contains(|c: char| c.is_whitespace() || c.is_control()) {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the file must hold one token",
+        )));
+    }
+    Ok(t.to_owned())
+}
+
+/// Percent-encodes one path segment: everything but RFC 3986 unreserved
+/// characters (host NQNs hold `:`, which must not reach the path raw).
+pub fn segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The control plane at one endpoint.
+#[derive(Debug)]
+pub struct Client {
+    base: String,
+    token: Option<String>,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    pub fn new(endpoint: &str, token: Option<String>) -> Result<Client, ClientError> {
+        let base = parse_endpoint(endpoint)?;
+        let agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_millis(REQUEST_TIMEOUT_MS)))
+            .timeout_connect(Some(Duration::from_millis(CONNECT_TIMEOUT_MS)))
+            // Error statuses carry the JSON body we print.
+            .http_status_as_error(false)
+            // The control plane is cluster-internal: never via an environment proxy.
+            .proxy(None)
+            .user_agent(concat!("nvpool/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .into();
+        Ok(Client { base, token, agent })
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.base
+    }
+
+    pub fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+        let r = self.agent.get(self.url(path)).call();
+        self.json("GET", path, r).map(|(_, v)| v)
+    }
+
+    /// PUT with a JSON body; also returns the status (201 created, 200 existed).
+    pub fn put<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<(u16, T), ClientError> {
+        let r = self.auth(self.agent.put(self.url(path))).send_json(body);
+        self.json("PUT", path, r)
+    }
+
+    /// PUT without a body; also returns the status.
+    pub fn put_empty<T: DeserializeOwned>(&self, path: &str) -> Result<(u16, T), ClientError> {
+        let r = self.auth(self.agent.put(self.url(path))).send_empty();
+        self.json("PUT", path, r)
+    }
+
+    pub fn post<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<T, ClientError> {
+        let r = self.auth(self.agent.post(self.url(path))).send_json(body);
+        self.json("POST", path, r).map(|(_, v)| v)
+    }
+
+    pub fn delete(&self, path: &str) -> Result<(), ClientError> {
+        let r = self.auth(self.agent.delete(self.url(path))).call();
+        let mut resp = self.answer(r)?;
+        let _ = resp.body_mut().read_to_vec();
+        Ok(())
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.token {
+            Some(t) => r.header("Authorization", format!("Bearer {t}")),
+            None => r,
+        }
+    }
+
+    /// A 2xx response, or the error it stands for.
+    fn answer(
+        &self,
+        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<ureq::http::Response<ureq::Body>, ClientError> {
+        let mut resp = r.map_err(|source| ClientError::Unreachable {
+            url: self.base.clone(),
+            source,
+        })?;
+        let status = resp.status().as_u16();
+        if (200..300).contains(&status) {
+            return Ok(resp);
+        }
+        let body: ErrorBody = resp
+            .body_mut()
+            .with_config()
+            .limit(1 << 20)
+            .read_json()
+            .unwrap_or_default();
+        let hint = match status {
+            401 if self.token.is_none() => {
+                " (give the admin token with --token-file or NVPOOL_TOKEN_FILE)".to_owned()
+            }
+            _ => String::new(),
+        };
+        Err(ClientError::Api {
+            status,
+            kind: if body.kind.is_empty() {
+                "http".into()
+            } else {
+                body.kind
+            },
+            message: if body.message.is_empty() {
+                format!("the control plane answered HTTP {status}")
+            } else {
+                body.message
+            },
+            details: body.details,
+            hint,
+        })
+    }
+
+    fn json<T: DeserializeOwned>(
+        &self,
+        method: &'static str,
+        path: &str,
+        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<(u16, T), ClientError> {
+        let mut resp = self.answer(r)?;
+        let status = resp.status().as_u16();
+        let v = resp
+            .body_mut()
+            .with_config()
+            .limit(RESPONSE_BYTES_MAX)
+            .read_json()
+            .map_err(|e| ClientError::Protocol {
+                method,
+                path: path.to_owned(),
+                reason: e.to_string(),
+            })?;
+        Ok((status, v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(parse_endpoint("http://cp:4430/").unwrap(), "http://cp:4430");
+        assert_eq!(parse_endpoint(" HTTP://cp ").unwrap(), "http://cp");
+        for bad in ["https://cp", "cp:4430", "http://", "http://u@cp", "ftp://x"] {
+            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn segments_are_percent_encoded() {
+        assert_eq!(
+            segment("nqn.2014-08.org.nvmexpress:uuid:ab"),
+            "nqn.2014-08.org.nvmexpress%3Auuid%3Aab"
+        );
+        assert_eq!(segment("a b/c"), "a%20b%2Fc");
+    }
+}

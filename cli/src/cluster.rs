@@ -1,0 +1,386 @@
+//! `nvpool target …` and `nvpool pool …`, and what every control-plane
+//! command shares: the connection options, the response types as the CLI
+//! reads them, and table helpers.
+//!
+//! Table output is for people (IEC sizes, one row per object); `-o json`
+//! prints the control plane's JSON exactly as it answered, so scripts see
+//! every field, including ones this CLI does not know yet.
+
+use crate::client::{segment, Client, ClientError};
+use crate::size::format_iec;
+use crate::{Format, Usage};
+use comfy_table::Table;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Where the control plane is and how to authenticate; from the global
+/// `--endpoint` and `--token-file` options.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    pub endpoint: String,
+    pub token_file: Option<PathBuf>,
+}
+
+impl Connection {
+    /// A client; `mutating` calls read the token file (reads never need it,
+    /// so a missing token file does not break `ls`).
+    pub fn client(&self, mutating: bool) -> Result<Client, ClientError> {
+        let token = match (&self.token_file, mutating) {
+            (Some(p), true) => Some(crate::client::read_token(p)?),
+            _ => None,
+        };
+        Client::new(&self.endpoint, token)
+    }
+}
+
+/// `-o table|json` for the control-plane commands.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OutputArgs {
+    /// Output format.
+    #[arg(short = 'o', long = "output-format", alias = "output", global = true, value_enum, default_value_t = Format::Table)]
+    pub output: Format,
+}
+
+// ----- responses, as the CLI reads them (unknown fields are ignored) -----
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CapacityOut {
+    pub total_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceOut {
+    pub id: String,
+    pub backend: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub pool: Option<String>,
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TargetOut {
+    pub id: String,
+    pub name: String,
+    pub addr: String,
+    pub admin_addr: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    pub health: String,
+    pub state: String,
+    pub registered_ms: u64,
+    pub last_heartbeat_ms: u64,
+    pub capacity: CapacityOut,
+    pub devices: Vec<DeviceOut>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRef {
+    pub target: String,
+    pub device: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PoolOut {
+    pub name: String,
+    pub devices: Vec<DeviceRef>,
+    pub created_ms: u64,
+    pub capacity: CapacityOut,
+}
+
+/// Decodes a JSON answer into the CLI's view of it.
+pub fn typed<T: DeserializeOwned>(what: &'static str, v: &Value) -> Result<T, ClientError> {
+    serde_json::from_value(v.clone()).map_err(|e| ClientError::Protocol {
+        method: "GET",
+        path: what.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+// ----- output helpers -----
+
+pub fn table(header: &[&str]) -> Table {
+    let mut t = Table::new();
+    t.load_preset(comfy_table::presets::NOTHING);
+    t.set_header(header.iter().copied());
+    t
+}
+
+pub fn print_json(v: &Value) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+/// `k=v,k=v`, or `-`.
+pub fn labels(l: &BTreeMap<String, String>) -> String {
+    if l.is_empty() {
+        return "-".into();
+    }
+    l.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Aligned `key: value` lines above a detail table.
+pub fn print_fields(fields: &[(&str, String)]) {
+    let w = fields.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in fields {
+        println!("{:<w$}  {v}", format!("{k}:"), w = w + 1);
+    }
+}
+
+/// Milliseconds since the Unix epoch as an age: `3s ago`, `2h ago`.
+pub fn age(ms: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let s = now.saturating_sub(ms) / 1000;
+    match s {
+        0..=119 => format!("{s}s ago"),
+        120..=7199 => format!("{}m ago", s / 60),
+        7200..=172_799 => format!("{}h ago", s / 3600),
+        _ => format!("{}d ago", s / 86400),
+    }
+}
+
+// ----- nvpool target -----
+
+#[derive(Debug, clap::Args)]
+pub struct TargetArgs {
+    #[command(flatten)]
+    pub out: OutputArgs,
+    #[command(subcommand)]
+    pub cmd: TargetCmd,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum TargetCmd {
+    /// List registered targets with health and capacity.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one target and its devices.
+    Info {
+        /// Target ID.
+        id: String,
+    },
+}
+
+pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
+    let c = conn.client(false)?;
+    let fmt = a.out.output;
+    match a.cmd {
+        TargetCmd::Ls => {
+            let v: Value = c.get("/v1/targets")?;
+            if fmt == Format::Json {
+                return print_json(&v);
+            }
+            let targets: Vec<TargetOut> = typed("/v1/targets", &v)?;
+            let mut t = table(&[
+                "ID", "NAME", "ADDR", "HEALTH", "STATE", "DEVICES", "SIZE", "USED", "FREE",
+                "LABELS",
+            ]);
+            for x in &targets {
+                t.add_row([
+                    x.id.clone(),
+                    x.name.clone(),
+                    x.addr.clone(),
+                    x.health.clone(),
+                    x.state.clone(),
+                    x.devices.len().to_string(),
+                    format_iec(x.capacity.total_bytes),
+                    format_iec(x.capacity.used_bytes),
+                    format_iec(x.capacity.free_bytes),
+                    labels(&x.labels),
+                ]);
+            }
+            println!("{t}");
+        }
+        TargetCmd::Info { id } => {
+            let path = format!("/v1/targets/{}", segment(&id));
+            let v: Value = c.get(&path)?;
+            if fmt == Format::Json {
+                return print_json(&v);
+            }
+            let x: TargetOut = typed("/v1/targets/{id}", &v)?;
+            print_fields(&[
+                ("ID", x.id.clone()),
+                ("Name", x.name.clone()),
+                ("Address", x.addr.clone()),
+                ("Admin address", x.admin_addr.clone()),
+                ("Health", x.health.clone()),
+                ("State", x.state.clone()),
+                ("Labels", labels(&x.labels)),
+                ("Last heartbeat", age(x.last_heartbeat_ms)),
+                ("Size", format_iec(x.capacity.total_bytes)),
+                ("Used", format_iec(x.capacity.used_bytes)),
+                ("Free", format_iec(x.capacity.free_bytes)),
+            ]);
+            println!();
+            let mut t = table(&[
+                "DEVICE", "BACKEND", "POOL", "SIZE", "USED", "FREE", "LABELS",
+            ]);
+            for d in &x.devices {
+                t.add_row([
+                    d.id.clone(),
+                    d.backend.clone(),
+                    d.pool.clone().unwrap_or_else(|| "-".into()),
+                    format_iec(d.capacity_bytes),
+                    format_iec(d.used_bytes),
+                    format_iec(d.free_bytes),
+                    labels(&d.labels),
+                ]);
+            }
+            println!("{t}");
+        }
+    }
+    Ok(())
+}
+
+// ----- nvpool pool -----
+
+#[derive(Debug, clap::Args)]
+pub struct PoolArgs {
+    #[command(flatten)]
+    pub out: OutputArgs,
+    #[command(subcommand)]
+    pub cmd: PoolCmd,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum PoolCmd {
+    /// Create a pool from target devices (idempotent with the same devices).
+    Create {
+        name: String,
+        /// TARGET/DEVICE (repeatable, or a comma-separated list).
+        #[arg(long = "device", value_name = "TARGET/DEVICE", value_delimiter = ',', required = true, value_parser = parse_device_ref)]
+        devices: Vec<DeviceRef>,
+    },
+    /// List pools and their capacity.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show one pool and its devices.
+    Info { name: String },
+    /// Delete a pool no volume uses (its devices return to the unpooled space).
+    #[command(visible_alias = "rm")]
+    Delete { name: String },
+}
+
+fn parse_device_ref(s: &str) -> Result<DeviceRef, String> {
+    match s.trim().split_once('/') {
+        Some((t, d)) if !t.is_empty() && !d.is_empty() && !d.contains('/') => Ok(DeviceRef {
+            target: t.to_owned(),
+            device: d.to_owned(),
+        }),
+        _ => Err(format!("{s:?} is not TARGET/DEVICE")),
+    }
+}
+
+fn print_pool(v: &Value, fmt: Format) -> anyhow::Result<()> {
+    if fmt == Format::Json {
+        return print_json(v);
+    }
+    let p: PoolOut = typed("pool", v)?;
+    print_fields(&[
+        ("Name", p.name.clone()),
+        ("Devices", p.devices.len().to_string()),
+        ("Size", format_iec(p.capacity.total_bytes)),
+        ("Used", format_iec(p.capacity.used_bytes)),
+        ("Free", format_iec(p.capacity.free_bytes)),
+    ]);
+    println!();
+    let mut t = table(&["TARGET", "DEVICE"]);
+    for d in &p.devices {
+        t.add_row([d.target.clone(), d.device.clone()]);
+    }
+    println!("{t}");
+    Ok(())
+}
+
+pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
+    let fmt = a.out.output;
+    match a.cmd {
+        PoolCmd::Create { name, devices } => {
+            if name.is_empty() {
+                return Err(Usage("pool create: the name is empty".into()).into());
+            }
+            let c = conn.client(true)?;
+            let body = serde_json::json!({ "devices": devices });
+            let (_, v): (u16, Value) = c.put(&format!("/v1/pools/{}", segment(&name)), &body)?;
+            print_pool(&v, fmt)
+        }
+        PoolCmd::Ls => {
+            let v: Value = conn.client(false)?.get("/v1/pools")?;
+            if fmt == Format::Json {
+                return print_json(&v);
+            }
+            let pools: Vec<PoolOut> = typed("/v1/pools", &v)?;
+            let mut t = table(&["NAME", "DEVICES", "SIZE", "USED", "FREE"]);
+            for p in &pools {
+                t.add_row([
+                    p.name.clone(),
+                    p.devices.len().to_string(),
+                    format_iec(p.capacity.total_bytes),
+                    format_iec(p.capacity.used_bytes),
+                    format_iec(p.capacity.free_bytes),
+                ]);
+            }
+            println!("{t}");
+            Ok(())
+        }
+        PoolCmd::Info { name } => {
+            let v: Value = conn
+                .client(false)?
+                .get(&format!("/v1/pools/{}", segment(&name)))?;
+            print_pool(&v, fmt)
+        }
+        PoolCmd::Delete { name } => {
+            conn.client(true)?
+                .delete(&format!("/v1/pools/{}", segment(&name)))?;
+            match fmt {
+                Format::Json => print_json(&serde_json::json!({ "pool": name, "deleted": true })),
+                Format::Table => {
+                    println!("pool {name} deleted");
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_refs() {
+        assert_eq!(
+            parse_device_ref("t1/d0").unwrap(),
+            DeviceRef {
+                target: "t1".into(),
+                device: "d0".into()
+            }
+        );
+        for bad in ["t1", "/d0", "t1/", "t1/d0/x"] {
+            assert!(parse_device_ref(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn label_lists() {
+        assert_eq!(labels(&BTreeMap::new()), "-");
+        let l = BTreeMap::from([
+            ("rack".to_string(), "r1".to_string()),
+            ("host".into(), "h1".into()),
+        ]);
+        assert_eq!(labels(&l), "host=h1,rack=r1");
+    }
+}

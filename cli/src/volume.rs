@@ -1,0 +1,586 @@
+//! `nvpool volume …`: create, list, inspect, grow, delete, attach and
+//! detach volumes through the control plane.
+//!
+//! A volume is named by its name or its UUID everywhere; names resolve
+//! through `GET /v1/volumes`. Creates are idempotent on the UUID, which the
+//! client chooses (random v4 unless `--uuid` is given), so a create retried
+//! with the same `--uuid` returns the volume instead of making a second.
+
+use crate::client::{segment, Client, ClientError};
+use crate::cluster::{age, print_fields, print_json, table, typed, Connection, OutputArgs};
+use crate::size::{format_iec, parse_size};
+use crate::{Format, Usage};
+use nvpool_control::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
+use nvpool_control::{ConnectionPlan, Layout, LayoutBody, Uuid};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::io::{IsTerminal, Read};
+
+/// Default stripe unit of raid0/raid10: large enough that a 64 KiB-aligned
+/// read touches one member, small enough to spread 1 MiB reads widely.
+pub const DEFAULT_STRIPE_BYTES: u64 = 64 << 10;
+/// Default members of raid0/raid10.
+pub const DEFAULT_STRIPE_WIDTH: u32 = 2;
+/// Default copies of raid1/raid10: survives one failure.
+pub const DEFAULT_COPIES: u8 = 2;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExtentOut {
+    pub target: String,
+    pub device: String,
+    pub offset: u64,
+    pub length: u64,
+    pub member: u32,
+    pub row: u32,
+    pub copy: u8,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VolumeOut {
+    pub uuid: Uuid,
+    pub name: String,
+    pub size_bytes: u64,
+    pub layout: LayoutBody,
+    #[serde(default)]
+    pub pool: Option<String>,
+    pub status: String,
+    pub extent_bytes: u64,
+    pub created_ms: u64,
+    #[serde(default)]
+    pub extents: Vec<ExtentOut>,
+    /// Host NQNs the volume is attached to.
+    #[serde(default)]
+    pub attachments: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttachmentOut {
+    pub volume: Uuid,
+    pub host_nqn: String,
+    pub state: String,
+    pub created_ms: u64,
+    pub plan: ConnectionPlan,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VolumeArgs {
+    #[command(flatten)]
+    pub out: OutputArgs,
+    #[command(subcommand)]
+    pub cmd: VolumeCmd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LayoutArg {
+    Concat,
+    Raid0,
+    Raid1,
+    Raid10,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    pub name: String,
+    /// Size in IEC units: 10G = 10 GiB, 1T = 1 TiB, 512M, 10GiB, or bytes.
+    #[arg(long, value_parser = parse_size)]
+    pub size: u64,
+    #[arg(long, value_enum, default_value_t = LayoutArg::Concat)]
+    pub layout: LayoutArg,
+    /// Stripe members of raid0/raid10 (default 2).
+    #[arg(long)]
+    pub stripe_width: Option<u32>,
+    /// Stripe unit of raid0/raid10, a power of two from 4K (default 64K).
+    #[arg(long, value_parser = parse_size)]
+    pub stripe_size: Option<u64>,
+    /// Copies of raid1/raid10 (default 2).
+    #[arg(long)]
+    pub copies: Option<u8>,
+    /// Place the volume on this pool's devices (default: unpooled devices).
+    #[arg(long)]
+    pub pool: Option<String>,
+    /// The volume's UUID (default: a random one); retrying a create with the
+    /// same UUID returns the existing volume.
+    #[arg(long, value_parser = parse_uuid)]
+    pub uuid: Option<Uuid>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum VolumeCmd {
+    /// Create a volume: its extents are placed across targets at once.
+    Create(CreateArgs),
+    /// List volumes.
+    #[command(visible_alias = "list")]
+    Ls,
+    /// Show a volume, its extents and the hosts it is attached to.
+    Info {
+        /// Volume name or UUID.
+        volume: String,
+    },
+    /// Grow a volume (volumes never shrink).
+    Resize {
+        /// Volume name or UUID.
+        volume: String,
+        /// The new size, IEC units.
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+    },
+    /// Delete a volume and free its extents.
+    #[command(visible_alias = "rm")]
+    Delete {
+        /// Volume name or UUID.
+        volume: String,
+        /// Delete even while attached (detaches every host first).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Attach a volume to a host: its targets export the extents to that
+    /// host, and the connection plan is printed.
+    Attach {
+        /// Volume name or UUID.
+        volume: String,
+        /// The host (default: this host's /etc/nvme/hostnqn).
+        #[arg(long)]
+        host_nqn: Option<String>,
+    },
+    /// Detach a volume from a host.
+    Detach {
+        /// Volume name or UUID.
+        volume: String,
+        /// The host (default: this host's /etc/nvme/hostnqn).
+        #[arg(long)]
+        host_nqn: Option<String>,
+        /// Detach although a target cannot be reached (it is cleaned up
+        /// when it returns).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+fn parse_uuid(s: &str) -> Result<Uuid, String> {
+    s.parse::<Uuid>()
+        .map_err(|_| format!("{s:?} is not a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"))
+}
+
+/// A random version-4 UUID from the kernel's generator.
+pub fn random_uuid() -> std::io::Result<Uuid> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    b[6] = (b[6] & 0x0F) | 0x40;
+    b[8] = (b[8] & 0x3F) | 0x80;
+    Ok(Uuid::from_bytes(b))
+}
+
+/// The layout the flags describe; flags that do not apply to the layout
+/// are usage errors rather than silently ignored.
+pub fn layout_of(a: &CreateArgs) -> Result<LayoutBody, Usage> {
+    let striped = matches!(a.layout, LayoutArg::Raid0 | LayoutArg::Raid10);
+    let mirrored = matches!(a.layout, LayoutArg::Raid1 | LayoutArg::Raid10);
+    let name = format!("{:?}", a.layout).to_ascii_lowercase();
+    if !striped && (a.stripe_width.is_some() || a.stripe_size.is_some()) {
+        return Err(Usage(format!(
+            "--stripe-width and --stripe-size apply to raid0 and raid10, not {name}"
+        )));
+    }
+    if !mirrored && a.copies.is_some() {
+        return Err(Usage(format!(
+            "--copies applies to raid1 and raid10, not {name}"
+        )));
+    }
+    let width = a.stripe_width.unwrap_or(DEFAULT_STRIPE_WIDTH);
+    let stripe_bytes = a.stripe_size.unwrap_or(DEFAULT_STRIPE_BYTES);
+    let copies = a.copies.unwrap_or(DEFAULT_COPIES);
+    let body = match a.layout {
+        LayoutArg::Concat => LayoutBody::Concat,
+        LayoutArg::Raid0 => LayoutBody::Raid0 {
+            stripe_bytes,
+            width,
+        },
+        LayoutArg::Raid1 => LayoutBody::Raid1 { copies },
+        LayoutArg::Raid10 => LayoutBody::Raid10 {
+            stripe_bytes,
+            width,
+            copies,
+        },
+    };
+    // Everything but "stripe ≤ extent size", which only the control plane
+    // knows, is checked here.
+    Layout::from(body)
+        .validate(EXTENT_BYTES_MAX)
+        .map_err(|e| Usage(e.to_string()))?;
+    Ok(body)
+}
+
+fn check_size(size: u64) -> Result<(), Usage> {
+    if size == 0 || !size.is_multiple_of(BLOCK_BYTES) {
+        return Err(Usage(format!(
+            "--size {size}: a volume is a positive multiple of {BLOCK_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// `concat`, `raid0 w=2 s=64K`, `raid1 c=2`, `raid10 w=2 s=64K c=2`.
+pub fn layout_text(l: &LayoutBody) -> String {
+    let s = |b: u64| format_iec(b).replace(".0 ", "").replace("iB", "");
+    match *l {
+        LayoutBody::Concat => "concat".into(),
+        LayoutBody::Raid0 {
+            stripe_bytes,
+            width,
+        } => format!("raid0 w={width} s={}", s(stripe_bytes)),
+        LayoutBody::Raid1 { copies } => format!("raid1 c={copies}"),
+        LayoutBody::Raid10 {
+            stripe_bytes,
+            width,
+            copies,
+        } => format!("raid10 w={width} s={} c={copies}", s(stripe_bytes)),
+    }
+}
+
+/// The volume a name or UUID stands for, as the control plane sent it.
+fn resolve(c: &Client, volume: &str) -> anyhow::Result<(Uuid, Value)> {
+    if let Ok(uuid) = volume.parse::<Uuid>() {
+        let v: Value = c.get(&format!("/v1/volumes/{uuid}"))?;
+        return Ok((uuid, v));
+    }
+    let all: Value = c.get("/v1/volumes")?;
+    let found = all
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["name"] == volume)
+        .cloned();
+    let v = found.ok_or_else(|| anyhow::anyhow!("no volume named {volume:?}"))?;
+    let out: VolumeOut = typed("/v1/volumes", &v)?;
+    Ok((out.uuid, v))
+}
+
+fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
+    if fmt == Format::Json {
+        return print_json(v);
+    }
+    let x: VolumeOut = typed("volume", v)?;
+    print_fields(&[
+        ("Name", x.name.clone()),
+        ("UUID", x.uuid.to_string()),
+        (
+            "Size",
+            format!("{} ({} bytes)", format_iec(x.size_bytes), x.size_bytes),
+        ),
+        ("Layout", layout_text(&x.layout)),
+        ("Status", x.status.clone()),
+        ("Pool", x.pool.clone().unwrap_or_else(|| "-".into())),
+        ("Extent size", format_iec(x.extent_bytes)),
+        ("Created", age(x.created_ms)),
+        (
+            "Attached to",
+            if x.attachments.is_empty() {
+                "-".into()
+            } else {
+                x.attachments.join(", ")
+            },
+        ),
+    ]);
+    println!();
+    let mut t = table(&[
+        "ROW", "MEMBER", "COPY", "TARGET", "DEVICE", "OFFSET", "LENGTH",
+    ]);
+    for e in &x.extents {
+        t.add_row([
+            e.row.to_string(),
+            e.member.to_string(),
+            e.copy.to_string(),
+            e.target.clone(),
+            e.device.clone(),
+            format_iec(e.offset),
+            format_iec(e.length),
+        ]);
+    }
+    println!("{t}");
+    Ok(())
+}
+
+fn print_plan(a: &AttachmentOut) {
+    let p = &a.plan;
+    print_fields(&[
+        ("Volume", format!("{} ({})", p.name, p.volume)),
+        ("Host", a.host_nqn.clone()),
+        ("State", a.state.clone()),
+        ("Size", format_iec(p.size_bytes)),
+        ("Layout", layout_text(&p.layout)),
+        ("Block size", p.block_bytes.to_string()),
+    ]);
+    println!();
+    let mut t = table(&[
+        "ROW",
+        "MEMBER",
+        "COPY",
+        "TARGET",
+        "ADDR",
+        "SUBSYSTEM",
+        "NSID",
+        "DEVICE",
+        "OFFSET",
+        "LENGTH",
+    ]);
+    for e in &p.extents {
+        t.add_row([
+            e.row.to_string(),
+            e.member.to_string(),
+            e.copy.to_string(),
+            e.target.clone(),
+            e.addr.to_string(),
+            e.subsystem_nqn.clone(),
+            e.nsid.to_string(),
+            e.device.clone(),
+            format_iec(e.offset),
+            format_iec(e.length),
+        ]);
+    }
+    println!("{t}");
+}
+
+/// `--host-nqn`, else this host's NQN. Attach and detach must name the same
+/// host every time, so a generated NQN will not do.
+fn host_nqn(given: Option<String>) -> anyhow::Result<String> {
+    if let Some(h) = given {
+        if !h.starts_with("nqn.") {
+            return Err(Usage(format!("--host-nqn {h:?} is not an NQN (nqn.…)")).into());
+        }
+        return Ok(h);
+    }
+    let path = nvpool_initiator::hostnqn::HOSTNQN_PATH;
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| s.starts_with("nqn."))
+        .ok_or_else(|| anyhow::anyhow!("this host has no NQN in {path}; give --host-nqn"))
+}
+
+fn attachment_path(uuid: &Uuid, host: &str) -> String {
+    format!("/v1/volumes/{uuid}/attachments/{}", segment(host))
+}
+
+fn done(fmt: Format, json: Value, text: String) -> anyhow::Result<()> {
+    match fmt {
+        Format::Json => print_json(&json),
+        Format::Table => {
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
+
+pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
+    let fmt = a.out.output;
+    match a.cmd {
+        VolumeCmd::Create(args) => {
+            check_size(args.size)?;
+            let layout = layout_of(&args)?;
+            let c = conn.client(true)?;
+            let uuid = match args.uuid {
+                Some(u) => u,
+                None => random_uuid()?,
+            };
+            let body = serde_json::json!({
+                "name": args.name,
+                "size_bytes": args.size,
+                "layout": layout,
+                "pool": args.pool,
+            });
+            let (_, v): (u16, Value) = c.put(&format!("/v1/volumes/{uuid}"), &body)?;
+            print_volume(&v, fmt)
+        }
+        VolumeCmd::Ls => {
+            let v: Value = conn.client(false)?.get("/v1/volumes")?;
+            if fmt == Format::Json {
+                return print_json(&v);
+            }
+            let volumes: Vec<VolumeOut> = typed("/v1/volumes", &v)?;
+            let mut t = table(&[
+                "NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED",
+            ]);
+            for x in &volumes {
+                t.add_row([
+                    x.name.clone(),
+                    x.uuid.to_string(),
+                    format_iec(x.size_bytes),
+                    layout_text(&x.layout),
+                    x.status.clone(),
+                    x.pool.clone().unwrap_or_else(|| "-".into()),
+                    if x.attachments.is_empty() {
+                        "-".into()
+                    } else {
+                        x.attachments.len().to_string()
+                    },
+                ]);
+            }
+            println!("{t}");
+            Ok(())
+        }
+        VolumeCmd::Info { volume } => {
+            let (_, v) = resolve(&conn.client(false)?, &volume)?;
+            print_volume(&v, fmt)
+        }
+        VolumeCmd::Resize { volume, size } => {
+            check_size(size)?;
+            let c = conn.client(true)?;
+            let (uuid, _) = resolve(&c, &volume)?;
+            let v: Value = c.post(
+                &format!("/v1/volumes/{uuid}/resize"),
+                &serde_json::json!({ "size_bytes": size }),
+            )?;
+            print_volume(&v, fmt)
+        }
+        VolumeCmd::Delete { volume, force } => {
+            let c = conn.client(true)?;
+            let (uuid, v) = resolve(&c, &volume)?;
+            let q = if force { "?force=true" } else { "" };
+            c.delete(&format!("/v1/volumes/{uuid}{q}"))
+                .map_err(|e| attached_hint(e, "delete --force"))?;
+            let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            done(
+                fmt,
+                serde_json::json!({ "volume": uuid, "name": name, "deleted": true }),
+                format!("volume {name} ({uuid}) deleted"),
+            )
+        }
+        VolumeCmd::Attach {
+            volume,
+            host_nqn: h,
+        } => {
+            let host = host_nqn(h)?;
+            let c = conn.client(true)?;
+            let (uuid, v) = resolve(&c, &volume)?;
+            let progress = std::io::stderr().is_terminal();
+            if progress {
+                let n = v["extents"].as_array().map_or(0, Vec::len);
+                eprintln!("attaching {volume} to {host}: exporting {n} extents…");
+            }
+            let (status, out): (u16, Value) = c.put_empty(&attachment_path(&uuid, &host))?;
+            let a: AttachmentOut = typed("attachment", &out)?;
+            a.plan.validate().map_err(|e| {
+                anyhow::anyhow!("the control plane sent an unusable connection plan: {e}")
+            })?;
+            if progress {
+                let verb = if status == 201 {
+                    "attached"
+                } else {
+                    "already attached"
+                };
+                eprintln!("{verb}");
+            }
+            if fmt == Format::Json {
+                return print_json(&out);
+            }
+            print_plan(&a);
+            Ok(())
+        }
+        VolumeCmd::Detach {
+            volume,
+            host_nqn: h,
+            force,
+        } => {
+            let host = host_nqn(h)?;
+            let c = conn.client(true)?;
+            let (uuid, v) = resolve(&c, &volume)?;
+            let q = if force { "?force=true" } else { "" };
+            c.delete(&format!("{}{q}", attachment_path(&uuid, &host)))?;
+            let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            done(
+                fmt,
+                serde_json::json!({ "volume": uuid, "name": name, "host_nqn": host, "detached": true }),
+                format!("volume {name} detached from {host}"),
+            )
+        }
+    }
+}
+
+/// Adds what to do when the control plane refuses because the volume is
+/// attached.
+fn attached_hint(e: ClientError, fix: &str) -> ClientError {
+    match e {
+        ClientError::Api {
+            status,
+            kind,
+            message,
+            details,
+            hint,
+        } if kind == "attached" && hint.is_empty() => ClientError::Api {
+            status,
+            hint: format!(" (detach it first, or use volume {fix})"),
+            kind,
+            message,
+            details,
+        },
+        e => e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(layout: LayoutArg) -> CreateArgs {
+        CreateArgs {
+            name: "v".into(),
+            size: 1 << 30,
+            layout,
+            stripe_width: None,
+            stripe_size: None,
+            copies: None,
+            pool: None,
+            uuid: None,
+        }
+    }
+
+    #[test]
+    fn layouts_get_defaults_and_reject_foreign_flags() {
+        assert_eq!(
+            layout_of(&args(LayoutArg::Concat)).unwrap(),
+            LayoutBody::Concat
+        );
+        assert_eq!(
+            layout_of(&args(LayoutArg::Raid10)).unwrap(),
+            LayoutBody::Raid10 {
+                stripe_bytes: 64 << 10,
+                width: 2,
+                copies: 2
+            }
+        );
+        let mut a = args(LayoutArg::Raid0);
+        a.copies = Some(2);
+        assert!(layout_of(&a).is_err());
+        let mut a = args(LayoutArg::Raid1);
+        a.stripe_width = Some(4);
+        assert!(layout_of(&a).is_err());
+        let mut a = args(LayoutArg::Raid0);
+        a.stripe_size = Some(3000);
+        assert!(layout_of(&a).is_err());
+        let mut a = args(LayoutArg::Raid1);
+        a.copies = Some(9);
+        assert!(layout_of(&a).is_err());
+    }
+
+    #[test]
+    fn layout_texts() {
+        assert_eq!(
+            layout_text(&LayoutBody::Raid10 {
+                stripe_bytes: 64 << 10,
+                width: 4,
+                copies: 2
+            }),
+            "raid10 w=4 s=64K c=2"
+        );
+        assert_eq!(layout_text(&LayoutBody::Raid1 { copies: 3 }), "raid1 c=3");
+    }
+
+    #[test]
+    fn random_uuids_are_v4() {
+        let a = random_uuid().unwrap();
+        let b = random_uuid().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.as_bytes()[6] >> 4, 4);
+        assert_eq!(a.as_bytes()[8] >> 6, 2);
+    }
+}

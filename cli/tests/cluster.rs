@@ -1,0 +1,586 @@
+//! The `nvpool` binary against an in-process control plane: `target`,
+//! `pool` and `volume` commands in table and JSON form, and the exit-code
+//! contract (0 success, 1 failure, 2 usage error; every error one
+//! `nvpool:` line on stderr).
+//!
+//! The control plane (MemStore, 1 MiB extents, a clock pinned to the
+//! start of the test) is served on a loopback port; targets register
+//! through the REST API with addresses nobody listens on, which is all
+//! placement needs.
+
+use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::store::MemStore;
+use nvpool_control::{Cluster, ManualClock, StateConfig};
+use serde_json::{json, Value};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const ADMIN: &str = "admin-secret";
+
+struct ControlPlane {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    token_file: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A control plane whose admin token is ADMIN, with `targets` targets
+/// t0…, each on its own rack with two 64 MiB devices d0 and d1.
+fn control_plane(targets: usize) -> ControlPlane {
+    let config = StateConfig {
+        extent_bytes: MIB,
+        ..StateConfig::default()
+    };
+    let clock = Arc::new(ManualClock::new(now_ms()));
+    let cluster = Cluster::new(Arc::new(MemStore::new()), clock, config).unwrap();
+    let auth = AuthConfig {
+        admin_token: Some(ADMIN.into()),
+        target_token: None,
+    };
+    let app = router(Arc::new(cluster), auth);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(l, app)
+                .with_graceful_shutdown(async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap();
+        });
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, format!("{ADMIN}\n")).unwrap();
+    let cp = ControlPlane {
+        addr,
+        stop: Some(tx),
+        thread: Some(thread),
+        token_file,
+        _dir: dir,
+    };
+    for i in 0..targets {
+        cp.register(i);
+    }
+    cp
+}
+
+impl ControlPlane {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn register(&self, i: usize) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .build()
+            .into();
+        let body = json!({
+            "id": format!("t{i}"),
+            "name": format!("node{i}"),
+            "addr": format!("127.0.0.1:{}", 44200 + i),
+            "admin_addr": format!("127.0.0.1:{}", 44800 + i),
+            "labels": {"rack": format!("r{i}")},
+            "devices": [
+                {"id": "d0", "backend": format!("file:/dev/fake{i}a"), "capacity_bytes": 64 * MIB},
+                {"id": "d1", "backend": format!("file:/dev/fake{i}b"), "capacity_bytes": 64 * MIB,
+                 "labels": {"class": "tlc"}},
+            ],
+        });
+        let r = agent
+            .post(format!("{}/v1/targets", self.url()))
+            .header("Authorization", format!("Bearer {ADMIN}"))
+            .send_json(&body)
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+    }
+
+    /// `nvpool ARGS` with this control plane and the admin token.
+    fn run(&self, args: &[&str]) -> Run {
+        run_with(
+            args,
+            &[
+                ("NVPOOL_ENDPOINT", &self.url()),
+                ("NVPOOL_TOKEN_FILE", self.token_file.to_str().unwrap()),
+            ],
+        )
+    }
+
+    /// `nvpool ARGS` with this control plane and no token.
+    fn run_without_token(&self, args: &[&str]) -> Run {
+        run_with(args, &[("NVPOOL_ENDPOINT", &self.url())])
+    }
+
+    /// Runs, expects success and JSON on stdout.
+    #[track_caller]
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        let r = self.run(&all);
+        r.expect_ok();
+        serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}: {}", r.stdout))
+    }
+
+    /// Runs, expects success and returns the table text.
+    #[track_caller]
+    fn table(&self, args: &[&str]) -> String {
+        let r = self.run(args);
+        r.expect_ok();
+        r.stdout
+    }
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    #[track_caller]
+    fn expect_ok(&self) {
+        assert_eq!(
+            self.code, 0,
+            "stderr: {}\nstdout: {}",
+            self.stderr, self.stdout
+        );
+    }
+
+    /// Fails with `code` and one `nvpool:` line on stderr holding `text`.
+    #[track_caller]
+    fn expect_error(&self, code: i32, text: &str) {
+        assert_eq!(
+            self.code, code,
+            "stderr: {}\nstdout: {}",
+            self.stderr, self.stdout
+        );
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one line: {:?}", self.stderr);
+        assert!(lines[0].starts_with("nvpool: "), "{:?}", lines[0]);
+        assert!(lines[0].contains(text), "{:?} lacks {text:?}", lines[0]);
+        assert!(self.stdout.is_empty(), "stdout: {}", self.stdout);
+    }
+}
+
+fn run_with(args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_nvpool"));
+    for v in ["NVPOOL_ENDPOINT", "NVPOOL_TOKEN_FILE", "NVPOOL_LOG"] {
+        c.env_remove(v);
+    }
+    c.envs(env.iter().copied()).args(args);
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = c.output().unwrap();
+    Run {
+        code: status.code().unwrap_or(-1),
+        stdout: String::from_utf8(stdout).unwrap(),
+        stderr: String::from_utf8(stderr).unwrap(),
+    }
+}
+
+/// The table row whose first column is `key`.
+#[track_caller]
+fn row<'a>(table: &'a str, key: &str) -> Vec<&'a str> {
+    let line = table
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(key))
+        .unwrap_or_else(|| panic!("no row {key} in\n{table}"));
+    line.split_whitespace().collect()
+}
+
+/// The value of a `Key:  value` line.
+#[track_caller]
+fn field<'a>(text: &'a str, key: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .unwrap_or_else(|| panic!("no {key}: in\n{text}"))
+        .trim()
+}
+
+// ----- targets -----
+
+#[test]
+fn target_ls_and_info_as_tables_and_json() {
+    let cp = control_plane(3);
+    let t = cp.table(&["target", "ls"]);
+    let header: Vec<&str> = t.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["ID", "NAME", "ADDR", "HEALTH", "STATE", "DEVICES", "SIZE", "USED", "FREE", "LABELS"]
+    );
+    assert_eq!(
+        row(&t, "t1"),
+        [
+            "t1",
+            "node1",
+            "127.0.0.1:44201",
+            "online",
+            "active",
+            "2",
+            "128.0",
+            "MiB",
+            "0",
+            "B",
+            "128.0",
+            "MiB",
+            "rack=r1"
+        ]
+    );
+    assert_eq!(t.lines().count(), 4, "{t}");
+
+    let j = cp.json(&["target", "ls"]);
+    let targets = j.as_array().unwrap();
+    assert_eq!(targets.len(), 3);
+    assert_eq!(targets[0]["id"], "t0");
+    assert_eq!(targets[0]["capacity"]["total_bytes"], 128 * MIB);
+    assert_eq!(targets[0]["devices"][1]["labels"]["class"], "tlc");
+
+    let info = cp.table(&["target", "info", "t2"]);
+    assert_eq!(field(&info, "Admin address"), "127.0.0.1:44802");
+    assert_eq!(field(&info, "Health"), "online");
+    assert_eq!(
+        row(&info, "d1"),
+        [
+            "d1",
+            "file:/dev/fake2b",
+            "-",
+            "64.0",
+            "MiB",
+            "0",
+            "B",
+            "64.0",
+            "MiB",
+            "class=tlc"
+        ]
+    );
+    assert_eq!(cp.json(&["target", "info", "t2"])["name"], "node2");
+    cp.run(&["target", "info", "t9"]).expect_error(1, "t9");
+    // The global options work before the subcommand too.
+    let r = run_with(
+        &["--endpoint", &cp.url(), "target", "-o", "json", "ls"],
+        &[],
+    );
+    r.expect_ok();
+    assert!(r.stdout.trim_start().starts_with('['), "{}", r.stdout);
+}
+
+// ----- pools -----
+
+#[test]
+fn pool_create_ls_info_delete() {
+    let cp = control_plane(3);
+    let p = cp.json(&[
+        "pool",
+        "create",
+        "fast",
+        "--device",
+        "t0/d1,t1/d1",
+        "--device",
+        "t2/d1",
+    ]);
+    assert_eq!(p["name"], "fast");
+    assert_eq!(p["devices"].as_array().unwrap().len(), 3);
+    assert_eq!(p["devices"][2], json!({"target": "t2", "device": "d1"}));
+    assert_eq!(p["capacity"]["total_bytes"], 192 * MIB);
+    // Idempotent: the same devices again is fine.
+    cp.table(&["pool", "create", "fast", "--device", "t0/d1,t1/d1,t2/d1"]);
+
+    let ls = cp.table(&["pool", "ls"]);
+    assert_eq!(
+        row(&ls, "fast"),
+        ["fast", "3", "192.0", "MiB", "0", "B", "192.0", "MiB"]
+    );
+    let info = cp.table(&["pool", "info", "fast"]);
+    assert_eq!(field(&info, "Devices"), "3");
+    assert_eq!(row(&info, "t1"), ["t1", "d1"]);
+    assert_eq!(
+        cp.json(&["pool", "info", "fast"])["capacity"]["free_bytes"],
+        192 * MIB
+    );
+    // The pool's devices now show it.
+    let t = cp.table(&["target", "info", "t0"]);
+    assert_eq!(row(&t, "d1")[2], "fast");
+
+    // A volume on the pool keeps the pool from being deleted.
+    let v = cp.json(&["volume", "create", "pv", "--size", "2M", "--pool", "fast"]);
+    assert!(v["extents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["device"] == "d1"));
+    cp.run(&["pool", "delete", "fast"]).expect_error(1, "fast");
+    cp.table(&["volume", "delete", "pv"]);
+    let out = cp.table(&["pool", "delete", "fast"]);
+    assert_eq!(out.trim(), "pool fast deleted");
+    cp.run(&["pool", "info", "fast"]).expect_error(1, "fast");
+
+    // Usage errors.
+    cp.run(&["pool", "create", "p2", "--device", "t0"])
+        .expect_error(2, "TARGET/DEVICE");
+    cp.run(&["pool", "create", "p2"])
+        .expect_error(2, "--device");
+    cp.run(&["pool", "create", "p2", "--device", "t0/nope"])
+        .expect_error(1, "nope");
+}
+
+// ----- volumes -----
+
+#[test]
+fn volumes_of_every_layout_are_created_listed_grown_and_deleted() {
+    let cp = control_plane(4);
+    // (name, flags, size, layout type, extents)
+    let cases: [(&str, &[&str], u64, &str, usize); 5] = [
+        ("vc", &["--layout", "concat"], 3 * MIB, "concat", 3),
+        ("v0", &["--layout", "raid0"], 4 * MIB, "raid0", 4),
+        (
+            "v0w",
+            &[
+                "--layout",
+                "raid0",
+                "--stripe-width",
+                "4",
+                "--stripe-size",
+                "128K",
+            ],
+            8 * MIB,
+            "raid0",
+            8,
+        ),
+        (
+            "v1",
+            &["--layout", "raid1", "--copies", "3"],
+            2 * MIB,
+            "raid1",
+            6,
+        ),
+        ("v10", &["--layout", "raid10"], 4 * MIB, "raid10", 8),
+    ];
+    for (name, flags, size, layout, extents) in cases {
+        let size_arg = format!("{}M", size / MIB);
+        let mut args = vec!["volume", "create", name, "--size", &size_arg];
+        args.extend_from_slice(flags);
+        let v = cp.json(&args);
+        assert_eq!(v["name"], name);
+        assert_eq!(v["size_bytes"], size, "{name}");
+        assert_eq!(v["layout"]["type"], layout, "{name}");
+        assert_eq!(
+            v["extents"].as_array().unwrap().len(),
+            extents,
+            "{name}: {v}"
+        );
+        assert_eq!(v["status"], "online");
+        let uuid = v["uuid"].as_str().unwrap();
+        assert_eq!(uuid.len(), 36);
+        assert_eq!(&uuid[14..15], "4", "a v4 UUID: {uuid}");
+    }
+    let v = cp.json(&["volume", "info", "v0w"]);
+    assert_eq!(
+        v["layout"],
+        json!({"type": "raid0", "stripe_bytes": 128 << 10, "width": 4})
+    );
+    let v = cp.json(&["volume", "info", "v10"]);
+    assert_eq!(
+        v["layout"],
+        json!({"type": "raid10", "stripe_bytes": 64 << 10, "width": 2, "copies": 2})
+    );
+
+    // ls.
+    let ls = cp.table(&["volume", "ls"]);
+    let header: Vec<&str> = ls.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED"]
+    );
+    let r = row(&ls, "v10");
+    assert_eq!(
+        r[2..],
+        ["4.0", "MiB", "raid10", "w=2", "s=64K", "c=2", "online", "-", "-"]
+    );
+    assert_eq!(cp.json(&["volume", "ls"]).as_array().unwrap().len(), 5);
+
+    // info by name and by UUID.
+    let uuid = v["uuid"].as_str().unwrap().to_owned();
+    let by_uuid = cp.json(&["volume", "info", &uuid]);
+    assert_eq!(by_uuid["name"], "v10");
+    let info = cp.table(&["volume", "info", "v10"]);
+    assert_eq!(field(&info, "UUID"), uuid);
+    assert_eq!(field(&info, "Layout"), "raid10 w=2 s=64K c=2");
+    assert_eq!(field(&info, "Size"), "4.0 MiB (4194304 bytes)");
+    let extent_rows = info
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("ROW"))
+        .skip(1)
+        .count();
+    assert_eq!(extent_rows, 8, "{info}");
+
+    // resize.
+    let v = cp.json(&["volume", "resize", "vc", "--size", "5M"]);
+    assert_eq!(v["size_bytes"], 5 * MIB);
+    assert_eq!(v["extents"].as_array().unwrap().len(), 5);
+    cp.run(&["volume", "resize", "vc", "--size", "1M"])
+        .expect_error(1, "");
+
+    // Creates with a given UUID are idempotent.
+    let u = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42";
+    let a = cp.json(&["volume", "create", "fixed", "--size", "1M", "--uuid", u]);
+    let b = cp.json(&["volume", "create", "fixed", "--size", "1M", "--uuid", u]);
+    assert_eq!((a["uuid"].as_str(), b["uuid"].as_str()), (Some(u), Some(u)));
+    cp.run(&["volume", "create", "fixed", "--size", "2M", "--uuid", u])
+        .expect_error(1, "");
+
+    // delete by name and by UUID.
+    let out = cp.table(&["volume", "delete", "vc"]);
+    assert!(out.starts_with("volume vc ("), "{out}");
+    cp.json(&["volume", "delete", u]);
+    cp.run(&["volume", "info", "vc"])
+        .expect_error(1, "no volume named \"vc\"");
+    cp.run(&["volume", "info", u]).expect_error(1, "");
+    assert_eq!(cp.json(&["volume", "ls"]).as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn volume_sizes_are_iec() {
+    let cp = control_plane(2);
+    for (arg, bytes) in [
+        ("3M", 3 * MIB),
+        ("2MiB", 2 * MIB),
+        ("1048576", MIB),
+        ("4096k", 4 * MIB),
+    ] {
+        let name = format!("s{bytes}-{}", arg.len());
+        let v = cp.json(&["volume", "create", &name, "--size", arg]);
+        assert_eq!(v["size_bytes"], bytes, "{arg}");
+    }
+    let t = cp.table(&["volume", "ls"]);
+    assert!(t.contains("3.0 MiB") && t.contains("1.0 MiB"), "{t}");
+    // 1T parses (and then does not fit this little cluster).
+    cp.run(&["volume", "create", "big", "--size", "1T"])
+        .expect_error(1, "");
+}
+
+// ----- errors -----
+
+#[test]
+fn errors_are_one_line_with_the_documented_exit_codes() {
+    let cp = control_plane(2);
+    cp.run(&["volume", "create", "x", "--size", "10Q"])
+        .expect_error(2, "10Q");
+    cp.run(&["volume", "create", "x", "--size", "1G", "--layout", "raid5"])
+        .expect_error(2, "raid5");
+    cp.run(&["volume", "create", "x", "--size", "1000"])
+        .expect_error(2, "4096");
+    cp.run(&["volume", "create", "x", "--size", "1M", "--copies", "2"])
+        .expect_error(2, "--copies");
+    cp.run(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "1M",
+        "--layout",
+        "raid0",
+        "--stripe-size",
+        "3K",
+    ])
+    .expect_error(2, "stripe");
+    cp.run(&["volume", "create", "x", "--size", "1M", "--uuid", "nope"])
+        .expect_error(2, "UUID");
+    cp.run(&["volume", "create", "--size", "1M"])
+        .expect_error(2, "<NAME>");
+    cp.run(&["volume", "info", "ghost"])
+        .expect_error(1, "no volume named \"ghost\"");
+    cp.run(&["volume", "info", "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42"])
+        .expect_error(1, "");
+    cp.run(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "1M",
+        "--layout",
+        "raid10",
+        "--stripe-width",
+        "4",
+    ])
+    .expect_error(1, "");
+
+    // Unreachable control plane.
+    let dead = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    for args in [
+        &["target", "ls"][..],
+        &["volume", "ls"],
+        &["pool", "info", "p"],
+    ] {
+        run_with(args, &[("NVPOOL_ENDPOINT", &dead)])
+            .expect_error(1, &format!("cannot reach the control plane at {dead}"));
+    }
+    run_with(&["--endpoint", "https://cp:4430", "target", "ls"], &[])
+        .expect_error(2, "https is not supported");
+
+    // Mutations need the admin token: none, a wrong one, an unreadable file.
+    cp.run_without_token(&["volume", "create", "x", "--size", "1M"])
+        .expect_error(1, "--token-file");
+    cp.run_without_token(&["pool", "create", "p", "--device", "t0/d0"])
+        .expect_error(1, "Bearer");
+    let dir = tempfile::tempdir().unwrap();
+    let wrong = dir.path().join("wrong");
+    std::fs::write(&wrong, "guess").unwrap();
+    run_with(
+        &["volume", "create", "x", "--size", "1M"],
+        &[
+            ("NVPOOL_ENDPOINT", &cp.url()),
+            ("NVPOOL_TOKEN_FILE", wrong.to_str().unwrap()),
+        ],
+    )
+    .expect_error(1, "not valid");
+    run_with(
+        &[
+            "--token-file",
+            "/nonexistent/token",
+            "volume",
+            "delete",
+            "x",
+        ],
+        &[("NVPOOL_ENDPOINT", &cp.url())],
+    )
+    .expect_error(1, "cannot read the token");
+    // Reads need no token.
+    cp.run_without_token(&["volume", "ls"]).expect_ok();
+    assert_eq!(cp.json(&["volume", "ls"]), json!([]));
+}
