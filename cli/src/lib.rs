@@ -11,6 +11,7 @@
 pub mod bench;
 pub mod client;
 pub mod cluster;
+pub mod dataset;
 pub mod discover;
 pub mod size;
 pub mod volume;
@@ -53,6 +54,8 @@ pub enum Command {
     Pool(cluster::PoolArgs),
     /// Volumes: create, list, grow, delete, attach to and detach from hosts.
     Volume(volume::VolumeArgs),
+    /// A small-file training dataset: write one, or read it like an epoch (verified).
+    Dataset(dataset::Args),
 }
 
 /// A command line that parsed but makes no sense (a flag that does not
@@ -125,6 +128,7 @@ pub fn main() -> ExitCode {
         Command::Target(a) => cluster::run_target(&conn, a),
         Command::Pool(a) => cluster::run_pool(&conn, a),
         Command::Volume(a) => volume::run(&conn, a),
+        Command::Dataset(a) => dataset::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
