@@ -1,19 +1,35 @@
-//! An async block device on one namespace: byte-addressed reads, writes,
-//! flush, write-zeroes and discard, for the block-device front-ends.
+//! Async I/O on namespaces: one pool of I/O queues per controller
+//! ([`ControllerIo`]) serving any number of namespace handles ([`Device`]),
+//! with byte-addressed reads, writes, flush, write-zeroes and discard for
+//! the block-device front-ends and the volume engine.
 //!
 //! ```text
-//!  async callers ──► bounded channel ──► worker thread 1 ── IoQueue 1 ── TCP
-//!         ▲                          └─► worker thread N ── IoQueue N ── TCP
-//!         └──────── completion cell (pooled) ◄── worker
+//!  Device (nsid 1) ─┐                        ┌─► worker 1 ── IoQueue 1 ── TCP
+//!  Device (nsid 2) ─┼─► ControllerIo ─ bounded channels ─┤
+//!  Device (nsid …) ─┘     ▲                   └─► worker N ── IoQueue N ── TCP
+//!                         └──── completion cell (pooled) ◄── worker
 //! ```
 //!
 //! Each worker thread owns one [`IoQueue`] and waits on its socket and an
-//! eventfd together. Requests are split at the controller's maximum transfer
-//! (Write Zeroes and Deallocate at 65536 blocks); unsplit reads and writes
-//! travel in the caller's own buffer, which comes back with the result.
-//! Completion cells are pooled and the number of requests in flight is
-//! bounded (callers wait for a permit), so the steady state allocates
-//! nothing per I/O.
+//! eventfd together. A request carries its NSID, so the queues of one
+//! controller serve every namespace the host reaches through it: the
+//! connections to a target grow with the controllers, not with the
+//! namespaces (a pooled volume has one namespace per extent). The queues
+//! count blocks in one size, so the namespaces sharing a pool share a block
+//! size.
+//!
+//! Requests are split at the controller's maximum transfer (Write Zeroes and
+//! Deallocate at 65536 blocks); unsplit reads and writes travel in the
+//! caller's own buffer, which comes back with the result. Completion cells
+//! are pooled and the number of requests in flight is bounded (callers wait
+//! for a permit), so the steady state allocates nothing per I/O.
+//!
+//! When the controller is lost (no reconnect within its controller-loss
+//! timeout) every outstanding and later request fails with
+//! [`IoError::ControllerLost`]. A worker whose commands see no traffic for a
+//! second also asks the controller whether it was declared lost (its
+//! keep-alive notices a silent target even when the I/O sockets do not) and
+//! then fails its commands too, so a dead target never holds I/O forever.
 
 use crate::admin::{Controller, NamespaceInfo};
 use crate::error::{Error, IoError};
@@ -31,6 +47,11 @@ use std::time::Duration;
 
 /// Requests queued per worker beyond those in its I/O queue.
 const JOBS_PER_WORKER: usize = 256;
+/// A worker idle in poll(2) wakes this often, to notice a stop request or a
+/// controller declared lost while its commands get no answer.
+const WORKER_IDLE_WAKE_MS: i32 = 1000;
+/// Blocks per Write Zeroes or Deallocate command (NLB is 16 bits).
+const ZEROES_BLOCKS_MAX: u64 = 65536;
 
 #[derive(Debug, Default)]
 struct CellState {
@@ -81,15 +102,27 @@ struct Worker {
     thread: Option<JoinHandle<()>>,
 }
 
-/// Permits bound the requests in flight across the device.
+impl Worker {
+    fn wake(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a u64 to our own eventfd.
+        unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+/// Permits bound the requests in flight across the controller's queues.
 #[derive(Debug)]
 struct Permits {
     free: Mutex<(usize, VecDeque<Waker>)>,
 }
 
 impl Permits {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, VecDeque<Waker>)> {
+        self.free.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn try_take(&self, w: &Waker) -> bool {
-        let mut g = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.lock();
         if g.0 > 0 {
             g.0 -= 1;
             true
@@ -103,7 +136,7 @@ impl Permits {
 
     fn give(&self) {
         let w = {
-            let mut g = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            let mut g = self.lock();
             g.0 += 1;
             g.1.pop_front()
         };
@@ -113,30 +146,50 @@ impl Permits {
     }
 }
 
-/// A namespace opened for I/O through several queues.
+/// The I/O queues of one controller, each driven by its own thread, shared
+/// by every namespace handle ([`Device`]) opened on it. Dropping the last
+/// handle stops the threads and closes the queues.
 #[derive(Debug)]
-pub struct Device {
+pub struct ControllerIo {
     ctrl: Arc<Controller>,
-    info: NamespaceInfo,
+    block_size: u32,
     workers: Vec<Worker>,
     next: AtomicUsize,
     cells: Mutex<Vec<Arc<Cell>>>,
     permits: Permits,
     stop: Arc<AtomicBool>,
+    /// Requests submitted and not yet completed (load balancing).
+    in_flight: AtomicUsize,
 }
 
-impl Device {
-    /// Opens namespace `nsid` with `queues` I/O queues (at most what the
-    /// controller granted), each driven by its own thread.
-    pub fn open(ctrl: Arc<Controller>, nsid: u32, queues: u16) -> Result<Device, Error> {
-        let info = ctrl.namespace(nsid)?;
+impl ControllerIo {
+    /// Opens `queues` I/O queues on `ctrl` (at most what the controller
+    /// granted), each driven by its own thread, for namespaces whose
+    /// logical blocks are `block_size` bytes.
+    pub fn start(
+        ctrl: Arc<Controller>,
+        queues: u16,
+        block_size: u32,
+    ) -> Result<Arc<ControllerIo>, Error> {
         let n = queues.clamp(1, ctrl.io_queue_count().max(1));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut workers = Vec::new();
+        // Built up in place: on an error, dropping it stops the workers
+        // started so far.
+        let mut io = ControllerIo {
+            ctrl,
+            block_size,
+            workers: Vec::with_capacity(n as usize),
+            next: AtomicUsize::new(0),
+            cells: Mutex::new(Vec::new()),
+            permits: Permits {
+                free: Mutex::new((0, VecDeque::new())),
+            },
+            stop: Arc::new(AtomicBool::new(false)),
+            in_flight: AtomicUsize::new(0),
+        };
         let mut depth_total = 0;
         for qid in 1..=n {
-            let mut q = ctrl.io_queue(qid)?;
-            q.set_block_size(info.block_size);
+            let mut q = io.ctrl.io_queue(qid)?;
+            q.set_block_size(block_size);
             depth_total += q.depth();
             let (tx, rx) = mpsc::sync_channel(JOBS_PER_WORKER);
             // SAFETY: eventfd takes no pointers; the fd is owned below.
@@ -150,34 +203,197 @@ impl Device {
             // SAFETY: a fresh descriptor nobody else owns.
             let efd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
             let sleeping = Arc::new(AtomicBool::new(false));
-            let (e2, s2, st2) = (efd.clone(), sleeping.clone(), stop.clone());
-            let bs = info.block_size;
+            let w = WorkerLoop::new(
+                q,
+                block_size,
+                rx,
+                efd.clone(),
+                sleeping.clone(),
+                io.stop.clone(),
+            );
             let thread = std::thread::Builder::new()
                 .name(format!("nvpool-io-{qid}"))
-                .spawn(move || worker_loop(q, rx, e2, s2, st2, bs))
+                .spawn(move || w.run())
                 .map_err(|e| Error::Invalid(format!("cannot start I/O thread: {e}")))?;
-            workers.push(Worker {
+            io.workers.push(Worker {
                 tx,
                 efd,
                 sleeping,
                 thread: Some(thread),
             });
         }
-        let permits = Permits {
-            free: Mutex::new((
-                depth_total + n as usize * JOBS_PER_WORKER / 2,
-                VecDeque::new(),
-            )),
-        };
+        io.permits.lock().0 = depth_total + n as usize * JOBS_PER_WORKER / 2;
+        Ok(Arc::new(io))
+    }
+
+    pub fn controller(&self) -> &Arc<Controller> {
+        &self.ctrl
+    }
+
+    /// The logical block size the queues count in.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// I/O queues (and worker threads).
+    pub fn queue_count(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Requests submitted through this controller and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// A handle on namespace `info.nsid`, which must count in this pool's
+    /// block size.
+    pub fn device(self: &Arc<Self>, info: NamespaceInfo) -> Result<Device, Error> {
+        if info.block_size != self.block_size {
+            return Err(Error::Invalid(format!(
+                "namespace {} of {} has {}-byte blocks; the I/O queues of this controller \
+                 count {}-byte blocks",
+                info.nsid, self.ctrl.params.subnqn, info.block_size, self.block_size
+            )));
+        }
         Ok(Device {
-            ctrl,
+            io: self.clone(),
             info,
-            workers,
-            next: AtomicUsize::new(0),
-            cells: Mutex::new(Vec::new()),
-            permits,
-            stop,
         })
+    }
+
+    async fn run(
+        &self,
+        nsid: u32,
+        op: Op,
+        lba: u64,
+        blocks: u64,
+        fua: bool,
+        buf: Vec<u8>,
+    ) -> (Result<(), IoError>, Vec<u8>) {
+        if blocks == 0 && op != Op::Flush {
+            return (Ok(()), buf);
+        }
+        if op == Op::Flush {
+            // A flush must follow every write completed before it, on every
+            // queue; the queues take it concurrently.
+            let all =
+                (0..self.workers.len()).map(|w| self.run_on(w, nsid, op, 0, 0, false, Vec::new()));
+            let r = join_all(all)
+                .await
+                .into_iter()
+                .map(|(r, _)| r)
+                .find(Result::is_err)
+                .unwrap_or(Ok(()));
+            return (r, buf);
+        }
+        let w = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
+        self.run_on(w, nsid, op, lba, blocks, fua, buf).await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_on(
+        &self,
+        w: usize,
+        nsid: u32,
+        op: Op,
+        lba: u64,
+        blocks: u64,
+        fua: bool,
+        buf: Vec<u8>,
+    ) -> (Result<(), IoError>, Vec<u8>) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        std::future::poll_fn(|cx| {
+            if self.permits.try_take(cx.waker()) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await;
+        let cell = self
+            .cells
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default();
+        let job = Job {
+            nsid,
+            op,
+            lba,
+            blocks,
+            fua,
+            buf,
+            cell: cell.clone(),
+        };
+        let worker = &self.workers[w];
+        let mut job = Some(job);
+        std::future::poll_fn(
+            |cx| match worker.tx.try_send(job.take().expect("job present")) {
+                Ok(()) => Poll::Ready(()),
+                Err(TrySendError::Full(j)) => {
+                    job = Some(j);
+                    // The channel has room again within one queue completion.
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+                Err(TrySendError::Disconnected(j)) => {
+                    j.cell.complete(Err(IoError::ControllerLost), j.buf);
+                    Poll::Ready(())
+                }
+            },
+        )
+        .await;
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if worker.sleeping.load(Ordering::SeqCst) {
+            worker.wake();
+        }
+        let out = Wait { cell: &cell }.await;
+        self.cells
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(cell);
+        self.permits.give();
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        out
+    }
+}
+
+impl Drop for ControllerIo {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        for w in &self.workers {
+            w.wake();
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// A namespace opened for I/O: a light handle on its controller's
+/// [`ControllerIo`].
+#[derive(Debug)]
+pub struct Device {
+    io: Arc<ControllerIo>,
+    info: NamespaceInfo,
+}
+
+impl Device {
+    /// Opens namespace `nsid` with `queues` I/O queues of its own (at most
+    /// what the controller granted), each driven by its own thread. To
+    /// serve several namespaces of one controller, start a
+    /// [`ControllerIo`] and use [`Device::on`] instead.
+    pub fn open(ctrl: Arc<Controller>, nsid: u32, queues: u16) -> Result<Device, Error> {
+        let info = ctrl.namespace(nsid)?;
+        ControllerIo::start(ctrl, queues, info.block_size)?.device(info)
+    }
+
+    /// Namespace `nsid` of `io`'s controller, served by `io`'s queues.
+    pub fn on(io: &Arc<ControllerIo>, nsid: u32) -> Result<Device, Error> {
+        let info = io.controller().namespace(nsid)?;
+        io.device(info)
     }
 
     pub fn info(&self) -> NamespaceInfo {
@@ -193,7 +409,13 @@ impl Device {
     }
 
     pub fn controller(&self) -> &Arc<Controller> {
-        &self.ctrl
+        self.io.controller()
+    }
+
+    /// The queues serving this namespace (shared with the controller's
+    /// other namespace handles).
+    pub fn io(&self) -> &Arc<ControllerIo> {
+        &self.io
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(u64, u64), IoError> {
@@ -270,108 +492,12 @@ impl Device {
         fua: bool,
         buf: Vec<u8>,
     ) -> (Result<(), IoError>, Vec<u8>) {
-        if blocks == 0 && op != Op::Flush {
-            return (Ok(()), buf);
-        }
-        if op == Op::Flush {
-            // A flush must follow every write completed before it, on every queue.
-            let mut first = Ok(());
-            for w in 0..self.workers.len() {
-                let (r, _) = self.run_on(w, op, 0, 0, false, Vec::new()).await;
-                if first.is_ok() {
-                    first = r;
-                }
-            }
-            return (first, buf);
-        }
-        let w = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
-        self.run_on(w, op, lba, blocks, fua, buf).await
-    }
-
-    async fn run_on(
-        &self,
-        w: usize,
-        op: Op,
-        lba: u64,
-        blocks: u64,
-        fua: bool,
-        buf: Vec<u8>,
-    ) -> (Result<(), IoError>, Vec<u8>) {
-        std::future::poll_fn(|cx| {
-            if self.permits.try_take(cx.waker()) {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await;
-        let cell = self
-            .cells
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default();
-        let job = Job {
-            nsid: self.info.nsid,
-            op,
-            lba,
-            blocks,
-            fua,
-            buf,
-            cell: cell.clone(),
-        };
-        let worker = &self.workers[w];
-        let mut job = Some(job);
-        std::future::poll_fn(
-            |cx| match worker.tx.try_send(job.take().expect("job present")) {
-                Ok(()) => Poll::Ready(()),
-                Err(TrySendError::Full(j)) => {
-                    job = Some(j);
-                    // The channel has room again within one queue completion.
-                    cx.waker().wake_by_ref();
-                    Poll::Pending
-                }
-                Err(TrySendError::Disconnected(j)) => {
-                    j.cell.complete(Err(IoError::ControllerLost), j.buf);
-                    Poll::Ready(())
-                }
-            },
-        )
-        .await;
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if worker.sleeping.load(Ordering::SeqCst) {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from a u64 to our own eventfd.
-            unsafe { libc::write(worker.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-        }
-        let out = Wait { cell: &cell }.await;
-        self.cells
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(cell);
-        self.permits.give();
-        out
+        self.io.run(self.info.nsid, op, lba, blocks, fua, buf).await
     }
 
     /// Blocking helpers for threads that are not async (FUSE, ublk queues).
     pub fn block_on<F: Future>(f: F) -> F::Output {
         block_on(f)
-    }
-}
-
-impl Drop for Device {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        for w in &self.workers {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from a u64 to our own eventfd.
-            unsafe { libc::write(w.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-        }
-        for w in &mut self.workers {
-            if let Some(t) = w.thread.take() {
-                let _ = t.join();
-            }
-        }
     }
 }
 
@@ -404,79 +530,153 @@ struct Parent {
     err: Option<IoError>,
 }
 
-fn worker_loop(
-    mut q: IoQueue,
+/// What one worker thread owns: its queue (until the controller is lost)
+/// and the requests it is working on.
+struct WorkerLoop {
+    /// None once the controller is lost: every request then fails at once.
+    q: Option<IoQueue>,
     rx: Receiver<Job>,
     efd: Arc<OwnedFd>,
     sleeping: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     bs: u32,
-) {
-    let max_blocks = match (q.max_transfer() / bs as usize) as u64 {
-        0 => 1,
-        n => n,
-    };
-    let mut parents: Vec<Option<Parent>> = Vec::new();
-    let mut free_parents: Vec<usize> = Vec::new();
-    let mut open: VecDeque<usize> = VecDeque::new();
-    let mut scratch: Vec<Vec<u8>> = Vec::new();
-    let mut comps: Vec<Completion> = Vec::with_capacity(q.depth());
-    let mut lost = false;
-    let mut stash: Option<Job> = None;
-    loop {
-        // Take new jobs while the queue has room.
-        while open.is_empty() || q.outstanding() < q.depth() {
-            match stash.take().map_or_else(|| rx.try_recv(), Ok) {
-                Ok(job) => {
-                    let id = free_parents.pop().unwrap_or_else(|| {
-                        parents.push(None);
-                        parents.len() - 1
-                    });
-                    parents[id] = Some(Parent {
-                        job,
-                        left: 0,
-                        next: 0,
-                        err: None,
-                    });
-                    open.push_back(id);
-                }
-                Err(_) => break,
-            }
+    /// Blocks per read or write command (the maximum transfer).
+    max_blocks: u64,
+    parents: Vec<Option<Parent>>,
+    free: Vec<usize>,
+    /// Requests with commands still to issue, oldest first.
+    open: VecDeque<usize>,
+    /// Buffers of split commands, reused.
+    scratch: Vec<Vec<u8>>,
+    comps: Vec<Completion>,
+    /// A job taken from the channel just before going to sleep.
+    stash: Option<Job>,
+}
+
+impl WorkerLoop {
+    fn new(
+        q: IoQueue,
+        bs: u32,
+        rx: Receiver<Job>,
+        efd: Arc<OwnedFd>,
+        sleeping: Arc<AtomicBool>,
+        stop: Arc<AtomicBool>,
+    ) -> WorkerLoop {
+        let max_blocks = (q.max_transfer() / bs as usize).max(1) as u64;
+        let comps = Vec::with_capacity(q.depth());
+        WorkerLoop {
+            q: Some(q),
+            rx,
+            efd,
+            sleeping,
+            stop,
+            bs,
+            max_blocks,
+            parents: Vec::new(),
+            free: Vec::new(),
+            open: VecDeque::new(),
+            scratch: Vec::new(),
+            comps,
+            stash: None,
         }
-        // Issue commands for open jobs.
+    }
+
+    fn outstanding(&self) -> usize {
+        self.q.as_ref().map_or(0, IoQueue::outstanding)
+    }
+
+    fn has_room(&self) -> bool {
+        self.q.as_ref().is_none_or(|q| q.outstanding() < q.depth())
+    }
+
+    fn run(mut self) {
+        loop {
+            self.take_jobs();
+            self.issue();
+            if self.stop.load(Ordering::Acquire) && self.outstanding() == 0 {
+                return;
+            }
+            let got = self.reap();
+            let can_issue = !self.open.is_empty() && self.has_room();
+            if can_issue || got > 0 {
+                continue;
+            }
+            self.sleep();
+        }
+    }
+
+    /// Takes new jobs while the queue has room.
+    fn take_jobs(&mut self) {
+        while self.open.is_empty() || self.has_room() {
+            let job = match self.stash.take() {
+                Some(j) => j,
+                None => match self.rx.try_recv() {
+                    Ok(j) => j,
+                    Err(_) => return,
+                },
+            };
+            let id = self.free.pop().unwrap_or_else(|| {
+                self.parents.push(None);
+                self.parents.len() - 1
+            });
+            self.parents[id] = Some(Parent {
+                job,
+                left: 0,
+                next: 0,
+                err: None,
+            });
+            self.open.push_back(id);
+        }
+    }
+
+    /// Issues commands for open jobs while the queue has room.
+    fn issue(&mut self) {
+        let WorkerLoop {
+            q,
+            bs,
+            max_blocks,
+            parents,
+            free,
+            open,
+            scratch,
+            ..
+        } = self;
+        let bs = *bs as u64;
         while let Some(&id) = open.front() {
+            let p = parents[id].as_mut().expect("open parent exists");
+            let Some(q) = q.as_mut() else {
+                p.err.get_or_insert(IoError::ControllerLost);
+                p.next = p.job.blocks.max(1);
+                open.pop_front();
+                if p.left == 0 {
+                    finish(parents, free, id);
+                }
+                continue;
+            };
             if q.outstanding() >= q.depth() {
                 break;
             }
-            let p = parents[id].as_mut().expect("open parent exists");
-            if lost {
-                p.err = Some(IoError::ControllerLost);
-                p.next = p.job.blocks.max(1);
-            }
             let total = p.job.blocks;
-            if p.next >= total.max(1) {
-                open.pop_front();
-                if p.left == 0 {
-                    finish(&mut parents, &mut free_parents, id);
-                }
-                continue;
-            }
+            debug_assert!(
+                p.next < total.max(1),
+                "open requests have commands to issue"
+            );
             let op = p.job.op;
             let per = match op {
-                Op::Read | Op::Write => max_blocks,
+                Op::Read | Op::Write => *max_blocks,
                 Op::Flush => 1,
-                Op::WriteZeroes { .. } | Op::Deallocate => 65536,
+                Op::WriteZeroes { .. } | Op::Deallocate => ZEROES_BLOCKS_MAX,
             };
             let n = (total - p.next).min(per);
             let whole = p.next == 0 && n == total;
             let buf = match op {
                 Op::Read | Op::Write if whole => std::mem::take(&mut p.job.buf),
                 Op::Read | Op::Write => {
-                    let len = (n * bs as u64) as usize;
+                    let len = (n * bs) as usize;
                     let mut b = scratch.pop().unwrap_or_default();
                     b.resize(len, 0);
                     if op == Op::Write {
-                        let off = (p.next * bs as u64) as usize;
+                        let off = (p.next * bs) as usize;
                         b.copy_from_slice(&p.job.buf[off..off + len]);
                     }
                     b
@@ -497,60 +697,130 @@ fn worker_loop(
             if let Err((req, e)) = q.submit(req) {
                 tracing::warn!(error = %e, "submit failed");
                 p.left -= 1;
-                p.err.get_or_insert(IoError::ControllerLost);
+                p.err.get_or_insert(match e {
+                    Error::Invalid(_) => IoError::Invalid("the I/O queue refused the request"),
+                    _ => IoError::ControllerLost,
+                });
                 if whole {
                     p.job.buf = req.buf;
+                } else if !req.buf.is_empty() {
+                    scratch.push(req.buf);
+                }
+            }
+            // Issued in full: off the open list at once, so a completion
+            // that finishes it never leaves a finished request there.
+            if p.next >= total.max(1) {
+                open.pop_front();
+                if p.left == 0 {
+                    finish(parents, free, id);
                 }
             }
         }
-        if stop.load(Ordering::Acquire) && q.outstanding() == 0 {
-            return;
+    }
+
+    /// Handles the socket; returns the completions it saw.
+    fn reap(&mut self) -> usize {
+        let WorkerLoop {
+            q,
+            bs,
+            parents,
+            free,
+            scratch,
+            comps,
+            ..
+        } = self;
+        let Some(queue) = q.as_mut() else { return 0 };
+        if queue.outstanding() == 0 {
+            return 0;
         }
-        // Handle the socket, then sleep until it or a submitter wakes us.
-        let mut got = 0;
-        if q.outstanding() > 0 {
-            comps.clear();
-            if let Err(e) = q.poll(&mut comps, Duration::ZERO) {
-                tracing::error!(error = %e, "I/O queue failed");
-                lost = true;
+        comps.clear();
+        let r = queue.poll(comps, Duration::ZERO);
+        let got = comps.len();
+        for c in comps.drain(..) {
+            on_completion(c, parents, free, scratch, *bs);
+        }
+        if let Err(e) = r {
+            tracing::error!(error = %e, "I/O queue failed");
+            self.abandon();
+        }
+        got
+    }
+
+    /// The controller is lost: drops the queue and fails every request.
+    /// Buffers still inside the queue are lost with it; the requests get
+    /// fresh ones of their length back.
+    fn abandon(&mut self) {
+        self.q = None;
+        let bs = self.bs as usize;
+        for id in 0..self.parents.len() {
+            if let Some(p) = self.parents[id].as_mut() {
+                p.err.get_or_insert(IoError::ControllerLost);
+                p.left = 0;
+                p.next = p.job.blocks.max(1);
+                let len = p.job.blocks as usize * bs;
+                if matches!(p.job.op, Op::Read | Op::Write) && p.job.buf.len() != len {
+                    p.job.buf = vec![0; len];
+                }
+                finish(&mut self.parents, &mut self.free, id);
             }
-            got = comps.len();
-            for c in comps.drain(..) {
-                on_completion(c, &mut parents, &mut free_parents, &mut scratch, bs);
-            }
         }
-        let can_issue = !open.is_empty() && q.outstanding() < q.depth();
-        if can_issue || got > 0 {
-            continue;
-        }
-        sleeping.store(true, Ordering::SeqCst);
+        self.open.clear();
+    }
+
+    /// Sleeps until the socket or a submitter wakes us (or a second passes).
+    fn sleep(&mut self) {
+        self.sleeping.store(true, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
-        match rx.try_recv() {
-            Ok(j) => stash = Some(j),
+        // A job that arrived after the last look is taken instead of
+        // sleeping, unless one already waits for room in the queue (taking
+        // another would overwrite it).
+        let arrived = match &self.stash {
+            Some(_) => Err(mpsc::TryRecvError::Empty),
+            None => self.rx.try_recv(),
+        };
+        match arrived {
+            Ok(j) => self.stash = Some(j),
             Err(_) => {
+                let (qfd, wants_write) = self
+                    .q
+                    .as_ref()
+                    .map_or((-1, false), |q| (q.fd(), q.wants_write()));
                 let mut fds = [
                     libc::pollfd {
-                        fd: efd.as_raw_fd(),
+                        fd: self.efd.as_raw_fd(),
                         events: libc::POLLIN,
                         revents: 0,
                     },
                     libc::pollfd {
-                        fd: q.fd(),
-                        events: libc::POLLIN | if q.wants_write() { libc::POLLOUT } else { 0 },
+                        fd: qfd,
+                        events: libc::POLLIN | if wants_write { libc::POLLOUT } else { 0 },
                         revents: 0,
                     },
                 ];
-                let n = if q.outstanding() > 0 { 2 } else { 1 };
+                let n = if self.outstanding() > 0 { 2 } else { 1 };
                 // SAFETY: fds holds n valid pollfds for the call's duration.
-                unsafe { libc::poll(fds.as_mut_ptr(), n, 1000) };
+                let ready = unsafe { libc::poll(fds.as_mut_ptr(), n, WORKER_IDLE_WAKE_MS) };
                 if fds[0].revents & libc::POLLIN != 0 {
                     let mut v = 0u64;
                     // SAFETY: reads 8 bytes into a u64 from our own eventfd.
-                    unsafe { libc::read(efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                    unsafe { libc::read(self.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                }
+                // Commands and a silent socket: a target that vanished
+                // without closing its connections looks like this. Its
+                // controller's keep-alive declares it lost in bounded time.
+                if ready == 0 && self.outstanding() > 0 {
+                    let lost = self
+                        .q
+                        .as_ref()
+                        .is_some_and(|q| q.controller().current().is_err());
+                    if lost {
+                        tracing::error!("controller lost with commands outstanding; failing them");
+                        self.abandon();
+                    }
                 }
             }
         }
-        sleeping.store(false, Ordering::SeqCst);
+        self.sleeping.store(false, Ordering::SeqCst);
     }
 }
 
@@ -615,5 +885,86 @@ pub fn block_on<F: Future>(f: F) -> F::Output {
             return v;
         }
         std::thread::park();
+    }
+}
+
+/// Runs futures concurrently; their outputs in the order given.
+pub(crate) fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> JoinAll<F> {
+    let futures: Vec<_> = futures.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut out = Vec::with_capacity(futures.len());
+    out.resize_with(futures.len(), || None);
+    JoinAll { futures, out }
+}
+
+/// See [`join_all`]. Each future is polled again on every wake-up until it
+/// is done, which suits the handful of pieces one request splits into.
+pub(crate) struct JoinAll<F: Future> {
+    futures: Vec<Option<Pin<Box<F>>>>,
+    out: Vec<Option<F::Output>>,
+}
+
+// The futures are pinned in their own boxes and the outputs are never
+// pinned, so moving a JoinAll is fine.
+impl<F: Future> Unpin for JoinAll<F> {}
+
+impl<F: Future> Future for JoinAll<F> {
+    type Output = Vec<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut pending = false;
+        for (slot, out) in this.futures.iter_mut().zip(this.out.iter_mut()) {
+            if let Some(f) = slot {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => {
+                        *out = Some(v);
+                        *slot = None;
+                    }
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            return Poll::Pending;
+        }
+        Poll::Ready(
+            this.out
+                .iter_mut()
+                .map(|o| o.take().expect("every future finished"))
+                .collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn join_all_keeps_the_order_and_runs_everything() {
+        let n = std::cell::Cell::new(0);
+        let futs = (0..5).map(|i| {
+            let n = &n;
+            async move {
+                // Yield once so the futures interleave.
+                let mut yielded = false;
+                std::future::poll_fn(|cx| {
+                    if yielded {
+                        Poll::Ready(())
+                    } else {
+                        yielded = true;
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                })
+                .await;
+                n.set(n.get() + 1);
+                i * 10
+            }
+        });
+        assert_eq!(block_on(join_all(futs)), vec![0, 10, 20, 30, 40]);
+        assert_eq!(n.get(), 5);
+        let none: Vec<std::future::Ready<u8>> = Vec::new();
+        assert!(block_on(join_all(none)).is_empty());
     }
 }

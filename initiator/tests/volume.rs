@@ -1,0 +1,941 @@
+//! The volume engine against in-process nvpool-targets.
+//!
+//! Each test exports a volume's extents as namespaces of one per-host
+//! subsystem on every target, builds the connection plan by hand and checks
+//! through the volume (data reads back) and beside it (every byte sits in
+//! the namespace and at the offset the mapping names, on every copy).
+
+mod common;
+
+use common::*;
+use nvpool_control::mapping::Geometry;
+use nvpool_control::model::Uuid;
+use nvpool_control::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
+use nvpool_initiator::device::block_on;
+use nvpool_initiator::volume::ExtentFailure;
+use nvpool_initiator::{
+    BlockDev, Controller, ControllerIo, Device, Error, IoError, Volume, VolumeOptions,
+};
+use nvpool_target::backend::{FaultBackend, FaultConfig, RamBackend};
+use nvpool_wire::Status;
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Waker};
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+/// The smallest extent a plan may have.
+const EXTENT: u64 = MIB;
+const BLOCK: u64 = 4096;
+const K: u64 = 1024;
+
+fn host_subsystem() -> String {
+    format!("{HOST_SUBSYSTEM_PREFIX}volume-test")
+}
+
+/// Targets exporting a volume's extents, and the plan to reach them.
+struct Setup {
+    targets: Vec<Tgt>,
+    plan: ConnectionPlan,
+    /// With [`setup_faulty`]: each extent's backend, in plan order.
+    faults: Vec<Arc<FaultBackend>>,
+}
+
+/// Starts `n` targets and exports every extent of a volume of `layout` and
+/// `size` as a namespace (`ns_spec`, e.g. `ram:1M`) of the host subsystem:
+/// extent (row, member, copy) lives on target (row + member × copies +
+/// copy) mod n, so the extents of a row sit on distinct targets.
+fn setup(n: usize, layout: LayoutBody, size: u64, ns_spec: &str) -> Setup {
+    let mut plan = ConnectionPlan {
+        volume: Uuid([7; 16]),
+        name: "vol".into(),
+        host_nqn: HOST_A.into(),
+        size_bytes: size,
+        block_bytes: BLOCK as u32,
+        extent_bytes: EXTENT,
+        layout,
+        extents: Vec::new(),
+    };
+    let g = plan.geometry();
+    let mut namespaces: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut placed = Vec::new();
+    for row in 0..g.rows() {
+        for member in 0..g.width {
+            for copy in 0..g.copies {
+                let t =
+                    (row as usize + (member as usize) * usize::from(g.copies) + copy as usize) % n;
+                let nsid = namespaces[t].len() as u32 + 1;
+                namespaces[t].push(nsid);
+                placed.push((t, nsid, row, member, copy));
+            }
+        }
+    }
+    let nqn = host_subsystem();
+    let targets: Vec<Tgt> = namespaces
+        .iter()
+        .map(|nsids| {
+            let ns: Vec<(u32, &str)> = nsids.iter().map(|&id| (id, ns_spec)).collect();
+            Tgt::start(&[subsystem(&nqn, &[HOST_A], &ns)])
+        })
+        .collect();
+    for (t, nsid, row, member, copy) in placed {
+        plan.extents.push(PlanExtent {
+            target: format!("target-{t}"),
+            addr: targets[t].addr,
+            subsystem_nqn: nqn.clone(),
+            nsid,
+            device: "ram".into(),
+            offset: 0,
+            length: EXTENT,
+            member,
+            row,
+            copy,
+        });
+    }
+    plan.validate().expect("the test builds valid plans");
+    Setup {
+        targets,
+        plan,
+        faults: Vec::new(),
+    }
+}
+
+/// Like [`setup`] with 1 MiB RAM namespaces of 512-byte blocks behind
+/// fault-injecting backends.
+fn setup_faulty(n: usize, layout: LayoutBody, size: u64) -> Setup {
+    let mut s = setup(n, layout, size, "ram:1M");
+    for e in &s.plan.extents {
+        let t = s.targets.iter().find(|t| t.addr == e.addr).expect("target");
+        let f = Arc::new(FaultBackend::new(Arc::new(RamBackend::new(EXTENT, 512))));
+        t.target
+            .put_namespace_backend(&e.subsystem_nqn, e.nsid, f.clone())
+            .expect("swap the backend");
+        s.faults.push(f);
+    }
+    s
+}
+
+/// Options for tests: quick reconnects, a short controller-loss timeout.
+fn opts() -> VolumeOptions {
+    VolumeOptions {
+        queue_depth: 32,
+        reconnect_delay: Duration::from_millis(100),
+        connect_timeout: Duration::from_secs(1),
+        ctrl_loss_timeout: Some(Duration::from_secs(2)),
+        ..VolumeOptions::default()
+    }
+}
+
+/// Live controllers of the test host on a target.
+fn host_controllers(t: &Tgt) -> usize {
+    let nqn = host_subsystem();
+    t.target
+        .controllers()
+        .iter()
+        .filter(|c| !c.discovery && c.hostnqn == HOST_A && c.subsys_nqn == nqn)
+        .count()
+}
+
+/// Xorshift: deterministic offsets and lengths.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// A block-aligned range of 1..=max_blocks blocks inside `[lo, hi)`.
+    fn range(&mut self, lo: u64, hi: u64, max_blocks: u64) -> (u64, u64) {
+        let blocks = (hi - lo) / BLOCK;
+        let len = (1 + self.next() % max_blocks).min(blocks);
+        let off = lo + self.next() % (blocks - len + 1) * BLOCK;
+        (off, len * BLOCK)
+    }
+}
+
+#[track_caller]
+fn write(v: &Volume, model: &mut [u8], off: u64, len: u64, seed: u64, fua: bool) {
+    let data = pattern(seed, len as usize);
+    let (r, back) = block_on(v.write(off, data.clone(), fua));
+    r.unwrap_or_else(|e| panic!("write of {len} bytes at {off}: {e}"));
+    assert_eq!(back.len(), data.len(), "the buffer comes back");
+    model[off as usize..(off + len) as usize].copy_from_slice(&data);
+}
+
+#[track_caller]
+fn read_check(v: &Volume, model: &[u8], off: u64, len: u64) {
+    let (r, got) = block_on(v.read(off, vec![0xEE; len as usize]));
+    r.unwrap_or_else(|e| panic!("read of {len} bytes at {off}: {e}"));
+    assert_same(
+        &got,
+        &model[off as usize..(off + len) as usize],
+        &format!("volume bytes {off}+{len}"),
+    );
+}
+
+/// Reads every namespace of every target with a controller of its own.
+/// Returns the contents in plan extent order.
+fn read_namespaces(s: &Setup) -> Vec<Vec<u8>> {
+    let mut out = vec![Vec::new(); s.plan.extents.len()];
+    for (t, tgt) in s.targets.iter().enumerate() {
+        let mine: Vec<usize> = (0..s.plan.extents.len())
+            .filter(|&i| s.plan.extents[i].addr == tgt.addr)
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let ctrl = Controller::connect(params(tgt.addr, &host_subsystem(), HOST_A))
+            .unwrap_or_else(|e| panic!("verifier connect to target {t}: {e}"));
+        let bs = ctrl
+            .namespace(s.plan.extents[mine[0]].nsid)
+            .unwrap()
+            .block_size;
+        let io = ControllerIo::start(ctrl.clone(), 1, bs).unwrap();
+        for i in mine {
+            let d = Device::on(&io, s.plan.extents[i].nsid).unwrap();
+            assert_eq!(d.size(), EXTENT, "namespace of extent {i}");
+            let (r, b) = block_on(d.read(0, vec![0; EXTENT as usize]));
+            r.unwrap();
+            out[i] = b;
+        }
+        drop(io);
+        ctrl.shutdown();
+    }
+    out
+}
+
+/// Every volume byte is at its mapped offset in every copy of its extent.
+fn check_placement(s: &Setup, model: &[u8]) {
+    let ns = read_namespaces(s);
+    let g: Geometry = s.plan.geometry();
+    for seg in g.segments(0, g.size_bytes).unwrap() {
+        let first = seg.location.first_extent_index(&g);
+        let at = seg.location.offset_in_extent as usize;
+        let want = &model[seg.volume_offset as usize..][..seg.len as usize];
+        for copy in 0..usize::from(g.copies) {
+            assert_same(
+                &ns[first + copy][at..at + seg.len as usize],
+                want,
+                &format!(
+                    "volume bytes {}+{} in extent {} (copy {copy}) at {at}",
+                    seg.volume_offset,
+                    seg.len,
+                    first + copy
+                ),
+            );
+        }
+    }
+    // Copies are identical, unmapped tails included.
+    let c = usize::from(g.copies);
+    for group in 0..ns.len() / c {
+        for copy in 1..c {
+            assert_same(
+                &ns[group * c + copy],
+                &ns[group * c],
+                &format!("copy {copy} of extent group {group}"),
+            );
+        }
+    }
+}
+
+/// Waits until `f` holds, failing the test after `WAIT`.
+#[track_caller]
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < until, "still waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Drives one layout through everything a front-end does and checks the
+/// result on the namespaces themselves.
+fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed: u64) {
+    let s = setup(n_targets, layout, size, ns_spec);
+    let v = Volume::open(&s.plan, opts()).expect("volume opens");
+    assert_eq!(v.size(), size);
+    assert_eq!(BlockDev::block_size(&v), BLOCK as u32);
+    let g = s.plan.geometry();
+    let want_opt = if g.width > 1 {
+        g.stripe_bytes as u32
+    } else {
+        0
+    };
+    assert_eq!(v.optimal_io_bytes(), want_opt);
+
+    // One controller per target, shared by every extent there.
+    assert_eq!(v.controller_count(), n_targets);
+    for (i, t) in s.targets.iter().enumerate() {
+        assert_eq!(
+            host_controllers(t),
+            1,
+            "controllers of the host on target {i}"
+        );
+    }
+
+    let mut model = vec![0u8; size as usize];
+    let mut rng = Rng(seed | 1);
+    // Random writes, small and large (up to 1.5 MiB: across stripe units,
+    // members and extents), each read back at once and at random later.
+    for i in 0..80u64 {
+        let max_blocks = if i.is_multiple_of(8) { 384 } else { 40 };
+        let (off, len) = rng.range(0, size, max_blocks);
+        write(
+            &v,
+            &mut model,
+            off,
+            len,
+            seed << 16 | i,
+            i.is_multiple_of(5),
+        );
+        read_check(&v, &model, off, len);
+        let (off, len) = rng.range(0, size, 96);
+        read_check(&v, &model, off, len);
+    }
+
+    // Concurrent callers on disjoint quarters.
+    let quarter = size / 4 / BLOCK * BLOCK;
+    let parts: Vec<Vec<(u64, Vec<u8>)>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..4u64)
+            .map(|q| {
+                let v = &v;
+                sc.spawn(move || {
+                    let mut rng = Rng(seed.wrapping_mul(31) + q * 7 + 1);
+                    let mut done = Vec::new();
+                    for i in 0..25 {
+                        let (off, len) = rng.range(q * quarter, (q + 1) * quarter, 64);
+                        let data = pattern(seed + q * 1000 + i, len as usize);
+                        let (r, _) = block_on(v.write(off, data.clone(), false));
+                        r.unwrap();
+                        let (r, got) = block_on(v.read(off, vec![0; len as usize]));
+                        r.unwrap();
+                        assert_same(&got, &data, "concurrent read-back");
+                        done.push((off, data));
+                    }
+                    done
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for part in parts {
+        for (off, data) in part {
+            model[off as usize..off as usize + data.len()].copy_from_slice(&data);
+        }
+    }
+
+    // Write Zeroes and discard across extents (RAM namespaces read back
+    // zeroes either way).
+    let (zo, zl) = (EXTENT - 12 * K, EXTENT + 24 * K);
+    block_on(v.write_zeroes(zo, zl, false)).unwrap();
+    model[zo as usize..(zo + zl) as usize].fill(0);
+    let (d_off, d_len) = (size - 3 * EXTENT / 2, EXTENT);
+    block_on(v.discard(d_off, d_len)).unwrap();
+    model[d_off as usize..(d_off + d_len) as usize].fill(0);
+    block_on(v.flush()).unwrap();
+    block_on(v.flush()).unwrap();
+
+    // The whole volume, in 1 MiB reads and in one odd-sized read.
+    for off in (0..size).step_by(MIB as usize) {
+        read_check(&v, &model, off, MIB.min(size - off));
+    }
+    read_check(&v, &model, 3 * BLOCK, size - 7 * BLOCK);
+
+    // Bad requests.
+    for (off, len, what) in [
+        (100, BLOCK, "unaligned offset"),
+        (0, 512, "unaligned length"),
+        (size - BLOCK, 2 * BLOCK, "past the end"),
+        (size, BLOCK, "at the end"),
+    ] {
+        let (r, back) = block_on(v.read(off, vec![0; len as usize]));
+        assert!(matches!(r, Err(IoError::Invalid(_))), "read {what}: {r:?}");
+        assert_eq!(back.len(), len as usize);
+        let (r, _) = block_on(v.write(off, vec![0; len as usize], false));
+        assert!(matches!(r, Err(IoError::Invalid(_))), "write {what}: {r:?}");
+        let r = block_on(v.write_zeroes(off, len, false));
+        assert!(
+            matches!(r, Err(IoError::Invalid(_))),
+            "zeroes {what}: {r:?}"
+        );
+        let r = block_on(v.discard(off, len));
+        assert!(
+            matches!(r, Err(IoError::Invalid(_))),
+            "discard {what}: {r:?}"
+        );
+    }
+    let (r, _) = block_on(v.read(8192, Vec::new()));
+    r.unwrap();
+    assert!(v.health().is_healthy());
+
+    v.close().expect("close flushes");
+    for (i, t) in s.targets.iter().enumerate() {
+        eventually(&format!("target {i} to see the controller go"), || {
+            host_controllers(t) == 0
+        });
+    }
+    check_placement(&s, &model);
+}
+
+#[test]
+fn concat_maps_every_byte_to_its_extent() {
+    // 4 rows, the last one short of 64 KiB.
+    exercise(2, LayoutBody::Concat, 4 * MIB - 64 * K, "ram:1M", 1);
+}
+
+#[test]
+fn raid0_stripes_across_members() {
+    let layout = LayoutBody::Raid0 {
+        stripe_bytes: 16 * K,
+        width: 3,
+    };
+    // 4 rows of 3 extents, the last row short of 5 stripe units.
+    exercise(3, layout, 12 * MIB - 80 * K, "ram:1M", 2);
+}
+
+#[test]
+fn raid1_mirrors_every_write() {
+    let layout = LayoutBody::Raid1 { copies: 2 };
+    exercise(3, layout, 4 * MIB - 4 * K, "ram:1M", 3);
+}
+
+#[test]
+fn raid10_stripes_and_mirrors_on_4k_namespaces() {
+    let layout = LayoutBody::Raid10 {
+        stripe_bytes: 32 * K,
+        width: 2,
+        copies: 2,
+    };
+    exercise(4, layout, 8 * MIB - 96 * K, "ram:1M,block_size=4096", 4);
+}
+
+#[test]
+fn plans_that_do_not_match_the_targets_are_refused() {
+    let s = setup(2, LayoutBody::Raid1 { copies: 2 }, 2 * MIB, "ram:2M");
+    match Volume::open(&s.plan, opts()) {
+        Err(Error::Invalid(m)) => assert!(m.contains("namespace"), "{m}"),
+        other => panic!("namespaces of 2 MiB for 1 MiB extents: {other:?}"),
+    }
+    let mut bad = s.plan.clone();
+    bad.extents.pop();
+    assert!(matches!(Volume::open(&bad, opts()), Err(Error::Invalid(_))));
+    let mut bad = s.plan.clone();
+    bad.extents[1].nsid = 9;
+    assert!(
+        Volume::open(&bad, opts()).is_err(),
+        "a namespace that is not there"
+    );
+    // Nothing stays connected after a refused open.
+    for t in &s.targets {
+        eventually("refused opens to disconnect", || host_controllers(t) == 0);
+    }
+}
+
+/// What one writer of the degraded test saw.
+#[derive(Debug, Default)]
+struct Seen {
+    ops: u64,
+    errors: Vec<String>,
+    written: Vec<(u64, u64, u64)>,
+}
+
+#[test]
+fn mirror_keeps_serving_when_a_target_dies() {
+    let mut s = setup(2, LayoutBody::Raid1 { copies: 2 }, 4 * MIB, "ram:1M");
+    let failures: Arc<Mutex<Vec<ExtentFailure>>> = Arc::default();
+    let f2 = failures.clone();
+    let o = VolumeOptions {
+        on_extent_failed: Some(Arc::new(move |f: &ExtentFailure| {
+            f2.lock().unwrap().push(f.clone())
+        })),
+        ..opts()
+    };
+    let v = Volume::open(&s.plan, o).unwrap();
+    let size = v.size();
+    let stop = AtomicBool::new(false);
+    let progress = AtomicU64::new(0);
+    let dead = s.targets[1].addr;
+    let seen: Vec<Seen> = std::thread::scope(|sc| {
+        let writers: Vec<_> = (0..2u64)
+            .map(|w| {
+                let (v, stop, progress) = (&v, &stop, &progress);
+                sc.spawn(move || {
+                    let half = size / 2;
+                    let mut rng = Rng(w + 11);
+                    let mut seen = Seen::default();
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        i += 1;
+                        // Up to 640 KiB: often across the 1 MiB extents.
+                        let (off, len) = rng.range(w * half, (w + 1) * half, 160);
+                        let seed = w << 32 | i;
+                        let data = pattern(seed, len as usize);
+                        let (r, _) = block_on(v.write(off, data.clone(), i.is_multiple_of(3)));
+                        if let Err(e) = r {
+                            seen.errors.push(format!("write {off}+{len}: {e}"));
+                            continue;
+                        }
+                        seen.written.push((off, len, seed));
+                        let (r, got) = block_on(v.read(off, vec![0; len as usize]));
+                        match r {
+                            Err(e) => seen.errors.push(format!("read {off}+{len}: {e}")),
+                            Ok(()) if got != data => {
+                                seen.errors.push(format!("read {off}+{len}: wrong data"))
+                            }
+                            Ok(()) => {}
+                        }
+                        seen.ops += 1;
+                        progress.fetch_add(1, Ordering::Relaxed);
+                    }
+                    seen
+                })
+            })
+            .collect();
+        eventually("writers to get going", || {
+            progress.load(Ordering::Relaxed) >= 40
+        });
+        // Kill one target mid-way: its listener and connections go.
+        s.targets.pop().expect("two targets").stop();
+        eventually("the dead target's copies to be marked failed", || {
+            !v.health().failed_extents.is_empty()
+        });
+        let after = progress.load(Ordering::Relaxed);
+        eventually("writers to go on without the dead copies", || {
+            progress.load(Ordering::Relaxed) >= after + 40
+        });
+        stop.store(true, Ordering::Relaxed);
+        writers.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+
+    let mut model = vec![0u8; size as usize];
+    for w in &seen {
+        assert!(
+            w.errors.is_empty(),
+            "errors reached the caller: {:?}",
+            w.errors
+        );
+        assert!(w.ops > 0);
+        for &(off, len, seed) in &w.written {
+            model[off as usize..(off + len) as usize].copy_from_slice(&pattern(seed, len as usize));
+        }
+    }
+    // Exactly the copies on the dead target failed; every extent is served.
+    let on_dead: BTreeSet<usize> = (0..s.plan.extents.len())
+        .filter(|&i| s.plan.extents[i].addr == dead)
+        .collect();
+    let h = v.health();
+    assert_eq!(
+        h.failed_extents.iter().copied().collect::<BTreeSet<_>>(),
+        on_dead
+    );
+    assert!(h.is_degraded() && h.lost.is_empty(), "{h:?}");
+    let reported: Vec<usize> = failures.lock().unwrap().iter().map(|f| f.index).collect();
+    assert_eq!(
+        reported.iter().copied().collect::<BTreeSet<_>>(),
+        on_dead,
+        "one report per failed copy"
+    );
+    assert_eq!(reported.len(), on_dead.len(), "each reported once");
+    assert!(failures
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|f| f.addr == dead && !f.member_lost));
+
+    // Everything acknowledged reads back, and sits on the surviving target.
+    for off in (0..size).step_by(MIB as usize) {
+        read_check(&v, &model, off, MIB);
+    }
+    v.close().expect("flush of the surviving copies");
+    let live = &s.targets[0];
+    let ctrl = Controller::connect(params(live.addr, &host_subsystem(), HOST_A)).unwrap();
+    let io = ControllerIo::start(ctrl.clone(), 1, 512).unwrap();
+    let g = s.plan.geometry();
+    for seg in g.segments(0, size).unwrap() {
+        let first = seg.location.first_extent_index(&g);
+        for i in first..first + 2 {
+            let e = &s.plan.extents[i];
+            if e.addr != live.addr {
+                continue;
+            }
+            let d = Device::on(&io, e.nsid).unwrap();
+            let at = seg.location.offset_in_extent;
+            let (r, got) = block_on(d.read(at, vec![0; seg.len as usize]));
+            r.unwrap();
+            assert_same(
+                &got,
+                &model[seg.volume_offset as usize..][..seg.len as usize],
+                &format!("surviving copy of bytes {}+{}", seg.volume_offset, seg.len),
+            );
+        }
+    }
+}
+
+#[test]
+fn an_extent_without_a_live_copy_fails_to_the_caller() {
+    let s = setup(2, LayoutBody::Raid1 { copies: 2 }, 2 * MIB, "ram:1M");
+    let o = VolumeOptions {
+        ctrl_loss_timeout: Some(Duration::from_secs(1)),
+        ..opts()
+    };
+    let v = Volume::open(&s.plan, o).unwrap();
+    let mut model = vec![0u8; 2 * MIB as usize];
+    write(&v, &mut model, 0, 2 * MIB, 5, false);
+    read_check(&v, &model, 0, 2 * MIB);
+    let Setup { targets, plan, .. } = s;
+    for t in targets {
+        t.stop();
+    }
+    let started = Instant::now();
+    let (r, back) = block_on(v.read(MIB, vec![0; 8192]));
+    assert_eq!(r, Err(IoError::ControllerLost), "read with every copy gone");
+    assert_eq!(back.len(), 8192);
+    let (r, _) = block_on(v.write(0, vec![1; 8192], false));
+    assert_eq!(
+        r,
+        Err(IoError::ControllerLost),
+        "write with every copy gone"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "bounded by the controller-loss timeout: {:?}",
+        started.elapsed()
+    );
+    let h = v.health();
+    assert_eq!(
+        h.failed_extents,
+        (0..plan.extents.len()).collect::<Vec<_>>()
+    );
+    assert_eq!(h.lost, vec![(0, 0), (1, 0)]);
+    assert!(!h.is_degraded() && !h.is_healthy());
+    // Written, never flushed, and no copy left to flush: not durable.
+    assert_eq!(block_on(v.flush()), Err(IoError::ControllerLost));
+    drop(v);
+}
+
+/// Polls `fut` once, counts the controllers with requests in flight, then
+/// finishes it.
+fn busy_after_first_poll<F: Future>(v: &Volume, fut: F) -> (usize, F::Output) {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(
+        fut.as_mut().poll(&mut cx).is_pending(),
+        "slow targets answered at once"
+    );
+    let busy = v.controllers().iter().filter(|c| c.in_flight() > 0).count();
+    (busy, block_on(fut))
+}
+
+#[test]
+fn requests_spanning_members_run_on_all_of_them_at_once() {
+    let layout = LayoutBody::Raid0 {
+        stripe_bytes: 16 * K,
+        width: 3,
+    };
+    let s = setup_faulty(3, layout, 3 * MIB);
+    let v = Volume::open(&s.plan, opts()).unwrap();
+    let slow = FaultConfig {
+        latency: Duration::from_millis(200),
+        ..FaultConfig::default()
+    };
+    for f in &s.faults {
+        f.set(slow.clone());
+    }
+    // Six stripe units from unit 1: every member, one command each.
+    let len = 96 * K as usize;
+    let data = pattern(9, len);
+    let (busy, (r, _)) = busy_after_first_poll(&v, v.write(16 * K, data.clone(), true));
+    r.unwrap();
+    assert_eq!(
+        busy, 3,
+        "a write over three members keeps three targets busy"
+    );
+    let (busy, (r, got)) = busy_after_first_poll(&v, v.read(16 * K, vec![0; len]));
+    r.unwrap();
+    assert_eq!(busy, 3, "and so does a read");
+    assert_same(&got, &data, "read across members");
+    for f in &s.faults {
+        f.heal();
+    }
+    v.close().unwrap();
+}
+
+#[test]
+fn mirror_reads_around_media_errors_and_drops_copies_that_miss_writes() {
+    let s = setup_faulty(2, LayoutBody::Raid1 { copies: 2 }, 2 * MIB);
+    let failures: Arc<Mutex<Vec<ExtentFailure>>> = Arc::default();
+    let f2 = failures.clone();
+    let o = VolumeOptions {
+        on_extent_failed: Some(Arc::new(move |f: &ExtentFailure| {
+            f2.lock().unwrap().push(f.clone())
+        })),
+        ..opts()
+    };
+    let v = Volume::open(&s.plan, o).unwrap();
+    let mut model = vec![0u8; 2 * MIB as usize];
+    write(&v, &mut model, 0, 2 * MIB, 21, false);
+
+    // Copy 0 of extent 0 cannot read: reads move to copy 1, and copy 0,
+    // which holds current data, stays in use.
+    s.faults[0].set(FaultConfig {
+        fail_reads: true,
+        ..FaultConfig::default()
+    });
+    for i in 0..8 {
+        read_check(&v, &model, i * 64 * K, 64 * K);
+    }
+    assert!(
+        s.faults[0].injected.load(Ordering::Relaxed) > 0,
+        "copy 0 was tried"
+    );
+    assert!(v.health().is_healthy(), "{:?}", v.health());
+    s.faults[0].heal();
+
+    // Copy 1 of extent 0 fails a write copy 0 takes: it is stale from then
+    // on and never read again, even once it could answer.
+    s.faults[1].set(FaultConfig {
+        fail_writes: true,
+        ..FaultConfig::default()
+    });
+    write(&v, &mut model, 4 * K, 8 * K, 22, false);
+    assert_eq!(v.health().failed_extents, vec![1]);
+    {
+        let f = failures.lock().unwrap();
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!((f[0].index, f[0].row, f[0].copy), (1, 0, 1));
+        assert!(!f[0].member_lost);
+        assert!(
+            matches!(f[0].error, IoError::Status(st) if same_code(st, Status::WRITE_FAULT)),
+            "{:?}",
+            f[0].error
+        );
+    }
+    s.faults[1].heal();
+    for _ in 0..8 {
+        read_check(&v, &model, 0, 64 * K);
+    }
+    // The other extent keeps both copies.
+    write(&v, &mut model, MIB, 8 * K, 23, true);
+    read_check(&v, &model, 0, 2 * MIB);
+    assert_eq!(v.health().failed_extents, vec![1]);
+    assert!(v.health().is_degraded());
+    v.close().unwrap();
+}
+
+#[test]
+fn without_copies_errors_reach_the_caller_as_they_are() {
+    let layout = LayoutBody::Raid0 {
+        stripe_bytes: 16 * K,
+        width: 2,
+    };
+    let s = setup_faulty(2, layout, 2 * MIB);
+    let v = Volume::open(&s.plan, opts()).unwrap();
+    // Unit 1 is member 1's: plan extent 1.
+    s.faults[1].set(FaultConfig {
+        fail_reads: true,
+        ..FaultConfig::default()
+    });
+    let (r, back) = block_on(v.read(16 * K, vec![0; 4096]));
+    assert!(
+        matches!(r, Err(IoError::Status(st)) if same_code(st, Status::UNRECOVERED_READ_ERROR)),
+        "{r:?}"
+    );
+    assert_eq!(back.len(), 4096);
+    let (r, _) = block_on(v.read(0, vec![0; 32 * K as usize]));
+    assert!(r.is_err(), "a read touching member 1 fails");
+    let (r, _) = block_on(v.read(0, vec![0; 16 * K as usize]));
+    r.unwrap();
+    assert!(v.health().is_healthy(), "a media error is not a lost path");
+    s.faults[1].heal();
+    let (r, _) = block_on(v.read(16 * K, vec![0; 4096]));
+    r.unwrap();
+    v.close().unwrap();
+}
+
+#[test]
+fn volumes_sharing_connections_share_one_controller_per_target() {
+    // Two volumes with extents on the same three targets, all in the host's
+    // subsystem there; the second volume's namespaces are 100, 101, 102.
+    let raid0 = LayoutBody::Raid0 {
+        stripe_bytes: 64 * K,
+        width: 3,
+    };
+    let s = setup(3, raid0, 12 * MIB, "ram:1M");
+    let mut second = s.plan.clone();
+    second.volume = Uuid([8; 16]);
+    second.name = "second".into();
+    second.layout = LayoutBody::Concat;
+    second.size_bytes = 3 * MIB;
+    second.extents = (0..3u32)
+        .map(|row| {
+            let t = &s.targets[row as usize];
+            let nsid = 100 + row;
+            t.target
+                .put_namespace_backend(
+                    &host_subsystem(),
+                    nsid,
+                    Arc::new(RamBackend::new(EXTENT, 512)),
+                )
+                .unwrap();
+            PlanExtent {
+                target: format!("target-{row}"),
+                addr: t.addr,
+                subsystem_nqn: host_subsystem(),
+                nsid,
+                device: "ram".into(),
+                offset: 0,
+                length: EXTENT,
+                member: 0,
+                row,
+                copy: 0,
+            }
+        })
+        .collect();
+    second.validate().unwrap();
+
+    let shared = nvpool_initiator::volume::Connections::new();
+    let o = VolumeOptions {
+        connections: Some(shared.clone()),
+        ..opts()
+    };
+    let a = Volume::open(&s.plan, o.clone()).unwrap();
+    let b = Volume::open(&second, o).unwrap();
+    assert_eq!(shared.controller_count(), 3);
+    for t in &s.targets {
+        assert_eq!(
+            host_controllers(t),
+            1,
+            "one controller per target for both volumes"
+        );
+    }
+    let mut ma = vec![0u8; a.size() as usize];
+    let mut mb = vec![0u8; b.size() as usize];
+    write(&a, &mut ma, 60 * K, 2 * MIB, 31, false);
+    write(&b, &mut mb, 4 * K, 2 * MIB + 8 * K, 32, false);
+    read_check(&a, &ma, 0, a.size());
+    read_check(&b, &mb, 0, b.size());
+    // Closing one leaves the other connected and working.
+    a.close().unwrap();
+    read_check(&b, &mb, 0, b.size());
+    for t in &s.targets {
+        assert_eq!(host_controllers(t), 1);
+    }
+    b.close().unwrap();
+    assert_eq!(shared.controller_count(), 0);
+    for t in &s.targets {
+        eventually("the shared controllers to go", || host_controllers(t) == 0);
+    }
+}
+
+#[test]
+fn full_queues_keep_track_of_every_request() {
+    // Two-deep queues fill up all the time under eight callers: a request
+    // whose last command fills the queue must still complete exactly once.
+    let layout = LayoutBody::Raid10 {
+        stripe_bytes: 16 * K,
+        width: 2,
+        copies: 2,
+    };
+    let s = setup(2, layout, 4 * MIB, "ram:1M");
+    let o = VolumeOptions {
+        queue_depth: 2,
+        ..opts()
+    };
+    let v = Volume::open(&s.plan, o).unwrap();
+    let eighth = v.size() / 8;
+    // A lost request hangs its caller: fail loudly instead of waiting.
+    let (done, watch) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if watch.recv_timeout(4 * WAIT).is_err() {
+            eprintln!("full_queues_keep_track_of_every_request: requests lost (no progress)");
+            std::process::exit(1);
+        }
+    });
+    std::thread::scope(|sc| {
+        for t in 0..8u64 {
+            let v = &v;
+            sc.spawn(move || {
+                let mut rng = Rng(t + 100);
+                for i in 0..150 {
+                    let (off, len) = rng.range(t * eighth, (t + 1) * eighth, 12);
+                    let data = pattern(t << 20 | i, len as usize);
+                    let (r, _) = block_on(v.write(off, data.clone(), false));
+                    r.unwrap();
+                    let (r, got) = block_on(v.read(off, vec![0; len as usize]));
+                    r.unwrap();
+                    assert_same(&got, &data, "read-back through full queues");
+                }
+            });
+        }
+    });
+    done.send(()).unwrap();
+    block_on(v.flush()).unwrap();
+    assert!(v.health().is_healthy());
+}
+
+#[test]
+fn copies_known_to_have_failed_are_never_touched() {
+    let s = setup(2, LayoutBody::Raid1 { copies: 2 }, 3 * MIB, "ram:1M");
+    let stale: Vec<usize> = (0..s.plan.extents.len())
+        .filter(|&i| s.plan.extents[i].addr == s.targets[1].addr)
+        .collect();
+    let o = VolumeOptions {
+        failed_extents: stale.clone(),
+        ..opts()
+    };
+    let v = Volume::open(&s.plan, o).unwrap();
+    assert_eq!(
+        v.controller_count(),
+        1,
+        "the stale copies' target is not connected"
+    );
+    assert_eq!(host_controllers(&s.targets[1]), 0);
+    assert_eq!(v.health().failed_extents, stale);
+    assert!(v.health().is_degraded());
+    let mut model = vec![0u8; v.size() as usize];
+    write(&v, &mut model, 0, v.size(), 41, false);
+    for _ in 0..4 {
+        read_check(&v, &model, 0, v.size());
+    }
+    v.close().unwrap();
+    // Nothing reached the stale copies; the others hold everything.
+    let ns = read_namespaces(&s);
+    for &i in &stale {
+        assert!(
+            ns[i].iter().all(|&b| b == 0),
+            "stale extent {i} was written"
+        );
+    }
+    let g = s.plan.geometry();
+    for seg in g.segments(0, g.size_bytes).unwrap() {
+        let first = seg.location.first_extent_index(&g);
+        let live = if stale.contains(&first) {
+            first + 1
+        } else {
+            first
+        };
+        let at = seg.location.offset_in_extent as usize;
+        assert_same(
+            &ns[live][at..at + seg.len as usize],
+            &model[seg.volume_offset as usize..][..seg.len as usize],
+            "live copy",
+        );
+    }
+
+    // Failed extents must exist, and leave every extent a copy.
+    for bad in [vec![6], vec![0, 1]] {
+        let o = VolumeOptions {
+            failed_extents: bad.clone(),
+            ..opts()
+        };
+        assert!(
+            matches!(Volume::open(&s.plan, o), Err(Error::Invalid(_))),
+            "failed extents {bad:?}"
+        );
+    }
+}
