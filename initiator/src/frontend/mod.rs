@@ -1,0 +1,50 @@
+//! Block-device front-ends: present any [`BlockDev`](crate::BlockDev) (a
+//! namespace or a pooled volume) to the local host.
+//!
+//! ```text
+//!   ext4 / xfs / apps
+//!        │
+//!   /dev/loopN ──► FUSE file ──┐          /dev/nbdN (kernel nbd) ─┐
+//!                              │          qemu, nbdinfo, fio ─────┤ NBD
+//!                         fuse::FuseFs                       nbd::NbdServer
+//!                              └──────► exec::Executor ◄──────────┘
+//!                                         │ polls BlockDev futures
+//!                                  Arc<dyn BlockDev>
+//! ```
+//!
+//! * [`fuse`]: a FUSE filesystem holding one regular file (the volume),
+//!   and [`fuse::FuseLoop`], that file behind a loop device with direct
+//!   I/O: a block device on any Linux with FUSE and loop, no extra module.
+//! * [`nbd`]: an NBD server (fixed newstyle handshake, structured replies,
+//!   pipelined requests) on a Unix socket and/or TCP, and
+//!   [`nbd::kernel`], which hands a socket to the kernel's nbd driver.
+//!
+//! Each front-end reads requests on its own threads and hands every I/O to
+//! a small executor, so one slow I/O never stalls the request stream;
+//! in-flight requests are bounded at every stage. Unaligned ranges are
+//! served by read-modify-write ([`span`]).
+
+mod exec;
+pub mod fuse;
+mod loopdev;
+pub mod nbd;
+mod span;
+#[cfg(feature = "ublk")]
+pub mod ublk;
+
+use crate::error::IoError;
+use nvpool_wire::Status;
+
+/// The errno reported to the kernel or an NBD client for a failed I/O.
+/// NBD's error values are Linux's errno numbers for the same meanings
+/// (EPERM 1, EIO 5, EINVAL 22, ENOSPC 28), so one mapping serves both.
+pub(crate) fn errno(e: &IoError) -> i32 {
+    match e {
+        IoError::Invalid(_) => libc::EINVAL,
+        IoError::Status(s) if *s == Status::LBA_OUT_OF_RANGE || *s == Status::CAPACITY_EXCEEDED => {
+            libc::ENOSPC
+        }
+        IoError::Status(s) if *s == Status::NS_WRITE_PROTECTED => libc::EPERM,
+        IoError::Status(_) | IoError::ControllerLost | IoError::Digest => libc::EIO,
+    }
+}

@@ -1,0 +1,557 @@
+//! The FUSE + loop front-end against the real kernel: ext4 on the loop
+//! device, discard and zeroing reaching the BlockDev, unaligned file I/O,
+//! and a server killed with SIGKILL. Needs root, /dev/fuse and
+//! /dev/loop-control (and mkfs.ext4, e2fsck, mount, blkdiscard); without
+//! them each test prints `skipped: <reason>` and returns.
+
+use nvpool_initiator::frontend::fuse::{
+    abort_connection, FuseError, FuseLoop, FuseOptions, LoopError,
+};
+use nvpool_initiator::{BlockDev, BufResult, ConnectParams, Controller, Device, IoError, IoFuture};
+use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
+use nvpool_target::{Running, StartOptions, Target};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::Hasher;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A volume in memory that counts what reaches it.
+#[derive(Debug)]
+struct MemDev {
+    data: Mutex<Vec<u8>>,
+    bs: u32,
+    flushes: AtomicU64,
+    discards: AtomicU64,
+    zeroes_unmap: AtomicU64,
+    zeroes_keep: AtomicU64,
+    unaligned: AtomicU64,
+}
+
+impl MemDev {
+    fn new(size: usize, bs: u32) -> Arc<MemDev> {
+        Arc::new(MemDev {
+            data: Mutex::new(vec![0; size]),
+            bs,
+            flushes: AtomicU64::new(0),
+            discards: AtomicU64::new(0),
+            zeroes_unmap: AtomicU64::new(0),
+            zeroes_keep: AtomicU64::new(0),
+            unaligned: AtomicU64::new(0),
+        })
+    }
+
+    fn check(&self, off: u64, len: u64) -> Result<std::ops::Range<usize>, IoError> {
+        let bs = self.bs as u64;
+        if !off.is_multiple_of(bs) || !len.is_multiple_of(bs) {
+            self.unaligned.fetch_add(1, Ordering::Relaxed);
+            return Err(IoError::Invalid("unaligned"));
+        }
+        if off + len > self.size() {
+            return Err(IoError::Invalid("past the end"));
+        }
+        Ok(off as usize..(off + len) as usize)
+    }
+
+    fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
+        self.data.lock().unwrap()[off..off + len].to_vec()
+    }
+}
+
+impl BlockDev for MemDev {
+    fn size(&self) -> u64 {
+        self.data.lock().unwrap().len() as u64
+    }
+    fn block_size(&self) -> u32 {
+        self.bs
+    }
+    fn read(&self, offset: u64, mut buf: Vec<u8>) -> IoFuture<'_, BufResult> {
+        Box::pin(async move {
+            match self.check(offset, buf.len() as u64) {
+                Ok(r) => {
+                    buf.copy_from_slice(&self.data.lock().unwrap()[r]);
+                    (Ok(()), buf)
+                }
+                Err(e) => (Err(e), buf),
+            }
+        })
+    }
+    fn write(&self, offset: u64, buf: Vec<u8>, _fua: bool) -> IoFuture<'_, BufResult> {
+        Box::pin(async move {
+            match self.check(offset, buf.len() as u64) {
+                Ok(r) => {
+                    self.data.lock().unwrap()[r].copy_from_slice(&buf);
+                    (Ok(()), buf)
+                }
+                Err(e) => (Err(e), buf),
+            }
+        })
+    }
+    fn flush(&self) -> IoFuture<'_, Result<(), IoError>> {
+        self.flushes.fetch_add(1, Ordering::Relaxed);
+        Box::pin(async { Ok(()) })
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        unmap: bool,
+    ) -> IoFuture<'_, Result<(), IoError>> {
+        Box::pin(async move {
+            let r = self.check(offset, len)?;
+            self.data.lock().unwrap()[r].fill(0);
+            if unmap {
+                self.zeroes_unmap.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.zeroes_keep.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        })
+    }
+    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, Result<(), IoError>> {
+        Box::pin(async move {
+            self.check(offset, len)?;
+            self.discards.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+    }
+}
+
+/// Why this host cannot run the tests, if it cannot.
+fn missing() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not root (FUSE mount and loop devices need root)".into());
+    }
+    for dev in ["/dev/fuse", "/dev/loop-control"] {
+        if !Path::new(dev).exists() {
+            return Some(format!("{dev} missing (modprobe fuse / loop)"));
+        }
+    }
+    for tool in [
+        "mkfs.ext4",
+        "e2fsck",
+        "mount",
+        "umount",
+        "blkdiscard",
+        "losetup",
+    ] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            return Some(format!(
+                "{tool} not found (apt-get install e2fsprogs util-linux mount)"
+            ));
+        }
+    }
+    None
+}
+
+macro_rules! require_host {
+    () => {
+        if let Some(why) = missing() {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+}
+
+fn run(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn hash(b: &[u8]) -> u64 {
+    let mut h = DefaultHasher::new();
+    h.write(b);
+    h.finish()
+}
+
+fn opts() -> FuseOptions {
+    FuseOptions::default()
+}
+
+/// How long one attach may take before the FUSE connection is aborted: a
+/// server that stopped answering then fails the test with I/O errors
+/// instead of leaving tasks stuck in the kernel.
+const WATCHDOG_SECS: u64 = 120;
+
+/// Aborts the FUSE connection of a FuseLoop unless dropped in time.
+struct Watchdog(Option<mpsc::Sender<()>>);
+
+fn watchdog(fl: &FuseLoop, secs: u64) -> Watchdog {
+    let id = fl.mount().connection_id().unwrap();
+    let (tx, rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_secs(secs)) {
+            eprintln!("watchdog: aborting FUSE connection {id} after {secs} s");
+            let _ = abort_connection(id);
+        }
+    });
+    Watchdog(Some(tx))
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Lazily unmounts a filesystem on drop (a failed assertion must not
+/// leave ext4 mounted on a loop device).
+struct Unmount(PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        if is_mountpoint(&self.0) {
+            let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+}
+
+/// Writes back one filesystem (a global sync(2) would also wait on every
+/// other FUSE-backed filesystem on the host).
+fn syncfs(dir: &Path) {
+    let f = std::fs::File::open(dir).unwrap();
+    // SAFETY: syncfs on a descriptor we own.
+    let rc = unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)) };
+    assert_eq!(rc, 0, "syncfs: {}", std::io::Error::last_os_error());
+}
+
+/// mkfs, 200 small files + one 64 MiB file, unmount, detach, re-attach,
+/// verify every checksum, fsck.
+fn ext4_scenario(dev: Arc<dyn BlockDev>, dir: &Path) {
+    let fuse_dir = dir.join("fuse");
+    let mnt = dir.join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let mut fl = FuseLoop::attach(dev.clone(), &fuse_dir, &opts()).unwrap();
+    let dog = watchdog(&fl, WATCHDOG_SECS);
+    assert!(
+        fl.loop_device().direct_io(),
+        "loop device runs without direct I/O"
+    );
+    let loopdev = fl.device_path().to_str().unwrap().to_string();
+    let sysfs = format!(
+        "/sys/block/{}/queue/logical_block_size",
+        loopdev.trim_start_matches("/dev/")
+    );
+    let lbs: u32 = std::fs::read_to_string(&sysfs)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(lbs, dev.block_size());
+    run("mkfs.ext4", &["-q", "-F", &loopdev]);
+    run("mount", &["-t", "ext4", &loopdev, mnt.to_str().unwrap()]);
+    let _unmount = Unmount(mnt.clone());
+    let mut sums = Vec::new();
+    for i in 0..200u64 {
+        let data = pattern(100 + (i as usize * 997) % 20_000, i);
+        let p = mnt.join(format!("f{i:03}"));
+        std::fs::write(&p, &data).unwrap();
+        sums.push((p, hash(&data)));
+    }
+    let big = pattern(64 << 20, 4242);
+    let p = mnt.join("big");
+    std::fs::write(&p, &big).unwrap();
+    sums.push((p, hash(&big)));
+    drop(big);
+    syncfs(&mnt);
+    // Closing while mounted must refuse and leave everything in place.
+    let e = fl.close().unwrap_err();
+    assert!(matches!(e, FuseError::Loop(LoopError::Busy { .. })), "{e}");
+    let check = std::fs::read(&sums[0].0).unwrap();
+    assert_eq!(hash(&check), sums[0].1);
+    run("umount", &[mnt.to_str().unwrap()]);
+    fl.close().unwrap();
+    drop(dog);
+    assert!(!is_mountpoint(&fuse_dir), "FUSE still mounted after close");
+    wait_unbound(loopdev.trim_start_matches("/dev/"));
+
+    let mut fl = FuseLoop::attach(dev.clone(), &fuse_dir, &opts()).unwrap();
+    let dog = watchdog(&fl, WATCHDOG_SECS);
+    let loopdev = fl.device_path().to_str().unwrap().to_string();
+    run("mount", &["-t", "ext4", &loopdev, mnt.to_str().unwrap()]);
+    for (p, h) in &sums {
+        let got = std::fs::read(p).unwrap();
+        assert_eq!(hash(&got), *h, "{} differs after re-attach", p.display());
+    }
+    run("umount", &[mnt.to_str().unwrap()]);
+    run("e2fsck", &["-fn", &loopdev]);
+    fl.close().unwrap();
+    drop(dog);
+    assert!(!is_mountpoint(&fuse_dir), "FUSE still mounted after close");
+}
+
+fn wait_unbound(name: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let f = format!("/sys/block/{name}/loop/backing_file");
+    while Path::new(&f).exists() {
+        assert!(Instant::now() < deadline, "{name} still bound");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn is_mountpoint(p: &Path) -> bool {
+    let p = p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    info.lines()
+        .any(|l| l.split(' ').nth(4) == Some(p.to_str().unwrap()))
+}
+
+#[test]
+fn ext4_on_fuse_loop_in_memory() {
+    require_host!();
+    let dir = tempfile::tempdir().unwrap();
+    let dev = MemDev::new(256 << 20, 4096);
+    ext4_scenario(dev.clone(), dir.path());
+    assert!(
+        dev.flushes.load(Ordering::Relaxed) > 0,
+        "no flush reached the device"
+    );
+    assert_eq!(dev.unaligned.load(Ordering::Relaxed), 0);
+}
+
+const NQN: &str = "nqn.2026-11.io.nvpool:frontend-fuse";
+
+fn start_target(backend: &str) -> Running {
+    let t = Target::new(None).unwrap();
+    t.put_subsystem(&SubsystemConfig {
+        nqn: NQN.into(),
+        allowed_hosts: vec![],
+        allow_any_host: true,
+        serial: None,
+        namespaces: vec![NamespaceConfig {
+            nsid: 1,
+            backend: backend.into(),
+            uuid: None,
+            read_only: false,
+        }],
+    })
+    .unwrap();
+    let opts = StartOptions {
+        listeners: vec!["127.0.0.1:0".parse().unwrap()],
+        reactors: 2,
+        io_uring: true,
+        admin_listen: None,
+    };
+    Running::start(t, &opts).unwrap()
+}
+
+#[test]
+fn ext4_on_fuse_loop_over_nvme_tcp() {
+    require_host!();
+    let r = start_target("ram:256M");
+    let mut p = ConnectParams::new(r.listen_addrs()[0], NQN);
+    p.io_queues = 2;
+    p.queue_depth = 32;
+    let c = Controller::connect(p).unwrap();
+    let dev: Arc<dyn BlockDev> = Arc::new(Device::open(c, 1, 2).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    ext4_scenario(dev.clone(), dir.path());
+    drop(dev);
+    r.shutdown();
+}
+
+/// An aligned buffer for O_DIRECT.
+fn aligned(len: usize) -> (Vec<u8>, usize) {
+    let v = vec![0u8; len + 4096];
+    let at = v.as_ptr().align_offset(4096);
+    (v, at)
+}
+
+#[test]
+fn discard_zeroing_flush_and_unaligned_io_reach_the_block_device() {
+    require_host!();
+    let dir = tempfile::tempdir().unwrap();
+    let dev = MemDev::new(64 << 20, 512);
+    let mut fl = FuseLoop::attach(dev.clone(), &dir.path().join("fuse"), &opts()).unwrap();
+    let _dog = watchdog(&fl, WATCHDOG_SECS);
+    let loopdev = fl.device_path().to_path_buf();
+    let name = loopdev.to_str().unwrap();
+
+    // Data through the loop device (O_DIRECT), then blkdiscard.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&loopdev)
+        .unwrap();
+    let (mut v, at) = aligned(1 << 20);
+    v[at..at + (1 << 20)].copy_from_slice(&pattern(1 << 20, 7));
+    f.write_all_at(&v[at..at + (1 << 20)], 1 << 20).unwrap();
+    f.sync_all().unwrap();
+    assert!(
+        dev.flushes.load(Ordering::Relaxed) > 0,
+        "fsync did not flush"
+    );
+    assert_eq!(dev.bytes(1 << 20, 1 << 20), pattern(1 << 20, 7));
+    let before = dev.zeroes_unmap.load(Ordering::Relaxed);
+    run("blkdiscard", &["-o", "1048576", "-l", "524288", name]);
+    assert!(
+        dev.zeroes_unmap.load(Ordering::Relaxed) > before,
+        "blkdiscard did not reach the device"
+    );
+    assert!(dev.bytes(1 << 20, 512 << 10).iter().all(|&b| b == 0));
+    assert_eq!(
+        dev.bytes((1 << 20) + (512 << 10), 512 << 10),
+        pattern(1 << 20, 7)[512 << 10..].to_vec()
+    );
+    // blkdiscard -z zeroes without unmapping.
+    let before = dev.zeroes_keep.load(Ordering::Relaxed);
+    run("blkdiscard", &["-z", "-o", "1572864", "-l", "65536", name]);
+    assert!(dev.zeroes_keep.load(Ordering::Relaxed) > before);
+    assert!(dev.bytes(1572864, 65536).iter().all(|&b| b == 0));
+    drop(f);
+
+    // Unaligned I/O through the FUSE file: read-modify-write.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(fl.mount().file_path())
+        .unwrap();
+    let base = pattern(8192, 9);
+    file.write_all_at(&base, 8 << 20).unwrap();
+    let patch = pattern(1000, 10);
+    file.write_all_at(&patch, (8 << 20) + 300).unwrap();
+    let mut want = base.clone();
+    want[300..1300].copy_from_slice(&patch);
+    let mut got = vec![0; 8192];
+    file.read_exact_at(&mut got, 8 << 20).unwrap();
+    assert_eq!(got, want);
+    let mut odd = vec![0; 777];
+    file.read_exact_at(&mut odd, (8 << 20) + 1).unwrap();
+    assert_eq!(odd, want[1..778]);
+    assert_eq!(dev.bytes(8 << 20, 8192), want);
+    // Punching a hole zeroes it (unaligned edges by read-modify-write).
+    // SAFETY: fallocate on an open descriptor with plain integer arguments.
+    let rc = unsafe {
+        libc::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            (8 << 20) + 100,
+            5000,
+        )
+    };
+    assert_eq!(rc, 0, "punch hole: {}", std::io::Error::last_os_error());
+    want[100..5100].fill(0);
+    assert_eq!(dev.bytes(8 << 20, 8192), want);
+    // The file cannot grow or shrink.
+    assert!(file.set_len(1 << 20).is_err());
+    assert!(file.write_all_at(b"x", 64 << 20).is_err());
+    assert_eq!(file.metadata().unwrap().len(), 64 << 20);
+    drop(file);
+    assert_eq!(dev.unaligned.load(Ordering::Relaxed), 0);
+    fl.close().unwrap();
+}
+
+const CHILD_DIR: &str = "NVPOOL_FUSE_CHILD_DIR";
+
+/// Run by `kill_9_of_the_server_leaves_a_recoverable_device` in a child
+/// process: serve a FuseLoop until killed (at most two minutes).
+#[test]
+#[ignore = "helper: runs only in the child process of the kill -9 test"]
+fn child_serves_until_killed() {
+    let Some(dir) = std::env::var_os(CHILD_DIR) else {
+        return;
+    };
+    let dev = MemDev::new(16 << 20, 4096);
+    let fl = FuseLoop::attach(dev, &PathBuf::from(dir), &opts()).unwrap();
+    println!("LOOP {}", fl.device_path().display());
+    std::thread::sleep(Duration::from_secs(120));
+    drop(fl);
+}
+
+#[test]
+fn kill_9_of_the_server_leaves_a_recoverable_device() {
+    require_host!();
+    let dir = tempfile::tempdir().unwrap();
+    let fuse_dir = dir.path().join("fuse");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_serves_until_killed",
+            "--nocapture",
+        ])
+        .env(CHILD_DIR, &fuse_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let loopdev = loop {
+        let l = lines.next().expect("child exited early").unwrap();
+        if let Some(p) = l.strip_prefix("LOOP ") {
+            break PathBuf::from(p);
+        }
+    };
+    let name = loopdev.file_name().unwrap().to_str().unwrap().to_string();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&loopdev)
+        .unwrap();
+    let (mut v, at) = aligned(4096);
+    f.read_exact_at(&mut v[at..at + 4096], 0).unwrap();
+
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+
+    // The FUSE connection is aborted: I/O fails, nothing hangs.
+    let t = Instant::now();
+    let r = f.read_exact_at(&mut v[at..at + 4096], 8192);
+    assert!(r.is_err(), "read after the server died succeeded");
+    assert!(t.elapsed() < Duration::from_secs(30));
+    drop(f);
+    // Autoclear unbinds the loop device once its last opener is gone;
+    // losetup -d is the manual way and must work too if it has not yet.
+    let bound = format!("/sys/block/{name}/loop/backing_file");
+    if Path::new(&bound).exists() {
+        let _ = Command::new("losetup").arg("-d").arg(&loopdev).status();
+    }
+    wait_unbound(&name);
+    // The dead FUSE mount unmounts normally.
+    assert!(is_mountpoint(&fuse_dir));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let st = Command::new("umount").arg(&fuse_dir).status().unwrap();
+        if st.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "dead FUSE mount cannot be unmounted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!is_mountpoint(&fuse_dir));
+}
