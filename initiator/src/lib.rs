@@ -26,11 +26,14 @@ pub mod conn;
 pub mod device;
 pub mod discover;
 pub mod error;
+pub mod frontend;
 pub mod hostnqn;
 pub mod queue;
+pub mod volume;
 
 pub use admin::{ConnectParams, Controller, NamespaceInfo};
 pub use blockdev::{BlockDev, BufResult, IoFuture};
-pub use device::Device;
+pub use device::{ControllerIo, Device};
 pub use error::{Error, IoError};
 pub use queue::{Completion, IoQueue, Op, Request};
+pub use volume::{Volume, VolumeHealth, VolumeOptions};

@@ -1,0 +1,1209 @@
+//! The ublk front-end: a [`BlockDev`] served as `/dev/ublkbN` by the
+//! kernel's ublk driver (Linux 6.0 or later, module `ublk_drv`), with
+//! `libublk` issuing the control commands and the per-queue io_uring
+//! commands.
+//!
+//! ```text
+//!   ext4 / fio ── /dev/ublkbN ── blk-mq: Q hardware queues × D tags
+//!                                   │ FETCH / COMMIT_AND_FETCH (io_uring commands)
+//!   queue thread q (pinned to q's CPUs) ── its io_uring ◄── eventfd poll
+//!     │ one task per tag: request → BlockDev future → commit result    ▲
+//!     ▼                                                               │ wake
+//!   Arc<dyn BlockDev> ── Device / Volume I/O threads ─────────────────┘
+//! ```
+//!
+//! Each queue thread runs its tag tasks on a small executor of its own and
+//! otherwise sleeps in `io_uring_enter`. A tag's I/O completes on another
+//! thread (the device's queue workers); its waker puts the tag on the ready
+//! list and, if the queue thread is asleep, writes an eventfd that the
+//! queue's ring polls, so the thread wakes without waiting for the next
+//! ublk command completion. So every tag can have an I/O in flight.
+//!
+//! Each tag owns one buffer of `max_io` bytes that the kernel copies write
+//! data into and read data out of; the same `Vec` moves into the
+//! [`BlockDev`] call and comes back, so nothing is copied in userspace.
+//!
+//! Lifecycle. [`UblkDevice::start`] adds the device, records it under the
+//! runtime directory (`/run/nvpool/ublk/<id>`: owner pid and start time),
+//! starts the queue threads and returns once the block device exists.
+//! [`UblkDevice::stop`] sends STOP_DEV: the kernel writes back what a
+//! filesystem still holds (through us), completes the in-flight requests and
+//! aborts the idle commands; the queue threads then exit, the device is
+//! flushed and deleted (DEL_DEV_ASYNC, so a still-mounted filesystem cannot
+//! block it) and the record removed.
+//!
+//! A serving process that dies (kill -9). The device is created without
+//! `UBLK_F_USER_RECOVERY`: when the process's io_uring goes away the kernel
+//! fails the requests the dead server held with EIO and removes
+//! `/dev/ublkbN` by itself (ublk's stop work); nothing waits for a server
+//! that is not coming back. What remains is the control side
+//! (`/dev/ublkcN`, state DEAD, its device number): [`cleanup_stale`] deletes
+//! every recorded device whose owner is gone, and [`UblkDevice::start`]
+//! runs it first, so restarting the initiator cleans up without a reboot
+//! (`nvpool volume detach` can call it, or [`delete_device`] for one id).
+//! With USER_RECOVERY the kernel would instead queue I/O until a new server
+//! recovers the device — no data loss across an initiator restart, but a
+//! dead initiator would hang every I/O until someone acts; not chosen yet.
+//!
+//! Known gap: if a queue thread fails to set up (no memory for its ring),
+//! START_DEV waits for it forever and [`UblkDevice::start`] does not return.
+
+use super::errno;
+use crate::blockdev::BlockDev;
+use crate::error::IoError;
+use io_uring::{opcode, types};
+use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
+use libublk::io::{with_task_io_ring_mut, UblkDev, UblkQueue};
+use libublk::uring_async::{ublk_reap_io_events_with_update_queue, ublk_wake_task};
+use libublk::{sys, BufDesc, UblkError, UblkFlags, UblkUringData};
+use std::cell::Cell;
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::JoinHandle;
+
+/// Tags (requests in flight) per hardware queue by default, as deep as the
+/// Linux NVMe host's I/O queues.
+pub const QUEUE_DEPTH_DEFAULT: u16 = 128;
+/// Where the devices this program created are recorded (see
+/// [`cleanup_stale`]); tmpfs, so a reboot forgets them with the devices.
+pub const RUNTIME_DIR_DEFAULT: &str = "/run/nvpool/ublk";
+/// Largest read or write passed on in one piece, and so each tag's buffer:
+/// the initiator caps transfers at 1 MiB (I4), so larger requests would only
+/// be split again. Buffers fill lazily: memory follows the largest request
+/// each tag has served, at most queues × depth × this.
+const IO_BYTES_MAX: u32 = 1 << 20;
+/// Largest discard or write-zeroes request: large enough that `fstrim` of a
+/// big volume is a few thousand requests, small enough that one request does
+/// not hold a tag for long on a slow target.
+const DISCARD_BYTES_MAX: u32 = 64 << 20;
+/// Oldest kernel with the ublk driver.
+const KERNEL_MIN: (u32, u32) = (6, 0);
+const CONTROL_PATH: &str = "/dev/ublk-control";
+/// Submission entries of a queue's ring beyond one per tag: the eventfd poll.
+const RING_EXTRA_SQES: u16 = 2;
+/// user_data of the eventfd poll. The Target bit makes libublk count it as
+/// target I/O, not as a ublk command; it never reaches libublk's wake table.
+const KICK_USER_DATA: u64 =
+    UblkUringData::Target as u64 | UblkUringData::NonAsync as u64 | 0x6b69_636b;
+/// ublk counts in 512-byte sectors whatever the block size.
+const SECTOR_SHIFT: u32 = 9;
+
+const _: () = assert!(QUEUE_DEPTH_DEFAULT as u32 <= sys::UBLK_MAX_QUEUE_DEPTH);
+// libublk refuses I/O buffers over 32 MiB.
+const _: () = assert!(IO_BYTES_MAX <= 32 << 20);
+// Read and write results travel as i32 byte counts.
+const _: () = assert!(IO_BYTES_MAX <= i32::MAX as u32);
+const _: () = assert!(DISCARD_BYTES_MAX.is_multiple_of(4096));
+
+/// Why the ublk front-end failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("ublk is not available: {0}")]
+    Unavailable(String),
+    #[error("invalid ublk setup: {0}")]
+    Invalid(String),
+    /// A ublk control or queue operation failed.
+    #[error("ublk: {what} failed: {detail}")]
+    Ublk { what: &'static str, detail: String },
+    #[error("{what}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the ublk device stopped before it started")]
+    Stopped,
+    #[error("the ublk serving thread panicked")]
+    Panicked,
+    #[error("flush when stopping the ublk device failed: {0}")]
+    Flush(IoError),
+}
+
+impl Error {
+    fn ublk(what: &'static str, e: UblkError) -> Error {
+        let detail = match e {
+            UblkError::OtherError(n) | UblkError::UringIOError(n) => {
+                io::Error::from_raw_os_error(-n).to_string()
+            }
+            UblkError::IOError(e) => e.to_string(),
+            e => e.to_string(),
+        };
+        Error::Ublk { what, detail }
+    }
+}
+
+/// How to present the device.
+#[derive(Debug, Clone)]
+pub struct UblkOptions {
+    /// Hardware queues, each served by its own thread; `None`: one per CPU.
+    pub queues: Option<u16>,
+    /// Tags (requests in flight) per queue.
+    pub queue_depth: u16,
+    /// Where created devices are recorded for [`cleanup_stale`].
+    pub runtime_dir: PathBuf,
+}
+
+impl Default for UblkOptions {
+    fn default() -> UblkOptions {
+        UblkOptions {
+            queues: None,
+            queue_depth: QUEUE_DEPTH_DEFAULT,
+            runtime_dir: PathBuf::from(RUNTIME_DIR_DEFAULT),
+        }
+    }
+}
+
+/// Whether this host can serve ublk devices: Linux 6.0 or later and an
+/// openable `/dev/ublk-control`. The error says what is missing.
+pub fn available() -> Result<(), String> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_err(|e| format!("cannot read the kernel version: {e}"))?;
+    let (major, minor) = parse_kernel_version(&release)
+        .ok_or_else(|| format!("cannot parse the kernel version {:?}", release.trim()))?;
+    if (major, minor) < KERNEL_MIN {
+        return Err(format!(
+            "ublk needs Linux {}.{} or later; this kernel is {major}.{minor}",
+            KERNEL_MIN.0, KERNEL_MIN.1
+        ));
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(CONTROL_PATH)
+        .map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => {
+                format!("{CONTROL_PATH} does not exist (modprobe ublk_drv)")
+            }
+            _ => format!("cannot open {CONTROL_PATH}: {e}"),
+        })?;
+    Ok(())
+}
+
+fn parse_kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(['.', '-', '+']);
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+/// A block device served through ublk until [`UblkDevice::stop`] (or until
+/// someone else stops or deletes it: [`UblkDevice::wait`]). Dropping it
+/// stops it.
+#[derive(Debug)]
+pub struct UblkDevice {
+    id: u32,
+    path: PathBuf,
+    thread: Option<JoinHandle<Result<(), Error>>>,
+}
+
+enum Progress {
+    /// The device exists with this id (and is recorded).
+    Added(u32),
+    /// The block device exists and is served.
+    Live,
+}
+
+impl UblkDevice {
+    /// Adds a ublk device for `dev`, starts serving it and returns once
+    /// `/dev/ublkbN` exists. Stale devices of dead owners recorded in
+    /// `opts.runtime_dir` are deleted first.
+    pub fn start(dev: Arc<dyn BlockDev>, opts: UblkOptions) -> Result<UblkDevice, Error> {
+        available().map_err(Error::Unavailable)?;
+        let geo = Geometry::new(dev.as_ref(), &opts)?;
+        match cleanup_stale(&opts.runtime_dir) {
+            Ok(ids) if !ids.is_empty() => {
+                tracing::info!(?ids, "deleted ublk devices left by dead initiators")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("cleaning up stale ublk devices: {e}"),
+        }
+        let (tx, rx) = mpsc::sync_channel(2);
+        let dir = opts.runtime_dir;
+        let thread = std::thread::Builder::new()
+            .name("ublk-ctrl".into())
+            .spawn(move || serve(dev, geo, dir, tx))
+            .map_err(|source| Error::Io {
+                what: "spawning the ublk control thread".into(),
+                source,
+            })?;
+        let mut id = None;
+        loop {
+            match rx.recv() {
+                Ok(Progress::Added(i)) => id = Some(i),
+                Ok(Progress::Live) => break,
+                // The thread ended before the device went live.
+                Err(_) => {
+                    return Err(match thread.join() {
+                        Ok(Err(e)) => e,
+                        Ok(Ok(())) => Error::Stopped,
+                        Err(_) => Error::Panicked,
+                    })
+                }
+            }
+        }
+        let id = id.expect("the device is added before it goes live");
+        Ok(UblkDevice {
+            id,
+            path: PathBuf::from(format!("/dev/ublkb{id}")),
+            thread: Some(thread),
+        })
+    }
+
+    /// The ublk device number (N in `/dev/ublkbN` and `/dev/ublkcN`).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The block device, `/dev/ublkbN`.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops the device (the kernel first writes back what it caches),
+    /// flushes the [`BlockDev`] and deletes the device.
+    pub fn stop(mut self) -> Result<(), Error> {
+        self.stop_inner()
+    }
+
+    /// Waits until someone else stops or deletes the device, then flushes
+    /// and deletes it like [`UblkDevice::stop`].
+    pub fn wait(mut self) -> Result<(), Error> {
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| Error::Panicked)?,
+            None => Ok(()),
+        }
+    }
+
+    fn stop_inner(&mut self) -> Result<(), Error> {
+        let Some(thread) = self.thread.take() else {
+            return Ok(());
+        };
+        // A control handle of this thread (libublk's control ring is per
+        // thread). STOP_DEV returns once the block device is gone; the
+        // serving thread then flushes and deletes.
+        let stopped = UblkCtrl::new_simple(self.id as i32)
+            .and_then(|c| c.kill_dev())
+            .map_err(|e| Error::ublk("stopping the device", e));
+        if stopped.is_err() && device_exists(self.id) {
+            // Without a stop the queues never end; deleting aborts them too.
+            if let Err(e) = delete_device(self.id) {
+                tracing::warn!(
+                    id = self.id,
+                    "deleting ublk device after a failed stop: {e}"
+                );
+            }
+        }
+        let served = thread.join().map_err(|_| Error::Panicked)?;
+        // Stopping fails when the device is already gone; then the serving
+        // thread's result says everything.
+        served.and(
+            stopped
+                .map(|_| ())
+                .or_else(|e| match device_exists(self.id) {
+                    true => Err(e),
+                    false => Ok(()),
+                }),
+        )
+    }
+}
+
+impl Drop for UblkDevice {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop_inner() {
+            tracing::warn!(id = self.id, "stopping ublk device: {e}");
+        }
+    }
+}
+
+/// The ublk control thread: adds the device, serves it until it is stopped,
+/// then flushes and deletes it.
+fn serve(
+    dev: Arc<dyn BlockDev>,
+    geo: Geometry,
+    dir: PathBuf,
+    tx: mpsc::SyncSender<Progress>,
+) -> Result<(), Error> {
+    let ctrl = UblkCtrlBuilder::default()
+        .name("nvpool")
+        .id(-1)
+        .nr_queues(geo.queues)
+        .depth(geo.depth)
+        .io_buf_bytes(geo.buf_bytes)
+        .ctrl_flags(0)
+        .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
+        .build()
+        .map_err(|e| Error::ublk("adding the device", e))?;
+    let id = ctrl.dev_info().dev_id;
+    if let Err(e) = write_record(&dir, id) {
+        tracing::warn!(id, "recording ublk device in {}: {e}", dir.display());
+    }
+    let _ = tx.send(Progress::Added(id));
+    let live = Arc::new(AtomicBool::new(false));
+    let live_flag = live.clone();
+    let tx = Mutex::new(tx);
+    let queue_dev = dev.clone();
+    let ran = ctrl.run_target(
+        move |udev: &mut UblkDev| {
+            udev.tgt.dev_size = geo.size;
+            udev.tgt.sq_depth = geo.depth + RING_EXTRA_SQES;
+            // One completion per tag plus the poll, with room to spare.
+            udev.tgt.cq_depth = geo.depth.saturating_mul(2);
+            udev.tgt.params = geo.params();
+            Ok(())
+        },
+        move |qid: u16, udev: &UblkDev| queue_main(qid, udev, queue_dev.as_ref(), geo),
+        move |_: &UblkCtrl| {
+            live_flag.store(true, Ordering::Release);
+            let _ = lock(&tx).send(Progress::Live);
+        },
+    );
+    // The queues are done: the device was stopped (or never started).
+    let flushed = match live.load(Ordering::Acquire) {
+        true => block_on(dev.flush()).map_err(Error::Flush),
+        false => Ok(()),
+    };
+    let deleted = delete_owned(&ctrl);
+    remove_record(&dir, id);
+    ran.map_err(|e| Error::ublk("serving the device", e))?;
+    deleted.and(flushed)
+}
+
+/// Deletes the device `ctrl` added, without waiting for the last opener of
+/// the block device to close it.
+fn delete_owned(ctrl: &UblkCtrl) -> Result<(), Error> {
+    match ctrl.del_dev_async() {
+        Ok(_) => Ok(()),
+        // Kernels without DEL_DEV_ASYNC.
+        Err(_) => ctrl
+            .del_dev()
+            .map(|_| ())
+            .map_err(|e| Error::ublk("deleting the device", e)),
+    }
+}
+
+fn device_exists(id: u32) -> bool {
+    Path::new(&format!("/sys/class/ublk-char/ublkc{id}")).exists()
+}
+
+/// Deletes ublk device `id` whoever created it: stops it if it is still
+/// live, then deletes it without waiting for openers of the block device.
+/// Returns false if there was no such device.
+pub fn delete_device(id: u32) -> Result<bool, Error> {
+    let id_i32 = i32::try_from(id).map_err(|_| Error::Invalid(format!("device id {id}")))?;
+    let ctrl = match UblkCtrl::new_simple(id_i32) {
+        Ok(c) => c,
+        Err(_) if !device_exists(id) => return Ok(false),
+        Err(e) => return Err(Error::ublk("opening the device", e)),
+    };
+    // Already stopped (its server died) is fine.
+    let _ = ctrl.kill_dev();
+    match ctrl.del_dev_async() {
+        Ok(_) => Ok(true),
+        Err(_) if !device_exists(id) => Ok(true),
+        Err(_) => ctrl
+            .del_dev()
+            .map(|_| true)
+            .map_err(|e| Error::ublk("deleting the device", e)),
+    }
+}
+
+/// Deletes every device recorded in `dir` whose owner process is gone (a
+/// crashed or killed initiator) and forgets it; returns their ids. Records
+/// of live owners are left alone.
+pub fn cleanup_stale(dir: &Path) -> Result<Vec<u32>, Error> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(Error::Io {
+                what: format!("reading {}", dir.display()),
+                source,
+            })
+        }
+    };
+    let mut deleted = Vec::new();
+    for entry in entries.flatten() {
+        let Some(id) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let owner = std::fs::read_to_string(entry.path())
+            .ok()
+            .and_then(|s| parse_record(&s));
+        if let Some((pid, start)) = owner {
+            if proc_start_time(pid) == Some(start) {
+                continue;
+            }
+        }
+        if delete_stale(id, owner.map(|(pid, _)| pid))? {
+            deleted.push(id);
+        }
+        remove_record(dir, id);
+    }
+    deleted.sort_unstable();
+    Ok(deleted)
+}
+
+/// Deletes recorded device `id` of the dead process `owner` unless the id
+/// now belongs to someone else: a device served by another live process,
+/// or one quiesced for recovery (ours never are). True if deleted.
+fn delete_stale(id: u32, owner: Option<u32>) -> Result<bool, Error> {
+    let Ok(id_i32) = i32::try_from(id) else {
+        return Ok(false);
+    };
+    let ctrl = match UblkCtrl::new_simple(id_i32) {
+        Ok(c) => c,
+        Err(_) if !device_exists(id) => return Ok(false),
+        Err(e) => return Err(Error::ublk("opening a stale device", e)),
+    };
+    let info = ctrl.dev_info();
+    let server = u32::try_from(info.ublksrv_pid).ok().filter(|&p| p > 0);
+    let ours = match u32::from(info.state) {
+        sys::UBLK_S_DEV_DEAD => true,
+        sys::UBLK_S_DEV_LIVE => match server {
+            None => true,
+            Some(p) => Some(p) == owner || proc_start_time(p).is_none(),
+        },
+        _ => false,
+    };
+    if !ours {
+        tracing::warn!(
+            id,
+            ?server,
+            "ublk device {id} is no longer ours; leaving it"
+        );
+        return Ok(false);
+    }
+    drop(ctrl);
+    delete_device(id)
+}
+
+/// "PID STARTTIME": the owner, robust against pid reuse.
+fn write_record(dir: &Path, id: u32) -> io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let pid = std::process::id();
+    let start = proc_start_time(pid).unwrap_or(0);
+    let tmp = dir.join(format!(".{id}.tmp"));
+    std::fs::write(&tmp, format!("{pid} {start}\n"))?;
+    std::fs::rename(tmp, dir.join(id.to_string()))
+}
+
+fn remove_record(dir: &Path, id: u32) {
+    let _ = std::fs::remove_file(dir.join(id.to_string()));
+}
+
+fn parse_record(s: &str) -> Option<(u32, u64)> {
+    let mut w = s.split_whitespace();
+    Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+}
+
+/// Field 22 of /proc/PID/stat (start time in clock ticks since boot).
+fn proc_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_start_time(&stat)
+}
+
+fn parse_start_time(stat: &str) -> Option<u64> {
+    // The command name (field 2) may hold spaces and parentheses.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// What the kernel is told about the device, derived from the
+/// [`BlockDev`] and the options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Geometry {
+    size: u64,
+    block_bytes: u32,
+    block_shift: u8,
+    io_opt_shift: u8,
+    /// Largest read or write, bytes (a multiple of the block size).
+    max_io: u32,
+    /// Each tag's buffer: `max_io` rounded up to pages.
+    buf_bytes: u32,
+    queues: u16,
+    depth: u16,
+}
+
+impl Geometry {
+    fn new(dev: &dyn BlockDev, opts: &UblkOptions) -> Result<Geometry, Error> {
+        let bs = dev.block_size();
+        // ublk takes logical blocks of 512 bytes up to a page.
+        if !bs.is_power_of_two() || !(512..=4096).contains(&bs) {
+            return Err(Error::Invalid(format!(
+                "block size {bs}: ublk needs a power of two from 512 to 4096"
+            )));
+        }
+        let size = dev.size();
+        if size == 0 || !size.is_multiple_of(u64::from(bs)) {
+            return Err(Error::Invalid(format!(
+                "size {size} is not a positive multiple of the block size {bs}"
+            )));
+        }
+        let depth = opts.queue_depth;
+        if depth == 0 || u32::from(depth) > sys::UBLK_MAX_QUEUE_DEPTH {
+            return Err(Error::Invalid(format!(
+                "queue depth {depth}: must be 1 to {}",
+                sys::UBLK_MAX_QUEUE_DEPTH
+            )));
+        }
+        let queues = match opts.queues {
+            Some(q) => q,
+            None => std::thread::available_parallelism()
+                .map_or(1, |n| u16::try_from(n.get()).unwrap_or(u16::MAX)),
+        };
+        let queues = queues.min(sys::UBLK_MAX_NR_QUEUES as u16);
+        if queues == 0 {
+            return Err(Error::Invalid("0 queues".into()));
+        }
+        let page = page_bytes();
+        let max_io = (dev.max_io_bytes().min(IO_BYTES_MAX) / bs * bs).max(bs);
+        let buf_bytes = max_io.div_ceil(page) * page;
+        let block_shift = bs.trailing_zeros() as u8;
+        // ublk states io_opt as a power of two. A device without a
+        // preference gets the block size (which tools read as "none"); a
+        // stripe unit that is no power of two gets its largest power-of-two
+        // divisor, so I/O aligned to it stays aligned to the stripe unit.
+        let io_opt_shift = match dev.optimal_io_bytes() {
+            0 => block_shift,
+            n => (n.trailing_zeros() as u8).max(block_shift),
+        };
+        Ok(Geometry {
+            size,
+            block_bytes: bs,
+            block_shift,
+            io_opt_shift,
+            max_io,
+            buf_bytes,
+            queues,
+            depth,
+        })
+    }
+
+    fn params(&self) -> sys::ublk_params {
+        let discard_sectors = DISCARD_BYTES_MAX >> SECTOR_SHIFT;
+        sys::ublk_params {
+            types: sys::UBLK_PARAM_TYPE_BASIC | sys::UBLK_PARAM_TYPE_DISCARD,
+            basic: sys::ublk_param_basic {
+                // A volatile cache makes the kernel send flushes; FUA lets
+                // it mark single writes durable instead of flushing after.
+                attrs: sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA,
+                logical_bs_shift: self.block_shift,
+                physical_bs_shift: self.block_shift,
+                io_opt_shift: self.io_opt_shift,
+                io_min_shift: self.block_shift,
+                max_sectors: self.max_io >> SECTOR_SHIFT,
+                dev_sectors: self.size >> SECTOR_SHIFT,
+                ..Default::default()
+            },
+            discard: sys::ublk_param_discard {
+                discard_alignment: 0,
+                discard_granularity: self.block_bytes,
+                max_discard_sectors: discard_sectors,
+                max_write_zeroes_sectors: discard_sectors,
+                // ublk takes single-range discards only.
+                max_discard_segments: 1,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+}
+
+fn page_bytes() -> u32 {
+    // SAFETY: sysconf reads a constant of the running system.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u32::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Polls a future to completion on the calling thread.
+fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+/// The wake-up side of one queue thread: the tags ready to run, and an
+/// eventfd its ring polls so another thread can end its sleep.
+struct Kick {
+    efd: OwnedFd,
+    /// False only while the queue thread is about to sleep or sleeping in
+    /// io_uring_enter: then a waker must write the eventfd.
+    awake: AtomicBool,
+    /// Tags to poll; each at most once (see [`TagWake::queued`]), so never
+    /// more than the queue depth.
+    ready: Mutex<Vec<u16>>,
+}
+
+impl Kick {
+    fn new(depth: u16) -> io::Result<Kick> {
+        // SAFETY: eventfd takes no pointers; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Kick {
+            // SAFETY: fd is a new descriptor that nothing else owns.
+            efd: unsafe { OwnedFd::from_raw_fd(fd) },
+            awake: AtomicBool::new(true),
+            ready: Mutex::new(Vec::with_capacity(usize::from(depth))),
+        })
+    }
+
+    fn push(&self, tag: u16) {
+        lock(&self.ready).push(tag);
+        // Pairs with the SeqCst store in `may_sleep`: either the queue
+        // thread sees the tag before sleeping or this sees it asleep.
+        if !self.awake.swap(true, Ordering::SeqCst) {
+            let one = 1u64;
+            // SAFETY: writes 8 bytes from a u64 to our own eventfd.
+            unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
+    /// Moves the ready tags into `out` (empty on entry).
+    fn take(&self, out: &mut Vec<u16>) {
+        std::mem::swap(&mut *lock(&self.ready), out);
+    }
+
+    /// Announces that the queue thread is going to sleep; false (and awake
+    /// again) when a tag became ready in the meantime.
+    fn may_sleep(&self) -> bool {
+        self.awake.store(false, Ordering::SeqCst);
+        if lock(&self.ready).is_empty() {
+            return true;
+        }
+        self.awake.store(true, Ordering::SeqCst);
+        false
+    }
+
+    fn woke(&self) {
+        self.awake.store(true, Ordering::SeqCst);
+    }
+
+    fn drain(&self) {
+        let mut n = 0u64;
+        // SAFETY: reads 8 bytes into a u64 from our own nonblocking eventfd.
+        unsafe { libc::read(self.efd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+    }
+
+    /// Queues a one-shot poll of the eventfd on the calling queue thread's ring.
+    fn arm(&self) -> io::Result<()> {
+        let sqe = opcode::PollAdd::new(types::Fd(self.efd.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(KICK_USER_DATA);
+        with_task_io_ring_mut(|ring| loop {
+            // SAFETY: a poll references no memory, and io_uring holds its
+            // own reference to the file while the poll is armed.
+            if unsafe { ring.submission().push(&sqe) }.is_ok() {
+                return Ok(());
+            }
+            ring.submit()?;
+        })
+    }
+}
+
+/// The waker of one tag's task.
+struct TagWake {
+    tag: u16,
+    /// On the ready list (or being polled right now and woken again).
+    queued: AtomicBool,
+    kick: Arc<Kick>,
+}
+
+impl Wake for TagWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if !self.queued.swap(true, Ordering::AcqRel) {
+            self.kick.push(self.tag);
+        }
+    }
+}
+
+type TagTask<'a> = Pin<Box<dyn Future<Output = ()> + 'a>>;
+
+/// Counters of one queue, touched only by its thread (the tag tasks run
+/// there); logged when the queue ends.
+#[derive(Debug, Default)]
+struct QueueStats {
+    requests: Cell<u64>,
+    in_flight: Cell<u32>,
+    /// Most requests the queue's tasks held at once: with a deep enough
+    /// submitter, far above 1 (the point of one task per tag).
+    peak_in_flight: Cell<u32>,
+}
+
+impl QueueStats {
+    fn begin(&self) {
+        self.requests.set(self.requests.get() + 1);
+        let n = self.in_flight.get() + 1;
+        self.in_flight.set(n);
+        self.peak_in_flight.set(self.peak_in_flight.get().max(n));
+    }
+
+    fn end(&self) {
+        self.in_flight.set(self.in_flight.get() - 1);
+    }
+}
+
+/// One queue thread (spawned and pinned by libublk's `run_target`).
+fn queue_main(qid: u16, udev: &UblkDev, dev: &dyn BlockDev, geo: Geometry) {
+    let kick = match Kick::new(geo.depth) {
+        Ok(k) => Arc::new(k),
+        Err(e) => {
+            tracing::error!(qid, "ublk queue eventfd: {e}");
+            return;
+        }
+    };
+    let q = match UblkQueue::new(qid, udev) {
+        Ok(q) => q,
+        Err(e) => {
+            tracing::error!(qid, "{}", Error::ublk("setting up a queue", e));
+            return;
+        }
+    };
+    // Our tags bring their own buffers: nothing for libublk to register,
+    // but start_dev waits for every queue to say so.
+    udev.notify_buffer_registration_complete(false);
+    if let Err(e) = run_queue(&q, dev, geo, kick) {
+        tracing::error!(qid, "ublk queue stopped: {e}");
+    }
+}
+
+/// Runs the queue's tag tasks until every one has ended (the device was
+/// stopped: each tag's command came back aborted).
+fn run_queue(
+    q: &UblkQueue<'_>,
+    dev: &dyn BlockDev,
+    geo: Geometry,
+    kick: Arc<Kick>,
+) -> io::Result<()> {
+    let depth = usize::from(geo.depth);
+    let wakes: Vec<Arc<TagWake>> = (0..geo.depth)
+        .map(|tag| {
+            Arc::new(TagWake {
+                tag,
+                queued: AtomicBool::new(false),
+                kick: kick.clone(),
+            })
+        })
+        .collect();
+    let wakers: Vec<Waker> = wakes.iter().map(|w| Waker::from(w.clone())).collect();
+    let stats = QueueStats::default();
+    let mut tasks: Vec<Option<TagTask<'_>>> = (0..depth).map(|_| None).collect();
+    let mut live = 0usize;
+    for tag in q.tags() {
+        tasks[usize::from(tag)] = Some(Box::pin(serve_tag(q, tag, dev, geo, &stats)));
+        wakes[usize::from(tag)].wake_by_ref();
+        live += 1;
+    }
+    kick.arm()?;
+    let mut batch = Vec::with_capacity(depth);
+    loop {
+        loop {
+            kick.take(&mut batch);
+            if batch.is_empty() {
+                break;
+            }
+            for &tag in &batch {
+                let t = usize::from(tag);
+                // Cleared before polling: a wake during the poll queues it again.
+                wakes[t].queued.store(false, Ordering::Release);
+                let Some(task) = tasks[t].as_mut() else {
+                    continue;
+                };
+                if task
+                    .as_mut()
+                    .poll(&mut Context::from_waker(&wakers[t]))
+                    .is_ready()
+                {
+                    tasks[t] = None;
+                    live -= 1;
+                }
+            }
+            batch.clear();
+        }
+        if live == 0 {
+            tracing::info!(
+                qid = q.get_qid(),
+                requests = stats.requests.get(),
+                peak_in_flight = stats.peak_in_flight.get(),
+                "ublk queue done"
+            );
+            return Ok(());
+        }
+        if !kick.may_sleep() {
+            continue;
+        }
+        let waited = with_task_io_ring_mut(|ring| ring.submit_and_wait(1));
+        kick.woke();
+        if let Err(e) = waited {
+            if !matches!(
+                e.raw_os_error(),
+                Some(libc::EINTR | libc::EAGAIN | libc::EBUSY)
+            ) {
+                // The kernel may still write into the tags' buffers; never
+                // free them.
+                std::mem::forget(tasks);
+                return Err(e);
+            }
+        }
+        let mut rearm = false;
+        let reaped = ublk_reap_io_events_with_update_queue(q, false, None, |cqe| {
+            if cqe.user_data() == KICK_USER_DATA {
+                rearm = true;
+            } else {
+                ublk_wake_task(cqe.user_data(), cqe);
+            }
+        });
+        if let Err(e) = reaped {
+            std::mem::forget(tasks);
+            return Err(io::Error::other(Error::ublk("reaping completions", e)));
+        }
+        if rearm {
+            kick.drain();
+            kick.arm()?;
+        }
+    }
+}
+
+/// One tag: fetch a request, serve it, commit the result together with the
+/// next fetch, until the kernel aborts the command (device stopped).
+async fn serve_tag(
+    q: &UblkQueue<'_>,
+    tag: u16,
+    dev: &dyn BlockDev,
+    geo: Geometry,
+    stats: &QueueStats,
+) {
+    let buf_bytes = geo.buf_bytes as usize;
+    // The kernel copies each write's data into this buffer before handing
+    // us the request, and a read's data out of it when we commit. While a
+    // command is in flight nothing here touches it.
+    let mut buf: Vec<u8> = Vec::with_capacity(buf_bytes);
+    let mut fetched = q
+        .submit_io_prep_cmd(tag, BufDesc::RawAddress(buf.as_ptr()), 0, None)
+        .await;
+    loop {
+        match fetched {
+            Ok(0) => {}
+            Err(UblkError::QueueIsDown) => return,
+            Ok(r) => {
+                let e = io::Error::from_raw_os_error(-r);
+                tracing::error!(qid = q.get_qid(), tag, "ublk command refused: {e}");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(
+                    qid = q.get_qid(),
+                    tag,
+                    "{}",
+                    Error::ublk("a ublk command", e)
+                );
+                return;
+            }
+        }
+        let iod = *q.get_iod(tag);
+        let res;
+        stats.begin();
+        (res, buf) = serve_request(dev, geo, &iod, buf).await;
+        stats.end();
+        // The buffer that came back may be another allocation; it must hold
+        // the largest request before it is handed to the kernel.
+        if buf.capacity() < buf_bytes {
+            buf.reserve_exact(buf_bytes - buf.len());
+        }
+        fetched = q
+            .submit_io_commit_cmd(tag, BufDesc::RawAddress(buf.as_ptr()), res)
+            .await;
+    }
+}
+
+/// The kernel's result for an operation without data.
+fn done(r: Result<(), IoError>) -> i32 {
+    r.map_or_else(|e| -errno(&e), |()| 0)
+}
+
+/// Serves one request; returns the result for the kernel (bytes moved, 0,
+/// or a negative errno) and the tag's buffer.
+async fn serve_request(
+    dev: &dyn BlockDev,
+    geo: Geometry,
+    iod: &sys::ublksrv_io_desc,
+    mut buf: Vec<u8>,
+) -> (i32, Vec<u8>) {
+    let op = iod.op_flags & 0xff;
+    if op == sys::UBLK_IO_OP_FLUSH {
+        // A flush carries no range (its sector fields are left over).
+        return (done(dev.flush().await), buf);
+    }
+    let offset = iod.start_sector << SECTOR_SHIFT;
+    let len = u64::from(iod.nr_sectors) << SECTOR_SHIFT;
+    if offset.checked_add(len).is_none_or(|end| end > geo.size) {
+        return (-libc::EINVAL, buf);
+    }
+    let moved = |r: Result<(), IoError>| match r {
+        // len ≤ max_io ≤ IO_BYTES_MAX, which fits (asserted above).
+        Ok(()) => len as i32,
+        Err(e) => -errno(&e),
+    };
+    match op {
+        sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE if len > u64::from(geo.max_io) => {
+            (-libc::EINVAL, buf)
+        }
+        sys::UBLK_IO_OP_READ => {
+            buf.resize(len as usize, 0);
+            let (r, buf) = dev.read(offset, buf).await;
+            (moved(r), buf)
+        }
+        sys::UBLK_IO_OP_WRITE => {
+            let n = len as usize;
+            assert!(buf.capacity() >= n, "a tag buffer is smaller than max_io");
+            // SAFETY: n ≤ capacity (asserted), and before completing the
+            // fetch the kernel copied the request's n bytes into the start
+            // of this very allocation (its address went out with the last
+            // command), so they are initialized.
+            unsafe { buf.set_len(n) };
+            let fua = iod.op_flags & sys::UBLK_IO_F_FUA != 0;
+            let (r, buf) = dev.write(offset, buf, fua).await;
+            (moved(r), buf)
+        }
+        sys::UBLK_IO_OP_DISCARD => (done(dev.discard(offset, len).await), buf),
+        sys::UBLK_IO_OP_WRITE_ZEROES => {
+            let may_unmap = iod.op_flags & sys::UBLK_IO_F_NOUNMAP == 0;
+            (done(dev.write_zeroes(offset, len, may_unmap).await), buf)
+        }
+        _ => (-libc::EOPNOTSUPP, buf),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blockdev::{BufResult, IoFuture};
+
+    struct Fake {
+        size: u64,
+        bs: u32,
+        opt: u32,
+        max: u32,
+    }
+
+    impl BlockDev for Fake {
+        fn size(&self) -> u64 {
+            self.size
+        }
+        fn block_size(&self) -> u32 {
+            self.bs
+        }
+        fn optimal_io_bytes(&self) -> u32 {
+            self.opt
+        }
+        fn max_io_bytes(&self) -> u32 {
+            self.max
+        }
+        fn read(&self, _: u64, buf: Vec<u8>) -> IoFuture<'_, BufResult> {
+            Box::pin(async move { (Ok(()), buf) })
+        }
+        fn write(&self, _: u64, buf: Vec<u8>, _: bool) -> IoFuture<'_, BufResult> {
+            Box::pin(async move { (Ok(()), buf) })
+        }
+        fn flush(&self) -> IoFuture<'_, Result<(), IoError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn write_zeroes(&self, _: u64, _: u64, _: bool) -> IoFuture<'_, Result<(), IoError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn discard(&self, _: u64, _: u64) -> IoFuture<'_, Result<(), IoError>> {
+            Box::pin(async { Err(IoError::Invalid("nope")) })
+        }
+    }
+
+    fn fake(bs: u32, opt: u32, max: u32) -> Fake {
+        Fake {
+            size: 1 << 30,
+            bs,
+            opt,
+            max,
+        }
+    }
+
+    fn opts(queues: u16) -> UblkOptions {
+        UblkOptions {
+            queues: Some(queues),
+            ..UblkOptions::default()
+        }
+    }
+
+    #[test]
+    fn geometry_follows_the_device() {
+        let g = Geometry::new(&fake(4096, 128 << 10, 1 << 20), &opts(2)).unwrap();
+        assert_eq!((g.block_shift, g.io_opt_shift), (12, 17));
+        assert_eq!((g.max_io, g.buf_bytes), (1 << 20, 1 << 20));
+        assert_eq!((g.queues, g.depth), (2, QUEUE_DEPTH_DEFAULT));
+        let p = g.params();
+        assert_eq!(p.basic.dev_sectors, (1 << 30) >> 9);
+        assert_eq!(p.basic.max_sectors, 2048);
+        assert_eq!(p.basic.io_min_shift, 12);
+        assert_eq!(
+            p.basic.attrs,
+            sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA
+        );
+        assert_eq!(p.discard.discard_granularity, 4096);
+        assert_eq!(p.discard.max_discard_segments, 1);
+        assert_eq!(p.discard.max_write_zeroes_sectors, DISCARD_BYTES_MAX >> 9);
+
+        // No preference: the block size. Not a power of two: its largest
+        // power-of-two divisor. Transfers capped and rounded to blocks.
+        let g = Geometry::new(&fake(512, 0, 8 << 20), &opts(1)).unwrap();
+        assert_eq!((g.io_opt_shift, g.max_io), (9, IO_BYTES_MAX));
+        let g = Geometry::new(&fake(512, 3 << 16, 1000), &opts(1)).unwrap();
+        assert_eq!(
+            (g.io_opt_shift, g.max_io, g.buf_bytes),
+            (16, 512, page_bytes())
+        );
+    }
+
+    #[test]
+    fn geometry_refuses_what_ublk_cannot_present() {
+        assert!(Geometry::new(&fake(8192, 0, 1 << 20), &opts(1)).is_err());
+        assert!(Geometry::new(&fake(1000, 0, 1 << 20), &opts(1)).is_err());
+        let mut f = fake(4096, 0, 1 << 20);
+        f.size = 4096 * 3 + 512;
+        assert!(Geometry::new(&f, &opts(1)).is_err());
+        assert!(Geometry::new(&fake(4096, 0, 1 << 20), &opts(0)).is_err());
+        let o = UblkOptions {
+            queue_depth: 0,
+            ..opts(1)
+        };
+        assert!(Geometry::new(&fake(4096, 0, 1 << 20), &o).is_err());
+    }
+
+    #[test]
+    fn requests_map_to_block_dev_calls() {
+        let f = fake(512, 0, 1 << 20);
+        let g = Geometry::new(&f, &opts(1)).unwrap();
+        let iod = |op: u32, sector: u64, sectors: u32| sys::ublksrv_io_desc {
+            op_flags: op,
+            nr_sectors: sectors,
+            start_sector: sector,
+            addr: 0,
+        };
+        let buf = Vec::with_capacity(g.buf_bytes as usize);
+        let (r, buf) = block_on(serve_request(&f, g, &iod(sys::UBLK_IO_OP_READ, 8, 16), buf));
+        assert_eq!((r, buf.len()), (8192, 8192));
+        let (r, buf) = block_on(serve_request(&f, g, &iod(sys::UBLK_IO_OP_WRITE, 0, 8), buf));
+        assert_eq!((r, buf.len()), (4096, 4096));
+        let flush = iod(sys::UBLK_IO_OP_FLUSH, u64::MAX >> 9, 7);
+        let (r, buf) = block_on(serve_request(&f, g, &flush, buf));
+        assert_eq!(r, 0);
+        let (r, buf) = block_on(serve_request(
+            &f,
+            g,
+            &iod(sys::UBLK_IO_OP_DISCARD, 0, 8),
+            buf,
+        ));
+        assert_eq!(r, -libc::EINVAL);
+        // Past the end, and larger than max_io.
+        let end = (1u64 << 30) >> 9;
+        let (r, buf) = block_on(serve_request(
+            &f,
+            g,
+            &iod(sys::UBLK_IO_OP_READ, end, 1),
+            buf,
+        ));
+        assert_eq!(r, -libc::EINVAL);
+        let (r, _) = block_on(serve_request(
+            &f,
+            g,
+            &iod(sys::UBLK_IO_OP_READ, 0, 4096),
+            buf,
+        ));
+        assert_eq!(r, -libc::EINVAL);
+    }
+
+    #[test]
+    fn parses_kernel_versions_and_records() {
+        assert_eq!(parse_kernel_version("6.12.41+deb13-amd64\n"), Some((6, 12)));
+        assert_eq!(parse_kernel_version("5.15.0-91-generic"), Some((5, 15)));
+        assert_eq!(parse_kernel_version("garbage"), None);
+        assert_eq!(parse_record("123 456\n"), Some((123, 456)));
+        assert_eq!(parse_record("123"), None);
+        let stat = "42 (a b) c) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987 1000";
+        assert_eq!(parse_start_time(stat), Some(987));
+        assert!(proc_start_time(std::process::id()).is_some());
+    }
+
+    #[test]
+    fn cleanup_forgets_records_of_dead_owners_and_keeps_live_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        write_record(dir.path(), 7).unwrap();
+        // A dead owner of a device that does not exist: forgotten.
+        std::fs::write(dir.path().join("4000000"), "999999999 1\n").unwrap();
+        if Path::new(CONTROL_PATH).exists() {
+            return; // a real ublk host: do not touch its devices
+        }
+        assert_eq!(cleanup_stale(dir.path()).unwrap(), Vec::<u32>::new());
+        assert!(dir.path().join("7").exists());
+        assert!(!dir.path().join("4000000").exists());
+    }
+
+    #[test]
+    fn foreign_wakes_reach_the_ready_list_and_the_eventfd() {
+        let kick = Arc::new(Kick::new(4).unwrap());
+        let w = Arc::new(TagWake {
+            tag: 3,
+            queued: AtomicBool::new(false),
+            kick: kick.clone(),
+        });
+        assert!(kick.may_sleep());
+        let waker = Waker::from(w.clone());
+        std::thread::spawn(move || {
+            waker.wake_by_ref();
+            waker.wake();
+        })
+        .join()
+        .unwrap();
+        let mut out = Vec::new();
+        kick.take(&mut out);
+        assert_eq!(out, vec![3]);
+        let mut n = 0u64;
+        // SAFETY: reads 8 bytes into a u64 from the test's eventfd.
+        let r = unsafe { libc::read(kick.efd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        assert_eq!((r, n), (8, 1));
+        // Awake: further wakes only queue.
+        w.queued.store(false, Ordering::Release);
+        w.wake_by_ref();
+        // SAFETY: as above.
+        let r = unsafe { libc::read(kick.efd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        assert_eq!(r, -1);
+    }
+}
