@@ -149,7 +149,7 @@ pub fn segment(s: &str) -> String {
 }
 
 /// The control plane at one endpoint.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Client {
     base: String,
     token: Option<String>,

@@ -8,6 +8,7 @@
 //! Exit codes: 0 success, 1 failure, 2 usage error; every error is one
 //! `nvpool: …` line on stderr.
 
+pub mod attach;
 pub mod bench;
 pub mod client;
 pub mod cluster;

@@ -6,15 +6,18 @@
 //! client chooses (random v4 unless `--uuid` is given), so a create retried
 //! with the same `--uuid` returns the volume instead of making a second.
 
+use crate::attach::{self, Frontend};
 use crate::client::{segment, Client, ClientError};
 use crate::cluster::{age, print_fields, print_json, table, typed, Connection, OutputArgs};
 use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
+use anyhow::Context;
 use nvpool_control::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
 use nvpool_control::{ConnectionPlan, Layout, LayoutBody, Uuid};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::io::{IsTerminal, Read};
+use std::path::Path;
 
 /// Default stripe unit of raid0/raid10: large enough that a 64 KiB-aligned
 /// read touches one member, small enough to spread 1 MiB reads widely.
@@ -133,14 +136,33 @@ pub enum VolumeCmd {
         #[arg(long)]
         force: bool,
     },
-    /// Attach a volume to a host: its targets export the extents to that
-    /// host, and the connection plan is printed.
+    /// Attach a volume to this host as a block device (printed, like
+    /// `rbd map`): its targets export the extents to this host, and a
+    /// background process serves the volume through a front-end.
     Attach {
         /// Volume name or UUID.
         volume: String,
-        /// The host (default: this host's /etc/nvme/hostnqn).
+        /// The host (default: /etc/nvme/hostnqn, else one nvpool keeps in
+        /// /var/lib/nvpool/hostnqn).
         #[arg(long)]
         host_nqn: Option<String>,
+        /// How to present the block device.
+        #[arg(long, value_enum, default_value_t = Frontend::Auto)]
+        frontend: Frontend,
+        /// Only export the volume to the host and print the connection plan
+        /// (for another host, or an initiator of your own).
+        #[arg(long)]
+        plan_only: bool,
+    },
+    /// Serve an attached volume in the foreground (what attach starts in
+    /// the background).
+    #[command(hide = true)]
+    Serve {
+        uuid: String,
+        #[arg(long)]
+        host_nqn: String,
+        #[arg(long, value_enum)]
+        frontend: Frontend,
     },
     /// Detach a volume from a host.
     Detach {
@@ -149,8 +171,8 @@ pub enum VolumeCmd {
         /// The host (default: this host's /etc/nvme/hostnqn).
         #[arg(long)]
         host_nqn: Option<String>,
-        /// Detach although a target cannot be reached (it is cleaned up
-        /// when it returns).
+        /// Detach although the device is mounted or a target cannot be
+        /// reached (it is cleaned up when it returns).
         #[arg(long)]
         force: bool,
     },
@@ -349,13 +371,39 @@ fn host_nqn(given: Option<String>) -> anyhow::Result<String> {
         }
         return Ok(h);
     }
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| s.starts_with("nqn."))
+    };
     let path = nvpool_initiator::hostnqn::HOSTNQN_PATH;
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_owned())
-        .filter(|s| s.starts_with("nqn."))
-        .ok_or_else(|| anyhow::anyhow!("this host has no NQN in {path}; give --host-nqn"))
+    if let Some(h) = read(path) {
+        return Ok(h);
+    }
+    // No nvme-cli identity: keep one of our own, the same every time.
+    let own_path = std::env::var("NVPOOL_HOSTNQN_FILE").unwrap_or_else(|_| OWN_HOSTNQN_PATH.into());
+    if let Some(h) = read(&own_path) {
+        return Ok(h);
+    }
+    let uuid = random_uuid().context("generating a host NQN")?;
+    let h = format!("nqn.2014-08.org.nvmexpress:uuid:{uuid}");
+    let own = Path::new(&own_path);
+    if let Some(dir) = own.parent() {
+        std::fs::create_dir_all(dir).ok();
+    }
+    std::fs::write(own, format!("{h}\n")).map_err(|e| {
+        anyhow::anyhow!(
+            "this host has no NQN in {path} and {own_path} cannot be written ({e}); \
+             give --host-nqn"
+        )
+    })?;
+    Ok(h)
 }
+
+/// Where nvpool keeps a host NQN of its own when nvme-cli's is missing
+/// (`NVPOOL_HOSTNQN_FILE` overrides it).
+pub const OWN_HOSTNQN_PATH: &str = "/var/lib/nvpool/hostnqn";
 
 fn attachment_path(uuid: &Uuid, host: &str) -> String {
     format!("/v1/volumes/{uuid}/attachments/{}", segment(host))
@@ -397,10 +445,15 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 return print_json(&v);
             }
             let volumes: Vec<VolumeOut> = typed("/v1/volumes", &v)?;
+            let local = attach::records();
             let mut t = table(&[
-                "NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED",
+                "NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED", "DEVICE",
             ]);
             for x in &volumes {
+                let device = local
+                    .iter()
+                    .find(|r| r.uuid == x.uuid)
+                    .map_or_else(|| "-".to_owned(), |r| r.device.display().to_string());
                 t.add_row([
                     x.name.clone(),
                     x.uuid.to_string(),
@@ -413,6 +466,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     } else {
                         x.attachments.len().to_string()
                     },
+                    device,
                 ]);
             }
             println!("{t}");
@@ -448,6 +502,8 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
         VolumeCmd::Attach {
             volume,
             host_nqn: h,
+            frontend,
+            plan_only,
         } => {
             let host = host_nqn(h)?;
             let c = conn.client(true)?;
@@ -462,19 +518,54 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             a.plan.validate().map_err(|e| {
                 anyhow::anyhow!("the control plane sent an unusable connection plan: {e}")
             })?;
-            if progress {
-                let verb = if status == 201 {
-                    "attached"
-                } else {
-                    "already attached"
-                };
-                eprintln!("{verb}");
+            if plan_only {
+                if progress {
+                    eprintln!(
+                        "{}",
+                        if status == 201 {
+                            "attached"
+                        } else {
+                            "already attached"
+                        }
+                    );
+                }
+                if fmt == Format::Json {
+                    return print_json(&out);
+                }
+                print_plan(&a);
+                return Ok(());
             }
-            if fmt == Format::Json {
-                return print_json(&out);
-            }
-            print_plan(&a);
-            Ok(())
+            let token_file = conn.token_file.as_deref();
+            let served =
+                attach::start_server(&conn.endpoint, token_file, &uuid, &host, frontend, progress);
+            let served = match served {
+                Ok(s) => s,
+                Err(e) => {
+                    // Take back an attachment this call made: nothing half-done.
+                    if status == 201 {
+                        let _ = c.delete(&attachment_path(&uuid, &host));
+                    }
+                    return Err(e);
+                }
+            };
+            let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            done(
+                fmt,
+                serde_json::json!({
+                    "volume": uuid, "name": name, "host_nqn": host,
+                    "device": served.device, "frontend": served.frontend, "pid": served.pid,
+                    "already_attached": !served.started,
+                }),
+                served.device.display().to_string(),
+            )
+        }
+        VolumeCmd::Serve {
+            uuid,
+            host_nqn,
+            frontend,
+        } => {
+            let uuid: Uuid = parse_uuid(&uuid).map_err(Usage)?;
+            attach::serve(&conn.client(true)?, &uuid, &host_nqn, frontend)
         }
         VolumeCmd::Detach {
             volume,
@@ -484,13 +575,25 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let host = host_nqn(h)?;
             let c = conn.client(true)?;
             let (uuid, v) = resolve(&c, &volume)?;
+            // The local block device first (flushes); then the targets.
+            let local = attach::stop_server(&uuid, force)?;
             let q = if force { "?force=true" } else { "" };
-            c.delete(&format!("{}{q}", attachment_path(&uuid, &host)))?;
+            match c.delete(&format!("{}{q}", attachment_path(&uuid, &host))) {
+                // The attachment was already gone: the local side was
+                // all there was to undo.
+                Err(e) if local.is_some() && e.status() == Some(404) => {}
+                r => r?,
+            }
             let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            let device = local.as_ref().map(|r| r.device.display().to_string());
             done(
                 fmt,
-                serde_json::json!({ "volume": uuid, "name": name, "host_nqn": host, "detached": true }),
-                format!("volume {name} detached from {host}"),
+                serde_json::json!({ "volume": uuid, "name": name, "host_nqn": host,
+                    "detached": true, "device": device }),
+                match device {
+                    Some(d) => format!("volume {name} detached ({d} removed)"),
+                    None => format!("volume {name} detached from {host}"),
+                },
             )
         }
     }

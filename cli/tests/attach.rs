@@ -2,13 +2,13 @@
 //! in-process control plane that programs two real in-process targets
 //! (file devices on the build disk) through their admin APIs.
 
-use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::plan::HOST_SUBSYSTEM_PREFIX;
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use nvpool_target::{Running, StartOptions, Target};
 use serde_json::{json, Value};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -17,24 +17,8 @@ const MIB: u64 = 1 << 20;
 const ADMIN: &str = "admin-secret";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:12345678-aaaa-4bbb-8ccc-1234567890ab";
 
-struct ControlPlane {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn control_plane() -> ControlPlane {
+/// A control plane on a loopback port (MemStore, a clock pinned to now).
+fn control_plane() -> ApiServer {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -53,31 +37,7 @@ fn control_plane() -> ControlPlane {
         admin_token: Some(ADMIN.into()),
         target_token: None,
     };
-    let app = router(Arc::new(cluster), auth);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::from_std(listener).unwrap();
-            axum::serve(l, app)
-                .with_graceful_shutdown(async {
-                    let _ = rx.await;
-                })
-                .await
-                .unwrap();
-        });
-    });
-    ControlPlane {
-        addr,
-        stop: Some(tx),
-        thread: Some(thread),
-    }
+    ApiServer::start(Arc::new(cluster), auth, "127.0.0.1:0".parse().unwrap()).unwrap()
 }
 
 /// A real target on loopback with one 64 MiB file device `d0`,
@@ -97,7 +57,7 @@ impl Drop for Tgt {
     }
 }
 
-fn target(cp: &ControlPlane, id: &str) -> Tgt {
+fn target(cp: &ApiServer, id: &str) -> Tgt {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("d0.img");
     std::fs::File::create(&path)
@@ -180,11 +140,14 @@ impl Run {
     }
 }
 
-fn nvpool(cp: &ControlPlane, token: &PathBuf, args: &[&str]) -> Run {
+fn nvpool(cp: &ApiServer, token: &PathBuf, args: &[&str]) -> Run {
     let out = Command::new(env!("CARGO_BIN_EXE_nvpool"))
         .env_remove("NVPOOL_LOG")
         .env("NVPOOL_ENDPOINT", format!("http://{}", cp.addr))
         .env("NVPOOL_TOKEN_FILE", token)
+        // Keep nvpool's own host NQN and run directory inside the test's.
+        .env("NVPOOL_HOSTNQN_FILE", token.with_file_name("hostnqn"))
+        .env("NVPOOL_RUN_DIR", token.with_file_name("run"))
         .args(args)
         .output()
         .unwrap();
@@ -212,7 +175,17 @@ fn attach_prints_the_plan_the_targets_export_it_and_detach_removes_it() {
     let uuid = v["uuid"].as_str().unwrap().to_owned();
 
     // Attach: a plan with one namespace per extent, on the right targets.
-    let a = run(&["volume", "attach", "vol", "--host-nqn", HOST, "-o", "json"]).json();
+    let a = run(&[
+        "volume",
+        "attach",
+        "vol",
+        "--plan-only",
+        "--host-nqn",
+        HOST,
+        "-o",
+        "json",
+    ])
+    .json();
     assert_eq!(a["volume"], uuid.as_str());
     assert_eq!(a["host_nqn"], HOST);
     assert_eq!(a["state"], "attached");
@@ -240,7 +213,7 @@ fn attach_prints_the_plan_the_targets_export_it_and_detach_removes_it() {
     }
 
     // Again: the same attachment, printed as a table.
-    let table = run(&["volume", "attach", &uuid, "--host-nqn", HOST]).ok();
+    let table = run(&["volume", "attach", &uuid, "--plan-only", "--host-nqn", HOST]).ok();
     let header: Vec<&str> = table
         .lines()
         .find(|l| l.trim_start().starts_with("ROW"))
@@ -267,7 +240,8 @@ fn attach_prints_the_plan_the_targets_export_it_and_detach_removes_it() {
     // The volume lists its host.
     let ls = run(&["volume", "ls"]).ok();
     let row: Vec<&str> = ls.lines().nth(1).unwrap().split_whitespace().collect();
-    assert_eq!(row.last(), Some(&"1"), "{ls}");
+    // ATTACHED counts hosts; DEVICE is "-" (this host serves no device).
+    assert_eq!(row[row.len() - 2..], ["1", "-"], "{ls}");
     let info = run(&["volume", "info", "vol", "-o", "json"]).json();
     assert_eq!(info["attachments"], json!([HOST]));
 
@@ -286,7 +260,17 @@ fn attach_prints_the_plan_the_targets_export_it_and_detach_removes_it() {
     run(&["volume", "detach", "vol", "--host-nqn", HOST]).error(1, "");
 
     // Attached again, then deleted with --force.
-    run(&["volume", "attach", "vol", "--host-nqn", HOST, "-o", "json"]).json();
+    run(&[
+        "volume",
+        "attach",
+        "vol",
+        "--plan-only",
+        "--host-nqn",
+        HOST,
+        "-o",
+        "json",
+    ])
+    .json();
     run(&["volume", "delete", "vol", "--force"]).ok();
     run(&["volume", "info", "vol"]).error(1, "no volume named");
     for t in [&t0, &t1] {
@@ -309,12 +293,21 @@ fn the_default_host_nqn_is_this_hosts() {
     std::fs::write(&token, ADMIN).unwrap();
     let run = |args: &[&str]| nvpool(&cp, &token, args);
     run(&["volume", "create", "solo", "--size", "1M", "-o", "json"]).json();
+    let a = run(&["volume", "attach", "solo", "--plan-only", "-o", "json"]).json();
+    let host = a["host_nqn"].as_str().unwrap().to_owned();
     match std::fs::read_to_string(nvpool_initiator::hostnqn::HOSTNQN_PATH) {
-        Ok(nqn) if nqn.trim().starts_with("nqn.") => {
-            let a = run(&["volume", "attach", "solo", "-o", "json"]).json();
-            assert_eq!(a["host_nqn"], nqn.trim());
-            run(&["volume", "detach", "solo"]).ok();
+        // nvme-cli's identity when the host has one...
+        Ok(nqn) if nqn.trim().starts_with("nqn.") => assert_eq!(host, nqn.trim()),
+        // ...else one nvpool keeps (here under the test's directory), the
+        // same on every call so attach and detach agree.
+        _ => {
+            let kept = std::fs::read_to_string(dir.path().join("hostnqn")).unwrap();
+            assert_eq!(host, kept.trim());
+            assert!(
+                host.starts_with("nqn.2014-08.org.nvmexpress:uuid:"),
+                "{host}"
+            );
         }
-        _ => run(&["volume", "attach", "solo"]).error(1, "--host-nqn"),
     }
+    run(&["volume", "detach", "solo"]).ok();
 }

@@ -8,7 +8,7 @@
 //! through the REST API with addresses nobody listens on, which is all
 //! placement needs.
 
-use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use serde_json::{json, Value};
@@ -22,21 +22,9 @@ const ADMIN: &str = "admin-secret";
 
 struct ControlPlane {
     addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
     token_file: PathBuf,
+    _api: ApiServer,
     _dir: tempfile::TempDir,
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 fn now_ms() -> u64 {
@@ -59,34 +47,14 @@ fn control_plane(targets: usize) -> ControlPlane {
         admin_token: Some(ADMIN.into()),
         target_token: None,
     };
-    let app = router(Arc::new(cluster), auth);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::from_std(listener).unwrap();
-            axum::serve(l, app)
-                .with_graceful_shutdown(async {
-                    let _ = rx.await;
-                })
-                .await
-                .unwrap();
-        });
-    });
+    let api = ApiServer::start(Arc::new(cluster), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, format!("{ADMIN}\n")).unwrap();
     let cp = ControlPlane {
-        addr,
-        stop: Some(tx),
-        thread: Some(thread),
+        addr: api.addr,
         token_file,
+        _api: api,
         _dir: dir,
     };
     for i in 0..targets {
@@ -422,12 +390,12 @@ fn volumes_of_every_layout_are_created_listed_grown_and_deleted() {
     let header: Vec<&str> = ls.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(
         header,
-        ["NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED"]
+        ["NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED", "DEVICE"]
     );
     let r = row(&ls, "v10");
     assert_eq!(
         r[2..],
-        ["4.0", "MiB", "raid10", "w=2", "s=64K", "c=2", "online", "-", "-"]
+        ["4.0", "MiB", "raid10", "w=2", "s=64K", "c=2", "online", "-", "-", "-"]
     );
     assert_eq!(cp.json(&["volume", "ls"]).as_array().unwrap().len(), 5);
 

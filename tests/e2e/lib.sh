@@ -1,0 +1,108 @@
+# Shared by the end-to-end tests: a local cluster of real processes on
+# 127.0.0.1 (one nvpool-control, N nvpool-target daemons on sparse files)
+# driven through the nvpool CLI. Source it; set BIN first (the directory of
+# the release binaries).
+
+E2E_DIR=${E2E_DIR:-$(mktemp -d /var/tmp/nvpool-e2e.XXXXXX)}
+CP_PORT=${CP_PORT:-34430}
+TARGET_PORT_BASE=${TARGET_PORT_BASE:-34420}
+ADMIN_PORT_BASE=${ADMIN_PORT_BASE:-34480}
+export NVPOOL_ENDPOINT=http://127.0.0.1:$CP_PORT
+export NVPOOL_RUN_DIR=$E2E_DIR/run
+HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:6e76706f-6f6c-4e00-8000-653265000001
+declare -a TARGET_PIDS=()
+CP_PID=
+
+pass=0
+fail=0
+
+log() { printf '%s %s\n' "$(date +%T)" "$*"; }
+ok() { pass=$((pass + 1)); printf 'PASS %s\n' "$*"; }
+bad() { fail=$((fail + 1)); printf 'FAIL %s\n' "$*"; }
+check() { # check NAME COMMAND...: PASS when the command succeeds
+    local name=$1
+    shift
+    if "$@"; then ok "$name"; else bad "$name"; fi
+}
+
+nvpool() { "$BIN/nvpool" "$@"; }
+
+start_control_plane() {
+    mkdir -p "$E2E_DIR/cp"
+    "$BIN/nvpool-control" --listen "127.0.0.1:$CP_PORT" --state-dir "$E2E_DIR/cp" \
+        --extent-size "${EXTENT_BYTES:-268435456}" --log warn \
+        >"$E2E_DIR/cp.log" 2>&1 &
+    CP_PID=$!
+    local i
+    for i in $(seq 100); do
+        curl -sf "$NVPOOL_ENDPOINT/healthz" >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    cat "$E2E_DIR/cp.log" >&2
+    return 1
+}
+
+# start_target I SIZE: target tI with one sparse file device of SIZE.
+start_target() {
+    local i=$1 size=$2
+    local d=$E2E_DIR/t$i
+    mkdir -p "$d/state"
+    [[ -f $d/d0.img ]] || truncate -s "$size" "$d/d0.img"
+    "$BIN/nvpool-target" --state-dir "$d/state" \
+        --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" \
+        --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
+        --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \
+        --label "rack=r$i" --device "d0=file:$d/d0.img" --reactors 1 --log warn \
+        >>"$d/target.log" 2>&1 &
+    TARGET_PIDS[i]=$!
+}
+
+# wait_targets N: until N targets are registered and online.
+wait_targets() {
+    local n=$1 i
+    for i in $(seq 150); do
+        local online
+        online=$(nvpool target ls -o json 2>/dev/null |
+            jq '[.[] | select(.health == "online")] | length' 2>/dev/null || echo 0)
+        [[ $online -ge $n ]] && return 0
+        sleep 0.2
+    done
+    nvpool target ls >&2 || true
+    return 1
+}
+
+stop_all() {
+    local r
+    # Detach whatever is still attached (unmounting first).
+    for r in "$NVPOOL_RUN_DIR"/volumes/*.json; do
+        [[ -f $r ]] || continue
+        local dev uuid
+        dev=$(jq -r .device "$r")
+        uuid=$(jq -r .uuid "$r")
+        grep -q "^$dev " /proc/mounts && umount "$dev" 2>/dev/null
+        nvpool volume detach "$uuid" --host-nqn "$HOSTNQN" --force >/dev/null 2>&1 || true
+    done
+    local p
+    for p in "${TARGET_PIDS[@]}" $CP_PID; do
+        [[ -n $p ]] && kill "$p" 2>/dev/null
+    done
+    wait 2>/dev/null || true
+}
+
+cleanup() {
+    stop_all
+    if [[ $fail -ne 0 || -n ${E2E_KEEP:-} ]]; then
+        echo "logs kept in $E2E_DIR" >&2
+        tail -n 20 "$E2E_DIR"/cp.log "$E2E_DIR"/t*/target.log "$NVPOOL_RUN_DIR"/volumes/*.log \
+            2>/dev/null >&2 || true
+        # The sparse device files are large on disk after the test.
+        rm -f "$E2E_DIR"/t*/d0.img
+    else
+        rm -rf "$E2E_DIR"
+    fi
+}
+
+summary() {
+    echo "e2e: $pass passed, $fail failed"
+    [[ $fail -eq 0 ]]
+}
