@@ -9,7 +9,7 @@
 //!   ├─ spawn `nvpool volume serve UUID …` (own session; log in RUN_DIR)
 //!   │     ├─ GET the attachment: plan + copies known to have failed
 //!   │     ├─ Volume::open (one controller per target)
-//!   │     ├─ front-end: ublk /dev/ublkbN | FUSE file + /dev/loopN
+//!   │     ├─ front-end: ublk /dev/ublkbN | kernel nbd /dev/nbdN | FUSE file + /dev/loopN
 //!   │     ├─ RUN_DIR/volumes/UUID.json   (what to tear down, pid)
 //!   │     ├─ "READY /dev/…" on stdout, then stdout goes quiet
 //!   │     └─ serve until SIGTERM: flush, tear down, remove the record
@@ -44,10 +44,12 @@ const REPORT_RETRY: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Frontend {
-    /// The best this host supports: ublk, else FUSE + loop.
+    /// The best this host supports: ublk, else kernel nbd, else FUSE + loop.
     Auto,
     /// Linux ublk (6.0+, module ublk_drv): /dev/ublkbN.
     Ublk,
+    /// The kernel nbd driver (module nbd), fed by our NBD server: /dev/nbdN.
+    Nbd,
     /// A file in a FUSE mount behind a loop device (direct I/O): /dev/loopN.
     Fuse,
 }
@@ -140,13 +142,23 @@ pub fn mounted_at(device: &Path) -> Option<String> {
     })
 }
 
-fn frontend_choice(f: Frontend) -> anyhow::Result<Frontend> {
+/// Resolves `auto` and checks that the chosen front-end can work here.
+pub fn frontend_choice(f: Frontend) -> anyhow::Result<Frontend> {
+    use nvpool_initiator::frontend::nbd::kernel as nbd;
     match f {
         Frontend::Auto => Ok(if ublk_available().is_ok() {
             Frontend::Ublk
+        } else if nbd::available() {
+            Frontend::Nbd
         } else {
             Frontend::Fuse
         }),
+        Frontend::Nbd => {
+            if !nbd::available() {
+                bail!("the kernel nbd driver is not loaded (modprobe nbd)");
+            }
+            Ok(Frontend::Nbd)
+        }
         Frontend::Ublk => {
             ublk_available().map_err(|why| anyhow::anyhow!("ublk is not available: {why}"))?;
             Ok(Frontend::Ublk)
@@ -214,6 +226,7 @@ pub fn start_server(
         .arg("--frontend")
         .arg(match frontend {
             Frontend::Ublk => "ublk",
+            Frontend::Nbd => "nbd",
             _ => "fuse",
         })
         .stdin(std::process::Stdio::null())
@@ -270,6 +283,7 @@ fn frontend_name(f: Frontend) -> &'static str {
     match f {
         Frontend::Auto => "auto",
         Frontend::Ublk => "ublk",
+        Frontend::Nbd => "kernel nbd",
         Frontend::Fuse => "FUSE + loop",
     }
 }
@@ -340,6 +354,13 @@ pub fn cleanup_leftovers(r: &Record) {
                 }
             }
         }
+        // The kernel fails the dead server's requests after the dead-
+        // connection timeout (30 s); `nbd-client -d` frees it at once.
+        Frontend::Nbd => {
+            tracing::warn!(device = %r.device.display(),
+                "the nbd server died; the kernel gives the device up after 30 s \
+                 (nbd-client -d frees it now)");
+        }
         Frontend::Auto => {}
     }
     let _ = std::fs::remove_file(record_path(&r.uuid));
@@ -395,6 +416,7 @@ struct AttachmentView {
 
 enum Presented {
     Fuse(nvpool_initiator::frontend::fuse::FuseLoop),
+    Nbd(nvpool_initiator::frontend::nbd::kernel::KernelNbd),
     #[cfg(feature = "ublk")]
     Ublk(nvpool_initiator::frontend::ublk::UblkDevice),
 }
@@ -450,6 +472,16 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
             #[cfg(not(feature = "ublk"))]
             bail!("this nvpool was built without the ublk feature")
         }
+        Frontend::Nbd => {
+            use nvpool_initiator::frontend::nbd::kernel::{KernelNbd, KernelOptions};
+            use nvpool_initiator::frontend::nbd::{NbdOptions, NbdServer};
+            let server =
+                NbdServer::without_listeners(dev, &NbdOptions::default()).context("NBD server")?;
+            Presented::Nbd(
+                KernelNbd::attach(server, &KernelOptions::default())
+                    .context("handing the volume to the kernel nbd driver")?,
+            )
+        }
         _ => {
             use nvpool_initiator::frontend::fuse::{FuseLoop, FuseOptions};
             let mp = run.join("fuse").join(uuid.to_string());
@@ -466,6 +498,7 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
             Some(f.mount().mountpoint().to_path_buf()),
             None,
         ),
+        Presented::Nbd(n) => (n.device_path(), None, None),
         #[cfg(feature = "ublk")]
         Presented::Ublk(u) => (u.path().to_path_buf(), None, Some(u.id())),
     };
@@ -476,6 +509,7 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
         pid: std::process::id(),
         frontend: match presented {
             Presented::Fuse(_) => Frontend::Fuse,
+            Presented::Nbd(_) => Frontend::Nbd,
             #[cfg(feature = "ublk")]
             Presented::Ublk(_) => Frontend::Ublk,
         },
@@ -520,6 +554,11 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
                         break;
                     }
                 }
+            }
+        }
+        Presented::Nbd(n) => {
+            if let Err(e) = n.detach() {
+                failure = Some(anyhow::Error::from(e).context("disconnecting nbd"));
             }
         }
         #[cfg(feature = "ublk")]

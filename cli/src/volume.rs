@@ -506,6 +506,13 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             plan_only,
         } => {
             let host = host_nqn(h)?;
+            // Say at once when the front-end cannot work here, before
+            // anything is exported.
+            let frontend = if plan_only {
+                frontend
+            } else {
+                attach::frontend_choice(frontend)?
+            };
             let c = conn.client(true)?;
             let (uuid, v) = resolve(&c, &volume)?;
             let progress = std::io::stderr().is_terminal();
