@@ -119,6 +119,93 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
         .with_state(api)
 }
 
+// ----- an embedded server -----
+
+/// The API served on a thread of its own (a current-thread runtime), for
+/// embedders and tests that want a control plane in process without
+/// running one of their own: [`ApiServer::start`] binds and returns once
+/// the port accepts connections; dropping the server (or
+/// [`ApiServer::shutdown`]) stops it gracefully and waits for the thread,
+/// so the port is free again afterwards. It serves the API only: no
+/// reconcile loop, no signal handling (that is the daemon's job).
+pub struct ApiServer {
+    /// Where it listens: `listen` with the port the system chose for port 0.
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ApiServer {
+    /// Serves [`router`]`(cluster, auth)` on `listen` (port 0 for any).
+    /// Fails when the address cannot be bound or the thread not started.
+    pub fn start(
+        cluster: Arc<Cluster>,
+        auth: AuthConfig,
+        listen: SocketAddr,
+    ) -> std::io::Result<ApiServer> {
+        let listener = std::net::TcpListener::bind(listen)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let listener = {
+            let _guard = rt.enter();
+            tokio::net::TcpListener::from_std(listener)?
+        };
+        let app = router(cluster, auth);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("nvpool-api {addr}"))
+            .spawn(move || {
+                rt.block_on(async move {
+                    let stopped = async {
+                        let _ = rx.await;
+                    };
+                    if let Err(e) = axum::serve(listener, app)
+                        .with_graceful_shutdown(stopped)
+                        .await
+                    {
+                        tracing::error!(%addr, "serving the API: {e}");
+                    }
+                });
+            })?;
+        Ok(ApiServer {
+            addr,
+            stop: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops serving and waits for the server's thread (what drop does).
+    pub fn shutdown(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+impl std::fmt::Debug for ApiServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiServer")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
 // ----- errors -----
 
 /// The body of every failed request.

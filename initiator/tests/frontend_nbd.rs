@@ -681,6 +681,8 @@ fn fio_verify(uri: &str, size: &str) {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            // No verify state file in the working directory.
+            "--verify_state_save=0",
             "--output-format=terse",
         ])
         .stdin(Stdio::null())

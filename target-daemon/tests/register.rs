@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, StateConfig, SystemClock};
 use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegistrationStatus};
@@ -25,9 +25,7 @@ const PATIENCE: Duration = Duration::from_secs(15);
 // ----- an in-process control plane -----
 
 struct ControlPlane {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    api: ApiServer,
 }
 
 impl ControlPlane {
@@ -39,31 +37,8 @@ impl ControlPlane {
         };
         let cluster =
             Cluster::new(Arc::new(MemStore::new()), Arc::new(SystemClock), config).unwrap();
-        let app = router(Arc::new(cluster), auth);
-        let listener = TcpListener::bind(bind).unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::from_std(listener).unwrap();
-                axum::serve(l, app)
-                    .with_graceful_shutdown(async {
-                        let _ = rx.await;
-                    })
-                    .await
-                    .unwrap();
-            });
-        });
-        ControlPlane {
-            addr,
-            stop: Some(tx),
-            thread: Some(thread),
-        }
+        let api = ApiServer::start(Arc::new(cluster), auth, bind).unwrap();
+        ControlPlane { api }
     }
 
     fn start(auth: AuthConfig) -> ControlPlane {
@@ -71,7 +46,7 @@ impl ControlPlane {
     }
 
     fn url(&self) -> ControlPlaneUrl {
-        ControlPlaneUrl::parse(&format!("http://{}", self.addr)).unwrap()
+        ControlPlaneUrl::parse(&format!("http://{}", self.api.addr)).unwrap()
     }
 
     fn get(&self, path: &str) -> (u16, Value) {
@@ -81,7 +56,7 @@ impl ControlPlane {
             .build()
             .into();
         let mut r = agent
-            .get(format!("http://{}{path}", self.addr))
+            .get(format!("http://{}{path}", self.api.addr))
             .call()
             .unwrap();
         let status = r.status().as_u16();
@@ -98,23 +73,8 @@ impl ControlPlane {
         self.targets().into_iter().find(|t| t["id"] == id)
     }
 
-    fn stop(mut self) {
-        self.halt();
-    }
-
-    fn halt(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for ControlPlane {
-    fn drop(&mut self) {
-        self.halt();
+    fn stop(self) {
+        self.api.shutdown();
     }
 }
 
@@ -319,7 +279,7 @@ fn the_target_serves_io_while_the_control_plane_is_unreachable() {
 fn a_control_plane_that_forgot_the_target_gets_a_new_registration() {
     logs();
     let cp = ControlPlane::start(AuthConfig::default());
-    let addr = cp.addr;
+    let addr = cp.api.addr;
     let d = Daemon::start(&[]);
     let r = Registrar::start(quick(cp.url(), "t-forgot", &d)).unwrap();
     wait_status(&r, "heartbeats", |s| s.heartbeats >= 1);
@@ -430,7 +390,7 @@ fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
         .args(["--no-io-uring", "--reactors", "1"])
         .arg("--state-dir")
         .arg(&state)
-        .args(["--control-plane", &format!("http://{}", cp.addr)])
+        .args(["--control-plane", &format!("http://{}", cp.api.addr)])
         .arg("--control-plane-token-file")
         .arg(&token)
         .args(["--device", &format!("d0={}", file_spec(&f))])

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-use nvpool_control::api::{router, AuthConfig};
+use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use serde_json::Value;
@@ -21,19 +21,7 @@ pub struct Server {
     pub cluster: Arc<Cluster>,
     pub addr: SocketAddr,
     pub clock: Arc<ManualClock>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+    _api: ApiServer,
 }
 
 pub fn serve(auth: AuthConfig) -> Server {
@@ -44,32 +32,12 @@ pub fn serve(auth: AuthConfig) -> Server {
     };
     let cluster = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
     let cluster = Arc::new(cluster);
-    let app = router(cluster.clone(), auth);
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::from_std(listener).unwrap();
-            axum::serve(l, app)
-                .with_graceful_shutdown(async {
-                    let _ = rx.await;
-                })
-                .await
-                .unwrap();
-        });
-    });
+    let api = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
     Server {
         cluster,
-        addr,
+        addr: api.addr,
         clock,
-        stop: Some(tx),
-        thread: Some(thread),
+        _api: api,
     }
 }
 
