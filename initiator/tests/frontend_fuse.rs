@@ -7,7 +7,10 @@
 use nvpool_initiator::frontend::fuse::{
     abort_connection, FuseError, FuseLoop, FuseOptions, LoopError,
 };
-use nvpool_initiator::{BlockDev, BufResult, ConnectParams, Controller, Device, IoError, IoFuture};
+mod common;
+
+use common::memdev::MemDev;
+use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device};
 use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
 use nvpool_target::{Running, StartOptions, Target};
 use std::collections::hash_map::DefaultHasher;
@@ -16,111 +19,10 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A volume in memory that counts what reaches it.
-#[derive(Debug)]
-struct MemDev {
-    data: Mutex<Vec<u8>>,
-    bs: u32,
-    flushes: AtomicU64,
-    discards: AtomicU64,
-    zeroes_unmap: AtomicU64,
-    zeroes_keep: AtomicU64,
-    unaligned: AtomicU64,
-}
-
-impl MemDev {
-    fn new(size: usize, bs: u32) -> Arc<MemDev> {
-        Arc::new(MemDev {
-            data: Mutex::new(vec![0; size]),
-            bs,
-            flushes: AtomicU64::new(0),
-            discards: AtomicU64::new(0),
-            zeroes_unmap: AtomicU64::new(0),
-            zeroes_keep: AtomicU64::new(0),
-            unaligned: AtomicU64::new(0),
-        })
-    }
-
-    fn check(&self, off: u64, len: u64) -> Result<std::ops::Range<usize>, IoError> {
-        let bs = self.bs as u64;
-        if !off.is_multiple_of(bs) || !len.is_multiple_of(bs) {
-            self.unaligned.fetch_add(1, Ordering::Relaxed);
-            return Err(IoError::Invalid("unaligned"));
-        }
-        if off + len > self.size() {
-            return Err(IoError::Invalid("past the end"));
-        }
-        Ok(off as usize..(off + len) as usize)
-    }
-
-    fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
-        self.data.lock().unwrap()[off..off + len].to_vec()
-    }
-}
-
-impl BlockDev for MemDev {
-    fn size(&self) -> u64 {
-        self.data.lock().unwrap().len() as u64
-    }
-    fn block_size(&self) -> u32 {
-        self.bs
-    }
-    fn read(&self, offset: u64, mut buf: Vec<u8>) -> IoFuture<'_, BufResult> {
-        Box::pin(async move {
-            match self.check(offset, buf.len() as u64) {
-                Ok(r) => {
-                    buf.copy_from_slice(&self.data.lock().unwrap()[r]);
-                    (Ok(()), buf)
-                }
-                Err(e) => (Err(e), buf),
-            }
-        })
-    }
-    fn write(&self, offset: u64, buf: Vec<u8>, _fua: bool) -> IoFuture<'_, BufResult> {
-        Box::pin(async move {
-            match self.check(offset, buf.len() as u64) {
-                Ok(r) => {
-                    self.data.lock().unwrap()[r].copy_from_slice(&buf);
-                    (Ok(()), buf)
-                }
-                Err(e) => (Err(e), buf),
-            }
-        })
-    }
-    fn flush(&self) -> IoFuture<'_, Result<(), IoError>> {
-        self.flushes.fetch_add(1, Ordering::Relaxed);
-        Box::pin(async { Ok(()) })
-    }
-    fn write_zeroes(
-        &self,
-        offset: u64,
-        len: u64,
-        unmap: bool,
-    ) -> IoFuture<'_, Result<(), IoError>> {
-        Box::pin(async move {
-            let r = self.check(offset, len)?;
-            self.data.lock().unwrap()[r].fill(0);
-            if unmap {
-                self.zeroes_unmap.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.zeroes_keep.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        })
-    }
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, Result<(), IoError>> {
-        Box::pin(async move {
-            self.check(offset, len)?;
-            self.discards.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        })
-    }
-}
 
 /// Why this host cannot run the tests, if it cannot.
 fn missing() -> Option<String> {

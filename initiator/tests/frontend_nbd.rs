@@ -5,152 +5,23 @@
 
 use nvpool_initiator::frontend::nbd::kernel::{self, KernelNbd, KernelNbdError, KernelOptions};
 use nvpool_initiator::frontend::nbd::{NbdOptions, NbdServer};
-use nvpool_initiator::{BlockDev, BufResult, ConnectParams, Controller, Device, IoError, IoFuture};
+mod common;
+
+use common::memdev::MemDev;
+use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device};
 use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
 use nvpool_target::{Running, StartOptions, Target};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::Poll;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Reads at this offset take [`SLOW_MS`] to complete.
 const SLOW_OFFSET: u64 = 1 << 20;
 const SLOW_MS: u64 = 300;
-
-/// A volume in memory that counts what reaches it.
-#[derive(Debug)]
-struct MemDev {
-    data: Mutex<Vec<u8>>,
-    bs: u32,
-    flushes: AtomicU64,
-    discards: AtomicU64,
-    zeroes_unmap: AtomicU64,
-    zeroes_keep: AtomicU64,
-    fua_writes: AtomicU64,
-}
-
-impl MemDev {
-    fn new(size: usize, bs: u32) -> Arc<MemDev> {
-        Arc::new(MemDev {
-            data: Mutex::new(vec![0; size]),
-            bs,
-            flushes: AtomicU64::new(0),
-            discards: AtomicU64::new(0),
-            zeroes_unmap: AtomicU64::new(0),
-            zeroes_keep: AtomicU64::new(0),
-            fua_writes: AtomicU64::new(0),
-        })
-    }
-
-    fn check(&self, off: u64, len: u64) -> Result<std::ops::Range<usize>, IoError> {
-        let bs = self.bs as u64;
-        if !off.is_multiple_of(bs) || !len.is_multiple_of(bs) {
-            return Err(IoError::Invalid("unaligned"));
-        }
-        if off + len > self.size() {
-            return Err(IoError::Invalid("past the end"));
-        }
-        Ok(off as usize..(off + len) as usize)
-    }
-
-    fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
-        self.data.lock().unwrap()[off..off + len].to_vec()
-    }
-}
-
-/// Completes after `ms` without blocking the polling thread.
-async fn delay(ms: u64) {
-    let fired = Arc::new(AtomicBool::new(false));
-    let mut started = false;
-    std::future::poll_fn(|cx| {
-        if fired.load(Ordering::Acquire) {
-            return Poll::Ready(());
-        }
-        if !started {
-            started = true;
-            let (f, w) = (fired.clone(), cx.waker().clone());
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(ms));
-                f.store(true, Ordering::Release);
-                w.wake();
-            });
-        }
-        Poll::Pending
-    })
-    .await
-}
-
-impl BlockDev for MemDev {
-    fn size(&self) -> u64 {
-        self.data.lock().unwrap().len() as u64
-    }
-    fn block_size(&self) -> u32 {
-        self.bs
-    }
-    fn optimal_io_bytes(&self) -> u32 {
-        4096
-    }
-    fn read(&self, offset: u64, mut buf: Vec<u8>) -> IoFuture<'_, BufResult> {
-        Box::pin(async move {
-            if offset == SLOW_OFFSET {
-                delay(SLOW_MS).await;
-            }
-            match self.check(offset, buf.len() as u64) {
-                Ok(r) => {
-                    buf.copy_from_slice(&self.data.lock().unwrap()[r]);
-                    (Ok(()), buf)
-                }
-                Err(e) => (Err(e), buf),
-            }
-        })
-    }
-    fn write(&self, offset: u64, buf: Vec<u8>, fua: bool) -> IoFuture<'_, BufResult> {
-        Box::pin(async move {
-            if fua {
-                self.fua_writes.fetch_add(1, Ordering::Relaxed);
-            }
-            match self.check(offset, buf.len() as u64) {
-                Ok(r) => {
-                    self.data.lock().unwrap()[r].copy_from_slice(&buf);
-                    (Ok(()), buf)
-                }
-                Err(e) => (Err(e), buf),
-            }
-        })
-    }
-    fn flush(&self) -> IoFuture<'_, Result<(), IoError>> {
-        self.flushes.fetch_add(1, Ordering::Relaxed);
-        Box::pin(async { Ok(()) })
-    }
-    fn write_zeroes(
-        &self,
-        offset: u64,
-        len: u64,
-        unmap: bool,
-    ) -> IoFuture<'_, Result<(), IoError>> {
-        Box::pin(async move {
-            let r = self.check(offset, len)?;
-            self.data.lock().unwrap()[r].fill(0);
-            if unmap {
-                self.zeroes_unmap.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.zeroes_keep.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        })
-    }
-    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, Result<(), IoError>> {
-        Box::pin(async move {
-            self.check(offset, len)?;
-            self.discards.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        })
-    }
-}
 
 // Protocol numbers, written out independently of the server's.
 const NBDMAGIC: u64 = 0x4e42444d41474943;
@@ -182,6 +53,12 @@ fn server(dev: Arc<dyn BlockDev>, dir: &Path) -> NbdServer {
         ..NbdOptions::default()
     };
     NbdServer::start(dev, &opts).unwrap()
+}
+
+/// The NBD tests' device: prefers 4 KiB I/O, and reads at `SLOW_OFFSET`
+/// take `SLOW_MS` (for out-of-order replies).
+fn nbd_dev(size: usize, bs: u32) -> std::sync::Arc<MemDev> {
+    MemDev::build(size, bs, 4096, Some((SLOW_OFFSET, SLOW_MS)))
 }
 
 struct Client {
@@ -321,7 +198,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[test]
 fn handshake_options_and_info() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = MemDev::new(64 << 20, 512);
+    let dev = nbd_dev(64 << 20, 512);
     let srv = server(dev, dir.path());
     let sock = srv.unix_socket().unwrap().to_path_buf();
     let mut c = Client::connect(&sock, 3);
@@ -401,7 +278,7 @@ fn handshake_options_and_info() {
 #[test]
 fn every_command_with_simple_replies() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = MemDev::new(64 << 20, 512);
+    let dev = nbd_dev(64 << 20, 512);
     let srv = server(dev.clone(), dir.path());
     let mut c = Client::connect(srv.unix_socket().unwrap(), 3);
     let (size, flags) = c.export_name("vol");
@@ -467,7 +344,7 @@ fn every_command_with_simple_replies() {
 #[test]
 fn structured_replies_and_out_of_order_completion() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = MemDev::new(64 << 20, 4096);
+    let dev = nbd_dev(64 << 20, 4096);
     let srv = server(dev.clone(), dir.path());
     let mut c = Client::connect(srv.unix_socket().unwrap(), 3);
     c.opt(8, &[]);
@@ -524,7 +401,7 @@ fn structured_replies_and_out_of_order_completion() {
 #[test]
 fn malformed_input_closes_only_that_connection() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = MemDev::new(16 << 20, 512);
+    let dev = nbd_dev(16 << 20, 512);
     let srv = server(dev, dir.path());
     let sock = srv.unix_socket().unwrap().to_path_buf();
     let mut good = Client::connect(&sock, 3);
@@ -577,7 +454,7 @@ fn malformed_input_closes_only_that_connection() {
 
 #[test]
 fn kernel_handoff_reports_a_missing_nbd_module() {
-    let dev = MemDev::new(16 << 20, 4096);
+    let dev = nbd_dev(16 << 20, 4096);
     let srv = NbdServer::without_listeners(dev.clone(), &NbdOptions::default()).unwrap();
     if kernel::available() {
         // A kernel with nbd (the VM tests): attach, write, read, detach.
@@ -619,7 +496,7 @@ fn nbdinfo_sees_size_block_sizes_and_flags() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let dev = MemDev::new(64 << 20, 512);
+    let dev = nbd_dev(64 << 20, 512);
     let srv = server(dev, dir.path());
     let uri = format!(
         "nbd+unix:///vol?socket={}",
@@ -708,7 +585,7 @@ fn fio_verify(uri: &str, size: &str) {
 #[test]
 fn fio_nbd_engine_verifies_crc32c_in_memory() {
     let dir = tempfile::tempdir().unwrap();
-    let dev = MemDev::new(64 << 20, 512);
+    let dev = nbd_dev(64 << 20, 512);
     let srv = server(dev, dir.path());
     let uri = format!(
         "nbd+unix:///vol?socket={}",

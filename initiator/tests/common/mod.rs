@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub mod memdev;
+
 pub const SUBNQN: &str = "nqn.2026-11.io.nvpool:init-disk";
 pub const OTHER_NQN: &str = "nqn.2026-11.io.nvpool:init-other";
 pub const THIRD_NQN: &str = "nqn.2026-11.io.nvpool:init-third";
