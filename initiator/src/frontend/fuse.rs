@@ -129,8 +129,11 @@ pub enum FuseError {
 
 /// The filesystem served to the kernel.
 struct FuseFs {
-    span: Arc<Span>,
+    /// Declared (so dropped) before `span`: dropping it waits for every
+    /// task while `span` still holds the device, so the last reference never
+    /// goes away on a device I/O thread that polled a task (joining itself).
     exec: Executor,
+    span: Arc<Span>,
     name: Vec<u8>,
     read_only: bool,
     direct_io: bool,
@@ -481,11 +484,16 @@ pub fn mount(
         source,
     };
     std::fs::create_dir_all(mountpoint).map_err(merr)?;
-    let exec = Executor::new("nvpool-fuse-io", opts.io_threads.max(1), IN_FLIGHT_MAX)
-        .map_err(FuseError::Executor)?;
+    let exec = Executor::new(
+        "nvpool-fuse-io",
+        opts.io_threads.max(1),
+        IN_FLIGHT_MAX,
+        true,
+    )
+    .map_err(FuseError::Executor)?;
     let fs = FuseFs {
-        span: Arc::new(Span::new(dev)),
         exec,
+        span: Arc::new(Span::new(dev)),
         name: name.to_vec(),
         read_only: opts.read_only,
         direct_io: opts.direct_io,

@@ -418,7 +418,7 @@ impl NbdServer {
         opts: &NbdOptions,
     ) -> Result<NbdServer, NbdError> {
         let export = Export::of(dev.as_ref(), opts.read_only);
-        let exec = Executor::new("nvpool-nbd-io", opts.io_threads.max(1), TASKS_MAX)
+        let exec = Executor::new("nvpool-nbd-io", opts.io_threads.max(1), TASKS_MAX, false)
             .map_err(NbdError::Thread)?;
         // SAFETY: eventfd takes no pointers; the descriptor is owned below.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
