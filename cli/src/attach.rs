@@ -354,12 +354,18 @@ pub fn cleanup_leftovers(r: &Record) {
                 }
             }
         }
-        // The kernel fails the dead server's requests after the dead-
-        // connection timeout (30 s); `nbd-client -d` frees it at once.
+        // Requests sent on the dead server's socket would wait for the
+        // kernel's dead-connection timeout; disconnecting frees the device
+        // now. Only if it is still the one that server set up (the kernel
+        // may have released it and handed the index to someone else).
         Frontend::Nbd => {
-            tracing::warn!(device = %r.device.display(),
-                "the nbd server died; the kernel gives the device up after 30 s \
-                 (nbd-client -d frees it now)");
+            use nvpool_initiator::frontend::nbd::kernel;
+            if kernel::configured_by(&r.device) == Some(r.pid) {
+                if let Err(e) = kernel::disconnect_dead(&r.device) {
+                    tracing::warn!(device = %r.device.display(), error = %e,
+                        "disconnecting the dead server's nbd device failed");
+                }
+            }
         }
         Frontend::Auto => {}
     }

@@ -219,26 +219,10 @@ fn serve_nbd(_: &Args, dev: Arc<dyn BlockDev>, signals: &libc::sigset_t) -> Res<
     Ok(())
 }
 
-/// NBD_DISCONNECT on `/dev/nbdN` (allowed for netlink-configured devices
-/// too): what `nbd-client -d` does, for a device whose server is gone.
+/// Frees an nbd device whose server is gone (what `nbd-client -d` does).
 fn nbd_disconnect(path: &std::path::Path) -> Res<()> {
-    use std::os::fd::AsRawFd as _;
-    const NBD_CLEAR_SOCK: libc::c_ulong = 0xab04;
-    const NBD_DISCONNECT: libc::c_ulong = 0xab08;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .open(path)
+    nvpool_initiator::frontend::nbd::kernel::disconnect_dead(path)
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    for (name, req) in [
-        ("NBD_DISCONNECT", NBD_DISCONNECT),
-        ("NBD_CLEAR_SOCK", NBD_CLEAR_SOCK),
-    ] {
-        // SAFETY: both requests take no argument; the descriptor is open.
-        if unsafe { libc::ioctl(f.as_raw_fd(), req, 0) } < 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(format!("{name} on {}: {e}", path.display()).into());
-        }
-    }
     say(&format!("DISCONNECTED {}", path.display()));
     Ok(())
 }

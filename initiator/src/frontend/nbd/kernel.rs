@@ -14,12 +14,17 @@
 //! `DEAD_CONN_TIMEOUT` lets the device survive a short loss of the socket;
 //! after it, I/O fails. Without the nbd module (`modprobe nbd`), attaching
 //! fails with [`KernelNbdError::ModuleMissing`] before anything is set up.
+//!
+//! When the serving process dies, requests already sent on its socket wait
+//! for replies that cannot come. [`configured_by`] tells which process set a
+//! device up and [`disconnect_dead`] frees it at once, as `nbd-client -d`
+//! does, so whoever cleans up after the dead server need not wait.
 
 use super::{NbdError, NbdServer};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const NETLINK_GENERIC: libc::c_int = 16;
@@ -281,6 +286,35 @@ impl Genl {
 /// True when the running kernel has the nbd driver loaded.
 pub fn available() -> bool {
     Genl::open().and_then(|mut g| g.nbd_family()).is_ok()
+}
+
+/// The process that connected `/dev/nbdN` (its sysfs `pid`), or None when
+/// the device is not connected.
+pub fn configured_by(dev: &Path) -> Option<u32> {
+    let name = dev.file_name()?.to_str()?;
+    let pid = std::fs::read_to_string(format!("/sys/block/{name}/pid")).ok()?;
+    pid.trim().parse().ok()
+}
+
+/// Disconnects `/dev/nbdN` whose server is gone: `NBD_DISCONNECT` then
+/// `NBD_CLEAR_SOCK` (the two ioctls the kernel also takes on a device set up
+/// through netlink). Requests waiting on the dead socket fail at once and the
+/// device is released, instead of after the dead-connection timeout.
+pub fn disconnect_dead(dev: &Path) -> io::Result<()> {
+    const NBD_CLEAR_SOCK: libc::c_ulong = 0xab04;
+    const NBD_DISCONNECT: libc::c_ulong = 0xab08;
+    let f = std::fs::OpenOptions::new().read(true).open(dev)?;
+    for (name, req) in [
+        ("NBD_DISCONNECT", NBD_DISCONNECT),
+        ("NBD_CLEAR_SOCK", NBD_CLEAR_SOCK),
+    ] {
+        // SAFETY: both requests take no argument; the descriptor is open.
+        if unsafe { libc::ioctl(f.as_raw_fd(), req, 0) } < 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(e.kind(), format!("{name}: {e}")));
+        }
+    }
+    Ok(())
 }
 
 /// A `/dev/nbdN` served by an [`NbdServer`] in this process.
