@@ -1244,9 +1244,10 @@ async fn delete_attachment(
 }
 
 /// A host reports copies it stopped using because I/O to them failed (the
-/// volume engine keeps serving from the other copies). The volume turns
-/// degraded; later attaches carry the list so the stale copies are never
-/// read. Failures accumulate until the extent is rebuilt.
+/// volume engine keeps serving from the other copies). The failure is the
+/// volume's: it turns degraded and stays so after detach, and every later
+/// attach, by any host, carries the list so the stale copies are never read.
+/// Failures accumulate until the extent is rebuilt.
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, security(("admin_token" = [])), responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_failed_extents(
     State(api): State<Api>,

@@ -74,6 +74,17 @@ pub struct Attachment {
     pub failed_extents: Vec<u32>,
 }
 
+/// The copies of a volume that missed writes, whichever host found them: a
+/// property of the volume, not of one attachment, so it outlives detach and
+/// every later attach (by any host) is told never to read them. Kept until
+/// the copies are rebuilt (not built yet) or the volume is deleted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedCopies {
+    pub volume: Uuid,
+    /// Indices into the volume's extents, sorted, no duplicates.
+    pub extents: Vec<u32>,
+}
+
 /// Per-host record; its version guards NSID allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostRecord {
@@ -152,6 +163,7 @@ pub mod attach_keys {
     pub const ATTACHMENTS: &str = "/attachments/";
     pub const HOSTS: &str = "/hosts/";
     pub const STALE_EXPORTS: &str = "/stale-exports/";
+    pub const FAILED_COPIES: &str = "/failed-copies/";
 
     pub fn attachment(volume: &Uuid, host: &str) -> String {
         format!("{ATTACHMENTS}{volume}/{host}")
@@ -167,6 +179,10 @@ pub mod attach_keys {
 
     pub fn stale_exports(target: &str) -> String {
         format!("{STALE_EXPORTS}{target}")
+    }
+
+    pub fn failed_copies(volume: &Uuid) -> String {
+        format!("{FAILED_COPIES}{volume}")
     }
 }
 
@@ -306,6 +322,16 @@ impl Cluster {
             if a.state == AttachmentState::Detaching {
                 a.state = AttachmentState::Attaching;
             }
+            // Copies another attachment (or an earlier one) found stale.
+            if let Some(f) = s.failed_copies.get(volume) {
+                let all: BTreeSet<u32> = a
+                    .failed_extents
+                    .iter()
+                    .chain(&f.value.extents)
+                    .copied()
+                    .collect();
+                a.failed_extents = all.into_iter().collect();
+            }
             // NSIDs this host already uses, per target.
             let mut used: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
             for (t, exports) in s.host_exports(host) {
@@ -393,13 +419,45 @@ impl Cluster {
             ))
             .into());
         }
-        self.update_attachment(volume, host, |a| {
-            let mut all: BTreeSet<u32> = a.failed_extents.iter().copied().collect();
-            all.extend(failed.iter().copied());
-            a.failed_extents = all.into_iter().collect();
-            Ok(Some(()))
+        let key = Self::attachment_key_checks(volume, host)?;
+        self.retry(|| {
+            let s = self.snapshot()?;
+            let a = s
+                .attachments
+                .get(&(*volume, host.to_owned()))
+                .ok_or_else(|| StateError::NotAttached {
+                    volume: *volume,
+                    host: host.to_owned(),
+                })?;
+            let union = |known: &[u32]| -> Vec<u32> {
+                let all: BTreeSet<u32> = known.iter().chain(failed).copied().collect();
+                all.into_iter().collect()
+            };
+            let mut next = a.value.clone();
+            next.failed_extents = union(&next.failed_extents);
+            let fkey = ak::failed_copies(volume);
+            let (fcond, known) = match s.failed_copies.get(volume) {
+                Some(f) => (
+                    Condition::VersionIs(fkey.clone(), f.version),
+                    f.value.extents.as_slice(),
+                ),
+                None => (Condition::Missing(fkey.clone()), &[][..]),
+            };
+            let record = FailedCopies {
+                volume: *volume,
+                extents: union(known),
+            };
+            let conds = [Condition::VersionIs(key.clone(), a.version), fcond];
+            let ops = [
+                Op::Put(key.clone(), encode(&next)),
+                Op::Put(fkey, encode(&record)),
+            ];
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(next)
+            } else {
+                Attempt::Retry
+            })
         })
-        .map(|(a, ())| a)
     }
 
     /// Undoes `begin_attach` after a target refused: forgets a new

@@ -20,6 +20,7 @@
 //! | `/attachments/{uuid}/{host_nqn}` | [`Attachment`]: NSIDs, state |
 //! | `/hosts/{host_nqn}` | [`HostRecord`]: guards the host's NSID allocation |
 //! | `/stale-exports/{target}` | [`StaleExports`]: see [`crate::attach`] |
+//! | `/failed-copies/{uuid}` | [`FailedCopies`]: copies that missed writes |
 //! | `/meta/alloc-epoch` | u64, see below |
 //!
 //! **The allocation epoch.** "Nothing I read has changed" cannot be said
@@ -38,7 +39,7 @@
 //! extents), target health (from `last_heartbeat_ms` and the clock),
 //! volume status (from the health of its extents' targets).
 
-use crate::attach::{attach_keys as ak, Attachment, HostRecord, StaleExports};
+use crate::attach::{attach_keys as ak, Attachment, FailedCopies, HostRecord, StaleExports};
 use crate::clock::Clock;
 use crate::limits::{
     DEVICES_PER_POOL_MAX, EXTENT_BYTES, HEARTBEAT_TIMEOUT_MS, ID_BYTES_MAX, LABEL_BYTES_MAX,
@@ -215,6 +216,8 @@ pub struct Snapshot {
     pub hosts: BTreeMap<String, Versioned<HostRecord>>,
     /// target → namespaces it may still export after a forced detach.
     pub stale_exports: BTreeMap<String, Versioned<StaleExports>>,
+    /// volume → its copies that missed writes.
+    pub failed_copies: BTreeMap<Uuid, Versioned<FailedCopies>>,
 }
 
 impl Snapshot {
@@ -505,6 +508,13 @@ impl Cluster {
                 }
                 s.stale_exports
                     .insert(target.to_owned(), Versioned { value, version });
+            } else if let Some(rest) = k.strip_prefix(ak::FAILED_COPIES) {
+                let value: FailedCopies = decode_at("failed copies", k, &kv.value)?;
+                if rest != value.volume.to_string() {
+                    return Err(misfiled(format!("failed copies of {}", value.volume)));
+                }
+                s.failed_copies
+                    .insert(value.volume, Versioned { value, version });
             } else if k == keys::ALLOC_EPOCH {
                 let value: u64 = decode_at("allocation epoch", k, &kv.value)?;
                 s.alloc_epoch = Some(Versioned { value, version });
@@ -943,12 +953,14 @@ impl Cluster {
             }
             let key = keys::volume(uuid);
             let name_key = keys::volume_name(&v.value.name);
-            self.commit_allocation(
-                &s,
-                vec![Condition::VersionIs(key.clone(), v.version)],
-                vec![Op::Delete(key), Op::Delete(name_key)],
-                v.value.clone(),
-            )
+            let mut conds = vec![Condition::VersionIs(key.clone(), v.version)];
+            let mut ops = vec![Op::Delete(key), Op::Delete(name_key)];
+            if let Some(f) = s.failed_copies.get(uuid) {
+                let fkey = ak::failed_copies(uuid);
+                conds.push(Condition::VersionIs(fkey.clone(), f.version));
+                ops.push(Op::Delete(fkey));
+            }
+            self.commit_allocation(&s, conds, ops, v.value.clone())
         })
     }
 
@@ -958,10 +970,13 @@ impl Cluster {
         targets: &BTreeMap<String, Target>,
         now: u64,
         attachments: &[&Attachment],
+        failed_copies: Option<&FailedCopies>,
     ) -> VolumeView {
         let failed: BTreeSet<usize> = attachments
             .iter()
-            .flat_map(|a| a.failed_extents.iter().map(|&i| i as usize))
+            .flat_map(|a| a.failed_extents.iter())
+            .chain(failed_copies.iter().flat_map(|f| f.extents.iter()))
+            .map(|&i| i as usize)
             .collect();
         let status = volume.status_with(
             |id| {
@@ -997,7 +1012,22 @@ impl Cluster {
             .map(|kv| decode_at::<Attachment>("attachment", &kv.key, &kv.value))
             .collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<&Attachment> = attachments.iter().collect();
-        Ok(self.view(volume, &self.target_map()?, self.now(), &refs))
+        let fkey = ak::failed_copies(uuid);
+        let failed = match self.store.get(&fkey)? {
+            Some(kv) => Some(decode_at::<FailedCopies>(
+                "failed copies",
+                &fkey,
+                &kv.value,
+            )?),
+            None => None,
+        };
+        Ok(self.view(
+            volume,
+            &self.target_map()?,
+            self.now(),
+            &refs,
+            failed.as_ref(),
+        ))
     }
 
     pub fn volume_by_name(&self, name: &str) -> Result<VolumeView, StateError> {
@@ -1027,7 +1057,8 @@ impl Cluster {
                     .into_iter()
                     .map(|a| &a.value)
                     .collect();
-                self.view(v.value.clone(), &targets, now, &attachments)
+                let failed = s.failed_copies.get(&v.value.uuid).map(|f| &f.value);
+                self.view(v.value.clone(), &targets, now, &attachments, failed)
             })
             .collect())
     }

@@ -600,3 +600,55 @@ fn failed_extents_reported_by_a_host_degrade_the_volume_and_stick() {
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["failed_extents"], json!([0, 1]));
 }
+
+#[test]
+fn failed_copies_outlive_detach_and_reach_every_later_attach() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(s, 1, 2 * MIB, json!({"type": "raid1", "copies": 2}));
+    let status = || {
+        s.call("GET", &format!("/v1/volumes/{vol}"), None, None)
+            .json()["status"]
+            .clone()
+    };
+    assert_eq!(attach(s, &vol, HOST_A).status, 201);
+    let path = format!(
+        "/v1/volumes/{vol}/attachments/{}/failed-extents",
+        enc(HOST_A)
+    );
+    let r = s.admin("PUT", &path, Some(json!({"failed_extents": [1]})));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(detach(s, &vol, HOST_A, false).status, 204);
+    // The copy missed writes whoever attaches next: still degraded with
+    // nobody attached, and both hosts are told not to read it.
+    assert_eq!(status(), "degraded");
+    let listed = s.call("GET", "/v1/volumes", None, None).json();
+    let me = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["uuid"] == json!(vol))
+        .unwrap()
+        .clone();
+    assert_eq!(me["status"], "degraded");
+    let r = attach(s, &vol, HOST_B);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["failed_extents"], json!([1]));
+    let r = attach(s, &vol, HOST_A);
+    assert_eq!(r.status, 201, "{}", r.body);
+    assert_eq!(r.json()["failed_extents"], json!([1]));
+    // Another host's report adds to the same record.
+    let path_b = format!(
+        "/v1/volumes/{vol}/attachments/{}/failed-extents",
+        enc(HOST_B)
+    );
+    let r = s.admin("PUT", &path_b, Some(json!({"failed_extents": [0]})));
+    assert_eq!(r.json()["failed_extents"], json!([0, 1]));
+    assert_eq!(detach(s, &vol, HOST_A, false).status, 204);
+    assert_eq!(detach(s, &vol, HOST_B, false).status, 204);
+    assert_eq!(status(), "offline");
+    // Deleting the volume takes its record along.
+    let r = s.admin("DELETE", &format!("/v1/volumes/{vol}"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert!(s.cluster.snapshot().unwrap().failed_copies.is_empty());
+}
