@@ -54,6 +54,9 @@ pub struct VolumeOut {
     /// Host NQNs the volume is attached to.
     #[serde(default)]
     pub attachments: Vec<String>,
+    /// Extents whose copies missed writes (never read until rebuilt).
+    #[serde(default)]
+    pub failed_extents: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -305,9 +308,15 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
     ]);
     println!();
     let mut t = table(&[
-        "ROW", "MEMBER", "COPY", "TARGET", "DEVICE", "OFFSET", "LENGTH",
+        "ROW", "MEMBER", "COPY", "TARGET", "DEVICE", "OFFSET", "LENGTH", "STATE",
     ]);
-    for e in &x.extents {
+    for (i, e) in x.extents.iter().enumerate() {
+        // A copy that missed writes is never read until it is rebuilt.
+        let state = if x.failed_extents.contains(&(i as u32)) {
+            "stale"
+        } else {
+            "ok"
+        };
         t.add_row([
             e.row.to_string(),
             e.member.to_string(),
@@ -316,6 +325,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
             e.device.clone(),
             format_iec(e.offset),
             format_iec(e.length),
+            state.to_string(),
         ]);
     }
     println!("{t}");

@@ -762,6 +762,11 @@ pub struct VolumeOut {
     pub extents: Vec<ExtentOut>,
     /// Host NQNs the volume is attached to.
     pub attachments: Vec<String>,
+    /// Extents (indices into `extents`) whose copies missed writes, as hosts
+    /// reported them: never read again until rebuilt; the volume is degraded
+    /// (or offline when a row has no good copy left).
+    #[serde(default)]
+    pub failed_extents: Vec<u32>,
 }
 
 /// Fills in each volume's attachments.
@@ -847,7 +852,11 @@ pub struct ReconcileOut {
     pub stale_cleared: bool,
 }
 
-fn volume_out(v: crate::model::Volume, status: VolumeStatus) -> VolumeOut {
+fn volume_out(
+    v: crate::model::Volume,
+    status: VolumeStatus,
+    failed_extents: Vec<u32>,
+) -> VolumeOut {
     VolumeOut {
         uuid: v.uuid,
         name: v.name,
@@ -859,11 +868,12 @@ fn volume_out(v: crate::model::Volume, status: VolumeStatus) -> VolumeOut {
         created_ms: v.created_ms,
         extents: v.extents.into_iter().map(ExtentOut::from).collect(),
         attachments: Vec::new(),
+        failed_extents,
     }
 }
 
 fn volume_view_out(v: VolumeView) -> VolumeOut {
-    volume_out(v.volume, v.status)
+    volume_out(v.volume, v.status, v.failed_extents)
 }
 
 // ----- handlers -----
@@ -1068,10 +1078,10 @@ async fn put_volume(
     let (created, out) = api
         .run(move |c| {
             let r = c.create_volume(&spec)?;
-            let status = c.volume(&uuid)?.status;
+            let view = c.volume(&uuid)?;
             Ok((
                 r.created,
-                one_with_attachments(c, volume_out(r.volume, status))?,
+                one_with_attachments(c, volume_out(r.volume, view.status, view.failed_extents))?,
             ))
         })
         .await?;

@@ -258,6 +258,9 @@ pub struct TargetView {
 pub struct VolumeView {
     pub volume: Volume,
     pub status: VolumeStatus,
+    /// Extents (indices into `volume.extents`) holding copies that missed
+    /// writes: never read until rebuilt.
+    pub failed_extents: Vec<u32>,
 }
 
 /// The result of `create_volume`.
@@ -986,7 +989,11 @@ impl Cluster {
             },
             &failed,
         );
-        VolumeView { volume, status }
+        VolumeView {
+            volume,
+            status,
+            failed_extents: failed.into_iter().map(|i| i as u32).collect(),
+        }
     }
 
     fn target_map(&self) -> Result<BTreeMap<String, Target>, StateError> {

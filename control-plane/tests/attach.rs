@@ -622,6 +622,8 @@ fn failed_copies_outlive_detach_and_reach_every_later_attach() {
     // The copy missed writes whoever attaches next: still degraded with
     // nobody attached, and both hosts are told not to read it.
     assert_eq!(status(), "degraded");
+    let r = s.call("GET", &format!("/v1/volumes/{vol}"), None, None);
+    assert_eq!(r.json()["failed_extents"], json!([1]));
     let listed = s.call("GET", "/v1/volumes", None, None).json();
     let me = listed
         .as_array()

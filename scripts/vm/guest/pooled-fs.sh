@@ -307,7 +307,7 @@ volume_is() {
 # of extent COPY (1-based, in extent order) dies; then the target comes back and the
 # volume is detached cleanly.
 degraded() {
-    local name=$1 fe=$2 victim vi rc=0 at_kill killed_at fio_s failed
+    local name=$1 fe=$2 victim vi rc=0 at_kill killed_at fio_s failed stale
     attach "$name" "$fe"
     victim=$(extent_targets "$name" | sed -n "$3p")
     vi=${victim#t}
@@ -358,6 +358,9 @@ degraded() {
     # the writes. fio reads back and verifies everything it wrote.
     volume_is "$name" degraded ||
         die "$name is '$(volume_field "$name" Status)' after detach, expected degraded"
+    stale=$(nvpool volume info "$name" | awk '$1 ~ /^[0-9]+$/ && $NF == "stale" { print $4 }' |
+        sort -u | tr '\n' ' ')
+    [[ $stale == "$victim " ]] || die "volume info shows stale copies on '$stale', expected $victim"
     attach "$name" "$fe"
     quiet "verify-only-$name" fio --name="deg-$name" --filename="$DEV" --ioengine=libaio \
         --direct=1 --rw=randwrite --bs=16k --iodepth=16 --size="${FIO_MIB}M" \
