@@ -46,11 +46,9 @@ target_log_tail() {
 }
 DIAG_HOOKS+=(target_log_tail)
 
-# kill -0 succeeds on a zombie, so look at the process state instead.
+# The target is gone (or a zombie waiting to be reaped).
 target_exited() {
-    local state
-    state=$(cut -d' ' -f3 "/proc/$target_pid/stat" 2>/dev/null) || return 0
-    [[ $state == Z ]]
+    exited "$target_pid"
 }
 
 # Reap the exited target into target_rc (not in a subshell: only the parent can wait).

@@ -81,13 +81,6 @@ cluster_state() {
 }
 DIAG_HOOKS+=(cluster_state)
 
-# kill -0 succeeds on a zombie, so look at the process state instead.
-exited() {
-    local state
-    state=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) || return 0
-    [[ $state == Z ]]
-}
-
 # stop_daemon PID WHAT: SIGTERM, and it must exit 0.
 stop_daemon() {
     local rc=0

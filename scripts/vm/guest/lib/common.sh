@@ -66,6 +66,14 @@ wait_until() {
 }
 
 # tcp_port_open HOST PORT: true once something accepts connections there.
+# exited PID: the process is gone or a zombie (kill -0 succeeds on a zombie, so look at
+# the process state instead).
+exited() {
+    local state
+    state=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) || return 0
+    [[ $state == Z ]]
+}
+
 tcp_port_open() {
     (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
 }

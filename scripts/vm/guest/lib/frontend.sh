@@ -37,13 +37,6 @@ frontend_logs_tail() {
 }
 DIAG_HOOKS+=(frontend_logs_tail)
 
-# kill -0 succeeds on a zombie, so look at the process state instead.
-exited() {
-    local state
-    state=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) || return 0
-    [[ $state == Z ]]
-}
-
 start_target() {
     NO_COLOR=1 nvpool-target --listen "$ADDR:$PORT" --admin-listen off \
         --state-dir /tmp/nvpool-state --allow-any-host \
