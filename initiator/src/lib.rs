@@ -22,6 +22,7 @@
 
 pub mod admin;
 pub mod blockdev;
+mod bufpool;
 pub mod conn;
 pub mod device;
 pub mod discover;

@@ -79,6 +79,7 @@ mod runs;
 
 use crate::admin::{ConnectParams, Controller, NamespaceInfo};
 use crate::blockdev::{BlockDev, BufResult, IoFuture};
+use crate::bufpool::BufPool;
 use crate::device::{block_on, join_all, ControllerIo, Device};
 use crate::error::{Error, IoError};
 use nvpool_control::mapping::Geometry;
@@ -363,6 +364,8 @@ pub struct Volume {
     /// Rotates read ties between copies.
     rr: AtomicUsize,
     on_failed: Option<ExtentFailedFn>,
+    /// Buffers of the runs of reads that span extents.
+    bufs: BufPool,
 }
 
 impl fmt::Debug for Volume {
@@ -523,6 +526,7 @@ impl Volume {
             extents,
             dirty: (0..groups).map(|_| AtomicBool::new(false)).collect(),
             rr: AtomicUsize::new(0),
+            bufs: BufPool::default(),
             on_failed: opts.on_extent_failed,
         })
     }
@@ -628,18 +632,25 @@ impl Volume {
             // One extent: the caller's buffer goes through.
             [r] => self.read_run(r.first, r.extent_offset, buf).await,
             runs => {
-                let all = runs
-                    .iter()
-                    .map(|r| self.read_run(r.first, r.extent_offset, vec![0; r.len as usize]));
+                let all = runs.iter().map(|r| {
+                    let b = self.bufs.get(r.len as usize);
+                    self.read_run(r.first, r.extent_offset, b)
+                });
                 let mut bufs = Vec::with_capacity(runs.len());
+                let mut first_err = None;
                 for (r, b) in join_all(all).await {
                     if let Err(e) = r {
-                        return (Err(e), buf);
+                        first_err.get_or_insert(e);
                     }
                     bufs.push(b);
                 }
-                split.scatter(&bufs, &mut buf);
-                (Ok(()), buf)
+                if first_err.is_none() {
+                    split.scatter(&bufs, &mut buf);
+                }
+                for b in bufs {
+                    self.bufs.put(b);
+                }
+                (first_err.map_or(Ok(()), Err), buf)
             }
         }
     }

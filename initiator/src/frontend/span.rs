@@ -11,53 +11,12 @@
 //! block device.
 
 use crate::blockdev::BlockDev;
+use crate::bufpool::BufPool;
 use crate::error::IoError;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
-
-/// Buffers kept for reuse; enough for every request in flight on a busy
-/// front-end without holding memory for idle ones.
-const POOLED_BUFS_MAX: usize = 64;
-/// Larger buffers are freed, not pooled (the largest normal request is
-/// about 1 MiB; a rare 32 MiB NBD request should not pin 32 MiB forever).
-const POOLED_BUF_BYTES_MAX: usize = 4 << 20;
-
-/// A bounded pool of I/O buffers.
-#[derive(Debug, Default)]
-pub(crate) struct BufPool {
-    bufs: Mutex<Vec<Vec<u8>>>,
-}
-
-impl BufPool {
-    /// A buffer of `len` bytes; its contents are unspecified (stale data
-    /// of an earlier request or zeroes), so callers overwrite it fully.
-    pub(crate) fn get(&self, len: usize) -> Vec<u8> {
-        let mut b = self
-            .bufs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default();
-        if b.len() >= len {
-            b.truncate(len);
-        } else {
-            b.resize(len, 0);
-        }
-        b
-    }
-
-    pub(crate) fn put(&self, b: Vec<u8>) {
-        if b.capacity() == 0 || b.capacity() > POOLED_BUF_BYTES_MAX {
-            return;
-        }
-        let mut g = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        if g.len() < POOLED_BUFS_MAX {
-            g.push(b);
-        }
-    }
-}
 
 /// Blocks held by unaligned writes, and the futures waiting for them.
 #[derive(Debug, Default)]
