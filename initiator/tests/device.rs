@@ -1,39 +1,20 @@
 //! The async Device API against an in-process nvpool-target.
 
+mod common;
+
+use common::{subsystem, Tgt};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::{ConnectParams, Controller, Device, IoError};
-use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{Running, StartOptions, Target};
 use std::sync::Arc;
 
 const NQN: &str = "nqn.2026-11.io.nvpool:device-test";
 
-fn start(backend: &str) -> Running {
-    let t = Target::new(None).unwrap();
-    t.put_subsystem(&SubsystemConfig {
-        nqn: NQN.into(),
-        allowed_hosts: vec![],
-        allow_any_host: true,
-        serial: None,
-        namespaces: vec![NamespaceConfig {
-            nsid: 1,
-            backend: backend.into(),
-            uuid: None,
-            read_only: false,
-        }],
-    })
-    .unwrap();
-    let opts = StartOptions {
-        listeners: vec!["127.0.0.1:0".parse().unwrap()],
-        reactors: 2,
-        io_uring: true,
-        admin_listen: None,
-    };
-    Running::start(t, &opts).unwrap()
+fn start(backend: &str) -> Tgt {
+    Tgt::start(&[subsystem(NQN, &[], &[(1, backend)])])
 }
 
-fn open(r: &Running, queues: u16) -> Device {
-    let mut p = ConnectParams::new(r.listen_addrs()[0], NQN);
+fn open(r: &Tgt, queues: u16) -> Device {
+    let mut p = ConnectParams::new(r.addr, NQN);
     p.io_queues = queues;
     p.queue_depth = 16;
     let c = Controller::connect(p).unwrap();
@@ -66,7 +47,7 @@ fn reads_writes_and_large_requests_split_at_the_max_transfer() {
     }
     block_on(d.flush()).unwrap();
     drop(d);
-    r.shutdown();
+    r.stop();
 }
 
 #[test]
@@ -86,7 +67,7 @@ fn zeroes_discard_and_bad_ranges() {
     let (e, _) = block_on(d.read(16 << 20, vec![0; 512]));
     assert!(matches!(e, Err(IoError::Invalid(_))));
     drop(d);
-    r.shutdown();
+    r.stop();
 }
 
 #[test]
@@ -113,5 +94,5 @@ fn many_concurrent_callers() {
         t.join().unwrap();
     }
     drop(d);
-    r.shutdown();
+    r.stop();
 }

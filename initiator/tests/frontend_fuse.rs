@@ -10,9 +10,8 @@ use nvpool_initiator::frontend::fuse::{
 mod common;
 
 use common::memdev::MemDev;
+use common::{subsystem, Tgt};
 use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device};
-use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{Running, StartOptions, Target};
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::io::{BufRead, BufReader};
@@ -243,35 +242,15 @@ fn ext4_on_fuse_loop_in_memory() {
 
 const NQN: &str = "nqn.2026-11.io.nvpool:frontend-fuse";
 
-fn start_target(backend: &str) -> Running {
-    let t = Target::new(None).unwrap();
-    t.put_subsystem(&SubsystemConfig {
-        nqn: NQN.into(),
-        allowed_hosts: vec![],
-        allow_any_host: true,
-        serial: None,
-        namespaces: vec![NamespaceConfig {
-            nsid: 1,
-            backend: backend.into(),
-            uuid: None,
-            read_only: false,
-        }],
-    })
-    .unwrap();
-    let opts = StartOptions {
-        listeners: vec!["127.0.0.1:0".parse().unwrap()],
-        reactors: 2,
-        io_uring: true,
-        admin_listen: None,
-    };
-    Running::start(t, &opts).unwrap()
+fn start_target(backend: &str) -> Tgt {
+    Tgt::start(&[subsystem(NQN, &[], &[(1, backend)])])
 }
 
 #[test]
 fn ext4_on_fuse_loop_over_nvme_tcp() {
     require_host!();
     let r = start_target("ram:256M");
-    let mut p = ConnectParams::new(r.listen_addrs()[0], NQN);
+    let mut p = ConnectParams::new(r.addr, NQN);
     p.io_queues = 2;
     p.queue_depth = 32;
     let c = Controller::connect(p).unwrap();
@@ -279,7 +258,7 @@ fn ext4_on_fuse_loop_over_nvme_tcp() {
     let dir = tempfile::tempdir().unwrap();
     ext4_scenario(dev.clone(), dir.path());
     drop(dev);
-    r.shutdown();
+    r.stop();
 }
 
 /// An aligned buffer for O_DIRECT.

@@ -8,9 +8,8 @@ use nvpool_initiator::frontend::nbd::{NbdOptions, NbdServer};
 mod common;
 
 use common::memdev::MemDev;
+use common::{subsystem, Tgt};
 use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device};
-use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{Running, StartOptions, Target};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -596,34 +595,14 @@ fn fio_nbd_engine_verifies_crc32c_in_memory() {
 
 const NQN: &str = "nqn.2026-11.io.nvpool:frontend-nbd";
 
-fn start_target(backend: &str) -> Running {
-    let t = Target::new(None).unwrap();
-    t.put_subsystem(&SubsystemConfig {
-        nqn: NQN.into(),
-        allowed_hosts: vec![],
-        allow_any_host: true,
-        serial: None,
-        namespaces: vec![NamespaceConfig {
-            nsid: 1,
-            backend: backend.into(),
-            uuid: None,
-            read_only: false,
-        }],
-    })
-    .unwrap();
-    let opts = StartOptions {
-        listeners: vec!["127.0.0.1:0".parse().unwrap()],
-        reactors: 2,
-        io_uring: true,
-        admin_listen: None,
-    };
-    Running::start(t, &opts).unwrap()
+fn start_target(backend: &str) -> Tgt {
+    Tgt::start(&[subsystem(NQN, &[], &[(1, backend)])])
 }
 
 #[test]
 fn fio_nbd_engine_verifies_crc32c_over_nvme_tcp() {
     let r = start_target("ram:64M");
-    let mut p = ConnectParams::new(r.listen_addrs()[0], NQN);
+    let mut p = ConnectParams::new(r.addr, NQN);
     p.io_queues = 2;
     p.queue_depth = 32;
     let c = Controller::connect(p).unwrap();
@@ -636,5 +615,5 @@ fn fio_nbd_engine_verifies_crc32c_over_nvme_tcp() {
     );
     fio_verify(&uri, "48M");
     drop(srv);
-    r.shutdown();
+    r.stop();
 }
