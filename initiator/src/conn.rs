@@ -19,6 +19,10 @@ use std::time::{Duration, Instant};
 pub const MAX_TRANSFER_BYTES: usize = 1 << 20;
 /// Receive buffer: one maximal PDU plus room to keep reading behind it.
 pub const RX_BUF_BYTES: usize = MAX_TRANSFER_BYTES + (256 << 10);
+/// A C2HData payload at least this large that has not fully arrived is read
+/// straight into the request's buffer, not through the receive buffer (one
+/// copy of every byte less). Smaller ones are not worth the extra reads.
+pub const DIRECT_MIN_BYTES: usize = 16 << 10;
 
 /// A PDU received from the controller. Data is referenced by its range in
 /// the receive buffer ([`Conn::data`]), valid until the next [`Conn::pump`].
@@ -30,6 +34,14 @@ pub enum Pdu {
         flags: u8,
         range: Range<usize>,
         digest_ok: bool,
+    },
+    /// The start of a large C2HData whose payload has not all arrived:
+    /// `range` holds the part that has (in the receive buffer); the rest is
+    /// read straight into the caller's buffer with [`Conn::read_direct`].
+    DataStart {
+        hdr: DataHeader,
+        flags: u8,
+        range: Range<usize>,
     },
     R2t(R2t),
     Term(TermReq),
@@ -46,6 +58,9 @@ pub struct Conn {
     re: usize,
     tx: Vec<u8>,
     ts: usize,
+    /// Payload bytes of the current C2HData still to come through
+    /// `read_direct` (0: none); the receive buffer is not read meanwhile.
+    direct: usize,
 }
 
 impl Conn {
@@ -115,6 +130,7 @@ impl Conn {
             re: 0,
             tx: Vec::with_capacity(64 << 10),
             ts: 0,
+            direct: 0,
         })
     }
 
@@ -190,6 +206,10 @@ impl Conn {
     /// timeout it only does what needs no waiting.
     pub fn pump(&mut self, timeout: Duration) -> Result<bool, Error> {
         let deadline = Instant::now() + timeout;
+        if self.direct > 0 {
+            // The payload goes to the caller's buffer: only wait for it.
+            return self.wait_readable(deadline);
+        }
         if self.rs > 0
             && (self.re == self.rx.len()
                 || self.rs == self.re
@@ -227,6 +247,84 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// Sends what it can and waits until the socket has data (Ok(true)) or
+    /// the deadline passes (Ok(false)).
+    fn wait_readable(&mut self, deadline: Instant) -> Result<bool, Error> {
+        loop {
+            self.try_write()?;
+            let ms = deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .min(i32::MAX as u128) as i32;
+            let mut pfd = libc::pollfd {
+                fd: self.sock.as_raw_fd(),
+                events: libc::POLLIN | if self.tx_pending() { libc::POLLOUT } else { 0 },
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the duration of the call.
+            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(self.io_err(e));
+                }
+                continue;
+            }
+            if pfd.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
+                return Ok(true);
+            }
+            if ms == 0 {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Reads the pending C2HData payload (see [`Pdu::DataStart`]) into
+    /// `dst`, as much as has arrived; returns the bytes placed. `dst` is the
+    /// part of the request's buffer the payload still has to fill.
+    pub fn read_direct(&mut self, dst: &mut [u8]) -> Result<usize, Error> {
+        let want = dst.len().min(self.direct);
+        let mut got = 0;
+        while got < want {
+            match self.sock.read(&mut dst[got..want]) {
+                Ok(0) => return Err(self.io_err(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_err(e)),
+            }
+        }
+        self.direct -= got;
+        Ok(got)
+    }
+
+    /// Payload bytes still to come through [`Conn::read_direct`].
+    pub fn direct_pending(&self) -> usize {
+        self.direct
+    }
+
+    /// Whether the buffered bytes start a C2HData whose payload is large,
+    /// unguarded by a data digest and not all here: worth placing directly.
+    /// Returns its data offset.
+    fn direct_candidate(&self) -> Option<usize> {
+        let avail = self.re - self.rs;
+        if self.dg.data || avail < tcp::CH_LEN {
+            return None;
+        }
+        let b = &self.rx[self.rs..self.re];
+        if b[0] != PduType::C2HData as u8 {
+            return None;
+        }
+        let (hlen, pdo) = (b[2] as usize, b[3] as usize);
+        let plen = nvpool_wire::le::u32_at(b, 4) as usize;
+        let ds = if pdo != 0 {
+            pdo
+        } else {
+            hlen + self.dg.hdgst_len()
+        };
+        (avail >= ds && avail < plen && plen.saturating_sub(ds) >= DIRECT_MIN_BYTES).then_some(ds)
     }
 
     fn compact(&mut self) {
@@ -285,7 +383,7 @@ impl Conn {
         }
         let plen = nvpool_wire::le::u32_at(&self.rx, self.rs + 4) as usize;
         // A PDU that can never fit is reported by next_pdu as an error.
-        avail >= plen || plen > self.rx.len()
+        avail >= plen || plen > self.rx.len() || self.direct_candidate().is_some()
     }
 
     /// Takes the next complete PDU from the receive buffer, checking its
@@ -302,7 +400,10 @@ impl Conn {
             return Err(self.proto(format!("PDU of {plen} bytes exceeds the receive buffer")));
         }
         if avail < plen {
-            return Ok(None);
+            return match self.direct_candidate() {
+                Some(ds) => self.data_start(&ch, ds, plen).map(Some),
+                None => Ok(None),
+            };
         }
         let start = self.rs;
         let pdu = &self.rx[start..start + plen];
@@ -351,6 +452,34 @@ impl Conn {
         };
         self.rs += plen;
         Ok(Some(out))
+    }
+
+    /// Takes the header of a partly arrived C2HData (and the payload that is
+    /// here); the rest of its payload is left for `read_direct`.
+    fn data_start(&mut self, ch: &CommonHeader, ds: usize, plen: usize) -> Result<Pdu, Error> {
+        let start = self.rs;
+        let head = &self.rx[start..start + ds];
+        if (ch.flags & flags::HDGSTF != 0) != self.dg.header {
+            return Err(self.proto("header digest flag does not match the negotiated digest"));
+        }
+        if self.dg.header && !tcp::header_digest_ok(head, ch.hlen as usize) {
+            return Err(self.proto("header digest mismatch"));
+        }
+        if ch.flags & flags::DDGSTF != 0 {
+            return Err(self.proto("data digest flag without a negotiated data digest"));
+        }
+        let hdr = DataHeader::decode(ch, head, self.dg).map_err(|e| self.proto(e.to_string()))?;
+        if ds + hdr.datal as usize != plen {
+            return Err(self.proto("C2HData whose PLEN does not match its DATAL"));
+        }
+        let here = start + ds..self.re;
+        self.direct = hdr.datal as usize - here.len();
+        self.rs = self.re;
+        Ok(Pdu::DataStart {
+            hdr,
+            flags: ch.flags,
+            range: here,
+        })
     }
 
     /// Data of a received PDU.

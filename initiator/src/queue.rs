@@ -82,6 +82,18 @@ pub struct IoQueue {
     failed: bool,
     /// DSM range buffer (4096 bytes, like the Linux host), reused.
     dsm: Vec<u8>,
+    /// A C2HData whose payload is being read straight into its slot's
+    /// buffer: the slot, the PDU's flags and where its payload ends.
+    direct: Option<DirectData>,
+    /// Read payload bytes placed straight into request buffers.
+    direct_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct DirectData {
+    si: usize,
+    flags: u8,
+    end: usize,
 }
 
 impl IoQueue {
@@ -111,6 +123,8 @@ impl IoQueue {
             block_size: 512,
             failed: false,
             dsm: vec![0; 4096],
+            direct: None,
+            direct_bytes: 0,
         })
     }
 
@@ -121,6 +135,12 @@ impl IoQueue {
     /// Commands that may be outstanding at once.
     pub fn depth(&self) -> usize {
         self.slots.len()
+    }
+
+    /// Read payload bytes that went from the socket straight into request
+    /// buffers (the rest passed through the receive buffer): a statistic.
+    pub fn direct_bytes(&self) -> u64 {
+        self.direct_bytes
     }
 
     /// Commands outstanding now.
@@ -326,7 +346,14 @@ impl IoQueue {
             if !ready {
                 return Ok(());
             }
-            while let Some(pdu) = self.conn.next_pdu()? {
+            if self.direct.is_some() {
+                self.continue_direct(out)?;
+            }
+            // The stream is mid-payload while a direct read is pending.
+            while self.direct.is_none() {
+                let Some(pdu) = self.conn.next_pdu()? else {
+                    break;
+                };
                 self.on_pdu(pdu, out)?;
             }
             if out.len() > start && !self.conn.tx_pending() {
@@ -373,18 +400,27 @@ impl IoQueue {
                 };
                 self.complete(si, r, out);
             }
+            Pdu::DataStart { hdr, flags, range } => {
+                let si = self.data_slot(&hdr)?;
+                let s = &mut self.slots[si];
+                let req = s.req.as_mut().expect("sent slot has a request");
+                req.buf[s.got..s.got + range.len()].copy_from_slice(self.conn.data(range.clone()));
+                let end = s.got + hdr.datal as usize;
+                s.got += range.len();
+                self.direct = Some(DirectData { si, flags, end });
+                self.continue_direct(out)?;
+            }
             Pdu::Data {
                 hdr,
                 flags,
                 range,
                 digest_ok,
             } => {
-                let si = self.slot_for(hdr.cccid, "C2HData")?;
-                let bs = self.block_size as usize;
+                let si = self.data_slot(&hdr)?;
                 let s = &mut self.slots[si];
                 let req = s.req.as_mut().expect("sent slot has a request");
-                let len = req.blocks as usize * bs;
-                if req.op != Op::Read || hdr.datao as usize != s.got || s.got + range.len() > len {
+                let len = req.blocks as usize * self.block_size as usize;
+                if range.len() != hdr.datal as usize || s.got + range.len() > len {
                     return Err(Error::Protocol {
                         addr: self.conn.addr.to_string(),
                         what: "C2HData outside the read".into(),
@@ -450,6 +486,50 @@ impl IoQueue {
         Ok(())
     }
 
+    /// The slot a C2HData belongs to, checked: a read, at the offset where
+    /// the data so far ends, and inside it.
+    fn data_slot(&mut self, hdr: &nvpool_wire::tcp::DataHeader) -> Result<usize, Error> {
+        let si = self.slot_for(hdr.cccid, "C2HData")?;
+        let s = &self.slots[si];
+        let req = s.req.as_ref().expect("sent slot has a request");
+        let len = req.blocks as usize * self.block_size as usize;
+        if req.op != Op::Read || hdr.datao as usize != s.got || s.got + hdr.datal as usize > len {
+            return Err(Error::Protocol {
+                addr: self.conn.addr.to_string(),
+                what: "C2HData outside the read".into(),
+            });
+        }
+        Ok(si)
+    }
+
+    /// Reads what has arrived of a directly placed C2HData payload into its
+    /// slot's buffer; when it is all there, ends the PDU (and the command if
+    /// the PDU said SUCCESS).
+    fn continue_direct(&mut self, out: &mut Vec<Completion>) -> Result<(), Error> {
+        let Some(d) = self.direct else {
+            return Ok(());
+        };
+        let s = &mut self.slots[d.si];
+        let req = s.req.as_mut().expect("sent slot has a request");
+        let n = self.conn.read_direct(&mut req.buf[s.got..d.end])?;
+        s.got += n;
+        self.direct_bytes += n as u64;
+        if s.got < d.end {
+            return Ok(());
+        }
+        self.direct = None;
+        if d.flags & nvpool_wire::tcp::flags::SUCCESS != 0 {
+            if s.got != req.blocks as usize * self.block_size as usize {
+                return Err(Error::Protocol {
+                    addr: self.conn.addr.to_string(),
+                    what: "SUCCESS with short data".into(),
+                });
+            }
+            self.complete(d.si, Ok(()), out);
+        }
+        Ok(())
+    }
+
     fn complete(&mut self, si: usize, result: Result<(), IoError>, out: &mut Vec<Completion>) {
         let s = &mut self.slots[si];
         let req = s.req.take().expect("sent slot has a request");
@@ -466,6 +546,9 @@ impl IoQueue {
     /// every outstanding command.
     fn recover(&mut self) -> Result<(), Error> {
         self.conn.shutdown();
+        // A payload half read belongs to the dead connection; the command
+        // is reissued from scratch below.
+        self.direct = None;
         let give_up = Instant::now() + self.ctrl.params.ctrl_loss_timeout;
         loop {
             let (cntlid, gen) = self.ctrl.reconnect(self.generation)?;
@@ -509,6 +592,7 @@ impl IoQueue {
 
     fn fail_all(&mut self, out: &mut Vec<Completion>) {
         self.failed = true;
+        self.direct = None;
         for si in 0..self.slots.len() {
             if self.slots[si].state == SlotState::Sent {
                 self.complete(si, Err(IoError::ControllerLost), out);
