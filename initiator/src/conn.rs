@@ -233,20 +233,32 @@ impl Conn {
                 return Ok(false);
             }
             let ms = (deadline - now).as_millis().clamp(1, i32::MAX as u128) as i32;
-            let mut pfd = libc::pollfd {
-                fd: self.sock.as_raw_fd(),
-                events: libc::POLLIN | if self.tx_pending() { libc::POLLOUT } else { 0 },
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd for the duration of the call.
-            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(self.io_err(e));
-                }
-            }
+            self.poll_sock(self.wanted_events(), ms)?;
         }
+    }
+
+    /// Readable, and writable too while something waits to be sent.
+    fn wanted_events(&self) -> i16 {
+        libc::POLLIN | if self.tx_pending() { libc::POLLOUT } else { 0 }
+    }
+
+    /// Waits up to `ms` for `events` on the socket; the events that came
+    /// (none after a timeout or an interrupted wait).
+    fn poll_sock(&self, events: i16, ms: i32) -> Result<i16, Error> {
+        let mut pfd = libc::pollfd {
+            fd: self.sock.as_raw_fd(),
+            events,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call.
+        if unsafe { libc::poll(&mut pfd, 1, ms) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(self.io_err(e));
+            }
+            return Ok(0);
+        }
+        Ok(pfd.revents)
     }
 
     /// Sends what it can and waits until the socket has data (Ok(true)) or
@@ -258,21 +270,8 @@ impl Conn {
                 .saturating_duration_since(Instant::now())
                 .as_millis()
                 .min(i32::MAX as u128) as i32;
-            let mut pfd = libc::pollfd {
-                fd: self.sock.as_raw_fd(),
-                events: libc::POLLIN | if self.tx_pending() { libc::POLLOUT } else { 0 },
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd for the duration of the call.
-            let r = unsafe { libc::poll(&mut pfd, 1, ms) };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(self.io_err(e));
-                }
-                continue;
-            }
-            if pfd.revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
+            let revents = self.poll_sock(self.wanted_events(), ms)?;
+            if revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP) != 0 {
                 return Ok(true);
             }
             if ms == 0 {
@@ -501,13 +500,8 @@ impl Conn {
                     what: "send",
                 });
             }
-            let mut pfd = libc::pollfd {
-                fd: self.sock.as_raw_fd(),
-                events: libc::POLLOUT,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd for the duration of the call.
-            unsafe { libc::poll(&mut pfd, 1, 10) };
+            // A failed wait only means trying again sooner.
+            let _ = self.poll_sock(libc::POLLOUT, 10);
         }
         Ok(())
     }
