@@ -2,9 +2,9 @@
 
 mod common;
 
-use common::{subsystem, Tgt};
+use common::{open_device, subsystem, Tgt};
 use nvpool_initiator::device::block_on;
-use nvpool_initiator::{ConnectParams, Controller, Device, IoError};
+use nvpool_initiator::{Device, IoError};
 use std::sync::Arc;
 
 const NQN: &str = "nqn.2026-11.io.nvpool:device-test";
@@ -14,11 +14,7 @@ fn start(backend: &str) -> Tgt {
 }
 
 fn open(r: &Tgt, queues: u16) -> Device {
-    let mut p = ConnectParams::new(r.addr, NQN);
-    p.io_queues = queues;
-    p.queue_depth = 16;
-    let c = Controller::connect(p).unwrap();
-    Device::open(c, 1, queues).unwrap()
+    open_device(r, NQN, queues, 16)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

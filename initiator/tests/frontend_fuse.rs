@@ -10,8 +10,8 @@ use nvpool_initiator::frontend::fuse::{
 mod common;
 
 use common::memdev::MemDev;
-use common::{subsystem, Tgt};
-use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device};
+use common::{open_device, subsystem, Tgt};
+use nvpool_initiator::BlockDev;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::io::{BufRead, BufReader};
@@ -250,11 +250,7 @@ fn start_target(backend: &str) -> Tgt {
 fn ext4_on_fuse_loop_over_nvme_tcp() {
     require_host!();
     let r = start_target("ram:256M");
-    let mut p = ConnectParams::new(r.addr, NQN);
-    p.io_queues = 2;
-    p.queue_depth = 32;
-    let c = Controller::connect(p).unwrap();
-    let dev: Arc<dyn BlockDev> = Arc::new(Device::open(c, 1, 2).unwrap());
+    let dev: Arc<dyn BlockDev> = Arc::new(open_device(&r, NQN, 2, 32));
     let dir = tempfile::tempdir().unwrap();
     ext4_scenario(dev.clone(), dir.path());
     drop(dev);

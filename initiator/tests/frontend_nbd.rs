@@ -8,8 +8,8 @@ use nvpool_initiator::frontend::nbd::{NbdOptions, NbdServer};
 mod common;
 
 use common::memdev::MemDev;
-use common::{subsystem, Tgt};
-use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device};
+use common::{open_device, subsystem, Tgt};
+use nvpool_initiator::BlockDev;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -602,11 +602,7 @@ fn start_target(backend: &str) -> Tgt {
 #[test]
 fn fio_nbd_engine_verifies_crc32c_over_nvme_tcp() {
     let r = start_target("ram:64M");
-    let mut p = ConnectParams::new(r.addr, NQN);
-    p.io_queues = 2;
-    p.queue_depth = 32;
-    let c = Controller::connect(p).unwrap();
-    let dev: Arc<dyn BlockDev> = Arc::new(Device::open(c, 1, 2).unwrap());
+    let dev: Arc<dyn BlockDev> = Arc::new(open_device(&r, NQN, 2, 32));
     let dir = tempfile::tempdir().unwrap();
     let srv = server(dev, dir.path());
     let uri = format!(

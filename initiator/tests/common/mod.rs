@@ -113,6 +113,16 @@ impl Drop for Tgt {
     }
 }
 
+/// Namespace 1 of `subnqn` on `t` as a [`nvpool_initiator::Device`] over
+/// `queues` I/O queues `depth` deep (any host may connect).
+pub fn open_device(t: &Tgt, subnqn: &str, queues: u16, depth: u16) -> nvpool_initiator::Device {
+    let mut p = ConnectParams::new(t.addr, subnqn);
+    p.io_queues = queues;
+    p.queue_depth = depth;
+    let c = nvpool_initiator::Controller::connect(p).expect("connect");
+    nvpool_initiator::Device::open(c, 1, queues).expect("open namespace 1")
+}
+
 /// Connect parameters for tests: a fixed host identity, two 32-deep I/O
 /// queues, quick reconnects and a controller-loss timeout of seconds.
 pub fn params(addr: SocketAddr, subnqn: &str, hostnqn: &str) -> ConnectParams {
