@@ -18,6 +18,9 @@
 //! | `GET /v1/volumes`, `GET /v1/volumes/{uuid}` | volumes with status and extents | — |
 //! | `POST /v1/volumes/{uuid}/resize` | grow (body: size_bytes) | admin |
 //! | `DELETE /v1/volumes/{uuid}` | delete | admin |
+//! | `GET /v1/volumes/{uuid}/history` | copies of the volume: running and past | — |
+//! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach | admin / — |
+//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy | admin |
 //!
 //! Every error is `{"kind", "message", "details"}` with a 4xx status for
 //! anything the request got wrong (see [`ApiError::from_state`], the one
@@ -112,6 +115,19 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
             "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents",
             put(put_failed_extents),
         )
+        .route(
+            "/v1/volumes/{uuid}/attachments/{host_nqn}/session",
+            put(put_session),
+        )
+        .route(
+            "/v1/volumes/{uuid}/attachments/{host_nqn}/missed",
+            put(put_missed),
+        )
+        .route(
+            "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}",
+            put(put_sync),
+        )
+        .route("/v1/volumes/{uuid}/history", get(get_history))
         .route("/v1/targets/{id}/reconcile", post(reconcile_target))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -767,6 +783,77 @@ pub struct VolumeOut {
     /// (or offline when a row has no good copy left).
     #[serde(default)]
     pub failed_extents: Vec<u32>,
+    /// Copies being brought back in sync (each also in `failed_extents`
+    /// until it is).
+    #[serde(default)]
+    pub copy_jobs: Vec<CopyJobOut>,
+}
+
+/// A running copy job.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CopyJobOut {
+    pub id: u64,
+    /// The copy being filled (index into the volume's extents).
+    pub extent: u32,
+    /// The in-sync copy read from.
+    pub source: u32,
+    /// `resync-partial` (only the regions the copy missed) or `resync-full`.
+    pub kind: String,
+    /// `arming`, `mirroring` (waiting for every host to write to the copy)
+    /// or `copying`.
+    pub state: String,
+    pub bytes_total: u64,
+    pub bytes_copied: u64,
+    pub started_ms: u64,
+    /// Measured since copying began; 0 before.
+    pub rate_bytes_per_sec: u64,
+    /// Seconds left at that rate, when there is one.
+    pub eta_s: Option<u64>,
+}
+
+fn job_out(j: &crate::resync::CopyJob, now_ms: u64) -> CopyJobOut {
+    use crate::resync::JobState;
+    let copying = j.state == JobState::Copying;
+    let elapsed_ms = now_ms.saturating_sub(j.state_ms).max(1);
+    let rate = if copying {
+        j.bytes_copied.saturating_mul(1000) / elapsed_ms
+    } else {
+        0
+    };
+    CopyJobOut {
+        id: j.id,
+        extent: j.extent,
+        source: j.source,
+        kind: j.kind.as_str().to_owned(),
+        state: match j.state {
+            JobState::Arming => "arming",
+            JobState::Mirroring => "mirroring",
+            JobState::Copying => "copying",
+        }
+        .to_owned(),
+        bytes_total: j.bytes_total,
+        bytes_copied: j.bytes_copied,
+        started_ms: j.started_ms,
+        rate_bytes_per_sec: rate,
+        eta_s: (rate > 0).then(|| j.bytes_total.saturating_sub(j.bytes_copied) / rate),
+    }
+}
+
+/// One copy of a volume, running or past (`nvpool volume history`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct CopyHistoryOut {
+    pub id: u64,
+    pub extent: u32,
+    pub source: u32,
+    /// `resync-partial` or `resync-full`.
+    pub kind: String,
+    /// `running`, `done` or `failed`.
+    pub result: String,
+    pub bytes_total: u64,
+    pub bytes_copied: u64,
+    pub started_ms: u64,
+    pub finished_ms: Option<u64>,
+    pub error: Option<String>,
 }
 
 /// Fills in each volume's attachments.
@@ -813,6 +900,15 @@ pub struct AttachmentOut {
     /// missed writes, so hosts must neither read nor write them until they
     /// are rebuilt.
     pub failed_extents: Vec<u32>,
+    /// Copies (a subset of `failed_extents`) being brought back in sync:
+    /// hosts write to them, never read them, and confirm with `PUT
+    /// …/sync/{job}` once they do.
+    #[serde(default)]
+    pub syncing: Vec<crate::resync::SyncingCopy>,
+    /// Moves whenever hosts must act on the copies; long-poll with
+    /// `?after_revision=`.
+    #[serde(default)]
+    pub revision: u64,
     pub plan: ConnectionPlan,
 }
 
@@ -823,6 +919,8 @@ fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentOut {
         state: a.state,
         created_ms: a.created_ms,
         failed_extents: a.failed_extents,
+        syncing: Vec::new(),
+        revision: 0,
         plan,
     }
 }
@@ -838,7 +936,53 @@ pub struct FailedExtentsBody {
 fn attachment_with_plan(c: &Cluster, a: Attachment) -> Result<AttachmentOut, StateError> {
     let v = c.volume(&a.volume)?.volume;
     let plan = c.plan(&v, &a)?;
-    Ok(attachment_out(a, plan))
+    let copies = c.host_copies(&a.volume, &a.host_nqn)?;
+    let mut out = attachment_out(a, plan);
+    out.failed_extents = copies.failed_extents;
+    out.syncing = copies.syncing;
+    out.revision = copies.revision;
+    Ok(out)
+}
+
+/// `GET …/attachments/{host}` options.
+#[derive(Debug, Clone, Copy, Default, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct WatchQuery {
+    /// Answer only once the copy-state revision is past this (or after
+    /// about 25 s, with the attachment as it is).
+    pub after_revision: Option<u64>,
+}
+
+/// `PUT …/attachments/{host}/session`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionBody {
+    /// Random per serving process.
+    pub session: u64,
+    /// The copy-state revision of the attachment it opened the volume from.
+    pub revision: u64,
+}
+
+/// `PUT …/attachments/{host}/missed`: what each stale copy missed from
+/// this host's serving process, handed over as it stops.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MissedBody {
+    pub session: u64,
+    /// Extent index (as a string) → regions of `RESYNC_REGION_BYTES` written
+    /// while that copy was stale. Stale copies absent missed nothing.
+    pub extents: BTreeMap<String, Vec<u32>>,
+}
+
+/// `PUT …/attachments/{host}/sync/{job}`: the host writes to the job's
+/// copy and every write it issued before has completed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncBody {
+    pub session: u64,
+    /// Regions the copy missed from this host; `null` when unknown.
+    pub missed_regions: Option<Vec<u32>>,
 }
 
 /// What a reconciliation changed on a target.
@@ -869,11 +1013,15 @@ fn volume_out(
         extents: v.extents.into_iter().map(ExtentOut::from).collect(),
         attachments: Vec::new(),
         failed_extents,
+        copy_jobs: Vec::new(),
     }
 }
 
-fn volume_view_out(v: VolumeView) -> VolumeOut {
-    volume_out(v.volume, v.status, v.failed_extents)
+fn volume_view_out(v: VolumeView, now: u64) -> VolumeOut {
+    let jobs = v.jobs.iter().map(|j| job_out(j, now)).collect();
+    let mut out = volume_out(v.volume, v.status, v.failed_extents);
+    out.copy_jobs = jobs;
+    out
 }
 
 // ----- handlers -----
@@ -1096,7 +1244,11 @@ async fn put_volume(
 #[utoipa::path(get, path = "/v1/volumes", tag = "volumes", responses((status = 200, description = "every volume with status and extents", body = Vec<VolumeOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn list_volumes(State(api): State<Api>) -> Result<Json<Vec<VolumeOut>>, ApiError> {
     let out = api
-        .run(|c| with_attachments(c, c.volumes()?.into_iter().map(volume_view_out).collect()))
+        .run(|c| {
+            let now = c.now();
+            let out = c.volumes()?.into_iter().map(|v| volume_view_out(v, now));
+            with_attachments(c, out.collect())
+        })
         .await?;
     Ok(Json(out))
 }
@@ -1108,7 +1260,7 @@ async fn get_volume(
 ) -> Result<Json<VolumeOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let out = api
-        .run(move |c| one_with_attachments(c, c.volume(&uuid).map(volume_view_out)?))
+        .run(move |c| one_with_attachments(c, volume_view_out(c.volume(&uuid)?, c.now())))
         .await?;
     Ok(Json(out))
 }
@@ -1135,7 +1287,7 @@ async fn resize_volume(
             }
             Ok(one_with_attachments(
                 c,
-                c.volume(&uuid).map(volume_view_out)?,
+                volume_view_out(c.volume(&uuid)?, c.now()),
             )?)
         })
         .await?;
@@ -1208,14 +1360,37 @@ async fn put_attachment(
 async fn get_attachment(
     State(api): State<Api>,
     Path((uuid, host)): Path<(String, String)>,
+    query: Result<Query<WatchQuery>, QueryRejection>,
 ) -> Result<Json<AttachmentOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
+    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    if let Some(after) = q.after_revision {
+        // An unknown attachment answers at once.
+        let (u, h) = (uuid, host.clone());
+        api.run(move |c| c.attachment(&u, &h)).await?;
+        // Long poll: one key read per step, not a snapshot.
+        let deadline = tokio::time::Instant::now() + WATCH_WAIT;
+        loop {
+            let rev = api.run(move |c| Ok(c.copy_state(&uuid)?.revision)).await?;
+            if rev > after || tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(WATCH_STEP).await;
+        }
+    }
     let out = api
         .run(move |c| attachment_with_plan(c, c.attachment(&uuid, &host)?))
         .await?;
     Ok(Json(out))
 }
+
+/// Longest a watching `GET` of an attachment waits: under common proxy and
+/// client timeouts (30 s and more).
+const WATCH_WAIT: std::time::Duration = std::time::Duration::from_secs(25);
+/// How often a watching `GET` looks at the revision: hosts hear of a copy
+/// within this, at one key read per step per watcher.
+const WATCH_STEP: std::time::Duration = std::time::Duration::from_millis(250);
 
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "every host the volume is attached to", body = Vec<AttachmentOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn list_attachments(
@@ -1276,6 +1451,129 @@ async fn put_failed_extents(
         .await?;
     tracing::warn!(volume = %uuid, host = %out.host_nqn, failed = ?out.failed_extents,
         "host reported failed extents; volume degraded");
+    Ok(Json(out))
+}
+
+/// A host's serving process starts: its session, and the copy-state
+/// revision it opened the volume at. A different earlier session of the
+/// same host that never handed over its records loses them (its stale
+/// copies are then copied whole).
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/session", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = SessionBody, security(("admin_token" = [])), responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_session(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+    JsonBody(body): JsonBody<SessionBody>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    api.run(move |c| c.register_session(&uuid, &host, body.session, body.revision))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A host's serving process stops and hands over what each stale copy
+/// missed from it.
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/missed", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = MissedBody, security(("admin_token" = [])), responses((status = 204, description = "merged"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_missed(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+    JsonBody(body): JsonBody<MissedBody>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let mut extents = BTreeMap::new();
+    for (k, v) in body.extents {
+        let e: u32 = k
+            .parse()
+            .map_err(|_| ApiError::invalid(format!("extent {k:?} is not an index")))?;
+        extents.insert(e, v);
+    }
+    api.run(move |c| c.hand_over_missed(&uuid, &host, body.session, &extents))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A host writes to job `job`'s copy and every write it issued before has
+/// completed. The copier starts once every host writing the volume said so.
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ("job" = u64, Path, description = "the copy job")), request_body = SyncBody, security(("admin_token" = [])), responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume, or the job is over", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_sync(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host, job)): Path<(String, String, String)>,
+    JsonBody(body): JsonBody<SyncBody>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let job = crate::resync::validate_job_id(&job).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let known = api
+        .run(move |c| {
+            c.confirm_sync(
+                &uuid,
+                &host,
+                job,
+                body.session,
+                body.missed_regions.as_deref(),
+            )
+        })
+        .await?;
+    if known {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("copy job {job} of volume {uuid} is over"),
+        ))
+    }
+}
+
+/// Copies of a volume, running first, then past ones newest first.
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/history", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "running and past copies", body = Vec<CopyHistoryOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_history(
+    State(api): State<Api>,
+    Path(uuid): Path<String>,
+) -> Result<Json<Vec<CopyHistoryOut>>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| {
+            c.volume(&uuid)?;
+            let cs = c.copy_state(&uuid)?;
+            let mut out: Vec<CopyHistoryOut> = cs
+                .jobs
+                .iter()
+                .map(|j| CopyHistoryOut {
+                    id: j.id,
+                    extent: j.extent,
+                    source: j.source,
+                    kind: j.kind.as_str().to_owned(),
+                    result: "running".into(),
+                    bytes_total: j.bytes_total,
+                    bytes_copied: j.bytes_copied,
+                    started_ms: j.started_ms,
+                    finished_ms: None,
+                    error: None,
+                })
+                .collect();
+            out.extend(cs.history.iter().rev().map(|r| CopyHistoryOut {
+                id: r.id,
+                extent: r.extent,
+                source: r.source,
+                kind: r.kind.as_str().to_owned(),
+                result: if r.error.is_some() { "failed" } else { "done" }.into(),
+                bytes_total: r.bytes_total,
+                bytes_copied: r.bytes_copied,
+                started_ms: r.started_ms,
+                finished_ms: Some(r.finished_ms),
+                error: r.error.clone(),
+            }));
+            Ok(out)
+        })
+        .await?;
     Ok(Json(out))
 }
 
@@ -1356,6 +1654,29 @@ fn render_metrics(c: &Cluster) -> Result<String, StateError> {
             label(&t.target.id)
         );
     }
+    let (mut running, mut copied, mut stale) = (0u64, 0u64, 0u64);
+    for v in &volumes {
+        running += v.jobs.len() as u64;
+        stale += v.failed_extents.len() as u64;
+        copied += v.jobs.iter().map(|j| j.bytes_copied).sum::<u64>();
+        let cs = c.copy_state(&v.volume.uuid)?;
+        copied += cs.history.iter().map(|r| r.bytes_copied).sum::<u64>();
+    }
+    let _ = writeln!(out, "# HELP nvpool_copies_running Copy jobs under way.");
+    let _ = writeln!(out, "# TYPE nvpool_copies_running gauge");
+    let _ = writeln!(out, "nvpool_copies_running {running}");
+    let _ = writeln!(
+        out,
+        "# HELP nvpool_stale_extents Extent copies not in sync (never read)."
+    );
+    let _ = writeln!(out, "# TYPE nvpool_stale_extents gauge");
+    let _ = writeln!(out, "nvpool_stale_extents {stale}");
+    let _ = writeln!(
+        out,
+        "# HELP nvpool_copy_bytes Bytes copied by the running and the remembered copy jobs."
+    );
+    let _ = writeln!(out, "# TYPE nvpool_copy_bytes gauge");
+    let _ = writeln!(out, "nvpool_copy_bytes {copied}");
     let _ = writeln!(out, "# HELP nvpool_targets Registered targets.");
     let _ = writeln!(out, "# TYPE nvpool_targets gauge");
     let _ = writeln!(out, "nvpool_targets {}", targets.len());
@@ -1388,7 +1709,8 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
         healthz, metrics, openapi, register_target, heartbeat, list_targets, get_target,
         put_pool, list_pools, get_pool, delete_pool, put_volume, list_volumes, get_volume,
         resize_volume, delete_volume, put_attachment, get_attachment, list_attachments,
-        delete_attachment, put_failed_extents, reconcile_target
+        delete_attachment, put_failed_extents, put_session, put_missed, put_sync, get_history,
+        reconcile_target
     ),
     modifiers(&BearerSchemes)
 )]

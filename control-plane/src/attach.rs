@@ -447,11 +447,15 @@ impl Cluster {
                 volume: *volume,
                 extents: union(known),
             };
-            let conds = [Condition::VersionIs(key.clone(), a.version), fcond];
-            let ops = [
+            let mut conds = vec![Condition::VersionIs(key.clone(), a.version), fcond];
+            let mut ops = vec![
                 Op::Put(key.clone(), encode(&next)),
                 Op::Put(fkey, encode(&record)),
             ];
+            if let Some((c, o)) = Cluster::on_copies_failed(&s, volume, failed, self.now()) {
+                conds.push(c);
+                ops.push(o);
+            }
             Ok(if self.commit(&conds, &ops)? {
                 Attempt::Done(next)
             } else {
@@ -535,6 +539,10 @@ impl Cluster {
                 };
                 ops.push(Op::Put(host_key, encode(&next)));
             }
+            if let Some((c, o)) = Cluster::on_detached(&s, volume, host) {
+                conds.push(c);
+                ops.push(o);
+            }
             for (target, exports) in stale.iter().filter(|(_, x)| !x.is_empty()) {
                 let skey = ak::stale_exports(target);
                 let mut rec = match s.stale_exports.get(target) {
@@ -582,6 +590,14 @@ impl Cluster {
                     .1
                     .insert(nsid, x);
             }
+        }
+        // Running copy jobs read their sources through these.
+        for x in s.copier_exports(target) {
+            out.subsystems
+                .entry(x.subsystem_nqn.clone())
+                .or_insert_with(|| (x.host_nqn.clone(), BTreeMap::new()))
+                .1
+                .insert(x.nsid, x);
         }
         Ok(out)
     }

@@ -37,6 +37,11 @@ pub struct Args {
     /// Extent size of new volumes, in bytes (power of two, 1 MiB..=64 GiB).
     #[arg(long, default_value_t = EXTENT_BYTES, value_parser = parse_extent_size)]
     pub extent_size: u64,
+    /// Copy rate of each resync job, bytes per second with an optional
+    /// K/M/G suffix (`256M`); 0 copies as fast as the disks go. Client I/O
+    /// keeps the rest of the bandwidth.
+    #[arg(long, default_value = "256M", value_parser = parse_rate)]
+    pub rebuild_rate: u64,
     /// Log filter (tracing env-filter syntax), e.g. `info` or `nvpool_control=debug`.
     #[arg(long, default_value = "info", env = "NVPOOL_LOG", value_parser = parse_log_filter)]
     pub log: String,
@@ -46,6 +51,26 @@ fn parse_extent_size(s: &str) -> Result<u64, String> {
     let n: u64 = s.parse().map_err(|e| format!("{e}"))?;
     crate::model::validate_extent_bytes(n).map_err(|e| e.to_string())?;
     Ok(n)
+}
+
+fn parse_rate(s: &str) -> Result<u64, String> {
+    let (digits, shift) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        None => (s, 0),
+        Some((i, _)) => {
+            let shift = match s[i..].trim_end_matches("iB").trim_end_matches('B') {
+                "K" | "k" => 10,
+                "M" | "m" => 20,
+                "G" | "g" => 30,
+                other => return Err(format!("unknown suffix {other:?} (use K, M or G)")),
+            };
+            (&s[..i], shift)
+        }
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte rate like 256M"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 fn parse_log_filter(s: &str) -> Result<String, String> {
@@ -118,6 +143,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let cluster = Arc::new(cluster);
     let app = router(cluster.clone(), auth);
+    let heal_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let heal = crate::heal::spawn(
+        cluster.clone(),
+        crate::heal::HealConfig {
+            rate_bytes_per_sec: args.rebuild_rate,
+            ..crate::heal::HealConfig::default()
+        },
+        heal_stop.clone(),
+    )
+    .context("starting the heal loop")?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -127,14 +162,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
-        tokio::spawn(crate::program::reconcile_loop(cluster));
+        tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
         axum::serve(listener, app)
             .with_graceful_shutdown(shutdown_signal())
             .await
             .context("serving the API")?;
-        tracing::info!("stopped");
         anyhow::Ok(())
-    })
+    })?;
+    heal_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = heal.join();
+    tracing::info!("stopped");
+    Ok(())
 }
 
 async fn shutdown_signal() {
@@ -193,8 +231,15 @@ mod tests {
         let a = Args::try_parse_from(["nvpool-control", "--state-dir", "/tmp/s"]).unwrap();
         assert_eq!(a.listen, "127.0.0.1:4430".parse().unwrap());
         assert_eq!(a.extent_size, EXTENT_BYTES);
+        assert_eq!(a.rebuild_rate, 256 << 20);
+        let a = Args::try_parse_from(["nvpool-control", "--rebuild-rate", "0"]).unwrap();
+        assert_eq!(a.rebuild_rate, 0);
+        let a = Args::try_parse_from(["nvpool-control", "--rebuild-rate", "8MiB"]).unwrap();
+        assert_eq!(a.rebuild_rate, 8 << 20);
         for bad in [
-            &["--extent-size", "3"][..],
+            &["--rebuild-rate", "fast"][..],
+            &["--rebuild-rate", "5X"],
+            &["--extent-size", "3"],
             &["--extent-size", "x"],
             &["--listen", "nope"],
             &["--log", "a=b=c"],

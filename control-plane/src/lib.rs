@@ -27,6 +27,8 @@ pub mod attach;
 pub mod clock;
 #[cfg(feature = "server")]
 pub mod daemon;
+#[cfg(feature = "server")]
+pub mod heal;
 pub mod limits;
 pub mod mapping;
 pub mod model;
@@ -34,6 +36,7 @@ pub mod placement;
 pub mod plan;
 #[cfg(feature = "server")]
 pub mod program;
+pub mod resync;
 pub mod state;
 pub mod store;
 

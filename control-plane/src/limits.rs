@@ -74,6 +74,26 @@ pub const TARGET_CALL_TIMEOUT_MS: u64 = 5_000;
 /// records (besides right after it registers).
 pub const RECONCILE_INTERVAL_MS: u64 = 30_000;
 
+/// Finished copies kept per volume for `nvpool volume history`: enough to
+/// see a day of flapping, small enough to keep the record one store value.
+pub const COPY_HISTORY_MAX: usize = 64;
+/// How often the heal loop looks for stale copies and moves jobs on; a
+/// copy's progress is polled this often too.
+pub const HEAL_INTERVAL_MS: u64 = 2_000;
+/// Copy jobs whose destination is one target, at once: each runs a copier
+/// thread there and reads a source over the network; two keep a target's
+/// disk busy without starving its clients.
+pub const COPIES_PER_TARGET_MAX: usize = 2;
+/// How long hosts have to confirm they mirror to a copy before its job is
+/// given up (and retried later): a host that cannot be reached blocks the
+/// copy, never corrupts it, and never blocks it for ever.
+pub const MIRROR_CONFIRM_TIMEOUT_MS: u64 = 60_000;
+/// After a job on a copy failed, wait this long before trying again.
+pub const RESYNC_RETRY_MS: u64 = 10_000;
+/// Default copy rate per job (`--rebuild-rate`): about a third of one NVMe
+/// drive's bandwidth, so client I/O keeps most of it.
+pub const REBUILD_RATE_BYTES_PER_SEC: u64 = 256 << 20;
+
 /// A target whose last heartbeat is older than this is offline: placement
 /// skips it and the volumes with extents on it are degraded or offline.
 /// Three missed heartbeats, so one lost packet or a slow control-plane

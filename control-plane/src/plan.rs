@@ -21,6 +21,12 @@ use std::net::SocketAddr;
 /// targets. Targets leave subsystems outside this prefix alone.
 pub const HOST_SUBSYSTEM_PREFIX: &str = "nqn.2026-11.io.nvpool:host:";
 
+/// Granularity of the record of writes a stale copy missed: hosts keep one
+/// bit per region of each stale copy, and a partial resync copies the
+/// regions whose bit is set. 1 MiB keeps the record of a 1 GiB extent at
+/// 128 bytes while copying little more than what changed (writes cluster).
+pub const RESYNC_REGION_BYTES: u64 = 1 << 20;
+
 /// A volume layout as JSON: `{"type": "concat"}`, `{"type": "raid0",
 /// "stripe_bytes": 65536, "width": 4}`, `{"type": "raid1", "copies": 2}`,
 /// `{"type": "raid10", "stripe_bytes": 65536, "width": 2, "copies": 2}`.

@@ -67,6 +67,15 @@ struct NamespaceState {
     backend: String,
 }
 
+/// A copy job as the target's admin API reports it.
+#[derive(Debug, Clone, Deserialize)]
+pub(crate) struct CopyStatus {
+    pub state: String,
+    pub bytes_copied: u64,
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
 #[derive(Debug, Deserialize)]
 struct TargetErrorBody {
     message: String,
@@ -86,14 +95,14 @@ fn segment(s: &str) -> String {
 }
 
 /// A blocking client of one target's admin API.
-struct TargetAdmin {
+pub(crate) struct TargetAdmin {
     agent: ureq::Agent,
     target: String,
     addr: SocketAddr,
 }
 
 impl TargetAdmin {
-    fn new(t: &Target) -> TargetAdmin {
+    pub(crate) fn new(t: &Target) -> TargetAdmin {
         let config = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_millis(TARGET_CALL_TIMEOUT_MS)))
             .http_status_as_error(false)
@@ -208,7 +217,7 @@ impl TargetAdmin {
     }
 
     /// Removes a namespace; one already gone is fine.
-    fn delete_namespace(&self, nqn: &str, nsid: u32) -> Result<(), ProgramError> {
+    pub(crate) fn delete_namespace(&self, nqn: &str, nsid: u32) -> Result<(), ProgramError> {
         let url = self.url(&format!(
             "/v1/subsystems/{}/namespaces/{nsid}",
             segment(nqn)
@@ -216,6 +225,51 @@ impl TargetAdmin {
         let r = self.agent.delete(url).call();
         self.check(&format!("removing namespace {nsid} of {nqn}"), r)
             .map(drop)
+    }
+
+    /// Arms copy job `id` (idempotent for the same body).
+    pub(crate) fn arm_copy(&self, id: &str, body: &serde_json::Value) -> Result<(), ProgramError> {
+        let url = self.url(&format!("/v1/copies/{}", segment(id)));
+        let r = self.agent.put(url).send_json(body);
+        self.check(&format!("arming copy {id}"), r).map(drop)
+    }
+
+    /// Starts an armed copy job on `regions` (`None`: all).
+    pub(crate) fn start_copy(&self, id: &str, regions: Option<&[u32]>) -> Result<(), ProgramError> {
+        let url = self.url(&format!("/v1/copies/{}/start", segment(id)));
+        let r = self
+            .agent
+            .post(url)
+            .send_json(serde_json::json!({ "regions": regions }));
+        match self.check(&format!("starting copy {id}"), r)? {
+            Some(_) => Ok(()),
+            None => Err(ProgramError::Refused {
+                target: self.target.clone(),
+                what: format!("starting copy {id}"),
+                message: "the target does not know the copy (it restarted)".into(),
+            }),
+        }
+    }
+
+    /// A copy job's status; `None` when the target does not know it.
+    pub(crate) fn copy_status(&self, id: &str) -> Result<Option<CopyStatus>, ProgramError> {
+        let url = self.url(&format!("/v1/copies/{}", segment(id)));
+        let r = self.agent.get(url).call();
+        match self.check(&format!("reading copy {id}"), r)? {
+            Some(mut r) => r
+                .body_mut()
+                .read_json()
+                .map(Some)
+                .map_err(|e| self.unreachable(e)),
+            None => Ok(None),
+        }
+    }
+
+    /// Cancels and forgets a copy job; one already gone is fine.
+    pub(crate) fn delete_copy(&self, id: &str) -> Result<(), ProgramError> {
+        let url = self.url(&format!("/v1/copies/{}", segment(id)));
+        let r = self.agent.delete(url).call();
+        self.check(&format!("removing copy {id}"), r).map(drop)
     }
 
     /// Removes a subsystem; one already gone is fine.
@@ -230,7 +284,7 @@ impl TargetAdmin {
 /// What `ensure_exports` changed on one target, so a failed attach can
 /// take exactly that back.
 #[derive(Debug, Default)]
-struct Added {
+pub(crate) struct Added {
     subsystem: Option<String>,
     namespaces: Vec<(String, u32)>,
 }
@@ -238,7 +292,7 @@ struct Added {
 /// Makes `target` export `exports` (all of one host's subsystem) to
 /// `host`, leaving other namespaces of the subsystem alone. Records what
 /// it added in `added`, also when it fails half-way.
-fn ensure_exports(
+pub(crate) fn ensure_exports(
     admin: &TargetAdmin,
     target: &Target,
     host: &str,

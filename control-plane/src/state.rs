@@ -21,6 +21,7 @@
 //! | `/hosts/{host_nqn}` | [`HostRecord`]: guards the host's NSID allocation |
 //! | `/stale-exports/{target}` | [`StaleExports`]: see [`crate::attach`] |
 //! | `/failed-copies/{uuid}` | [`FailedCopies`]: copies that missed writes |
+//! | `/copy-state/{uuid}` | [`CopyState`]: what stale copies missed, copy jobs, history |
 //! | `/meta/alloc-epoch` | u64, see below |
 //!
 //! **The allocation epoch.** "Nothing I read has changed" cannot be said
@@ -53,6 +54,7 @@ use crate::placement::{
     failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
     DEFAULT_FAILURE_DOMAIN_LABEL,
 };
+use crate::resync::{CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -218,6 +220,8 @@ pub struct Snapshot {
     pub stale_exports: BTreeMap<String, Versioned<StaleExports>>,
     /// volume → its copies that missed writes.
     pub failed_copies: BTreeMap<Uuid, Versioned<FailedCopies>>,
+    /// volume → resync bookkeeping.
+    pub copy_states: BTreeMap<Uuid, Versioned<CopyState>>,
 }
 
 impl Snapshot {
@@ -261,6 +265,8 @@ pub struct VolumeView {
     /// Extents (indices into `volume.extents`) holding copies that missed
     /// writes: never read until rebuilt.
     pub failed_extents: Vec<u32>,
+    /// Copies being brought back in sync.
+    pub jobs: Vec<crate::resync::CopyJob>,
 }
 
 /// The result of `create_volume`.
@@ -517,6 +523,13 @@ impl Cluster {
                     return Err(misfiled(format!("failed copies of {}", value.volume)));
                 }
                 s.failed_copies
+                    .insert(value.volume, Versioned { value, version });
+            } else if let Some(rest) = k.strip_prefix(COPY_STATE) {
+                let value: CopyState = decode_at("copy state", k, &kv.value)?;
+                if rest != value.volume.to_string() {
+                    return Err(misfiled(format!("copy state of {}", value.volume)));
+                }
+                s.copy_states
                     .insert(value.volume, Versioned { value, version });
             } else if k == keys::ALLOC_EPOCH {
                 let value: u64 = decode_at("allocation epoch", k, &kv.value)?;
@@ -963,6 +976,11 @@ impl Cluster {
                 conds.push(Condition::VersionIs(fkey.clone(), f.version));
                 ops.push(Op::Delete(fkey));
             }
+            if let Some(c) = s.copy_states.get(uuid) {
+                let ckey = crate::resync::copy_state_key(uuid);
+                conds.push(Condition::VersionIs(ckey.clone(), c.version));
+                ops.push(Op::Delete(ckey));
+            }
             self.commit_allocation(&s, conds, ops, v.value.clone())
         })
     }
@@ -974,6 +992,7 @@ impl Cluster {
         now: u64,
         attachments: &[&Attachment],
         failed_copies: Option<&FailedCopies>,
+        jobs: Vec<crate::resync::CopyJob>,
     ) -> VolumeView {
         let failed: BTreeSet<usize> = attachments
             .iter()
@@ -993,6 +1012,7 @@ impl Cluster {
             volume,
             status,
             failed_extents: failed.into_iter().map(|i| i as u32).collect(),
+            jobs,
         }
     }
 
@@ -1028,12 +1048,14 @@ impl Cluster {
             )?),
             None => None,
         };
+        let jobs = self.copy_state(uuid)?.jobs;
         Ok(self.view(
             volume,
             &self.target_map()?,
             self.now(),
             &refs,
             failed.as_ref(),
+            jobs,
         ))
     }
 
@@ -1065,7 +1087,8 @@ impl Cluster {
                     .map(|a| &a.value)
                     .collect();
                 let failed = s.failed_copies.get(&v.value.uuid).map(|f| &f.value);
-                self.view(v.value.clone(), &targets, now, &attachments, failed)
+                let jobs = s.copy_state(&v.value.uuid).jobs;
+                self.view(v.value.clone(), &targets, now, &attachments, failed, jobs)
             })
             .collect())
     }
@@ -1163,6 +1186,33 @@ impl Cluster {
             for (e, &n) in v.value.extents.iter().zip(&a.value.nsids) {
                 if !nsids.insert((host.as_str(), e.target.as_str(), n)) {
                     problems.push(format!("host {host} has NSID {n} twice on {}", e.target));
+                }
+            }
+        }
+        // Copy records resolve: a job only ever writes a stale copy, and
+        // reads one that is in sync.
+        for (uuid, cs) in &s.copy_states {
+            let Some(v) = s.volumes.get(uuid) else {
+                problems.push(format!("copy state of missing volume {uuid}"));
+                continue;
+            };
+            let stale: BTreeSet<u32> = s
+                .failed_copies
+                .get(uuid)
+                .map(|f| f.value.extents.iter().copied().collect())
+                .unwrap_or_default();
+            for j in &cs.value.jobs {
+                if !stale.contains(&j.extent) {
+                    problems.push(format!(
+                        "volume {uuid}: job {} fills extent {}, which is not stale",
+                        j.id, j.extent
+                    ));
+                }
+                if stale.contains(&j.source) || j.source as usize >= v.value.extents.len() {
+                    problems.push(format!(
+                        "volume {uuid}: job {} reads extent {}, which is not in sync",
+                        j.id, j.source
+                    ));
                 }
             }
         }

@@ -308,6 +308,85 @@ fn bad_input_is_400_never_500() {
 }
 
 #[test]
+fn resync_endpoints_refuse_bad_input() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let v = uuid(9);
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{v}"),
+        Some(volume("m", 4 * MIB, json!({"type": "raid1", "copies": 2}))),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let host = "nqn.2014-08.org.nvmexpress:uuid:nobody";
+    let base = format!("/v1/volumes/{v}/attachments/{host}");
+    // Not attached: 404 at once, also for a watching GET.
+    let r = s.admin(
+        "PUT",
+        &format!("{base}/session"),
+        Some(json!({"session": 1, "revision": 0})),
+    );
+    s.expect_error(&r, 404, "not_found");
+    let r = s.call("GET", &format!("{base}?after_revision=0"), None, None);
+    s.expect_error(&r, 404, "not_found");
+    let r = s.call("GET", &format!("{base}?after_revision=x"), None, None);
+    assert_eq!(r.status, 400, "{}", r.body);
+    // Malformed bodies and ids.
+    let r = s.admin(
+        "PUT",
+        &format!("{base}/sync/abc"),
+        Some(json!({"session": 1, "missed_regions": []})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = s.admin(
+        "PUT",
+        &format!("{base}/sync/1"),
+        Some(json!({"session": "one"})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = s.admin(
+        "PUT",
+        &format!("{base}/missed"),
+        Some(json!({"session": 1, "extents": {"first": [0]}})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let r = s.admin(
+        "PUT",
+        &format!("{base}/missed"),
+        Some(json!({"session": 1, "extents": {"99": [0]}})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    // A job that does not exist is over.
+    let r = s.admin(
+        "PUT",
+        &format!("{base}/sync/7"),
+        Some(json!({"session": 1, "missed_regions": null})),
+    );
+    s.expect_error(&r, 404, "not_found");
+    // Without the admin token nothing is recorded.
+    let r = s.call(
+        "PUT",
+        &format!("{base}/session"),
+        None,
+        Some(json!({"session": 1, "revision": 0})),
+    );
+    assert_eq!(r.status, 401, "{}", r.body);
+    // History: empty for a new volume, 404 for none.
+    let r = s.call("GET", &format!("/v1/volumes/{v}/history"), None, None);
+    assert_eq!((r.status, r.json()), (200, json!([])));
+    let r = s.call(
+        "GET",
+        &format!("/v1/volumes/{}/history", uuid(10)),
+        None,
+        None,
+    );
+    s.expect_error(&r, 404, "not_found");
+    let m = s.call("GET", "/metrics", None, None).body;
+    assert!(m.contains("nvpool_copies_running 0"), "{m}");
+    assert!(m.contains("nvpool_stale_extents 0"), "{m}");
+}
+
+#[test]
 fn tokens_guard_every_mutation() {
     let s = serve(tokens());
     let reg = registration(0, "r0", 1, 8);

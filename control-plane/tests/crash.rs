@@ -5,7 +5,8 @@
 //!
 //! - the store opens (redb repairs the file) and its revision never goes back;
 //! - the state is consistent: no overlapping or double-allocated extents,
-//!   every volume complete, name index and pools coherent (`Cluster::check`);
+//!   every volume complete, name index and pools coherent, every copy job
+//!   writing only a stale copy and reading an in-sync one (`Cluster::check`);
 //! - durability: every operation the child saw committed is there (created
 //!   volumes exist unless a delete of them had started, deleted ones are
 //!   gone, grown ones are at least that large), and no volume exists that
@@ -196,6 +197,12 @@ fn step(c: &Cluster, live: &Mutex<Vec<Uuid>>, rng: &mut Rng) {
             println!("@@ OK attach {uuid} {host}");
             live.lock().unwrap().push(uuid);
         }
+        Some(uuid) if roll < 95 => {
+            println!("@@ BEGIN resync {uuid}");
+            resync_step(c, &uuid, rng);
+            println!("@@ OK resync {uuid}");
+            live.lock().unwrap().push(uuid);
+        }
         Some(uuid) => {
             let size = c.volume(&uuid).unwrap().volume.size_bytes + (1 + rng.below(512)) * 4096;
             println!("@@ BEGIN grow {uuid} {size}");
@@ -205,6 +212,61 @@ fn step(c: &Cluster, live: &Mutex<Vec<Uuid>>, rng: &mut Rng) {
                 Err(e) => panic!("grow: {e}"),
             }
             live.lock().unwrap().push(uuid);
+        }
+    }
+}
+
+/// One step of a copy's life on a mirrored volume: a host reports a copy
+/// failed, a job starts on it, moves through its states, and ends done or
+/// failed (the heal loop's transitions, without targets).
+fn resync_step(c: &Cluster, uuid: &Uuid, rng: &mut Rng) {
+    let view = c.volume(uuid).unwrap();
+    let copies = u32::from(view.volume.layout.copies());
+    if copies < 2 {
+        return;
+    }
+    let host = "nqn.2014-08.org.nvmexpress:uuid:host-0";
+    if c.attachment(uuid, host).is_err() {
+        println!("@@ BEGIN attach {uuid} {host}");
+        c.begin_attach(uuid, host).unwrap();
+        c.finish_attach(uuid, host).unwrap();
+        println!("@@ OK attach {uuid} {host}");
+    }
+    let cs = c.copy_state(uuid).unwrap();
+    match cs.jobs.first() {
+        None if view.failed_extents.is_empty() => {
+            let e = rng.below(u64::from(copies)) as u32;
+            c.report_failed_extents(uuid, host, &[e]).unwrap();
+        }
+        None => {
+            let mine: Vec<_> = c
+                .resync_candidates(0)
+                .unwrap()
+                .into_iter()
+                .filter(|k| k.volume == *uuid)
+                .collect();
+            if let Some(k) = mine.first() {
+                c.create_job(k).unwrap();
+            }
+        }
+        Some(j) => {
+            use nvpool_control::resync::JobState;
+            match j.state {
+                JobState::Arming => {
+                    c.job_mirroring(uuid, j.id).unwrap();
+                }
+                JobState::Mirroring => {
+                    for a in c.volume_attachments(uuid).unwrap() {
+                        c.confirm_sync(uuid, &a.host_nqn, j.id, 1, Some(&[0]))
+                            .unwrap();
+                    }
+                    c.job_copying(uuid, j.id).unwrap();
+                }
+                JobState::Copying => {
+                    let error = (rng.below(3) == 0).then_some("copier failed");
+                    c.finish_job(uuid, j.id, error).unwrap();
+                }
+            }
         }
     }
 }

@@ -1,0 +1,258 @@
+//! The heal loop: finds stale copies whose target is back and drives a copy
+//! job through its states ([`crate::resync`]) by programming the targets.
+//!
+//! ```text
+//!  every HEAL_INTERVAL_MS
+//!   ├─ stale copy, target online, a source in sync ─► create_job (arming)
+//!   ├─ arming:    export the source extent to the destination target's
+//!   │             copier; arm the copy there (its guard records host writes)
+//!   │             ─► mirroring (hosts are told)
+//!   ├─ mirroring: every writer confirmed ─► start the copier on the regions
+//!   │             ─► copying; no confirmation in MIRROR_CONFIRM_TIMEOUT_MS ─► failed
+//!   └─ copying:   poll the target: progress, done ─► in sync, failed ─► stale
+//! ```
+//!
+//! **Where the copier runs.** On the destination's target: it reads the
+//! source over NVMe/TCP and writes its own device, so the data crosses the
+//! network once, GPU hosts spend no CPU on it, volumes nobody attached heal
+//! too, and the guard that orders the copier against host writes sits
+//! where both kinds of write land. The control plane only moves state.
+//!
+//! Everything here blocks; the loop runs on a thread of its own. Errors
+//! talking to a target end the job (it is retried after
+//! `RESYNC_RETRY_MS`); errors of the store are logged and the next round
+//! tries again.
+
+use crate::attach::host_subsystem_nqn;
+use crate::limits::{
+    COPIES_PER_TARGET_MAX, HEAL_INTERVAL_MS, MIRROR_CONFIRM_TIMEOUT_MS, REBUILD_RATE_BYTES_PER_SEC,
+    RESYNC_RETRY_MS,
+};
+use crate::model::{Uuid, Volume};
+use crate::plan::RESYNC_REGION_BYTES;
+use crate::program::{ensure_exports, Added, ProgramError, TargetAdmin};
+use crate::resync::{copier_export, copier_nqn, CopyJob, JobState};
+use crate::state::{Cluster, StateError};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How the heal loop behaves.
+#[derive(Debug, Clone)]
+pub struct HealConfig {
+    pub interval: Duration,
+    /// Copy rate of each job on its target (0: unthrottled).
+    pub rate_bytes_per_sec: u64,
+    pub retry_ms: u64,
+    pub confirm_timeout_ms: u64,
+}
+
+impl Default for HealConfig {
+    fn default() -> HealConfig {
+        HealConfig {
+            interval: Duration::from_millis(HEAL_INTERVAL_MS),
+            rate_bytes_per_sec: REBUILD_RATE_BYTES_PER_SEC,
+            retry_ms: RESYNC_RETRY_MS,
+            confirm_timeout_ms: MIRROR_CONFIRM_TIMEOUT_MS,
+        }
+    }
+}
+
+/// Why one step of a job failed.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// The heal loop on a thread of its own, until `stop` is set.
+pub fn spawn(
+    cluster: Arc<Cluster>,
+    cfg: HealConfig,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("nvpool-heal".into())
+        .spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Err(e) = heal_once(&cluster, &cfg) {
+                    tracing::warn!(error = %e, "heal round failed; retrying");
+                }
+                // Sleep in small steps so a stop is prompt.
+                let mut left = cfg.interval;
+                while !left.is_zero() && !stop.load(Ordering::Relaxed) {
+                    let step = left.min(Duration::from_millis(100));
+                    std::thread::sleep(step);
+                    left -= step;
+                }
+            }
+        })
+}
+
+/// The id of a job on its destination target.
+pub fn target_copy_id(volume: &Uuid, job: u64) -> String {
+    format!("{volume}-{job}")
+}
+
+/// One round: start jobs on stale copies, move every job on.
+pub fn heal_once(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
+    start_jobs(cluster, cfg)?;
+    let s = cluster.snapshot()?;
+    for (uuid, cs) in &s.copy_states {
+        let Some(v) = s.volumes.get(uuid) else {
+            continue;
+        };
+        for job in &cs.value.jobs {
+            if let Err(e) = step(cluster, cfg, &v.value, job) {
+                let why = e.to_string();
+                tracing::warn!(volume = %uuid, job = job.id, extent = job.extent, error = %why,
+                    "copy job failed");
+                if let Err(e) = cluster.finish_job(uuid, job.id, Some(&why)) {
+                    tracing::warn!(error = %e, "recording a failed copy job failed");
+                }
+                cleanup(cluster, &v.value, job);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
+    let candidates = cluster.resync_candidates(cfg.retry_ms)?;
+    if candidates.is_empty() {
+        return Ok(());
+    }
+    let s = cluster.snapshot()?;
+    let mut per_target: BTreeMap<String, usize> = BTreeMap::new();
+    for (uuid, cs) in &s.copy_states {
+        if let Some(v) = s.volumes.get(uuid) {
+            for j in &cs.value.jobs {
+                if let Some(e) = v.value.extents.get(j.extent as usize) {
+                    *per_target.entry(e.target.clone()).or_default() += 1;
+                }
+            }
+        }
+    }
+    for c in candidates {
+        let Some(v) = s.volumes.get(&c.volume) else {
+            continue;
+        };
+        let dest = &v.value.extents[c.extent as usize].target;
+        let n = per_target.entry(dest.clone()).or_default();
+        if *n >= COPIES_PER_TARGET_MAX {
+            continue;
+        }
+        if let Some(job) = cluster.create_job(&c)? {
+            *n += 1;
+            tracing::info!(volume = %c.volume, job = job.id, extent = c.extent,
+                source = c.source, kind = job.kind.as_str(), "copy job created");
+        }
+    }
+    Ok(())
+}
+
+fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Result<(), StepError> {
+    let now = cluster.now();
+    let id = target_copy_id(&v.uuid, job.id);
+    let dest = &v.extents[job.extent as usize];
+    let dest_target = cluster.target(&dest.target)?.target;
+    match job.state {
+        JobState::Arming => {
+            let src = &v.extents[job.source as usize];
+            let src_target = cluster.target(&src.target)?.target;
+            let x = copier_export(v, job)
+                .ok_or_else(|| StepError::Other("the job names no extent".into()))?;
+            let mut added = Added::default();
+            ensure_exports(
+                &TargetAdmin::new(&src_target),
+                &src_target,
+                &x.host_nqn,
+                std::slice::from_ref(&x),
+                &mut added,
+            )?;
+            let device = dest_target.device(&dest.device).ok_or_else(|| {
+                StepError::Other(format!("device {} is no longer registered", dest.device))
+            })?;
+            let body = serde_json::json!({
+                "dest": format!("{},offset={},length={}", device.backend, dest.offset, dest.length),
+                "source": {
+                    "addr": src_target.addr.to_string(),
+                    "subsystem_nqn": host_subsystem_nqn(&copier_nqn(&dest.target)),
+                    "nsid": job.copier_nsid,
+                    "host_nqn": copier_nqn(&dest.target),
+                },
+                "region_bytes": RESYNC_REGION_BYTES,
+                "rate_bytes_per_sec": cfg.rate_bytes_per_sec,
+            });
+            TargetAdmin::new(&dest_target).arm_copy(&id, &body)?;
+            cluster.job_mirroring(&v.uuid, job.id)?;
+            tracing::info!(volume = %v.uuid, job = job.id, "copy armed; hosts mirror to it");
+        }
+        JobState::Mirroring => {
+            if let Some(started) = cluster.job_copying(&v.uuid, job.id)? {
+                TargetAdmin::new(&dest_target).start_copy(&id, started.regions.as_deref())?;
+                tracing::info!(volume = %v.uuid, job = job.id, kind = started.kind.as_str(),
+                    bytes = started.bytes_total, "copy started");
+            } else if now.saturating_sub(job.state_ms) > cfg.confirm_timeout_ms {
+                let s = cluster.snapshot()?;
+                let missing: Vec<String> = s
+                    .writers_of(&v.uuid)
+                    .into_iter()
+                    .filter(|h| !job.confirmed.contains(h))
+                    .collect();
+                return Err(StepError::Other(format!(
+                    "hosts did not confirm mirroring within {} s: {}",
+                    cfg.confirm_timeout_ms / 1000,
+                    missing.join(", ")
+                )));
+            }
+        }
+        JobState::Copying => {
+            let st = TargetAdmin::new(&dest_target)
+                .copy_status(&id)?
+                .ok_or_else(|| {
+                    StepError::Other("the target forgot the copy (it restarted)".into())
+                })?;
+            match st.state.as_str() {
+                "done" => {
+                    cluster.finish_job(&v.uuid, job.id, None)?;
+                    tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
+                        bytes = st.bytes_copied, "copy in sync");
+                    cleanup(cluster, v, job);
+                }
+                "failed" | "cancelled" => {
+                    return Err(StepError::Other(
+                        st.error
+                            .unwrap_or_else(|| format!("the copier stopped ({})", st.state)),
+                    ))
+                }
+                _ => cluster.job_progress(&v.uuid, job.id, st.bytes_copied)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Disarms the copy on the destination and removes the source's copier
+/// export (best effort: reconciliation removes a leftover export, and a
+/// leftover guard only records writes until the target restarts).
+fn cleanup(cluster: &Cluster, v: &Volume, job: &CopyJob) {
+    let id = target_copy_id(&v.uuid, job.id);
+    let dest = &v.extents[job.extent as usize];
+    if let Ok(t) = cluster.target(&dest.target) {
+        if let Err(e) = TargetAdmin::new(&t.target).delete_copy(&id) {
+            tracing::debug!(error = %e, "removing the copy on its target failed");
+        }
+    }
+    let src = &v.extents[job.source as usize];
+    if let (Ok(t), Some(x)) = (cluster.target(&src.target), copier_export(v, job)) {
+        if let Err(e) = TargetAdmin::new(&t.target).delete_namespace(&x.subsystem_nqn, x.nsid) {
+            tracing::debug!(error = %e, "removing the copier export failed");
+        }
+    }
+}

@@ -1,0 +1,1142 @@
+//! Copies that heal: the record of what each stale copy missed, the copy
+//! jobs that bring it back in sync, and what hosts say about both.
+//!
+//! **One mechanism.** A copy job fills a destination extent from an in-sync
+//! copy of the same (row, member) while hosts keep writing the volume.
+//! Today the destination is a stale copy itself (resync in place); moving
+//! or replacing a copy is the same job with another destination. Its steps,
+//! in this order (docs/ARCHITECTURE.md C17 says why the order is safe):
+//!
+//! ```text
+//!  arming ──► mirroring ──────────────────────────► copying ──► done
+//!   │ the destination target    │ every attached host     │ the target's
+//!   │ records host writes to    │ writes to the copy,     │ copier fills the
+//!   │ the extent (its guard);   │ drained its older       │ regions; the copy
+//!   │ the source extent is      │ writes and confirmed    │ leaves the failed
+//!   │ exported to the target    │ with its missed map     │ set in one txn
+//!   └──────────── any failure or timeout: failed, the copy stays stale ──┘
+//! ```
+//!
+//! **What a stale copy missed.** While a copy is stale every host writing
+//! the volume records which regions ([`RESYNC_REGION_BYTES`]) it wrote.
+//! The control plane merges those maps into [`Missed::regions`]; a map that
+//! was lost (a host's serving process died, a forced detach) makes it
+//! `None`, and the copy is then copied whole. A host owes its map from the
+//! moment the copy failed (or it started serving) until it hands the map
+//! over: when it confirms mirroring, or when it stops serving.
+//!
+//! **Revision.** Hosts learn of jobs by long-polling their attachment on
+//! [`CopyState::revision`], bumped whenever a host must act: a job starts
+//! mirroring, ends, or fails.
+//!
+//! Stored at `/copy-state/{uuid}`, one record per volume, next to the
+//! volume's [`FailedCopies`] (the copies never to be read).
+
+use crate::attach::{attach_keys as ak, AttachmentState, Export, FailedCopies};
+use crate::limits::{COPY_HISTORY_MAX, ID_BYTES_MAX};
+use crate::model::{encode, ModelError, Uuid, Volume};
+use crate::plan::RESYNC_REGION_BYTES;
+use crate::state::{Attempt, Cluster, Snapshot, StateError};
+use crate::store::{Condition, Op};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Store key prefix of the copy-state records.
+pub const COPY_STATE: &str = "/copy-state/";
+
+pub fn copy_state_key(volume: &Uuid) -> String {
+    format!("{COPY_STATE}{volume}")
+}
+
+/// Host NQN under which a target's copier reads source extents.
+pub fn copier_nqn(target: &str) -> String {
+    format!("nqn.2026-11.io.nvpool:copier:{target}")
+}
+
+/// Regions of an extent of `extent_bytes`.
+pub fn region_count(extent_bytes: u64) -> u32 {
+    extent_bytes.div_ceil(RESYNC_REGION_BYTES) as u32
+}
+
+/// What kind of copy a job makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopyKind {
+    /// A stale copy back in place: only the regions it missed.
+    ResyncPartial,
+    /// A stale copy back in place, every byte (what it missed is unknown).
+    ResyncFull,
+}
+
+impl CopyKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            CopyKind::ResyncPartial => "resync-partial",
+            CopyKind::ResyncFull => "resync-full",
+        }
+    }
+}
+
+/// Where a running job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Recorded; the destination target is being told to guard the extent
+    /// and the source exported to it. Hosts do not know yet.
+    Arming,
+    /// Hosts are told to write to the copy; waiting for every one of them
+    /// to confirm.
+    Mirroring,
+    /// The destination target's copier is filling the regions.
+    Copying,
+}
+
+/// A copy under way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyJob {
+    /// Unique within the volume, never reused.
+    pub id: u64,
+    /// The destination: index into the volume's extents.
+    pub extent: u32,
+    /// The in-sync copy read from: index into the volume's extents.
+    pub source: u32,
+    pub kind: CopyKind,
+    pub state: JobState,
+    /// Regions to copy, fixed when copying starts; `None`: all.
+    pub regions: Option<Vec<u32>>,
+    /// Hosts that mirror to the copy and drained their older writes.
+    pub confirmed: BTreeSet<String>,
+    pub started_ms: u64,
+    /// When it entered its current state (for timeouts).
+    pub state_ms: u64,
+    /// The namespace of the source extent in the copier's subsystem on the
+    /// source's target.
+    pub copier_nsid: u32,
+    pub bytes_total: u64,
+    /// As last polled from the destination target.
+    pub bytes_copied: u64,
+}
+
+/// A finished copy, for `nvpool volume history`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyRecord {
+    pub id: u64,
+    pub extent: u32,
+    pub source: u32,
+    pub kind: CopyKind,
+    pub started_ms: u64,
+    pub finished_ms: u64,
+    pub bytes_total: u64,
+    pub bytes_copied: u64,
+    /// `None`: it completed; otherwise why it failed.
+    pub error: Option<String>,
+}
+
+/// What is known of the writes a stale copy missed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Missed {
+    pub since_ms: u64,
+    /// Regions written since the copy failed, as far as every host has
+    /// told; `None` when some host's record was lost: copy it all.
+    pub regions: Option<BTreeSet<u32>>,
+    /// Hosts whose record of this copy is not merged yet.
+    pub owed: BTreeSet<String>,
+}
+
+/// Per volume: resync bookkeeping (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyState {
+    pub volume: Uuid,
+    pub revision: u64,
+    /// Host NQN → the session of its serving process.
+    pub sessions: BTreeMap<String, u64>,
+    /// Stale extent → what it missed.
+    pub missed: BTreeMap<u32, Missed>,
+    pub jobs: Vec<CopyJob>,
+    /// Oldest first, at most `COPY_HISTORY_MAX`.
+    pub history: Vec<CopyRecord>,
+    pub next_job: u64,
+}
+
+impl CopyState {
+    pub fn new(volume: Uuid) -> CopyState {
+        CopyState {
+            volume,
+            revision: 0,
+            sessions: BTreeMap::new(),
+            missed: BTreeMap::new(),
+            jobs: Vec::new(),
+            history: Vec::new(),
+            next_job: 1,
+        }
+    }
+
+    pub fn job(&self, id: u64) -> Option<&CopyJob> {
+        self.jobs.iter().find(|j| j.id == id)
+    }
+
+    pub fn job_on(&self, extent: u32) -> Option<&CopyJob> {
+        self.jobs.iter().find(|j| j.extent == extent)
+    }
+
+    /// Copies hosts must write to: jobs past arming.
+    pub fn syncing(&self) -> Vec<SyncingCopy> {
+        self.jobs
+            .iter()
+            .filter(|j| j.state != JobState::Arming)
+            .map(|j| SyncingCopy {
+                extent: j.extent,
+                job: j.id,
+            })
+            .collect()
+    }
+
+    /// `host` owes its record of every stale copy from now on (it serves
+    /// the volume), except copies it already mirrors to.
+    fn owe_from_now(&mut self, host: &str) {
+        let mirrored: BTreeSet<u32> = self
+            .jobs
+            .iter()
+            .filter(|j| j.confirmed.contains(host))
+            .map(|j| j.extent)
+            .collect();
+        for (e, m) in self.missed.iter_mut() {
+            if !mirrored.contains(e) {
+                m.owed.insert(host.to_owned());
+            }
+        }
+    }
+
+    /// `host`'s records are lost: what it wrote is unknown.
+    fn lose_records_of(&mut self, host: &str) {
+        for m in self.missed.values_mut() {
+            if m.owed.remove(host) {
+                m.regions = None;
+            }
+        }
+    }
+
+    fn merge(&mut self, host: &str, extent: u32, regions: &[u32]) {
+        if let Some(m) = self.missed.get_mut(&extent) {
+            if m.owed.remove(host) {
+                if let Some(r) = &mut m.regions {
+                    r.extend(regions.iter().copied());
+                }
+            }
+        }
+    }
+
+    fn push_history(&mut self, r: CopyRecord) {
+        self.history.push(r);
+        let excess = self.history.len().saturating_sub(COPY_HISTORY_MAX);
+        self.history.drain(..excess);
+    }
+}
+
+/// A copy hosts write to but never read, and the job filling it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct SyncingCopy {
+    pub extent: u32,
+    pub job: u64,
+}
+
+/// What a host is told about its attachment's copies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostCopies {
+    /// Never read (stale, or syncing).
+    pub failed_extents: Vec<u32>,
+    /// Write to these (a subset of `failed_extents`).
+    pub syncing: Vec<SyncingCopy>,
+    pub revision: u64,
+}
+
+impl Snapshot {
+    pub fn copy_state(&self, volume: &Uuid) -> CopyState {
+        self.copy_states
+            .get(volume)
+            .map(|v| v.value.clone())
+            .unwrap_or_else(|| CopyState::new(*volume))
+    }
+
+    /// The condition that the copy-state record is as read, and the op
+    /// that writes `next`.
+    pub(crate) fn copy_state_txn(&self, next: &CopyState) -> (Condition, Op) {
+        let key = copy_state_key(&next.volume);
+        let cond = match self.copy_states.get(&next.volume) {
+            Some(v) => Condition::VersionIs(key.clone(), v.version),
+            None => Condition::Missing(key.clone()),
+        };
+        (cond, Op::Put(key, encode(next)))
+    }
+
+    /// Hosts attached to `volume` (any state but detaching).
+    pub fn writers_of(&self, volume: &Uuid) -> BTreeSet<String> {
+        self.attachments_of(volume)
+            .into_iter()
+            .filter(|a| a.value.state != AttachmentState::Detaching)
+            .map(|a| a.value.host_nqn.clone())
+            .collect()
+    }
+
+    /// Exports the running jobs need on `target`: each source extent there,
+    /// to the copier of the destination's target.
+    pub fn copier_exports(&self, target: &str) -> Vec<Export> {
+        let mut out = Vec::new();
+        for (uuid, cs) in &self.copy_states {
+            let Some(v) = self.volumes.get(uuid) else {
+                continue;
+            };
+            for j in &cs.value.jobs {
+                if let Some(x) = copier_export(&v.value, j) {
+                    if v.value.extents[j.source as usize].target == target {
+                        out.push(x);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The export through which the destination's target reads `job`'s source.
+pub fn copier_export(v: &Volume, job: &CopyJob) -> Option<Export> {
+    let src = v.extents.get(job.source as usize)?;
+    let dst = v.extents.get(job.extent as usize)?;
+    let host = copier_nqn(&dst.target);
+    Some(Export {
+        subsystem_nqn: crate::attach::host_subsystem_nqn(&host),
+        host_nqn: host,
+        nsid: job.copier_nsid,
+        device: src.device.clone(),
+        offset: src.offset,
+        length: src.length,
+    })
+}
+
+fn check_extent(v: &Volume, extent: u32) -> Result<(), StateError> {
+    if extent as usize >= v.extents.len() {
+        return Err(ModelError::Invalid(format!(
+            "extent {extent} does not exist; the volume has {}",
+            v.extents.len()
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// A stale copy a job could start on now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub volume: Uuid,
+    pub extent: u32,
+    pub source: u32,
+}
+
+impl Cluster {
+    /// Runs `change` on the volume's copy-state record until it commits;
+    /// `change` may add conditions and ops (other records) of its own and
+    /// returns `None` to leave everything as it is.
+    pub(crate) fn change_copy_state<T>(
+        &self,
+        volume: &Uuid,
+        change: impl Fn(
+            &Snapshot,
+            &mut CopyState,
+            &mut Vec<Condition>,
+            &mut Vec<Op>,
+        ) -> Result<Option<T>, StateError>,
+    ) -> Result<Option<T>, StateError> {
+        self.retry(|| {
+            let s = self.snapshot()?;
+            if !s.volumes.contains_key(volume) {
+                return Err(StateError::VolumeNotFound(volume.to_string()));
+            }
+            let mut cs = s.copy_state(volume);
+            let (mut conds, mut ops) = (Vec::new(), Vec::new());
+            let Some(t) = change(&s, &mut cs, &mut conds, &mut ops)? else {
+                return Ok(Attempt::Done(None));
+            };
+            let (c, o) = s.copy_state_txn(&cs);
+            conds.push(c);
+            ops.push(o);
+            Ok(if self.commit(&conds, &ops)? {
+                Attempt::Done(Some(t))
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
+    /// The volume's copy-state record (a fresh one if none is stored).
+    pub fn copy_state(&self, volume: &Uuid) -> Result<CopyState, StateError> {
+        let key = copy_state_key(volume);
+        match self.store().get(&key)? {
+            Some(kv) => crate::model::decode("copy state", &kv.value).map_err(|source| {
+                StateError::Corrupt {
+                    key: key.clone(),
+                    source,
+                }
+            }),
+            None => Ok(CopyState::new(*volume)),
+        }
+    }
+
+    /// What `host` must know of the volume's copies.
+    pub fn host_copies(&self, volume: &Uuid, host: &str) -> Result<HostCopies, StateError> {
+        let s = self.snapshot()?;
+        let a = s
+            .attachments
+            .get(&(*volume, host.to_owned()))
+            .ok_or_else(|| StateError::NotAttached {
+                volume: *volume,
+                host: host.to_owned(),
+            })?;
+        let cs = s.copy_state(volume);
+        let failed: BTreeSet<u32> = a
+            .value
+            .failed_extents
+            .iter()
+            .chain(
+                s.failed_copies
+                    .get(volume)
+                    .iter()
+                    .flat_map(|f| &f.value.extents),
+            )
+            .copied()
+            .collect();
+        Ok(HostCopies {
+            failed_extents: failed.into_iter().collect(),
+            syncing: cs.syncing(),
+            revision: cs.revision,
+        })
+    }
+
+    /// A host's serving process started with session `session`, having
+    /// read the copy state at `revision`. A different earlier session of
+    /// the same host ended without handing over its records: they are lost.
+    /// Jobs the host saw at open (it opened their copies mirroring) count
+    /// as confirmed by it.
+    pub fn register_session(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        session: u64,
+        revision: u64,
+    ) -> Result<(), StateError> {
+        self.change_copy_state(volume, |s, cs, _, _| {
+            if !s.attachments.contains_key(&(*volume, host.to_owned())) {
+                return Err(StateError::NotAttached {
+                    volume: *volume,
+                    host: host.to_owned(),
+                });
+            }
+            match cs.sessions.get(host) {
+                Some(&old) if old == session => return Ok(None),
+                Some(_) => cs.lose_records_of(host),
+                None => {}
+            }
+            cs.sessions.insert(host.to_owned(), session);
+            if revision >= cs.revision {
+                for j in cs.jobs.iter_mut() {
+                    if j.state != JobState::Arming {
+                        j.confirmed.insert(host.to_owned());
+                    }
+                }
+            }
+            cs.owe_from_now(host);
+            Ok(Some(()))
+        })
+        .map(|_| ())
+    }
+
+    /// A host's serving process stops and hands over what each stale copy
+    /// missed from it (`extents`: extent → regions; a stale copy absent
+    /// from the map missed nothing from this host).
+    pub fn hand_over_missed(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        session: u64,
+        extents: &BTreeMap<u32, Vec<u32>>,
+    ) -> Result<(), StateError> {
+        self.change_copy_state(volume, |s, cs, _, _| {
+            let v = &s.volumes[volume].value;
+            for &e in extents.keys() {
+                check_extent(v, e)?;
+            }
+            if cs.sessions.get(host) != Some(&session) {
+                // Not the session we know: its records belong to nothing
+                // we track (or were already declared lost).
+                return Ok(None);
+            }
+            let stale: Vec<u32> = cs.missed.keys().copied().collect();
+            for e in stale {
+                let regions = extents.get(&e).map(Vec::as_slice).unwrap_or(&[]);
+                cs.merge(host, e, regions);
+            }
+            cs.sessions.remove(host);
+            Ok(Some(()))
+        })
+        .map(|_| ())
+    }
+
+    /// A host mirrors to job `job`'s copy and has drained its older
+    /// writes; `missed` is what the copy missed from it (`None`: unknown).
+    pub fn confirm_sync(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        job: u64,
+        session: u64,
+        missed: Option<&[u32]>,
+    ) -> Result<bool, StateError> {
+        self.change_copy_state(volume, |_, cs, _, _| {
+            let Some(j) = cs.job(job) else {
+                return Ok(Some(false));
+            };
+            if j.state != JobState::Mirroring || j.confirmed.contains(host) {
+                return Ok(Some(j.state != JobState::Arming));
+            }
+            let extent = j.extent;
+            if cs.sessions.get(host) != Some(&session) {
+                // A session the control plane does not know (started
+                // before a lost registration): its record cannot be
+                // trusted to cover everything.
+                cs.lose_records_of(host);
+                cs.sessions.insert(host.to_owned(), session);
+            }
+            match missed {
+                Some(r) => cs.merge(host, extent, r),
+                None => {
+                    if let Some(m) = cs.missed.get_mut(&extent) {
+                        m.owed.remove(host);
+                        m.regions = None;
+                    }
+                }
+            }
+            if let Some(j) = cs.jobs.iter_mut().find(|j| j.id == job) {
+                j.confirmed.insert(host.to_owned());
+            }
+            Ok(Some(true))
+        })
+        .map(|r| r.unwrap_or(false))
+    }
+
+    /// Stale copies that could start a job now: no job on them, their
+    /// target online, an in-sync copy of the same row and member online to
+    /// copy from, and no failed attempt on them in the last `retry_ms`.
+    pub fn resync_candidates(&self, retry_ms: u64) -> Result<Vec<Candidate>, StateError> {
+        let s = self.snapshot()?;
+        let now = self.now();
+        let online = |t: &str| {
+            s.targets.get(t).is_some_and(|t| {
+                t.value.health(now, self.config().heartbeat_timeout_ms)
+                    == crate::model::Health::Online
+            })
+        };
+        let mut out = Vec::new();
+        for (uuid, f) in &s.failed_copies {
+            let Some(v) = s.volumes.get(uuid) else {
+                continue;
+            };
+            let v = &v.value;
+            let cs = s.copy_state(uuid);
+            let failed: BTreeSet<u32> = f.value.extents.iter().copied().collect();
+            let copies = u32::from(v.layout.copies());
+            for &e in &f.value.extents {
+                let Some(ext) = v.extents.get(e as usize) else {
+                    continue;
+                };
+                if cs.job_on(e).is_some() || !online(&ext.target) {
+                    continue;
+                }
+                let recent_failure = cs.history.iter().rev().any(|r| {
+                    r.extent == e
+                        && r.error.is_some()
+                        && now.saturating_sub(r.finished_ms) < retry_ms
+                });
+                if recent_failure {
+                    continue;
+                }
+                let group = e / copies * copies;
+                let source = (group..group + copies).find(|&c| {
+                    !failed.contains(&c)
+                        && cs.job_on(c).is_none()
+                        && v.extents.get(c as usize).is_some_and(|x| online(&x.target))
+                });
+                if let Some(source) = source {
+                    out.push(Candidate {
+                        volume: *uuid,
+                        extent: e,
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Records a new job (arming) on a stale copy. Serialised with
+    /// allocations so copier NSIDs, allocated across volumes per (source
+    /// target, destination target), never collide. Returns `None` when the
+    /// copy has a job already or is no longer stale.
+    pub fn create_job(&self, c: &Candidate) -> Result<Option<CopyJob>, StateError> {
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let Some(v) = s.volumes.get(&c.volume) else {
+                return Ok(Attempt::Done(None));
+            };
+            let v = &v.value;
+            check_extent(v, c.extent)?;
+            check_extent(v, c.source)?;
+            let stale = s
+                .failed_copies
+                .get(&c.volume)
+                .is_some_and(|f| f.value.extents.contains(&c.extent));
+            let mut cs = s.copy_state(&c.volume);
+            if !stale || cs.job_on(c.extent).is_some() {
+                return Ok(Attempt::Done(None));
+            }
+            let (src_t, dst_t) = (
+                v.extents[c.source as usize].target.as_str(),
+                v.extents[c.extent as usize].target.as_str(),
+            );
+            // NSIDs of the copier's subsystem on the source target in use.
+            let mut used = BTreeSet::new();
+            for (uuid, other) in &s.copy_states {
+                let Some(ov) = s.volumes.get(uuid) else {
+                    continue;
+                };
+                for j in &other.value.jobs {
+                    let (os, od) = (
+                        ov.value.extents.get(j.source as usize),
+                        ov.value.extents.get(j.extent as usize),
+                    );
+                    if os.is_some_and(|x| x.target == src_t)
+                        && od.is_some_and(|x| x.target == dst_t)
+                    {
+                        used.insert(j.copier_nsid);
+                    }
+                }
+            }
+            let nsid = (1..).find(|n| !used.contains(n)).unwrap_or(1);
+            let now = self.now();
+            let missed = cs.missed.entry(c.extent).or_insert_with(|| Missed {
+                since_ms: now,
+                regions: None,
+                owed: BTreeSet::new(),
+            });
+            let kind = if missed.regions.is_some() {
+                CopyKind::ResyncPartial
+            } else {
+                CopyKind::ResyncFull
+            };
+            let job = CopyJob {
+                id: cs.next_job,
+                extent: c.extent,
+                source: c.source,
+                kind,
+                state: JobState::Arming,
+                regions: None,
+                confirmed: BTreeSet::new(),
+                started_ms: now,
+                state_ms: now,
+                copier_nsid: nsid,
+                bytes_total: v.extent_bytes,
+                bytes_copied: 0,
+            };
+            cs.next_job += 1;
+            cs.jobs.push(job.clone());
+            let (cond, op) = s.copy_state_txn(&cs);
+            self.commit_allocation(&s, vec![cond], vec![op], Some(job))
+        })
+    }
+
+    /// Arming → mirroring: hosts are told (the revision moves).
+    pub fn job_mirroring(&self, volume: &Uuid, job: u64) -> Result<bool, StateError> {
+        let now = self.now();
+        self.change_copy_state(volume, |_, cs, _, _| {
+            let Some(j) = cs.jobs.iter_mut().find(|j| j.id == job) else {
+                return Ok(None);
+            };
+            if j.state != JobState::Arming {
+                return Ok(None);
+            }
+            j.state = JobState::Mirroring;
+            j.state_ms = now;
+            cs.revision += 1;
+            Ok(Some(()))
+        })
+        .map(|r| r.is_some())
+    }
+
+    /// Mirroring → copying, once every host writing the volume confirmed.
+    /// Fixes the regions to copy: what the copy missed, or all of it when
+    /// that is unknown. Returns the job as started, or `None` if it must
+    /// still wait (or is gone).
+    pub fn job_copying(&self, volume: &Uuid, job: u64) -> Result<Option<CopyJob>, StateError> {
+        let now = self.now();
+        self.change_copy_state(volume, |s, cs, _, _| {
+            let writers = s.writers_of(volume);
+            let v = &s.volumes[volume].value;
+            let Some(idx) = cs.jobs.iter().position(|j| j.id == job) else {
+                return Ok(None);
+            };
+            let j = &cs.jobs[idx];
+            if j.state != JobState::Mirroring || !writers.iter().all(|h| j.confirmed.contains(h)) {
+                return Ok(None);
+            }
+            let extent = j.extent;
+            let regions = match cs.missed.get(&extent) {
+                // A host still owes its record: what it wrote is unknown.
+                Some(m) if m.owed.iter().any(|h| !j.confirmed.contains(h)) => None,
+                Some(m) => m.regions.clone(),
+                None => None,
+            };
+            let total_regions = region_count(v.extent_bytes);
+            let regions: Option<Vec<u32>> =
+                regions.map(|r| r.into_iter().filter(|&i| i < total_regions).collect());
+            let j = &mut cs.jobs[idx];
+            j.kind = if regions.is_some() {
+                CopyKind::ResyncPartial
+            } else {
+                CopyKind::ResyncFull
+            };
+            j.bytes_total = match &regions {
+                None => v.extent_bytes,
+                Some(r) => r
+                    .iter()
+                    .map(|&i| {
+                        let start = u64::from(i) * RESYNC_REGION_BYTES;
+                        RESYNC_REGION_BYTES.min(v.extent_bytes - start)
+                    })
+                    .sum(),
+            };
+            j.regions = regions;
+            j.state = JobState::Copying;
+            j.state_ms = now;
+            Ok(Some(j.clone()))
+        })
+    }
+
+    /// Records how far a copying job got.
+    pub fn job_progress(
+        &self,
+        volume: &Uuid,
+        job: u64,
+        bytes_copied: u64,
+    ) -> Result<(), StateError> {
+        self.change_copy_state(volume, |_, cs, _, _| {
+            match cs.jobs.iter_mut().find(|j| j.id == job) {
+                Some(j) if j.bytes_copied != bytes_copied => {
+                    j.bytes_copied = bytes_copied;
+                    Ok(Some(()))
+                }
+                _ => Ok(None),
+            }
+        })
+        .map(|_| ())
+    }
+
+    /// Ends a job. Done: the copy is in sync — it leaves the volume's
+    /// failed copies and every attachment's failed list in the same
+    /// transaction, so it is read again. Failed: the copy stays stale and
+    /// what it missed stays recorded (hosts owe their records again from
+    /// now on, when they stop mirroring to it).
+    pub fn finish_job(
+        &self,
+        volume: &Uuid,
+        job: u64,
+        error: Option<&str>,
+    ) -> Result<Option<CopyRecord>, StateError> {
+        let now = self.now();
+        self.change_copy_state(volume, |s, cs, conds, ops| {
+            let Some(idx) = cs.jobs.iter().position(|j| j.id == job) else {
+                return Ok(None);
+            };
+            let j = cs.jobs.remove(idx);
+            let record = CopyRecord {
+                id: j.id,
+                extent: j.extent,
+                source: j.source,
+                kind: j.kind,
+                started_ms: j.started_ms,
+                finished_ms: now,
+                bytes_total: j.bytes_total,
+                bytes_copied: if error.is_none() {
+                    j.bytes_total
+                } else {
+                    j.bytes_copied
+                },
+                error: error.map(str::to_owned),
+            };
+            if error.is_none() {
+                cs.missed.remove(&j.extent);
+                if let Some(f) = s.failed_copies.get(volume) {
+                    let key = ak::failed_copies(volume);
+                    conds.push(Condition::VersionIs(key.clone(), f.version));
+                    let rest: Vec<u32> = f
+                        .value
+                        .extents
+                        .iter()
+                        .copied()
+                        .filter(|&e| e != j.extent)
+                        .collect();
+                    if rest.is_empty() {
+                        ops.push(Op::Delete(key));
+                    } else {
+                        ops.push(Op::Put(
+                            key,
+                            encode(&FailedCopies {
+                                volume: *volume,
+                                extents: rest,
+                            }),
+                        ));
+                    }
+                }
+                for a in s.attachments_of(volume) {
+                    if a.value.failed_extents.contains(&j.extent) {
+                        let key = ak::attachment(volume, &a.value.host_nqn);
+                        conds.push(Condition::VersionIs(key.clone(), a.version));
+                        let mut next = a.value.clone();
+                        next.failed_extents.retain(|&e| e != j.extent);
+                        ops.push(Op::Put(key, encode(&next)));
+                    }
+                }
+            } else {
+                // Hosts that mirrored stop when they hear of it and record
+                // from then on; hosts that had not confirmed still owe.
+                let hosts: Vec<String> = cs.sessions.keys().cloned().collect();
+                if let Some(m) = cs.missed.get_mut(&j.extent) {
+                    m.owed.extend(hosts);
+                }
+            }
+            if j.state != JobState::Arming {
+                cs.revision += 1;
+            }
+            cs.push_history(record.clone());
+            Ok(Some(record))
+        })
+    }
+
+    /// Bookkeeping when copies fail: each newly stale copy starts a record
+    /// of what it misses, owed by every host writing the volume; a job on a
+    /// copy that failed again ends as failed. Called inside the failure
+    /// report's transaction.
+    pub(crate) fn on_copies_failed(
+        s: &Snapshot,
+        volume: &Uuid,
+        failed: &[u32],
+        now: u64,
+    ) -> Option<(Condition, Op)> {
+        let mut cs = s.copy_state(volume);
+        let before = cs.clone();
+        let writers = s.writers_of(volume);
+        for &e in failed {
+            let newly = !s
+                .failed_copies
+                .get(volume)
+                .is_some_and(|f| f.value.extents.contains(&e));
+            if let Some(idx) = cs.jobs.iter().position(|j| j.extent == e) {
+                let j = cs.jobs.remove(idx);
+                cs.revision += 1;
+                cs.push_history(CopyRecord {
+                    id: j.id,
+                    extent: j.extent,
+                    source: j.source,
+                    kind: j.kind,
+                    started_ms: j.started_ms,
+                    finished_ms: now,
+                    bytes_total: j.bytes_total,
+                    bytes_copied: j.bytes_copied,
+                    error: Some("a host lost its path to the copy".into()),
+                });
+            }
+            // A record kept from an earlier failure of this copy goes on
+            // (a lost one stays lost).
+            let m = cs.missed.entry(e).or_insert_with(|| Missed {
+                since_ms: now,
+                regions: Some(BTreeSet::new()),
+                owed: BTreeSet::new(),
+            });
+            m.owed.extend(writers.iter().cloned());
+            if newly {
+                // Other hosts must stop reading it.
+                cs.revision += 1;
+            }
+        }
+        (cs != before).then(|| s.copy_state_txn(&cs))
+    }
+
+    /// Bookkeeping when a host's attachment goes: records it still owed
+    /// are lost (a clean stop hands them over first).
+    pub(crate) fn on_detached(s: &Snapshot, volume: &Uuid, host: &str) -> Option<(Condition, Op)> {
+        let mut cs = s.copy_state(volume);
+        let before = cs.clone();
+        cs.lose_records_of(host);
+        cs.sessions.remove(host);
+        for j in cs.jobs.iter_mut() {
+            j.confirmed.remove(host);
+        }
+        (cs != before).then(|| s.copy_state_txn(&cs))
+    }
+}
+
+/// Checks an ID-like path parameter for the copy endpoints.
+pub fn validate_job_id(id: &str) -> Result<u64, ModelError> {
+    if id.len() > ID_BYTES_MAX {
+        return Err(ModelError::Invalid(format!("job id {id:?} is too long")));
+    }
+    id.parse()
+        .map_err(|_| ModelError::Invalid(format!("job id {id:?} is not a number")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::limits::EXTENT_BYTES_MIN;
+    use crate::model::{Device, Layout, VolumeSpec};
+    use crate::state::{StateConfig, TargetRegistration};
+    use crate::store::MemStore;
+    use std::sync::Arc;
+
+    /// Four resync regions per extent.
+    const E: u64 = 4 * EXTENT_BYTES_MIN;
+    const H1: &str = "nqn.2014-08.org.nvmexpress:uuid:host-1";
+    const H2: &str = "nqn.2014-08.org.nvmexpress:uuid:host-2";
+
+    /// Two targets, a two-copy raid1 volume of 4 extents' size (8
+    /// extents), attached to H1 and H2.
+    fn fixture() -> (Cluster, Arc<ManualClock>, Uuid) {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let config = StateConfig {
+            extent_bytes: E,
+            ..StateConfig::default()
+        };
+        let c = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+        for i in 0..2 {
+            c.register_target(&TargetRegistration {
+                id: format!("t{i}"),
+                name: format!("t{i}"),
+                addr: format!("127.0.0.1:{}", 4420 + i).parse().unwrap(),
+                admin_addr: format!("127.0.0.1:{}", 4480 + i).parse().unwrap(),
+                labels: BTreeMap::new(),
+                devices: vec![Device {
+                    id: "d0".into(),
+                    backend: "file:/dev/null".into(),
+                    capacity_bytes: 64 * E,
+                    labels: BTreeMap::new(),
+                }],
+            })
+            .unwrap();
+        }
+        let uuid = Uuid([7; 16]);
+        c.create_volume(&VolumeSpec {
+            uuid,
+            name: "v".into(),
+            size_bytes: 4 * E,
+            layout: Layout::Raid1 { copies: 2 },
+            pool: None,
+        })
+        .unwrap();
+        for h in [H1, H2] {
+            c.begin_attach(&uuid, h).unwrap();
+            c.finish_attach(&uuid, h).unwrap();
+        }
+        (c, clock, uuid)
+    }
+
+    fn candidate(c: &Cluster) -> Candidate {
+        let all = c.resync_candidates(0).unwrap();
+        assert_eq!(all.len(), 1, "{all:?}");
+        all[0].clone()
+    }
+
+    #[test]
+    fn partial_resync_copies_the_union_of_every_hosts_record() {
+        let (c, _, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        c.register_session(&v, H2, 22, 0).unwrap();
+        // H1 finds copy 1 of row 0 (extent 1) failed.
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        let cs = c.copy_state(&v).unwrap();
+        assert_eq!(cs.missed[&1].owed, [H1, H2].map(String::from).into());
+        assert!(cs.revision > 0, "other hosts are told to stop reading it");
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        assert_eq!(
+            (job.extent, job.source, job.state),
+            (1, 0, JobState::Arming)
+        );
+        assert!(
+            c.resync_candidates(0).unwrap().is_empty(),
+            "one job per copy"
+        );
+        assert!(
+            c.host_copies(&v, H1).unwrap().syncing.is_empty(),
+            "arming is not visible"
+        );
+        assert!(c.job_mirroring(&v, job.id).unwrap());
+        let seen = c.host_copies(&v, H2).unwrap();
+        assert_eq!(
+            seen.syncing,
+            vec![SyncingCopy {
+                extent: 1,
+                job: job.id
+            }]
+        );
+        assert_eq!(seen.failed_extents, vec![1], "still never read");
+        assert!(c.confirm_sync(&v, H1, job.id, 11, Some(&[0, 2])).unwrap());
+        assert!(
+            c.job_copying(&v, job.id).unwrap().is_none(),
+            "H2 has not confirmed"
+        );
+        // Regions past the extent's end are ignored.
+        assert!(c
+            .confirm_sync(&v, H2, job.id, 22, Some(&[2, 3, 9]))
+            .unwrap());
+        let started = c.job_copying(&v, job.id).unwrap().unwrap();
+        assert_eq!(started.kind, CopyKind::ResyncPartial);
+        assert_eq!(started.regions, Some(vec![0, 2, 3]));
+        assert_eq!(started.bytes_total, 3 * RESYNC_REGION_BYTES);
+        c.job_progress(&v, job.id, E / 2).unwrap();
+        let rec = c.finish_job(&v, job.id, None).unwrap().unwrap();
+        assert_eq!(
+            (rec.error, rec.bytes_copied),
+            (None, 3 * RESYNC_REGION_BYTES)
+        );
+        let view = c.volume(&v).unwrap();
+        assert!(view.failed_extents.is_empty(), "in sync: read again");
+        assert_eq!(view.status, crate::model::VolumeStatus::Online);
+        assert!(c.host_copies(&v, H1).unwrap().failed_extents.is_empty());
+        let cs = c.copy_state(&v).unwrap();
+        assert!(cs.missed.is_empty() && cs.jobs.is_empty());
+        assert_eq!(cs.history.len(), 1);
+        assert!(c.check().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_lost_record_means_a_full_copy() {
+        let (c, _, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        c.register_session(&v, H2, 22, 0).unwrap();
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        // H2's serving process dies; a new one starts: H2's record is gone.
+        c.register_session(&v, H2, 23, 0).unwrap();
+        assert_eq!(c.copy_state(&v).unwrap().missed[&1].regions, None);
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        assert_eq!(job.kind, CopyKind::ResyncFull);
+        c.job_mirroring(&v, job.id).unwrap();
+        c.confirm_sync(&v, H1, job.id, 11, Some(&[0])).unwrap();
+        c.confirm_sync(&v, H2, job.id, 23, Some(&[])).unwrap();
+        let started = c.job_copying(&v, job.id).unwrap().unwrap();
+        assert_eq!(
+            (started.kind, started.regions),
+            (CopyKind::ResyncFull, None)
+        );
+    }
+
+    #[test]
+    fn a_clean_stop_hands_over_and_an_unclean_detach_loses() {
+        let (c, _, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        c.register_session(&v, H2, 22, 0).unwrap();
+        c.report_failed_extents(&v, H1, &[3]).unwrap();
+        // H1 stops cleanly and detaches.
+        c.hand_over_missed(&v, H1, 11, &[(3, vec![0])].into())
+            .unwrap();
+        c.begin_detach(&v, H1).unwrap();
+        c.finish_detach(&v, H1, &BTreeMap::new()).unwrap();
+        let m = &c.copy_state(&v).unwrap().missed[&3];
+        assert_eq!(m.regions, Some([0].into()));
+        assert_eq!(m.owed, [H2.to_string()].into());
+        // H2 is detached without handing over (its process died).
+        c.begin_detach(&v, H2).unwrap();
+        c.finish_detach(&v, H2, &BTreeMap::new()).unwrap();
+        let cs = c.copy_state(&v).unwrap();
+        assert_eq!(cs.missed[&3].regions, None, "H2's writes are unknown");
+        assert!(cs.sessions.is_empty());
+        // Nobody attached: the job goes straight to copying, whole.
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        c.job_mirroring(&v, job.id).unwrap();
+        let started = c.job_copying(&v, job.id).unwrap().unwrap();
+        assert_eq!(started.kind, CopyKind::ResyncFull);
+    }
+
+    #[test]
+    fn a_failed_job_keeps_the_copy_stale_and_hosts_owe_again() {
+        let (c, clock, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        c.register_session(&v, H2, 22, 0).unwrap();
+        c.report_failed_extents(&v, H2, &[1]).unwrap();
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        c.job_mirroring(&v, job.id).unwrap();
+        c.confirm_sync(&v, H1, job.id, 11, Some(&[0])).unwrap();
+        c.confirm_sync(&v, H2, job.id, 22, Some(&[])).unwrap();
+        let rev = c.copy_state(&v).unwrap().revision;
+        c.job_copying(&v, job.id).unwrap().unwrap();
+        let rec = c
+            .finish_job(&v, job.id, Some("source unreachable"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(rec.error.as_deref(), Some("source unreachable"));
+        let cs = c.copy_state(&v).unwrap();
+        assert!(cs.revision > rev, "hosts hear the job is over");
+        assert_eq!(
+            cs.missed[&1].regions,
+            Some([0].into()),
+            "what it missed stays"
+        );
+        assert_eq!(cs.missed[&1].owed.len(), 2, "hosts record again from now");
+        assert_eq!(c.volume(&v).unwrap().failed_extents, vec![1]);
+        // Not retried at once; after the retry interval it is.
+        assert!(c.resync_candidates(10_000).unwrap().is_empty());
+        clock.advance(10_001);
+        assert_eq!(c.resync_candidates(10_000).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_copy_failing_again_ends_its_job() {
+        let (c, _, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        c.job_mirroring(&v, job.id).unwrap();
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        let cs = c.copy_state(&v).unwrap();
+        assert!(cs.jobs.is_empty());
+        assert!(cs.history[0].error.is_some());
+        // Confirming a job that is over says so.
+        assert!(!c.confirm_sync(&v, H1, job.id, 11, Some(&[])).unwrap());
+    }
+
+    #[test]
+    fn a_host_that_opened_the_copy_mirroring_needs_no_confirmation() {
+        let (c, _, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        c.job_mirroring(&v, job.id).unwrap();
+        let rev = c.copy_state(&v).unwrap().revision;
+        // H2 starts serving after the job was announced: it writes the copy
+        // from its first write on.
+        c.register_session(&v, H2, 22, rev).unwrap();
+        c.confirm_sync(&v, H1, job.id, 11, Some(&[])).unwrap();
+        let started = c.job_copying(&v, job.id).unwrap().unwrap();
+        assert_eq!(started.kind, CopyKind::ResyncPartial);
+    }
+
+    #[test]
+    fn copy_state_is_deleted_with_its_volume_and_survives_reopen() {
+        let (c, _, v) = fixture();
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        assert!(c.snapshot().unwrap().copy_states.contains_key(&v));
+        for h in [H1, H2] {
+            c.begin_detach(&v, h).unwrap();
+            c.finish_detach(&v, h, &BTreeMap::new()).unwrap();
+        }
+        c.delete_volume(&v).unwrap();
+        assert!(!c.snapshot().unwrap().copy_states.contains_key(&v));
+    }
+}
