@@ -13,17 +13,23 @@
 //! | `DELETE /v1/subsystems/{nqn}/hosts/{hostnqn}` | revoke a host (its controllers are disconnected) |
 //! | `GET /v1/listeners`, `PUT/DELETE /v1/listeners/{addr}` | listeners |
 //! | `GET /v1/controllers` | live controllers |
+//! | `PUT /v1/copies/{id}` | arm a copy job (body: dest, source, region_bytes, rate_bytes_per_sec); same body again: its status; another body: 409 |
+//! | `POST /v1/copies/{id}/start` | start an armed job (body: regions, null = all) |
+//! | `GET /v1/copies/{id}`, `GET /v1/copies` | copy job status |
+//! | `DELETE /v1/copies/{id}` | cancel if running, disarm the guard, forget |
 //!
 //! Errors are `{"kind": …, "message": …}` with a 4xx status. Every change is
-//! saved to the state directory before it is answered.
+//! saved to the state directory before it is answered, except copy jobs,
+//! which live in memory only (copier.rs).
 
 use crate::config::{NamespaceConfig, SubsystemConfig};
+use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
 use crate::daemon::ListenerControl;
 use crate::target::{Target, TargetError};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, put};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -128,6 +134,12 @@ fn router(api: Api) -> Router {
             put(put_listener).delete(delete_listener),
         )
         .route("/v1/controllers", get(list_controllers))
+        .route("/v1/copies", get(list_copies))
+        .route(
+            "/v1/copies/{id}",
+            put(put_copy).get(get_copy).delete(delete_copy),
+        )
+        .route("/v1/copies/{id}/start", post(start_copy))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
@@ -172,6 +184,19 @@ impl From<TargetError> for ApiError {
             TargetError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             TargetError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             TargetError::Limit(_) => (StatusCode::CONFLICT, "limit"),
+        };
+        ApiError::new(code, kind, format!("{e:#}"))
+    }
+}
+
+impl From<CopyError> for ApiError {
+    fn from(e: CopyError) -> ApiError {
+        let (code, kind) = match &e {
+            CopyError::Invalid(_) => (StatusCode::BAD_REQUEST, "invalid"),
+            CopyError::Backend(_) => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
+            CopyError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            CopyError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            CopyError::Limit(_) => (StatusCode::CONFLICT, "limit"),
         };
         ApiError::new(code, kind, format!("{e:#}"))
     }
@@ -307,13 +332,13 @@ struct SubsystemBody {
 }
 
 /// Runs a blocking target change off the async runtime (it opens files and fsyncs).
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
+async fn blocking<T: Send + 'static, E: Into<ApiError> + Send + 'static>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(ApiError::from)
+        .map_err(Into::into)
 }
 
 async fn put_subsystem(
@@ -440,4 +465,49 @@ async fn delete_listener(
 
 async fn list_controllers(State(api): State<Api>) -> impl IntoResponse {
     Json(controllers(&api.target))
+}
+
+// ----- copy jobs -----
+
+async fn put_copy(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<CopyRequest>,
+) -> Result<Json<CopyStatus>, ApiError> {
+    let t = api.target.clone();
+    // Opens the destination file: off the runtime.
+    Ok(Json(blocking(move || t.copies().arm(&id, b)).await?))
+}
+
+async fn start_copy(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<StartRequest>,
+) -> Result<Json<CopyStatus>, ApiError> {
+    Ok(Json(api.target.copies().start(&id, b.regions)?))
+}
+
+async fn get_copy(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+) -> Result<Json<CopyStatus>, ApiError> {
+    api.target
+        .copies()
+        .status(&id)
+        .map(Json)
+        .ok_or_else(|| CopyError::NotFound(id).into())
+}
+
+async fn list_copies(State(api): State<Api>) -> impl IntoResponse {
+    Json(api.target.copies().list())
+}
+
+async fn delete_copy(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let t = api.target.clone();
+    // Waits for the copier's current chunk write to end.
+    blocking(move || t.copies().delete(&id)).await?;
+    Ok(StatusCode::NO_CONTENT)
 }

@@ -17,12 +17,14 @@ pub mod api;
 pub mod backend;
 pub mod config;
 pub mod controller;
+pub mod copier;
 pub mod daemon;
 pub mod limits;
 pub mod queue;
 pub mod reactor;
 pub mod register;
 pub mod ring;
+pub mod sync;
 pub mod target;
 pub mod tx;
 

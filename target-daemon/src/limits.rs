@@ -90,6 +90,57 @@ pub const REGISTER_BACKOFF_MAX_MS: u64 = 30_000;
 /// count of the ones in between is logged with the next line).
 pub const CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS: u64 = 60_000;
 
+/// Copy jobs (resync of a stale extent copy) known at once, armed, running
+/// or finished and not yet deleted by the control plane. Each holds an open
+/// destination file and a guard bitmap (see `COPY_GUARD_MEMORY_BUDGET_BYTES`);
+/// a target holds a few dozen extents, so more than this many concurrent
+/// resyncs means something is leaking jobs.
+pub const COPIES_MAX: usize = 32;
+/// Copiers running at once. Each streams a whole extent from another target
+/// and writes it to local disks that also serve hosts; two keep resync
+/// moving without starving foreground I/O. Further started jobs wait.
+pub const COPIES_RUNNING_MAX: usize = 2;
+/// The copier's read and write unit: one MDTS, the largest read one NVMe/TCP
+/// command may carry, so a chunk is one command.
+pub const COPY_CHUNK_BYTES: usize = MDTS_BYTES;
+/// Source reads a copier keeps in flight: enough to hide a network round
+/// trip behind the local write of the previous chunk; bounds its buffers
+/// (this many chunks).
+pub const COPY_READS_IN_FLIGHT: usize = 4;
+/// Granularity of the copy guard's host-written map: the smallest logical
+/// block a namespace may have (512 or 4096). Any namespace's writes then
+/// cover whole units, so a unit marked written was wholly overwritten by a
+/// host and the copier may skip it.
+pub const COPY_GUARD_UNIT_BYTES: u64 = 512;
+/// Largest destination range of one copy job: the control plane's largest
+/// extent (`EXTENT_BYTES_MAX`, 64 GiB; 1 GiB is the default). Its guard map
+/// is one bit per unit: 16 MiB at this size.
+pub const COPY_DEST_BYTES_MAX: u64 = 64 << 30;
+/// What the guard maps of all known copy jobs together may cost: arming a
+/// job that would pass it is refused (409) until others are deleted. Room
+/// for `COPIES_MAX` jobs of 1 GiB extents (256 KiB each) many times over,
+/// or eight of the largest.
+pub const COPY_GUARD_MEMORY_BUDGET_BYTES: u64 = 128 << 20;
+/// Regions of a copy job (the unit hosts record missed writes in) must be
+/// whole 4 KiB pages (O_DIRECT alignment of every chunk) and at most this
+/// large (the control plane uses 1 MiB).
+pub const COPY_REGION_BYTES_MAX: u64 = 1 << 30;
+/// A copier gives up on an unreachable source after this long (the
+/// initiator's controller-loss timeout), like mirrored host I/O does: a
+/// dead source fails the job in seconds and the control plane retries.
+pub const COPY_SOURCE_LOSS_TIMEOUT_MS: u64 = 5_000;
+/// Waits of a copier (rate limit, completions) are sliced to this, so a
+/// cancelled job stops within about this long.
+pub const COPY_CANCEL_POLL_MS: u64 = 20;
+/// The rate limiter's bucket holds this much time's worth of bytes (at least
+/// one chunk), so a throttled copy sends evenly instead of in bursts.
+pub const COPY_RATE_BURST_MS: u64 = 100;
+/// Length of a copy job id (the control plane uses UUIDs).
+pub const COPY_ID_LEN_MAX: usize = 128;
+/// While a host write waits for a copier's claim to be released, the
+/// reactor polls at least this often; a claim lasts one chunk write.
+pub const PARKED_RETRY_MS: u64 = 1;
+
 const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);
 const _: () = assert!(REGISTER_BACKOFF_MIN_MS <= REGISTER_BACKOFF_MAX_MS);
 const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);
@@ -98,3 +149,14 @@ const _: () = assert!(IO_INLINE_DATA_BYTES <= MDTS_BYTES);
 const _: () = assert!(ADMIN_INLINE_DATA_BYTES <= CMD_BUF_BYTES_MAX);
 const _: () = assert!(MAXH2CDATA_BYTES >= 4096 && MAXH2CDATA_BYTES.is_multiple_of(4));
 const _: () = assert!(IO_QUEUE_ENTRIES_MAX >= 128);
+const _: () = assert!(COPY_CHUNK_BYTES <= MDTS_BYTES);
+const _: () = assert!((COPY_CHUNK_BYTES as u64).is_multiple_of(COPY_GUARD_UNIT_BYTES));
+const _: () = assert!(COPIES_RUNNING_MAX <= COPIES_MAX);
+const _: () =
+    assert!(COPY_DEST_BYTES_MAX / COPY_GUARD_UNIT_BYTES / 8 <= COPY_GUARD_MEMORY_BUDGET_BYTES);
+const _: () = assert!(
+    COPIES_MAX as u64 * ((1 << 30) / COPY_GUARD_UNIT_BYTES / 8) <= COPY_GUARD_MEMORY_BUDGET_BYTES
+);
+const _: () =
+    assert!(COPY_DEST_BYTES_MAX / COPY_GUARD_UNIT_BYTES <= crate::sync::SYNC_GUARD_UNITS_MAX);
+const _: () = assert!(PARKED_RETRY_MS < TICK_MS);

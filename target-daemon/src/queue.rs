@@ -11,7 +11,15 @@
 //!   CapsuleCmd ─► slot ─┬─ in-capsule data ─────────────► execute ─► [C2HData] CapsuleResp
 //!                       └─ R2T ─► H2CData… (all data) ─► execute
 //!   execute (I/O) ─► io_uring (file) or inline (RAM) ─► completion ─► response
+//!   execute (Write, Write Zeroes, deallocate) while a copy is armed:
+//!     copy guards ─┬─ go ─► backend as above
+//!                  └─ wait (a copier claims those bytes) ─► parked ─► retry_parked() ─► …
 //! ```
+//!
+//! A mutation whose device bytes an armed copy job guards is recorded in
+//! the guard before it is issued (copier.rs explains why); when the copier
+//! holds a claim over those bytes the command is parked in its slot, with
+//! its data, and the reactor retries it until the claim is released.
 //!
 //! Each command occupies a slot from submission to response. Slots are
 //! allocated at Connect (one per queue entry) and keep their buffers, so the
@@ -67,6 +75,9 @@ impl From<WireError> for Fatal {
 enum SlotState {
     Free,
     AwaitData,
+    /// Its data is in, but a copier holds a claim over the bytes it
+    /// changes: issued by [`Queue::retry_parked`] once the claim is gone.
+    Parked,
     Backend,
     /// Its data is queued for the socket, referenced in place.
     Sending,
@@ -172,6 +183,8 @@ pub struct Queue {
     aers: Vec<u16>,
     created_ms: u64,
     scratch: Vec<u8>,
+    /// Slots in `Parked` state, oldest first.
+    parked: Vec<u16>,
     /// Backend operations submitted to the ring and not yet completed.
     pub inflight: u32,
 }
@@ -199,6 +212,7 @@ impl Queue {
             aers: Vec::new(),
             created_ms: now_ms,
             scratch: Vec::new(),
+            parked: Vec::new(),
             inflight: 0,
         }
     }
@@ -701,18 +715,88 @@ impl Queue {
     }
 
     fn start_io(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
+        if self.refuse_failed(si, tx, ex) {
+            return;
+        }
+        if !self.copy_guards_admit(si) {
+            self.slots[si].state = SlotState::Parked;
+            self.parked.push(si as u16);
+            return;
+        }
+        self.issue(si, tx, ex);
+    }
+
+    /// Answers a command for a failed backend with an error. True if it did.
+    fn refuse_failed(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) -> bool {
+        let slot = &self.slots[si];
+        let failed = slot.ns.as_ref().is_some_and(|n| n.backend.failed());
+        if !failed || slot.kind == IoKind::Other {
+            return false;
+        }
+        let st = if slot.kind == IoKind::Read {
+            Status::UNRECOVERED_READ_ERROR
+        } else {
+            Status::WRITE_FAULT
+        };
+        self.finish(si, Reply::status(st), tx, ex.now_ms);
+        true
+    }
+
+    /// Records a mutation in every armed copy guard over its device bytes.
+    /// False: a copier claims some of them now; park and retry.
+    fn copy_guards_admit(&self, si: usize) -> bool {
+        let guards = &self.target.copies().guards;
+        if guards.idle() {
+            return true;
+        }
+        let slot = &self.slots[si];
+        let Some(ns) = slot.ns.as_ref() else {
+            return true;
+        };
+        let Some(at) = ns.device else {
+            return true;
+        };
+        match slot.kind {
+            IoKind::Write => guards.host_write(&at, [(slot.off, slot.len as u64)]),
+            IoKind::WriteZeroes => guards.host_write(&at, [(slot.off, slot.span)]),
+            IoKind::Dsm => match dsm_ranges(&slot.sqe, slot.buf.as_slice(slot.len), ns) {
+                Ok(Some(ranges)) => guards.host_write(&at, ranges),
+                // Nothing to deallocate, or a bad range answered without
+                // touching the device.
+                Ok(None) | Err(_) => true,
+            },
+            IoKind::Other | IoKind::Read | IoKind::Flush => true,
+        }
+    }
+
+    /// Commands parked behind a copier's claim.
+    pub fn has_parked(&self) -> bool {
+        !self.parked.is_empty()
+    }
+
+    /// Issues every parked command whose bytes no copier claims any more
+    /// (called by the reactor each loop iteration while some are parked).
+    pub fn retry_parked(&mut self, tx: &mut Tx, ex: &mut Exec<'_>) {
+        let mut i = 0;
+        while i < self.parked.len() {
+            let si = self.parked[i] as usize;
+            assert_eq!(self.slots[si].state, SlotState::Parked);
+            if !self.copy_guards_admit(si) {
+                i += 1;
+                continue;
+            }
+            self.parked.remove(i);
+            if !self.refuse_failed(si, tx, ex) {
+                self.issue(si, tx, ex);
+            }
+        }
+    }
+
+    /// Sends an admitted I/O command to its backend.
+    fn issue(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
         let slot = &mut self.slots[si];
         let ns = slot.ns.clone().expect("planned I/O has a namespace");
         let backend = &ns.backend;
-        if backend.failed() && slot.kind != IoKind::Other {
-            let st = if slot.kind == IoKind::Read {
-                Status::UNRECOVERED_READ_ERROR
-            } else {
-                Status::WRITE_FAULT
-            };
-            self.finish(si, Reply::status(st), tx, ex.now_ms);
-            return;
-        }
         let uring = backend.uring_target();
         if let (Some(ring), Some(t), IoKind::Read | IoKind::Write | IoKind::Flush) =
             (ex.ring.as_deref_mut(), uring, slot.kind)
@@ -1021,6 +1105,8 @@ impl Queue {
         // Slot 0 is the Connect command itself, released by finish().
         self.slots.resize_with(entries as usize, Slot::new);
         self.free = (1..entries).rev().collect();
+        // Parking never allocates on the data path.
+        self.parked = Vec::with_capacity(entries as usize);
     }
 
     // ----- timers -----
@@ -1075,10 +1161,15 @@ impl Queue {
                 c.kill("admin queue closed");
             }
         }
-        // Slots waiting for data or not yet started are free now; those in
-        // the backend are released by their completions.
+        // Slots waiting for data or parked (nothing of theirs is in the
+        // ring) are free now; those in the backend are released by their
+        // completions.
+        self.parked.clear();
         for i in 0..self.slots.len() {
-            if self.slots[i].state == SlotState::AwaitData {
+            if matches!(
+                self.slots[i].state,
+                SlotState::AwaitData | SlotState::Parked
+            ) {
                 self.release(i);
             }
         }
@@ -1156,5 +1247,311 @@ fn io_error_status(kind: IoKind, e: &std::io::Error) -> Status {
         Some(libc::EROFS) => Status::NS_WRITE_PROTECTED,
         _ if kind == IoKind::Read => Status::UNRECOVERED_READ_ERROR,
         _ => Status::WRITE_FAULT,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{NamespaceConfig, SubsystemConfig};
+    use crate::copier::{CopyRequest, CopySource};
+    use nvpool_wire::fabrics::{cc, ConnectCmd, ConnectData};
+    use nvpool_wire::Sgl;
+    use std::path::PathBuf;
+
+    const NQN: &str = "nqn.2026-11.io.nvpool:queue-test";
+    const HOST: &str = "nqn.2026-11.io.nvpool:queue-test-host";
+    /// The namespace is device bytes [NS_BASE, NS_BASE + NS_LEN) of the file.
+    const NS_BASE: u64 = 64 << 10;
+    const NS_LEN: u64 = 512 << 10;
+
+    /// An I/O queue (run without io_uring, so backend I/O is inline) of a
+    /// target exporting a file extent, with a copy job armed over the same
+    /// extent.
+    struct Rig {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+        target: Arc<Target>,
+        q: Queue,
+        tx: Tx,
+        next_cid: u16,
+    }
+
+    impl Rig {
+        fn new() -> Rig {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("d.img");
+            std::fs::write(&path, vec![0x11u8; 1 << 20]).unwrap();
+            let target = Target::new(None).unwrap();
+            let extent = format!("file:{},offset={NS_BASE},length={NS_LEN}", path.display());
+            target
+                .put_subsystem(&SubsystemConfig {
+                    nqn: NQN.into(),
+                    allowed_hosts: Vec::new(),
+                    allow_any_host: true,
+                    serial: None,
+                    namespaces: vec![NamespaceConfig {
+                        nsid: 1,
+                        backend: extent.clone(),
+                        uuid: None,
+                        read_only: false,
+                    }],
+                })
+                .unwrap();
+            target
+                .copies()
+                .arm(
+                    "job",
+                    CopyRequest {
+                        dest: extent,
+                        source: CopySource {
+                            addr: "127.0.0.1:9".into(),
+                            subsystem_nqn: "nqn.2026-11.io.nvpool:src".into(),
+                            nsid: 1,
+                            host_nqn: "nqn.2026-11.io.nvpool:copier:t".into(),
+                        },
+                        region_bytes: 1 << 20,
+                        rate_bytes_per_sec: 0,
+                    },
+                )
+                .unwrap();
+            let ctrl = target
+                .create_controller(target.subsystem(NQN).unwrap(), HOST, [7; 16], 0, false)
+                .unwrap();
+            ctrl.write_cc(cc::LINUX_ENABLE, 0);
+            let addr = "127.0.0.1:4420".parse().unwrap();
+            let mut r = Rig {
+                _dir: dir,
+                path,
+                q: Queue::new(target.clone(), addr, addr, 0),
+                target,
+                tx: Tx::default(),
+                next_cid: 1,
+            };
+            r.feed(
+                &IcReq {
+                    pfv: 0,
+                    hpda: 0,
+                    digests: Digests::default(),
+                    maxr2t: 0,
+                }
+                .encode(),
+            );
+            let data = ConnectData {
+                hostid: [7; 16],
+                cntlid: ctrl.cntlid,
+                subnqn: NQN,
+                hostnqn: HOST,
+            }
+            .encode();
+            let sqe = ConnectCmd {
+                recfmt: 0,
+                qid: 1,
+                sqsize: 31,
+                cattr: 0,
+                kato_ms: 0,
+            }
+            .to_sqe(0);
+            r.feed(&capsule(&sqe, &data));
+            let out = r.responses();
+            assert_eq!(out.len(), 1, "one Connect response");
+            assert!(out[0].status.is_success(), "{}", out[0].status);
+            r
+        }
+
+        fn exec(&mut self) -> Exec<'static> {
+            Exec {
+                ring: None,
+                conn: 0,
+                now_ms: 0,
+            }
+        }
+
+        fn feed(&mut self, pdu: &[u8]) {
+            let mut ex = self.exec();
+            self.q.on_pdu(pdu, &mut self.tx, &mut ex).unwrap();
+        }
+
+        fn retry(&mut self) {
+            let mut ex = self.exec();
+            self.q.retry_parked(&mut self.tx, &mut ex);
+        }
+
+        /// CapsuleResps the queue produced since the last call (the ICResp
+        /// is skipped).
+        fn responses(&mut self) -> Vec<Cqe> {
+            let mut raw = Vec::new();
+            while self.tx.backlog() > 0 {
+                self.tx.write_to(&mut raw).unwrap();
+            }
+            self.q.reclaim(&mut self.tx);
+            let mut out = Vec::new();
+            let mut at = 0;
+            while at < raw.len() {
+                let ch = CommonHeader::decode(&raw[at..]).unwrap();
+                let end = at + ch.plen as usize;
+                if ch.pdu_type == PduType::CapsuleResp {
+                    out.push(tcp::decode_capsule_resp(&raw[at..end]).unwrap());
+                }
+                at = end;
+            }
+            out
+        }
+
+        /// A 4 KiB in-capsule Write at namespace byte `off`.
+        fn write(&mut self, off: u64, fill: u8) -> u16 {
+            let cid = self.next_cid;
+            self.next_cid += 1;
+            let mut sqe = Sqe::new(nvm::WRITE, cid);
+            sqe.set_nsid(1);
+            sqe.set_slba(off / 512);
+            sqe.set_nlb(7);
+            sqe.set_sgl(Sgl {
+                addr: 0,
+                len: 4096,
+                id: sgl_id::IN_CAPSULE,
+            });
+            self.feed(&capsule(&sqe, &[fill; 4096]));
+            cid
+        }
+
+        /// Device bytes [off, off + len) of the file.
+        fn file(&self, off: u64, len: usize) -> Vec<u8> {
+            let all = std::fs::read(&self.path).unwrap();
+            all[off as usize..off as usize + len].to_vec()
+        }
+
+        fn guard(&self) -> Arc<crate::copier::ActiveCopy> {
+            self.target.copies().guards.snapshot()[0].clone()
+        }
+    }
+
+    fn capsule(sqe: &Sqe, icd: &[u8]) -> Vec<u8> {
+        let mut hdr = [0u8; tcp::CAPSULE_CMD_HLEN + tcp::DIGEST_LEN];
+        let n = tcp::encode_capsule_cmd(sqe, icd.len(), Digests::default(), &mut hdr);
+        let mut v = hdr[..n].to_vec();
+        v.extend_from_slice(icd);
+        v
+    }
+
+    #[test]
+    fn a_write_under_a_claim_is_issued_only_after_release() {
+        let mut r = Rig::new();
+        let g = r.guard();
+        // The copier claims the first 128 KiB of the extent (device offsets).
+        let parts = g.guard.claim(NS_BASE, 128 << 10);
+        assert_eq!(parts, vec![(NS_BASE, 128 << 10)], "nothing written yet");
+        // A host writes 4 KiB at namespace offset 8 KiB: marked, parked.
+        let cid = r.write(8192, 0xAB);
+        assert!(r.responses().is_empty(), "a parked write is not answered");
+        assert!(r.q.has_parked());
+        assert!(r.q.busy(), "a parked command keeps the queue busy");
+        assert_eq!(r.file(NS_BASE + 8192, 4096), vec![0x11; 4096]);
+        assert_eq!(g.guard.written_units(), 8);
+        // Retrying while the claim is held changes nothing.
+        r.retry();
+        assert!(r.responses().is_empty());
+        assert_eq!(r.file(NS_BASE + 8192, 4096), vec![0x11; 4096]);
+        // A write outside the claim (but inside the guard) goes at once and
+        // is recorded too.
+        let other = r.write(256 << 10, 0xCD);
+        let out = r.responses();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].cid, other);
+        assert_eq!(r.file(NS_BASE + (256 << 10), 4096), vec![0xCD; 4096]);
+        assert_eq!(g.guard.written_units(), 16);
+        // The copier writes its (older) bytes over its claim, then releases.
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&r.path)
+            .unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &[0x22; 128 << 10], NS_BASE).unwrap();
+        g.guard.release();
+        r.retry();
+        let out = r.responses();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].cid, cid);
+        assert!(out[0].status.is_success());
+        assert!(!r.q.has_parked());
+        // The host's write landed after the copier's.
+        assert_eq!(r.file(NS_BASE + 8192, 4096), vec![0xAB; 4096]);
+        assert_eq!(r.file(NS_BASE, 8192), vec![0x22; 8192]);
+        // A later claim leaves out what hosts wrote.
+        let parts = g.guard.claim(NS_BASE, 128 << 10);
+        assert_eq!(
+            parts,
+            vec![(NS_BASE, 8192), (NS_BASE + 12288, (128 << 10) - 12288)]
+        );
+        g.guard.release();
+    }
+
+    #[test]
+    fn zeroes_and_deallocate_are_guarded_too() {
+        let mut r = Rig::new();
+        let g = r.guard();
+        g.guard.claim(NS_BASE, 128 << 10);
+        let mut wz = Sqe::new(nvm::WRITE_ZEROES, 1);
+        wz.set_nsid(1);
+        wz.set_slba(0);
+        wz.set_nlb(7);
+        r.feed(&capsule(&wz, &[]));
+        let mut dsm = Sqe::new(nvm::DATASET_MANAGEMENT, 2);
+        dsm.set_nsid(1);
+        dsm.set_cdw(10, 0);
+        dsm.set_cdw(11, 1 << 2);
+        dsm.set_sgl(Sgl {
+            addr: 0,
+            len: 16,
+            id: sgl_id::IN_CAPSULE,
+        });
+        let mut range = [0u8; 16];
+        range[4..8].copy_from_slice(&8u32.to_le_bytes());
+        range[8..16].copy_from_slice(&64u64.to_le_bytes());
+        r.feed(&capsule(&dsm, &range));
+        assert!(r.responses().is_empty(), "both parked");
+        assert_eq!(g.guard.written_units(), 16);
+        assert_eq!(r.file(NS_BASE, 4096), vec![0x11; 4096]);
+        g.guard.release();
+        r.retry();
+        let mut cids: Vec<u16> = r.responses().iter().map(|c| c.cid).collect();
+        cids.sort_unstable();
+        assert_eq!(cids, vec![1, 2]);
+        assert_eq!(r.file(NS_BASE, 4096), vec![0; 4096]);
+        assert_eq!(r.file(NS_BASE + 64 * 512, 4096), vec![0; 4096]);
+    }
+
+    #[test]
+    fn closing_a_queue_frees_its_parked_commands() {
+        let mut r = Rig::new();
+        let g = r.guard();
+        g.guard.claim(NS_BASE, 128 << 10);
+        r.write(0, 0xAB);
+        r.write(4096, 0xAC);
+        assert!(r.q.busy());
+        r.q.close();
+        assert!(!r.q.has_parked());
+        assert!(!r.q.busy(), "every slot is free again");
+        g.guard.release();
+        r.retry();
+        assert!(r.responses().is_empty(), "nothing answered after close");
+        assert_eq!(r.file(NS_BASE, 8192), vec![0x11; 8192], "nothing issued");
+    }
+
+    #[test]
+    fn a_disarmed_guard_lets_parked_writes_go() {
+        let mut r = Rig::new();
+        let g = r.guard();
+        g.guard.claim(NS_BASE, 128 << 10);
+        let cid = r.write(0, 0xAB);
+        assert!(r.responses().is_empty());
+        // DELETE of the job while the claim is still held (a copier that
+        // died mid-chunk would release through its drop guard; here the
+        // registry simply no longer has the guard).
+        r.target.copies().delete("job").unwrap();
+        r.retry();
+        let out = r.responses();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].cid, cid);
+        assert_eq!(r.file(NS_BASE, 4096), vec![0xAB; 4096]);
     }
 }

@@ -6,6 +6,10 @@
 //! complete PDU, reap completions, submit new ring work once, then write each
 //! connection's accumulated responses with one send. Nothing on this path
 //! takes a lock or allocates once the connection's slots have their buffers.
+//!
+//! Host writes parked behind a copy job's claim (queue.rs) are retried every
+//! iteration while any are parked, and the loop then waits at most
+//! `PARKED_RETRY_MS` so a released claim is noticed quickly.
 
 use crate::limits;
 use crate::queue::{split_user_data, Exec, Queue, Tx};
@@ -94,6 +98,8 @@ pub struct Reactor {
     free: Vec<usize>,
     live: Arc<AtomicUsize>,
     completions: Vec<(u64, i32)>,
+    /// Connections that may have parked commands.
+    parked: Vec<usize>,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -144,6 +150,7 @@ impl Reactor {
             free: Vec::new(),
             live,
             completions: Vec::with_capacity(256),
+            parked: Vec::new(),
         };
         Ok((r, ReactorHandle { tx, waker }))
     }
@@ -154,7 +161,9 @@ impl Reactor {
         let mut next_tick = 0;
         let mut drain_deadline: Option<u64> = None;
         loop {
-            let timeout = if self.ring.as_ref().is_some_and(|r| r.busy()) {
+            let timeout = if !self.parked.is_empty() {
+                limits::PARKED_RETRY_MS
+            } else if self.ring.as_ref().is_some_and(|r| r.busy()) {
                 limits::TICK_MS.min(10)
             } else {
                 limits::TICK_MS
@@ -184,6 +193,7 @@ impl Reactor {
                 }
             }
             self.reap();
+            self.retry_parked();
             let now = self.target.now_ms();
             if now >= next_tick {
                 next_tick = now + limits::TICK_MS;
@@ -316,10 +326,45 @@ impl Reactor {
                 }
             }
         }
+        let parked = c.q.has_parked();
         if peer_closed {
             c.read_done = true;
             tracing::debug!(peer = %c.q.peer, qid = ?c.q.qid(), "peer closed the connection");
             self.close(i);
+        } else if parked && !self.parked.contains(&i) {
+            self.parked.push(i);
+        }
+    }
+
+    /// Issues parked commands whose copy claims were released.
+    fn retry_parked(&mut self) {
+        if self.parked.is_empty() {
+            return;
+        }
+        let now = self.target.now_ms();
+        let mut k = 0;
+        while k < self.parked.len() {
+            let i = self.parked[k];
+            let ring = self.ring.as_mut();
+            let still = match self.conns.get_mut(i) {
+                // A closed connection released its parked slots; an index
+                // reused by a new connection is retried harmlessly.
+                Some(Some(c)) if !c.zombie => {
+                    let mut ex = Exec {
+                        ring,
+                        conn: i as u32,
+                        now_ms: now,
+                    };
+                    c.q.retry_parked(&mut c.tx, &mut ex);
+                    c.q.has_parked()
+                }
+                _ => false,
+            };
+            if still {
+                k += 1;
+            } else {
+                self.parked.swap_remove(k);
+            }
         }
     }
 

@@ -8,9 +8,10 @@
 //! it and tell affected controllers (namespace-change events, or removal
 //! when their host lost access).
 
-use crate::backend::{Backend, BackendSpec};
+use crate::backend::{Backend, BackendSpec, DeviceExtent};
 use crate::config::{self, Config, ConfigError, NamespaceConfig, SubsystemConfig};
 use crate::controller::Controller;
+use crate::copier::Copies;
 use crate::limits;
 use arc_swap::ArcSwap;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -34,6 +35,10 @@ pub struct Namespace {
     pub block_shift: u8,
     pub blocks: u64,
     pub read_only: bool,
+    /// The file range the backend's bytes are in (None for RAM), found once
+    /// when it was opened: host writes are matched against armed copy
+    /// guards by it.
+    pub device: Option<DeviceExtent>,
 }
 
 /// One NVM subsystem: an NQN, its namespaces and who may connect.
@@ -120,6 +125,8 @@ pub struct Target {
     epoch: Instant,
     /// Settings (admin_listen, reactors) carried through to target.json.
     base: Mutex<Config>,
+    /// Copy jobs and the guards every host write consults.
+    copies: Arc<Copies>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -150,6 +157,7 @@ impl Target {
             shutting_down: AtomicBool::new(false),
             epoch: Instant::now(),
             base: Mutex::new(Config::default()),
+            copies: Arc::new(Copies::default()),
         }))
     }
 
@@ -198,6 +206,12 @@ impl Target {
 
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Release);
+        self.copies.cancel_all();
+    }
+
+    /// Copy jobs of which this target is the destination.
+    pub fn copies(&self) -> &Arc<Copies> {
+        &self.copies
     }
 
     pub fn shutting_down(&self) -> bool {
@@ -418,6 +432,7 @@ impl Target {
         Ok(Namespace {
             nsid,
             blocks: backend.size() / bs as u64,
+            device: backend.device_extent(),
             backend,
             spec,
             uuid,

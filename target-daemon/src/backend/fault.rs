@@ -97,6 +97,10 @@ impl Backend for FaultBackend {
     fn describe(&self) -> String {
         format!("fault-injecting {}", self.inner.describe())
     }
+    fn device_extent(&self) -> Option<super::DeviceExtent> {
+        // Its writes land in the inner backend's bytes.
+        self.inner.device_extent()
+    }
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         self.delay();
         if self

@@ -1,6 +1,6 @@
 //! A block device or regular file, or an extent of one.
 
-use super::{Backend, BackendError, UringTarget};
+use super::{Backend, BackendError, DeviceExtent, FileId, UringTarget};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -19,6 +19,7 @@ pub struct FileBackend {
     block_size: u32,
     direct: bool,
     is_block_device: bool,
+    file_id: FileId,
     failed: AtomicBool,
 }
 
@@ -128,6 +129,7 @@ impl FileBackend {
             block_size,
             direct,
             is_block_device,
+            file_id: FileId::of(&meta),
             failed: AtomicBool::new(false),
         })
     }
@@ -192,6 +194,13 @@ impl Backend for FileBackend {
         Some(UringTarget {
             fd: self.file.as_raw_fd(),
             base: self.base,
+        })
+    }
+    fn device_extent(&self) -> Option<DeviceExtent> {
+        Some(DeviceExtent {
+            file: self.file_id,
+            base: self.base,
+            len: self.len,
         })
     }
 

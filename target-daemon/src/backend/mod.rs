@@ -36,6 +36,39 @@ pub struct UringTarget {
     pub base: u64,
 }
 
+/// Which file or block device a backend's bytes live in: equal for every
+/// open of the same file or device, whatever path named it. Block devices
+/// compare by device number (two device nodes of one disk are one disk),
+/// other files by filesystem and inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileId {
+    Inode { dev: u64, ino: u64 },
+    BlockDevice { rdev: u64 },
+}
+
+impl FileId {
+    pub fn of(meta: &std::fs::Metadata) -> FileId {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        if meta.file_type().is_block_device() {
+            FileId::BlockDevice { rdev: meta.rdev() }
+        } else {
+            FileId::Inode {
+                dev: meta.dev(),
+                ino: meta.ino(),
+            }
+        }
+    }
+}
+
+/// Where a namespace's bytes are: namespace byte `o` is byte `base + o` of
+/// `file`, for `o < len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceExtent {
+    pub file: FileId,
+    pub base: u64,
+    pub len: u64,
+}
+
 /// Storage behind one namespace.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Capacity in bytes (a multiple of the block size).
@@ -47,6 +80,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// The descriptor the reactor may submit io_uring reads and writes to.
     fn uring_target(&self) -> Option<UringTarget> {
+        None
+    }
+
+    /// The file range this backend's bytes occupy; None for storage no
+    /// other backend can share (RAM).
+    fn device_extent(&self) -> Option<DeviceExtent> {
         None
     }
 
