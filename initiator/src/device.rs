@@ -160,6 +160,9 @@ pub struct ControllerIo {
     stop: Arc<AtomicBool>,
     /// Requests submitted and not yet completed (load balancing).
     in_flight: AtomicUsize,
+    /// Set by a worker that gave up its queue (controller lost): every
+    /// request it gets fails from then on, so the pool is dead for good.
+    lost: Arc<AtomicBool>,
 }
 
 impl ControllerIo {
@@ -185,6 +188,7 @@ impl ControllerIo {
             },
             stop: Arc::new(AtomicBool::new(false)),
             in_flight: AtomicUsize::new(0),
+            lost: Arc::new(AtomicBool::new(false)),
         };
         let mut depth_total = 0;
         for qid in 1..=n {
@@ -210,6 +214,7 @@ impl ControllerIo {
                 efd.clone(),
                 sleeping.clone(),
                 io.stop.clone(),
+                io.lost.clone(),
             );
             let thread = std::thread::Builder::new()
                 .name(format!("nvpool-io-{qid}"))
@@ -243,6 +248,14 @@ impl ControllerIo {
     /// Requests submitted through this controller and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// The controller was lost (no reconnect within its controller-loss
+    /// timeout) or one of the I/O queues gave up: requests fail with
+    /// [`IoError::ControllerLost`] from now on, and only a new controller
+    /// reaches the target again.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire) || self.ctrl.current().is_err()
     }
 
     /// A handle on namespace `info.nsid`, which must count in this pool's
@@ -539,6 +552,8 @@ struct WorkerLoop {
     efd: Arc<OwnedFd>,
     sleeping: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
+    /// Shared with [`ControllerIo::is_lost`].
+    lost: Arc<AtomicBool>,
     bs: u32,
     /// Blocks per read or write command (the maximum transfer).
     max_blocks: u64,
@@ -561,6 +576,7 @@ impl WorkerLoop {
         efd: Arc<OwnedFd>,
         sleeping: Arc<AtomicBool>,
         stop: Arc<AtomicBool>,
+        lost: Arc<AtomicBool>,
     ) -> WorkerLoop {
         let max_blocks = (q.max_transfer() / bs as usize).max(1) as u64;
         let comps = Vec::with_capacity(q.depth());
@@ -570,6 +586,7 @@ impl WorkerLoop {
             efd,
             sleeping,
             stop,
+            lost,
             bs,
             max_blocks,
             parents: Vec::new(),
@@ -751,6 +768,7 @@ impl WorkerLoop {
     /// fresh ones of their length back.
     fn abandon(&mut self) {
         self.q = None;
+        self.lost.store(true, Ordering::Release);
         let bs = self.bs as usize;
         for id in 0..self.parents.len() {
             if let Some(p) = self.parents[id].as_mut() {

@@ -5,10 +5,10 @@
 //!  read/write(offset, buf)
 //!     │  Geometry::segments → one run per extent (runs.rs)
 //!     ▼
-//!  run ─┬─ read: one healthy copy, the least loaded; another on a path failure
-//!       └─ write/zeroes/discard/flush: every healthy copy, joined
+//!  run ─┬─ read: one copy in sync (Ok), the least loaded; another on a path failure
+//!       └─ write/zeroes/discard/flush: every Ok and Syncing copy, joined
 //!     │
-//!     ▼  Device (namespace handle) per extent copy
+//!     ▼  Device (namespace handle, swappable) per extent copy
 //!  ControllerIo per (target address, subsystem) ── I/O queues ── TCP
 //! ```
 //!
@@ -31,11 +31,25 @@
 //! copy and a clone to each other: a request owns its buffer until it
 //! completes, so copies cannot share one.
 //!
-//! **Copies and failures.** Each extent copy has a sticky `failed` flag.
-//! Reads go to one healthy copy, the one whose controller has the fewest
+//! **Copies: Ok, Syncing, Failed.** Each extent copy is in one of three
+//! states ([`CopyState`], an atomic read once per copy and run):
+//!
+//! | state | read | written | missed regions recorded |
+//! |---|---|---|---|
+//! | `Ok` | yes | yes | no |
+//! | `Syncing` | never | yes | no |
+//! | `Failed` | never | never | yes |
+//!
+//! Reads go to one `Ok` copy, the one whose controller has the fewest
 //! requests in flight (ties rotate). Writes, write-zeroes, discards and
-//! flushes go to every healthy copy (FUA on each) and complete when all
-//! have answered. A copy is marked failed when
+//! flushes go to every `Ok` and `Syncing` copy (FUA on each) and complete
+//! when all have answered; they succeed when at least one `Ok` copy took
+//! them. A `Syncing` copy taking a write does not count: it is being filled
+//! by a copy job and is read by no one, so a write only it holds would be
+//! acknowledged yet lost if that job failed. For the same reason a
+//! `Syncing` copy stays in sync only while it takes exactly what the `Ok`
+//! copies take: when it misses a write an `Ok` copy took, or takes one no
+//! `Ok` copy took, it fails. A copy fails (→ `Failed`) when
 //!
 //! - an I/O to it fails on the path ([`IoError::ControllerLost`], a data
 //!   digest failure, an NVMe path or transient transport status): its
@@ -45,18 +59,51 @@
 //! - a write (or zeroes, discard, flush) fails on it while another copy
 //!   took it: it is stale now and must never be read again.
 //!
-//! A failed read moves to another healthy copy (media errors too, without
-//! marking the copy); a write succeeds when at least one copy
-//! acknowledged. Only when no healthy copy of an extent is left does an
+//! A failed read moves to another `Ok` copy (media errors too, without
+//! marking the copy). Only when no `Ok` copy of an extent is left does an
 //! error reach the caller. Errors of the request itself (a status such as
 //! LBA Out of Range that every copy would return) reach the caller as they
-//! are. Every marking is logged, counted in [`Volume::health`] and passed
+//! are. Every failure is logged, counted in [`Volume::health`] and passed
 //! to [`VolumeOptions::on_extent_failed`], so the attach command can tell
-//! the control plane. Flags are per session: a copy marked failed is not
-//! used again until the volume is reopened, and the control plane passes
-//! the copies it knows to be stale back in
-//! ([`VolumeOptions::failed_extents`]): they start out failed and are not
-//! even connected, until it has resynchronised them.
+//! the control plane. The control plane passes the copies it knows to be
+//! stale back in at open ([`VolumeOptions::failed_extents`]: `Failed`, not
+//! even connected) and the ones being re-synced
+//! ([`VolumeOptions::syncing_extents`]: `Syncing`, connected).
+//!
+//! **Missed regions.** A `Failed` copy has a bitmap of the regions
+//! ([`RESYNC_REGION_BYTES`](nvpool_control::plan::RESYNC_REGION_BYTES),
+//! 1 MiB) of its extent (missed.rs). Every write, write-zeroes and discard
+//! to the extent marks its range on each `Failed` copy when it is issued,
+//! and a mutation that fails on a copy marks its range there too (a failed
+//! flush makes the record incomplete: any write since the last flush may
+//! be lost). The record is complete for copies this session saw fail, and
+//! not for copies already failed at open.
+//!
+//! **Resync** (the control plane's copy job, docs/ARCHITECTURE.md):
+//!
+//! ```text
+//!   Ok ──fails, mark_failed──► Failed ──begin_sync──► Syncing ──finish_sync──► Ok
+//!                               ▲                         │
+//!                               └─fails, abort_sync,──────┘
+//!                                 mark_failed
+//! ```
+//!
+//! Every way into `Failed` starts a fresh record, complete from then on
+//! (holding the failing mutation's range when one failed it); only a
+//! failure is reported, not the control plane's own decisions
+//! (`abort_sync`, `mark_failed`).
+//!
+//! [`Volume::begin_sync`] connects the copy again if its controller is gone
+//! (a new one, or a live one the volume or its [`Connections`] already
+//! has), checks its namespace, switches it to `Syncing`, then *drains*:
+//! it waits until every mutation issued before the switch has completed,
+//! so the copy job can read its source knowing no older write to it is
+//! still on the way. Each mutation holds a count in one of two
+//! epoch-indexed counters while it is outstanding and reads the copies'
+//! states only after taking it; the drain flips the epoch and waits for
+//! the old side, twice, so it never waits for mutations issued after the
+//! switch, however many (drain.rs has the ordering argument). The data path
+//! takes no lock for this: an atomic increment and decrement per request.
 //!
 //! **How long a dead copy stalls I/O.** An I/O to a target that went away
 //! waits while its queues reconnect (every `reconnect_delay`, doubling) for
@@ -75,13 +122,20 @@
 //! (every copy, every queue), which is every namespace whose data a flush
 //! could concern, without flushing thousands of idle extents.
 
+mod drain;
+mod missed;
 mod runs;
+
+pub use missed::MissedRegions;
 
 use crate::admin::{ConnectParams, Controller, NamespaceInfo};
 use crate::blockdev::{BlockDev, BufResult, IoFuture};
 use crate::bufpool::BufPool;
 use crate::device::{block_on, join_all, ControllerIo, Device};
 use crate::error::{Error, IoError};
+use arc_swap::ArcSwapOption;
+use drain::Drain;
+use missed::{Mark, Missed};
 use nvpool_control::mapping::Geometry;
 use nvpool_control::plan::ConnectionPlan;
 use nvpool_wire::tcp::Digests;
@@ -89,7 +143,7 @@ use nvpool_wire::Status;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -114,6 +168,19 @@ pub const RECONNECT_DELAY: Duration = Duration::from_millis(500);
 /// TCP connect and ICResp timeout by default; it adds to the time a dead
 /// copy stalls I/O, so it is shorter than a lone controller's 10 s.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long [`Volume::begin_sync`] waits for the mutations issued before
+/// the switch. A mutation is outstanding that long only when a copy's path
+/// is dead: a target that closed its connections stalls writes for about
+/// [`MIRRORED_CTRL_LOSS_TIMEOUT`] plus one [`CONNECT_TIMEOUT`], well inside
+/// this. A target that vanished silently is noticed by keep-alive first
+/// (30 s admin timeout) and may outlast it: begin_sync then fails, the copy
+/// stays `Syncing` (written, never read: safe), and the control plane calls
+/// it again, which drains again.
+pub const SYNC_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+const _: () = assert!(
+    SYNC_DRAIN_TIMEOUT.as_millis()
+        > 2 * (MIRRORED_CTRL_LOSS_TIMEOUT.as_millis() + CONNECT_TIMEOUT.as_millis())
+);
 
 /// Extents (with all their copies) one flush works on at once: bounds the
 /// commands a flush puts in flight and the cost of joining them (every
@@ -149,16 +216,24 @@ pub struct VolumeOptions {
     pub host_id: Option<[u8; 16]>,
     /// Told about every extent copy marked failed, on the thread that saw
     /// the failure (inside an I/O): keep it short, e.g. send on a channel.
+    /// Never call [`Volume::begin_sync`] from it (it waits for that I/O).
     pub on_extent_failed: Option<ExtentFailedFn>,
     /// Controllers shared with the other volumes opened with the same
     /// [`Connections`]; `None`: this volume's own.
     pub connections: Option<Arc<Connections>>,
     /// Plan extent indices of copies known to have failed (the control
-    /// plane's record of earlier sessions): they may be stale, so they are
-    /// never read or written, and their targets need not be reachable. They
-    /// count in [`Volume::health`] but are not reported again. Every row
-    /// and member must keep at least one other copy.
+    /// plane's record of earlier sessions): they start [`CopyState::Failed`]
+    /// (never read or written, missed regions recorded with
+    /// [`MissedRegions::complete`] false) and are not connected, so their
+    /// targets need not be reachable. They count in [`Volume::health`] but
+    /// are not reported again. Every row and member must keep a copy that
+    /// is neither failed nor syncing.
     pub failed_extents: Vec<usize>,
+    /// Plan extent indices of copies being re-synced (a copy job is filling
+    /// them): they start [`CopyState::Syncing`] (written, never read) and
+    /// are connected like copies in sync; an open that cannot reach one
+    /// fails. Disjoint from `failed_extents`.
+    pub syncing_extents: Vec<usize>,
 }
 
 impl Default for VolumeOptions {
@@ -175,6 +250,7 @@ impl Default for VolumeOptions {
             on_extent_failed: None,
             connections: None,
             failed_extents: Vec::new(),
+            syncing_extents: Vec::new(),
         }
     }
 }
@@ -193,6 +269,7 @@ impl fmt::Debug for VolumeOptions {
             .field("on_extent_failed", &self.on_extent_failed.is_some())
             .field("connections", &self.connections)
             .field("failed_extents", &self.failed_extents)
+            .field("syncing_extents", &self.syncing_extents)
             .finish()
     }
 }
@@ -212,28 +289,53 @@ pub struct ExtentFailure {
     pub nsid: u32,
     /// What failed on it.
     pub error: IoError,
-    /// No healthy copy of this row and member is left: I/O there fails.
+    /// No copy in sync of this row and member is left: I/O there fails.
     pub member_lost: bool,
 }
 
 /// What [`Volume::health`] reports.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VolumeHealth {
-    /// Plan extent indices of the copies marked failed, ascending.
+    /// Plan extent indices of the copies in [`CopyState::Failed`], ascending.
     pub failed_extents: Vec<usize>,
-    /// `(row, member)` with no healthy copy left: I/O there fails.
+    /// Plan extent indices of the copies in [`CopyState::Syncing`]
+    /// (written, not read yet), ascending.
+    pub syncing_extents: Vec<usize>,
+    /// `(row, member)` with no copy in sync left: I/O there fails.
     pub lost: Vec<(u32, u32)>,
 }
 
 impl VolumeHealth {
-    /// Every copy is in use.
+    /// Every copy is in sync and in use.
     pub fn is_healthy(&self) -> bool {
-        self.failed_extents.is_empty()
+        self.failed_extents.is_empty() && self.syncing_extents.is_empty()
     }
 
-    /// Some copies failed, yet every byte is still served.
+    /// Some copies failed or are being re-synced, yet every byte is still
+    /// served.
     pub fn is_degraded(&self) -> bool {
-        !self.failed_extents.is_empty() && self.lost.is_empty()
+        !self.is_healthy() && self.lost.is_empty()
+    }
+}
+
+/// Where an extent copy stands; see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyState {
+    /// In sync: read and written.
+    Ok,
+    /// Being filled by a copy job: written, never read.
+    Syncing,
+    /// Stale: neither read nor written; the regions it misses are recorded.
+    Failed,
+}
+
+impl CopyState {
+    fn from_u8(v: u8) -> CopyState {
+        match v {
+            0 => CopyState::Ok,
+            1 => CopyState::Syncing,
+            _ => CopyState::Failed,
+        }
     }
 }
 
@@ -243,7 +345,9 @@ impl VolumeHealth {
 /// queues) per target address, subsystem and host NQN: connections grow
 /// with targets, not with volumes. A shared controller keeps the
 /// parameters of the volume that connected it, and disconnects when the
-/// last volume using it closes.
+/// last volume using it closes. A lost controller is not shared again: the
+/// next volume (or [`Volume::begin_sync`]) to need its target connects a
+/// new one, which takes its place here.
 #[derive(Debug, Default)]
 pub struct Connections {
     live: Mutex<Vec<(ControllerKey, Weak<ControllerIo>)>>,
@@ -259,11 +363,12 @@ impl Connections {
         Arc::default()
     }
 
-    /// Controllers connected now.
+    /// Controllers connected now (and not lost).
     pub fn controller_count(&self) -> usize {
         lock(&self.live)
             .iter()
-            .filter(|(_, w)| w.strong_count() > 0)
+            .filter_map(|(_, w)| w.upgrade())
+            .filter(|io| !io.is_lost())
             .count()
     }
 
@@ -272,6 +377,7 @@ impl Connections {
             .iter()
             .find(|(k, _)| k == key)
             .and_then(|(_, w)| w.upgrade())
+            .filter(|io| !io.is_lost())
     }
 
     fn add(&self, key: ControllerKey, io: &Arc<ControllerIo>) {
@@ -285,16 +391,27 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One extent copy: its namespace handle and health.
+/// One extent copy: its state, namespace handle and missed regions.
+///
+/// Invariants: a copy that is not `Failed` has a device, and a device,
+/// once set, is only ever replaced (never removed); a `Failed` copy has a
+/// missed-regions record. The record is stored before the state that needs
+/// it, and the device before `Syncing`: a mutation that loads the state
+/// (`SeqCst`) then the device or record sees the ones stored with it.
 #[derive(Debug)]
-struct ExtentIo {
-    /// None for copies known to have failed at open (never connected).
-    dev: Option<Device>,
-    /// Sticky: set once, the copy is not used again this session.
-    failed: AtomicBool,
+struct CopyIo {
+    /// A [`CopyState`] as u8.
+    state: AtomicU8,
+    /// Swapped by begin_sync when the copy's controller was lost (or it was
+    /// never connected). Loads are lock-free.
+    dev: ArcSwapOption<Device>,
+    missed: ArcSwapOption<Missed>,
+    /// Held (briefly) to change `state` together with `missed`: by the data
+    /// path when the copy fails, and by the resync calls.
+    edit: Mutex<()>,
 }
 
-/// What a run does to every healthy copy.
+/// What a run does to every copy it writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mutation {
     Write { fua: bool },
@@ -303,20 +420,68 @@ enum Mutation {
     Flush,
 }
 
-impl ExtentIo {
-    fn dev(&self) -> &Device {
-        self.dev
-            .as_ref()
-            .expect("a copy in use has a namespace handle")
+impl CopyIo {
+    fn new(state: CopyState, dev: Option<Device>, missed: Option<Missed>) -> CopyIo {
+        CopyIo {
+            state: AtomicU8::new(state as u8),
+            dev: ArcSwapOption::new(dev.map(Arc::new)),
+            missed: ArcSwapOption::new(missed.map(Arc::new)),
+            edit: Mutex::new(()),
+        }
     }
 
-    async fn mutate(&self, m: Mutation, offset: u64, len: u64, buf: Vec<u8>) -> BufResult {
-        match m {
-            Mutation::Write { fua } => self.dev().write(offset, buf, fua).await,
-            Mutation::Zeroes { unmap } => (self.dev().write_zeroes(offset, len, unmap).await, buf),
-            Mutation::Discard => (self.dev().discard(offset, len).await, buf),
-            Mutation::Flush => (self.dev().flush().await, buf),
+    fn state(&self) -> CopyState {
+        CopyState::from_u8(self.state.load(Ordering::SeqCst))
+    }
+
+    fn set_state(&self, s: CopyState) {
+        self.state.store(s as u8, Ordering::SeqCst);
+    }
+
+    /// The namespace handle of a copy that is not `Failed` (or was not when
+    /// the caller looked: handles are never removed).
+    fn device(&self) -> Arc<Device> {
+        self.dev
+            .load_full()
+            .expect("a copy that was not failed has a namespace handle")
+    }
+
+    /// Marks a mutation's range on a `Failed` copy's record.
+    fn note_missed(&self, offset: u64, len: u64) {
+        if let Some(r) = &*self.missed.load() {
+            r.mark(offset, len);
         }
+    }
+
+    /// Makes the copy `Failed` with a fresh, complete record holding
+    /// `mark` if its state is one of `from`; a copy failed already gets
+    /// `mark` added to its record. True when this call failed it.
+    fn fail(&self, from: &[CopyState], extent_bytes: u64, mark: Mark) -> bool {
+        let _e = lock(&self.edit);
+        let state = self.state();
+        if state == CopyState::Failed {
+            if let Some(r) = &*self.missed.load() {
+                r.apply(mark);
+            }
+            return false;
+        }
+        if !from.contains(&state) {
+            return false;
+        }
+        let r = Missed::new(extent_bytes, true);
+        r.apply(mark);
+        self.missed.store(Some(Arc::new(r)));
+        self.set_state(CopyState::Failed);
+        true
+    }
+}
+
+async fn mutate(dev: Arc<Device>, m: Mutation, offset: u64, len: u64, buf: Vec<u8>) -> BufResult {
+    match m {
+        Mutation::Write { fua } => dev.write(offset, buf, fua).await,
+        Mutation::Zeroes { unmap } => (dev.write_zeroes(offset, len, unmap).await, buf),
+        Mutation::Discard => (dev.discard(offset, len).await, buf),
+        Mutation::Flush => (dev.flush().await, buf),
     }
 }
 
@@ -355,10 +520,13 @@ pub struct Volume {
     plan: ConnectionPlan,
     geometry: Geometry,
     copies: usize,
-    /// One per distinct (address, subsystem) of the plan.
-    ios: Vec<Arc<ControllerIo>>,
+    /// The controllers the volume connected or shares, in order of first
+    /// use (reconnected ones last). A lost one stays until no namespace
+    /// handle uses it, so its worker threads are never joined from a data
+    /// path thread that happened to drop the last handle.
+    ios: Mutex<Vec<Arc<ControllerIo>>>,
     /// One per plan extent, in plan order.
-    extents: Vec<ExtentIo>,
+    extents: Vec<CopyIo>,
     /// Per (row, member): written since the last flush.
     dirty: Vec<AtomicBool>,
     /// Rotates read ties between copies.
@@ -366,6 +534,17 @@ pub struct Volume {
     on_failed: Option<ExtentFailedFn>,
     /// Buffers of the runs of reads that span extents.
     bufs: BufPool,
+    /// Mutations outstanding, for begin_sync's drain.
+    drain: Drain,
+    /// begin_sync calls run one at a time.
+    syncing: Mutex<()>,
+    /// Connect parameters of every controller (address and subsystem set
+    /// per controller), I/O queues per controller and the namespace block
+    /// alignment the plan needs: for reconnecting copies.
+    params: ConnectParams,
+    queues: u16,
+    align: u64,
+    connections: Option<Arc<Connections>>,
 }
 
 impl fmt::Debug for Volume {
@@ -373,7 +552,7 @@ impl fmt::Debug for Volume {
         f.debug_struct("Volume")
             .field("name", &self.plan.name)
             .field("geometry", &self.geometry)
-            .field("controllers", &self.ios.len())
+            .field("controllers", &self.controller_count())
             .field("health", &self.health())
             .finish_non_exhaustive()
     }
@@ -393,22 +572,36 @@ impl Volume {
         let align = u64::from(plan.block_bytes).min(geometry.stripe_bytes);
 
         let n = plan.extents.len();
-        let mut known_failed = vec![false; n];
-        for &i in &opts.failed_extents {
-            if i >= n {
-                return Err(Error::Invalid(format!(
-                    "failed extent {i}: the plan of {} has {n} extents",
-                    plan.name
-                )));
+        let mut states = vec![CopyState::Ok; n];
+        for (list, state, what) in [
+            (&opts.failed_extents, CopyState::Failed, "failed"),
+            (&opts.syncing_extents, CopyState::Syncing, "syncing"),
+        ] {
+            for &i in list {
+                if i >= n {
+                    return Err(Error::Invalid(format!(
+                        "{what} extent {i}: the plan of {} has {n} extents",
+                        plan.name
+                    )));
+                }
+                if ![CopyState::Ok, state].contains(&states[i]) {
+                    return Err(Error::Invalid(format!(
+                        "{}: extent {i} is listed as both failed and syncing",
+                        plan.name
+                    )));
+                }
+                states[i] = state;
             }
-            known_failed[i] = true;
         }
-        if let Some(g) =
-            (0..n / copies).find(|g| known_failed[g * copies..][..copies].iter().all(|&f| f))
-        {
+        if let Some(g) = (0..n / copies).find(|g| {
+            states[g * copies..][..copies]
+                .iter()
+                .all(|&s| s != CopyState::Ok)
+        }) {
             let e = &plan.extents[g * copies];
             return Err(Error::Invalid(format!(
-                "{}: row {} of member {} has no usable copy: every copy is known to have failed",
+                "{}: row {} of member {} has no copy in sync: every copy is known to have \
+                 failed or is syncing",
                 plan.name, e.row, e.member
             )));
         }
@@ -419,7 +612,7 @@ impl Volume {
         let mut index: HashMap<(SocketAddr, &str), usize> = HashMap::new();
         let mut served: Vec<Vec<usize>> = Vec::new();
         for (i, e) in plan.extents.iter().enumerate() {
-            if known_failed[i] {
+            if states[i] == CopyState::Failed {
                 continue;
             }
             let key = (e.addr, e.subsystem_nqn.as_str());
@@ -444,22 +637,23 @@ impl Volume {
         } else {
             CTRL_LOSS_TIMEOUT
         });
-        let params = |addr: SocketAddr, nqn: &str| {
-            let mut p = ConnectParams::new(addr, nqn);
-            p.hostnqn = plan.host_nqn.clone();
-            p.hostid = hostid;
-            p.digests = opts.digests;
-            p.kato = opts.keep_alive;
-            p.io_queues = opts.queues_per_controller.max(1);
-            p.queue_depth = opts.queue_depth;
-            p.ctrl_loss_timeout = loss;
-            p.reconnect_delay = opts.reconnect_delay;
-            p.connect_timeout = opts.connect_timeout;
-            p
+        let base = ConnectParams {
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            subnqn: String::new(),
+            hostnqn: plan.host_nqn.clone(),
+            hostid,
+            digests: opts.digests,
+            kato: opts.keep_alive,
+            io_queues: opts.queues_per_controller.max(1),
+            queue_depth: opts.queue_depth,
+            ctrl_loss_timeout: loss,
+            reconnect_delay: opts.reconnect_delay,
+            connect_timeout: opts.connect_timeout,
         };
+        let queues = opts.queues_per_controller;
 
         let shared = opts.connections.as_deref();
-        let _one_open = shared.map(|c| lock(&c.opening));
+        let one_open = shared.map(|c| lock(&c.opening));
         let key = |addr: SocketAddr, nqn: &str| (addr, nqn.to_owned(), plan.host_nqn.clone());
         let connected: Vec<Result<Connected, Error>> = std::thread::scope(|s| {
             let threads: Vec<_> = keys
@@ -468,9 +662,8 @@ impl Volume {
                 .map(|(&(addr, nqn), mine)| {
                     let reach = match shared.and_then(|c| c.get(&key(addr, nqn))) {
                         Some(io) => Reach::Shared(io),
-                        None => Reach::Connect(params(addr, nqn)),
+                        None => Reach::Connect(controller_params(&base, addr, nqn)),
                     };
-                    let queues = opts.queues_per_controller;
                     s.spawn(move || connect_one(plan, reach, mine, align, queues))
                 })
                 .collect();
@@ -497,15 +690,16 @@ impl Volume {
                 c.add(key(addr, nqn), io);
             }
         }
+        drop(one_open);
         let extents = slots
             .into_iter()
-            .zip(known_failed)
-            .map(|(dev, failed)| {
+            .zip(states)
+            .map(|(dev, state)| {
+                let failed = state == CopyState::Failed;
                 assert_eq!(dev.is_some(), !failed, "every copy in use was opened");
-                ExtentIo {
-                    dev,
-                    failed: AtomicBool::new(failed),
-                }
+                // Writes of earlier sessions are unknown: not complete.
+                let missed = failed.then(|| Missed::new(plan.extent_bytes, false));
+                CopyIo::new(state, dev, missed)
             })
             .collect();
         let groups = plan.extents.len() / copies;
@@ -516,18 +710,26 @@ impl Volume {
             extents = plan.extents.len(),
             controllers = ios.len(),
             ctrl_loss_timeout = ?loss,
+            failed = ?opts.failed_extents,
+            syncing = ?opts.syncing_extents,
             "volume open"
         );
         Ok(Volume {
             plan: plan.clone(),
             geometry,
             copies,
-            ios,
+            ios: Mutex::new(ios),
             extents,
             dirty: (0..groups).map(|_| AtomicBool::new(false)).collect(),
             rr: AtomicUsize::new(0),
             bufs: BufPool::default(),
             on_failed: opts.on_extent_failed,
+            drain: Drain::default(),
+            syncing: Mutex::new(()),
+            params: base,
+            queues,
+            align,
+            connections: opts.connections,
         })
     }
 
@@ -547,27 +749,44 @@ impl Volume {
         self.plan.block_bytes
     }
 
-    /// Controllers (one per distinct target address and subsystem).
+    /// Controllers the volume holds: one per distinct target address and
+    /// subsystem it uses, plus lost ones until no copy uses them.
     pub fn controller_count(&self) -> usize {
-        self.ios.len()
+        lock(&self.ios).len()
     }
 
-    /// The I/O queue pools, one per controller, in order of first use in
-    /// the plan (for statistics: [`ControllerIo::in_flight`]).
-    pub fn controllers(&self) -> &[Arc<ControllerIo>] {
-        &self.ios
+    /// The I/O queue pools the volume holds, one per controller, in order
+    /// of first use in the plan, controllers connected by
+    /// [`Volume::begin_sync`] last (for statistics:
+    /// [`ControllerIo::in_flight`]).
+    pub fn controllers(&self) -> Vec<Arc<ControllerIo>> {
+        lock(&self.ios).clone()
     }
 
-    /// Whether plan extent `index` (one copy) was marked failed.
+    /// The state of plan extent `index` (one copy).
+    ///
+    /// # Panics
+    /// If `index` is not an extent of the plan.
+    pub fn copy_state(&self, index: usize) -> CopyState {
+        self.extents[index].state()
+    }
+
+    /// Whether plan extent `index` (one copy) is [`CopyState::Failed`].
+    ///
+    /// # Panics
+    /// If `index` is not an extent of the plan.
     pub fn extent_failed(&self, index: usize) -> bool {
-        self.extents[index].failed.load(Ordering::SeqCst)
+        self.copy_state(index) == CopyState::Failed
     }
 
-    /// The copies marked failed and the extents left without a healthy copy.
+    /// The copies failed or syncing, and the extents left without a copy
+    /// in sync.
     pub fn health(&self) -> VolumeHealth {
-        let failed_extents: Vec<usize> = (0..self.extents.len())
-            .filter(|&i| self.extent_failed(i))
-            .collect();
+        let in_state = |s: CopyState| -> Vec<usize> {
+            (0..self.extents.len())
+                .filter(|&i| self.copy_state(i) == s)
+                .collect()
+        };
         let lost = (0..self.dirty.len())
             .filter(|&g| self.group_lost(g))
             .map(|g| {
@@ -576,13 +795,213 @@ impl Volume {
             })
             .collect();
         VolumeHealth {
-            failed_extents,
+            failed_extents: in_state(CopyState::Failed),
+            syncing_extents: in_state(CopyState::Syncing),
             lost,
         }
     }
 
+    /// No copy of extent group `group` is in sync.
     fn group_lost(&self, group: usize) -> bool {
-        (0..self.copies).all(|c| self.extent_failed(group * self.copies + c))
+        (0..self.copies).all(|c| self.copy_state(group * self.copies + c) != CopyState::Ok)
+    }
+
+    /// The missed-regions record of copy `index` when it is
+    /// [`CopyState::Failed`]; `None` otherwise (or for an index outside
+    /// the plan).
+    pub fn missed_regions(&self, index: usize) -> Option<MissedRegions> {
+        let x = self.extents.get(index)?;
+        let _e = lock(&x.edit);
+        if x.state() != CopyState::Failed {
+            return None;
+        }
+        let record = x.missed.load();
+        (*record).as_deref().map(Missed::snapshot)
+    }
+
+    /// Blocking; call it from a control thread, never from an I/O callback
+    /// ([`VolumeOptions::on_extent_failed`]) or an async task.
+    ///
+    /// `Failed` → `Syncing`: connects the copy's controller again if the
+    /// volume has no live one for its target and subsystem (a new
+    /// controller, or a live one shared through [`Connections`], where a
+    /// new one is registered too), checks the namespace as open does,
+    /// switches the copy to `Syncing` (written, never read), then waits up
+    /// to [`SYNC_DRAIN_TIMEOUT`] until every write, write-zeroes, discard
+    /// and flush issued before the switch has completed. Returns the
+    /// regions written while the copy was `Failed` in this session and
+    /// whether that record is complete (see [`MissedRegions`]).
+    ///
+    /// On a `Syncing` copy it drains again and returns the same record (a
+    /// retry after a timeout is safe). On an `Ok` copy (another host saw it
+    /// fail, this one did not) it stops reading it, drains and returns an
+    /// empty complete record: this host wrote everything to it; refused
+    /// when it is the group's last copy in sync. A copy that fails again
+    /// before the drain ends is `Failed` again (reported as usual) and the
+    /// call fails.
+    pub fn begin_sync(&self, index: usize) -> Result<MissedRegions, Error> {
+        let Some(x) = self.extents.get(index) else {
+            return Err(Error::Invalid(format!(
+                "{}: extent {index} is not in the plan ({} extents)",
+                self.plan.name,
+                self.extents.len()
+            )));
+        };
+        let _one = lock(&self.syncing);
+        self.release_lost_controllers();
+        let record = loop {
+            match x.state() {
+                CopyState::Syncing => break x.missed.load_full(),
+                CopyState::Failed => {
+                    let dev = self.connect_copy(index)?;
+                    let _e = lock(&x.edit);
+                    // Only begin_sync leaves Failed, one call at a time.
+                    assert_eq!(x.state(), CopyState::Failed, "a failed copy stays failed");
+                    // The handle before the state: whoever sees Syncing
+                    // finds it.
+                    x.dev.store(Some(Arc::new(dev)));
+                    x.set_state(CopyState::Syncing);
+                    break x.missed.load_full();
+                }
+                CopyState::Ok => {
+                    let group = index - index % self.copies;
+                    let others = (group..group + self.copies)
+                        .filter(|&j| j != index && self.copy_state(j) == CopyState::Ok)
+                        .count();
+                    if others == 0 {
+                        let e = &self.plan.extents[index];
+                        return Err(Error::Invalid(format!(
+                            "{}: extent {index} is the last copy in sync of row {} member {}",
+                            self.plan.name, e.row, e.member
+                        )));
+                    }
+                    let _e = lock(&x.edit);
+                    if x.state() == CopyState::Ok {
+                        x.set_state(CopyState::Syncing);
+                        x.missed.store(None);
+                        break None;
+                    }
+                    // It failed meanwhile: start over from Failed.
+                }
+            }
+        };
+        tracing::info!(volume = %self.plan.name, extent = index, "extent copy syncing; draining");
+        if !self.drain.wait(SYNC_DRAIN_TIMEOUT) {
+            return Err(Error::Timeout {
+                addr: format!("volume {} extent {index}", self.plan.name),
+                what: "the writes issued before the copy started syncing",
+            });
+        }
+        if x.state() == CopyState::Failed {
+            return Err(Error::Invalid(format!(
+                "{}: extent {index} failed again while its sync began",
+                self.plan.name
+            )));
+        }
+        Ok(record.map_or(
+            MissedRegions {
+                regions: Vec::new(),
+                complete: true,
+            },
+            |r| r.snapshot(),
+        ))
+    }
+
+    /// `Syncing` → `Ok`: reads may use the copy. No-op in any other state.
+    pub fn finish_sync(&self, index: usize) {
+        let Some(x) = self.extents.get(index) else {
+            return;
+        };
+        let _e = lock(&x.edit);
+        if x.state() == CopyState::Syncing {
+            x.set_state(CopyState::Ok);
+            x.missed.store(None);
+            tracing::info!(volume = %self.plan.name, extent = index, "extent copy in sync");
+        }
+    }
+
+    /// `Syncing` → `Failed` without reporting it (the control plane
+    /// cancelled the copy job, or it ended without bringing the copy in
+    /// sync): not written from now on, and its missed regions are recorded
+    /// from now, in a fresh record that is complete (this session sees
+    /// every later write). No-op in any other state.
+    pub fn abort_sync(&self, index: usize) {
+        if let Some(x) = self.extents.get(index) {
+            if x.fail(&[CopyState::Syncing], self.plan.extent_bytes, Mark::Nothing) {
+                tracing::info!(
+                    volume = %self.plan.name,
+                    extent = index,
+                    "extent copy sync aborted"
+                );
+            }
+        }
+    }
+
+    /// `Ok` or `Syncing` → `Failed` without reporting it: the control plane
+    /// says the copy is stale (another host saw it fail). Neither read nor
+    /// written from now on; its missed regions are recorded from now, in a
+    /// fresh, complete record. No-op on a failed copy or an index outside
+    /// the plan.
+    pub fn mark_failed(&self, index: usize) {
+        if let Some(x) = self.extents.get(index) {
+            let from = [CopyState::Ok, CopyState::Syncing];
+            if x.fail(&from, self.plan.extent_bytes, Mark::Nothing) {
+                tracing::warn!(
+                    volume = %self.plan.name,
+                    extent = index,
+                    "extent copy marked failed (stale, says the control plane)"
+                );
+            }
+        }
+    }
+
+    /// A namespace handle on copy `index`, on a live controller: the
+    /// volume's own, else a shared one, else a new one.
+    fn connect_copy(&self, index: usize) -> Result<Device, Error> {
+        let e = &self.plan.extents[index];
+        let shared = self.connections.as_deref();
+        let _one_open = shared.map(|c| lock(&c.opening));
+        let key = (e.addr, e.subsystem_nqn.clone(), self.plan.host_nqn.clone());
+        let mine = lock(&self.ios)
+            .iter()
+            .find(|io| {
+                let c = io.controller();
+                c.addr() == e.addr && c.params.subnqn == e.subsystem_nqn && !io.is_lost()
+            })
+            .cloned();
+        let reach = match mine.or_else(|| shared.and_then(|c| c.get(&key))) {
+            Some(io) => Reach::Shared(io),
+            None => Reach::Connect(controller_params(&self.params, e.addr, &e.subsystem_nqn)),
+        };
+        let mut c = connect_one(&self.plan, reach, &[index], self.align, self.queues)?;
+        {
+            let mut ios = lock(&self.ios);
+            if !ios.iter().any(|io| Arc::ptr_eq(io, &c.io)) {
+                ios.push(c.io.clone());
+            }
+        }
+        if let Some(s) = shared {
+            s.add(key, &c.io);
+        }
+        let (_, dev) = c
+            .devices
+            .pop()
+            .expect("connect_one opens every extent it is given");
+        Ok(dev)
+    }
+
+    /// Lets go of lost controllers no namespace handle uses any more (their
+    /// worker threads are joined here, on the calling thread).
+    fn release_lost_controllers(&self) {
+        let gone: Vec<Arc<ControllerIo>> = {
+            let mut ios = lock(&self.ios);
+            let (gone, keep) = ios
+                .drain(..)
+                .partition(|io| io.is_lost() && Arc::strong_count(io) == 1);
+            *ios = keep;
+            gone
+        };
+        drop(gone);
     }
 
     /// Flushes, then disconnects: the I/O threads stop, the I/O queues
@@ -655,9 +1074,11 @@ impl Volume {
         }
     }
 
-    /// Writes `buf` at `offset` to every healthy copy; with `fua` it is
-    /// durable on every copy on success.
+    /// Writes `buf` at `offset` to every copy in sync or syncing; with
+    /// `fua` it is durable on every copy on success.
     pub async fn write(&self, offset: u64, buf: Vec<u8>, fua: bool) -> BufResult {
+        // Outstanding until it completes (or is dropped), for begin_sync.
+        let _hold = self.drain.enter();
         let split = match self.split(offset, buf.len() as u64) {
             Ok(s) => s,
             Err(e) => return (Err(e), buf),
@@ -681,8 +1102,8 @@ impl Volume {
         }
     }
 
-    /// Zeroes a range on every healthy copy; `may_unmap` lets the targets
-    /// deallocate it.
+    /// Zeroes a range on every copy in sync or syncing; `may_unmap` lets
+    /// the targets deallocate it.
     pub async fn write_zeroes(
         &self,
         offset: u64,
@@ -693,12 +1114,13 @@ impl Volume {
             .await
     }
 
-    /// Discards a range on every healthy copy.
+    /// Discards a range on every copy in sync or syncing.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), IoError> {
         self.mutate(offset, len, Mutation::Discard).await
     }
 
     async fn mutate(&self, offset: u64, len: u64, m: Mutation) -> Result<(), IoError> {
+        let _hold = self.drain.enter();
         let split = self.split(offset, len)?;
         let all = split
             .runs
@@ -708,8 +1130,9 @@ impl Volume {
     }
 
     /// Makes every completed write durable: flushes each namespace written
-    /// since the last flush, on every healthy copy.
+    /// since the last flush, on every copy in sync or syncing.
     pub async fn flush(&self) -> Result<(), IoError> {
+        let _hold = self.drain.enter();
         let groups: Vec<usize> = (0..self.dirty.len())
             .filter(|&g| {
                 self.dirty[g].load(Ordering::SeqCst) && self.dirty[g].swap(false, Ordering::SeqCst)
@@ -733,7 +1156,7 @@ impl Volume {
         first
     }
 
-    /// Reads one run from one healthy copy, moving to another when the
+    /// Reads one run from one copy in sync, moving to another when the
     /// chosen one fails.
     async fn read_run(&self, first: usize, offset: u64, mut buf: Vec<u8>) -> BufResult {
         let len = buf.len();
@@ -744,14 +1167,15 @@ impl Volume {
                 return (Err(last.unwrap_or(IoError::ControllerLost)), buf);
             };
             tried |= 1 << c;
-            let (r, b) = self.extents[first + c].dev().read(offset, buf).await;
+            let dev = self.extents[first + c].device();
+            let (r, b) = dev.read(offset, buf).await;
             // A lost controller cannot hand back the buffer it held.
             buf = if b.len() == len { b } else { vec![0; len] };
             match r {
                 Ok(()) => return (Ok(()), buf),
                 Err(e) => match blame(&e) {
                     Blame::Path => {
-                        self.fail_extent(first + c, &e);
+                        self.fail_extent(first + c, &e, Mark::Nothing);
                         last = Some(e);
                     }
                     Blame::Media => last = Some(e),
@@ -761,10 +1185,11 @@ impl Volume {
         }
     }
 
-    /// The healthy copy not in `tried` whose controller has the fewest
-    /// requests in flight; ties rotate.
+    /// The copy in sync not in `tried` whose controller has the fewest
+    /// requests in flight; ties rotate. Never a `Syncing` copy.
     fn pick_read_copy(&self, first: usize, tried: u32) -> Option<usize> {
-        let usable = |c: usize| tried & (1 << c) == 0 && !self.extent_failed(first + c);
+        let usable =
+            |c: usize| tried & (1 << c) == 0 && self.extents[first + c].state() == CopyState::Ok;
         if self.copies == 1 {
             return usable(0).then_some(0);
         }
@@ -775,7 +1200,10 @@ impl Volume {
             if !usable(c) {
                 continue;
             }
-            let load = self.extents[first + c].dev().io().in_flight();
+            let load = match &*self.extents[first + c].dev.load() {
+                Some(d) => d.io().in_flight(),
+                None => usize::MAX,
+            };
             if best.is_none_or(|(_, l)| load < l) {
                 best = Some((c, load));
             }
@@ -783,8 +1211,10 @@ impl Volume {
         best.map(|(c, _)| c)
     }
 
-    /// Applies `m` to every healthy copy of one run; succeeds when at least
-    /// one copy did. Copies that missed it are marked failed.
+    /// Applies `m` to every `Ok` and `Syncing` copy of one run and marks it
+    /// on the `Failed` ones; succeeds when at least one `Ok` copy took it.
+    /// Copies that missed it are marked failed. The caller holds a drain
+    /// hold: the states are read after it was counted (drain.rs).
     async fn mutate_run(
         &self,
         first: usize,
@@ -793,81 +1223,126 @@ impl Volume {
         m: Mutation,
         buf: Vec<u8>,
     ) -> BufResult {
-        let healthy: u32 = (0..self.copies)
-            .filter(|&c| !self.extent_failed(first + c))
-            .fold(0, |s, c| s | 1 << c);
-        let n = healthy.count_ones() as usize;
-        if n == 0 {
+        let mut in_sync = 0u32;
+        let mut syncing = 0u32;
+        for c in 0..self.copies {
+            let x = &self.extents[first + c];
+            match x.state() {
+                CopyState::Ok => in_sync |= 1 << c,
+                CopyState::Syncing => syncing |= 1 << c,
+                CopyState::Failed if m != Mutation::Flush => x.note_missed(offset, len),
+                CopyState::Failed => {}
+            }
+        }
+        if in_sync == 0 {
+            // Nothing could make it succeed; a Syncing copy taking it alone
+            // would hold bytes no copy in sync has.
             return (Err(IoError::ControllerLost), buf);
         }
+        let targets = in_sync | syncing;
+        let n = targets.count_ones() as usize;
         let is_write = matches!(m, Mutation::Write { .. });
-        // The caller's buffer to the last healthy copy, clones to the others.
+        let copies = || (0..self.copies).filter(move |&c| targets & (1 << c) != 0);
+        // The caller's buffer to the last target copy, clones to the others.
         let mut data = Some(buf);
-        let all = (0..self.copies)
-            .filter(|&c| healthy & (1 << c) != 0)
-            .enumerate()
-            .map(|(k, c)| {
-                let b = match &mut data {
-                    Some(d) if is_write && k + 1 < n => d.clone(),
-                    d if is_write => d.take().expect("the caller's buffer is there"),
-                    _ => Vec::new(),
-                };
-                self.extents[first + c].mutate(m, offset, len, b)
-            });
+        let all = copies().enumerate().map(|(k, c)| {
+            let b = match &mut data {
+                Some(d) if is_write && k + 1 < n => d.clone(),
+                d if is_write => d.take().expect("the caller's buffer is there"),
+                _ => Vec::new(),
+            };
+            mutate(self.extents[first + c].device(), m, offset, len, b)
+        });
         let results = join_all(all).await;
-        let acked = results.iter().any(|(r, _)| r.is_ok());
+        // Only a copy in sync taking it counts: a Syncing copy is read by
+        // no one until its copy job ends, and that job may fail.
+        let acked = copies()
+            .zip(&results)
+            .any(|(c, (r, _))| in_sync & (1 << c) != 0 && r.is_ok());
+        // The caller learns about the request rather than the path, and
+        // only from copies in sync.
         let mut err: Option<IoError> = None;
+        for (c, (r, _)) in copies().zip(&results) {
+            if let (true, Err(e)) = (in_sync & (1 << c) != 0, r) {
+                if err
+                    .as_ref()
+                    .is_none_or(|p| blame(p) == Blame::Path && blame(e) != Blame::Path)
+                {
+                    err = Some(e.clone());
+                }
+            }
+        }
+        let mark = match m {
+            // Any write since the last flush may be lost on that copy.
+            Mutation::Flush => Mark::Unknown,
+            _ => Mark::Range { offset, len },
+        };
         // Writes hand back the buffer of the first copy that took the data
         // (all hold the same bytes), else the last one's (the caller's).
         let mut back: Option<Vec<u8>> = data;
         let mut back_acked = false;
-        let copies = (0..self.copies).filter(|&c| healthy & (1 << c) != 0);
-        for (c, (r, b)) in copies.zip(results) {
+        for (c, (r, b)) in copies().zip(results) {
             if is_write && !back_acked {
                 back_acked = r.is_ok();
                 back = Some(b);
             }
-            match r {
-                Ok(()) => {}
-                Err(e) => {
-                    let path = blame(&e) == Blame::Path;
-                    if acked || path {
+            let index = first + c;
+            if in_sync & (1 << c) != 0 {
+                if let Err(e) = r {
+                    if acked || blame(&e) == Blame::Path {
                         // Stale (another copy took it) or unreachable.
-                        self.fail_extent(first + c, &e);
-                    }
-                    // The caller learns about the request rather than the path.
-                    if err
-                        .as_ref()
-                        .is_none_or(|p| blame(p) == Blame::Path && !path)
-                    {
-                        err = Some(e);
+                        self.fail_extent(index, &e, mark);
                     }
                 }
+                continue;
+            }
+            // A Syncing copy stays in sync only by taking exactly what the
+            // copies in sync took.
+            match r {
+                Ok(()) if acked || m == Mutation::Flush => {}
+                // Only it took the change: it now differs from every copy
+                // in sync, and the copy job would not overwrite the range
+                // (the target saw a host write there).
+                Ok(()) => {
+                    let e = err.clone().unwrap_or(IoError::ControllerLost);
+                    self.fail_extent(index, &e, mark);
+                }
+                // Refused like the copies in sync refused it: unchanged.
+                Err(e) if !acked && blame(&e) == Blame::Request => {}
+                Err(e) => self.fail_extent(index, &e, mark),
             }
         }
         if m != Mutation::Flush {
             self.dirty[first / self.copies].store(true, Ordering::SeqCst);
         }
-        let r = match (acked, err) {
-            (true, _) | (false, None) => Ok(()),
-            (false, Some(e)) => Err(e),
+        let r = if acked {
+            Ok(())
+        } else {
+            Err(err.unwrap_or(IoError::ControllerLost))
         };
         (r, back.unwrap_or_default())
     }
 
-    /// Stops using extent copy `index` for the rest of the session. When its
-    /// controller is lost, every extent behind that controller goes too.
-    fn fail_extent(&self, index: usize, error: &IoError) {
-        if !self.extents[index].failed.swap(true, Ordering::SeqCst) {
+    /// Stops using extent copy `index` (→ `Failed`, `mark` recorded as
+    /// missed). When its controller is lost, every extent behind that
+    /// controller goes too.
+    fn fail_extent(&self, index: usize, error: &IoError, mark: Mark) {
+        let x = &self.extents[index];
+        let in_use = [CopyState::Ok, CopyState::Syncing];
+        if x.fail(&in_use, self.plan.extent_bytes, mark) {
             self.report(index, error);
         }
-        let Some(io) = self.extents[index].dev.as_ref().map(Device::io) else {
+        let Some(dev) = x.dev.load_full() else {
             return;
         };
-        if *error == IoError::ControllerLost && io.controller().current().is_err() {
-            for (j, x) in self.extents.iter().enumerate() {
-                let behind = x.dev.as_ref().is_some_and(|d| Arc::ptr_eq(d.io(), io));
-                if behind && !x.failed.swap(true, Ordering::SeqCst) {
+        let io = dev.io();
+        if *error == IoError::ControllerLost && io.is_lost() {
+            for (j, y) in self.extents.iter().enumerate() {
+                let behind = match &*y.dev.load() {
+                    Some(d) => Arc::ptr_eq(d.io(), io),
+                    None => false,
+                };
+                if behind && y.fail(&in_use, self.plan.extent_bytes, Mark::Nothing) {
                     self.report(j, error);
                 }
             }
@@ -888,7 +1363,7 @@ impl Volume {
             nsid = e.nsid,
             error = %error,
             member_lost,
-            "extent copy failed; not used again this session"
+            "extent copy failed; not used again until it is re-synced"
         );
         if let Some(f) = &self.on_failed {
             f(&ExtentFailure {
@@ -904,6 +1379,15 @@ impl Volume {
                 member_lost,
             });
         }
+    }
+}
+
+/// `base` for the controller at `addr` serving `subnqn`.
+fn controller_params(base: &ConnectParams, addr: SocketAddr, subnqn: &str) -> ConnectParams {
+    ConnectParams {
+        addr,
+        subnqn: subnqn.to_owned(),
+        ..base.clone()
     }
 }
 

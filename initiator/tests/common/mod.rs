@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod memdev;
+pub mod volumes;
 
 pub const SUBNQN: &str = "nqn.2026-11.io.nvpool:init-disk";
 pub const OTHER_NQN: &str = "nqn.2026-11.io.nvpool:init-other";

@@ -1,0 +1,224 @@
+//! Volumes over in-process targets: every extent of a volume exported as a
+//! namespace of one per-host subsystem on each target, the connection plan
+//! built by hand, and access to each extent copy beside the volume (to
+//! check where bytes landed, or to change a copy behind its back).
+
+use super::{params, subsystem, Tgt, HOST_A, WAIT};
+use nvpool_control::model::Uuid;
+use nvpool_control::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
+use nvpool_initiator::device::block_on;
+use nvpool_initiator::{Controller, ControllerIo, Device, VolumeOptions};
+use nvpool_target::backend::{FaultBackend, RamBackend};
+use nvpool_target::config::SubsystemConfig;
+use nvpool_target::Target;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const MIB: u64 = 1 << 20;
+/// The volumes' logical block.
+pub const VOLUME_BLOCK: u64 = 4096;
+
+pub fn host_subsystem() -> String {
+    format!("{HOST_SUBSYSTEM_PREFIX}volume-test")
+}
+
+/// Targets exporting a volume's extents, and the plan to reach them.
+#[derive(Debug)]
+pub struct Setup {
+    /// `None` while stopped ([`Setup::stop`]).
+    targets: Vec<Option<Tgt>>,
+    /// Each target's address and subsystem, to restart it as it was.
+    addrs: Vec<SocketAddr>,
+    configs: Vec<SubsystemConfig>,
+    pub plan: ConnectionPlan,
+    /// With [`setup_faulty`]: each extent's backend, in plan order.
+    pub faults: Vec<Arc<FaultBackend>>,
+}
+
+/// Starts `n` targets and exports every extent (`extent_bytes`) of a volume
+/// of `layout` and `size` as a namespace (`ns_spec`, e.g. `ram:1M`) of the
+/// host subsystem: extent (row, member, copy) lives on target (row +
+/// member × copies + copy) mod n, so the extents of a row sit on distinct
+/// targets.
+pub fn setup(n: usize, layout: LayoutBody, size: u64, extent_bytes: u64, ns_spec: &str) -> Setup {
+    let mut plan = ConnectionPlan {
+        volume: Uuid([7; 16]),
+        name: "vol".into(),
+        host_nqn: HOST_A.into(),
+        size_bytes: size,
+        block_bytes: VOLUME_BLOCK as u32,
+        extent_bytes,
+        layout,
+        extents: Vec::new(),
+    };
+    let g = plan.geometry();
+    let mut namespaces: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut placed = Vec::new();
+    for row in 0..g.rows() {
+        for member in 0..g.width {
+            for copy in 0..g.copies {
+                let t =
+                    (row as usize + (member as usize) * usize::from(g.copies) + copy as usize) % n;
+                let nsid = namespaces[t].len() as u32 + 1;
+                namespaces[t].push(nsid);
+                placed.push((t, nsid, row, member, copy));
+            }
+        }
+    }
+    let nqn = host_subsystem();
+    let configs: Vec<SubsystemConfig> = namespaces
+        .iter()
+        .map(|nsids| {
+            let ns: Vec<(u32, &str)> = nsids.iter().map(|&id| (id, ns_spec)).collect();
+            subsystem(&nqn, &[HOST_A], &ns)
+        })
+        .collect();
+    let targets: Vec<Tgt> = configs
+        .iter()
+        .map(|c| Tgt::start(std::slice::from_ref(c)))
+        .collect();
+    for (t, nsid, row, member, copy) in placed {
+        plan.extents.push(PlanExtent {
+            target: format!("target-{t}"),
+            addr: targets[t].addr,
+            subsystem_nqn: nqn.clone(),
+            nsid,
+            device: "ram".into(),
+            offset: 0,
+            length: extent_bytes,
+            member,
+            row,
+            copy,
+        });
+    }
+    plan.validate().expect("the test builds valid plans");
+    Setup {
+        addrs: targets.iter().map(|t| t.addr).collect(),
+        targets: targets.into_iter().map(Some).collect(),
+        configs,
+        plan,
+        faults: Vec::new(),
+    }
+}
+
+/// Like [`setup`] with RAM namespaces of 512-byte blocks behind
+/// fault-injecting backends.
+pub fn setup_faulty(n: usize, layout: LayoutBody, size: u64, extent_bytes: u64) -> Setup {
+    let mut s = setup(
+        n,
+        layout,
+        size,
+        extent_bytes,
+        &format!("ram:{extent_bytes}"),
+    );
+    for e in &s.plan.extents {
+        let t = s.target_of(e.addr);
+        let f = Arc::new(FaultBackend::new(Arc::new(RamBackend::new(
+            extent_bytes,
+            512,
+        ))));
+        t.target
+            .put_namespace_backend(&e.subsystem_nqn, e.nsid, f.clone())
+            .expect("swap the backend");
+        s.faults.push(f);
+    }
+    s
+}
+
+impl Setup {
+    /// Target `t`, which must be running.
+    pub fn target(&self, t: usize) -> &Tgt {
+        self.targets[t].as_ref().expect("target running")
+    }
+
+    fn target_of(&self, addr: SocketAddr) -> &Tgt {
+        let t = self.addrs.iter().position(|&a| a == addr).expect("target");
+        self.target(t)
+    }
+
+    /// Stops target `t`: its listener and connections go.
+    pub fn stop(&mut self, t: usize) {
+        self.targets[t].take().expect("target running").stop();
+    }
+
+    /// Starts target `t` again on its address with its subsystem and fresh
+    /// namespaces (RAM: zeroes).
+    pub fn restart(&mut self, t: usize) {
+        assert!(self.targets[t].is_none(), "target {t} is running");
+        let tgt = Tgt::start_on(
+            Target::new(None).expect("target"),
+            self.addrs[t],
+            std::slice::from_ref(&self.configs[t]),
+        );
+        assert_eq!(tgt.addr, self.addrs[t]);
+        self.targets[t] = Some(tgt);
+    }
+
+    /// Runs `f` on the namespace of plan extent `index`, through a
+    /// controller of its own.
+    pub fn with_copy<R>(&self, index: usize, f: impl FnOnce(&Device) -> R) -> R {
+        let e = &self.plan.extents[index];
+        let t = self.target_of(e.addr);
+        let ctrl = Controller::connect(params(t.addr, &e.subsystem_nqn, HOST_A))
+            .unwrap_or_else(|err| panic!("verifier connect for extent {index}: {err}"));
+        let bs = ctrl.namespace(e.nsid).expect("namespace").block_size;
+        let io = ControllerIo::start(ctrl.clone(), 1, bs).expect("I/O queue");
+        let d = Device::on(&io, e.nsid).expect("namespace handle");
+        let r = f(&d);
+        drop(d);
+        drop(io);
+        ctrl.shutdown();
+        r
+    }
+
+    /// The bytes `[offset, offset + len)` of plan extent `index`.
+    pub fn read_copy(&self, index: usize, offset: u64, len: u64) -> Vec<u8> {
+        self.with_copy(index, |d| {
+            let (r, b) = block_on(d.read(offset, vec![0; len as usize]));
+            r.unwrap_or_else(|e| panic!("read of extent {index} at {offset}: {e}"));
+            b
+        })
+    }
+
+    /// Writes `data` at `offset` of plan extent `index`, behind the
+    /// volume's back.
+    pub fn write_copy(&self, index: usize, offset: u64, data: &[u8]) {
+        self.with_copy(index, |d| {
+            let (r, _) = block_on(d.write(offset, data.to_vec(), true));
+            r.unwrap_or_else(|e| panic!("write of extent {index} at {offset}: {e}"));
+        })
+    }
+
+    /// Controllers of the test host on target `t`.
+    pub fn host_controllers(&self, t: usize) -> usize {
+        let nqn = host_subsystem();
+        self.target(t)
+            .target
+            .controllers()
+            .iter()
+            .filter(|c| !c.discovery && c.hostnqn == HOST_A && c.subsys_nqn == nqn)
+            .count()
+    }
+}
+
+/// Options for tests: quick reconnects, a short controller-loss timeout.
+pub fn volume_opts() -> VolumeOptions {
+    VolumeOptions {
+        queue_depth: 32,
+        reconnect_delay: Duration::from_millis(100),
+        connect_timeout: Duration::from_secs(1),
+        ctrl_loss_timeout: Some(Duration::from_secs(2)),
+        ..VolumeOptions::default()
+    }
+}
+
+/// Waits until `f` holds, failing the test after `WAIT`.
+#[track_caller]
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < until, "still waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
