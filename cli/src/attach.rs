@@ -416,8 +416,8 @@ pub fn serve(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> an
 #[derive(Debug, Deserialize)]
 struct AttachmentView {
     plan: ConnectionPlan,
-    #[serde(default)]
-    failed_extents: Vec<u32>,
+    #[serde(flatten)]
+    copies: crate::resync::CopyView,
 }
 
 enum Presented {
@@ -444,7 +444,8 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
     // their own: the data path never waits on it.
     let (fail_tx, fail_rx) = std::sync::mpsc::sync_channel::<usize>(1024);
     let opts = VolumeOptions {
-        failed_extents: view.failed_extents.iter().map(|&i| i as usize).collect(),
+        failed_extents: view.copies.stale_at_open(),
+        syncing_extents: view.copies.syncing_at_open(),
         on_extent_failed: Some(Arc::new(move |f| {
             tracing::warn!(extent = f.index, target = %f.target, error = %f.error,
                 lost = f.member_lost, "extent copy failed; serving from the others");
@@ -462,6 +463,26 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).context("connecting the volume")?);
     let dev: Arc<dyn BlockDev> = volume.clone();
+
+    // Copy changes (resync) are followed from a thread of their own.
+    let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = Arc::new(crate::resync::Watcher::new(
+        client,
+        uuid,
+        host,
+        volume.clone(),
+        crate::resync::new_session(),
+        watch_stop.clone(),
+    ));
+    watcher.register(view.copies.revision);
+    {
+        let w = watcher.clone();
+        let first = view.copies.clone();
+        std::thread::Builder::new()
+            .name("nvpool-watch".into())
+            .spawn(move || w.run(first))
+            .context("starting the copy watcher")?;
+    }
 
     let run = run_dir();
     let presented = match frontend {
@@ -577,6 +598,11 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
     if let Some(e) = failure {
         return Err(e);
     }
+    watch_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    nvpool_initiator::device::block_on(volume.flush()).context("flushing the volume")?;
+    // No more writes: what stale copies missed is final.
+    watcher.hand_over();
+    drop(watcher);
     match Arc::try_unwrap(volume) {
         Ok(v) => v.close().context("flushing the volume")?,
         Err(v) => {

@@ -206,6 +206,14 @@ impl Client {
         self.json("POST", path, r).map(|(_, v)| v)
     }
 
+    /// PUT with a JSON body, for calls answered without one (204).
+    pub fn put_no_content<B: Serialize>(&self, path: &str, body: &B) -> Result<(), ClientError> {
+        let r = self.auth(self.agent.put(self.url(path))).send_json(body);
+        let mut resp = self.answer(r)?;
+        let _ = resp.body_mut().read_to_vec();
+        Ok(())
+    }
+
     pub fn delete(&self, path: &str) -> Result<(), ClientError> {
         let r = self.auth(self.agent.delete(self.url(path))).call();
         let mut resp = self.answer(r)?;

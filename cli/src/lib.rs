@@ -14,6 +14,7 @@ pub mod client;
 pub mod cluster;
 pub mod dataset;
 pub mod discover;
+pub mod resync;
 pub mod size;
 pub mod volume;
 

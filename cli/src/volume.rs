@@ -57,6 +57,85 @@ pub struct VolumeOut {
     /// Extents whose copies missed writes (never read until rebuilt).
     #[serde(default)]
     pub failed_extents: Vec<u32>,
+    /// Copies being brought back in sync.
+    #[serde(default)]
+    pub copy_jobs: Vec<CopyJobOut>,
+}
+
+/// A running copy job, as `GET /v1/volumes` reports it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CopyJobOut {
+    pub id: u64,
+    pub extent: u32,
+    pub kind: String,
+    pub state: String,
+    pub bytes_total: u64,
+    pub bytes_copied: u64,
+    #[serde(default)]
+    pub rate_bytes_per_sec: u64,
+    #[serde(default)]
+    pub eta_s: Option<u64>,
+}
+
+/// One copy of `GET /v1/volumes/{uuid}/history`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CopyHistoryOut {
+    pub id: u64,
+    pub extent: u32,
+    pub source: u32,
+    pub kind: String,
+    pub result: String,
+    pub bytes_total: u64,
+    pub bytes_copied: u64,
+    pub started_ms: u64,
+    pub finished_ms: Option<u64>,
+    pub error: Option<String>,
+}
+
+impl VolumeOut {
+    /// `online`, `degraded`, `offline`, or `syncing 42%` while copies are
+    /// being filled (the share of all their bytes copied so far).
+    pub fn status_text(&self) -> String {
+        if self.copy_jobs.is_empty() {
+            return self.status.clone();
+        }
+        let total: u64 = self.copy_jobs.iter().map(|j| j.bytes_total).sum();
+        let done: u64 = self.copy_jobs.iter().map(|j| j.bytes_copied).sum();
+        format!("syncing {}%", percent(done, total))
+    }
+
+    /// The STATE of extent `i`: ok, stale, or syncing with progress.
+    fn extent_state(&self, i: u32) -> String {
+        if let Some(j) = self.copy_jobs.iter().find(|j| j.extent == i) {
+            if j.state != "copying" {
+                return format!("syncing ({}: {})", j.kind, j.state);
+            }
+            let mut s = format!(
+                "syncing {}% ({}, {}/s",
+                percent(j.bytes_copied, j.bytes_total),
+                j.kind,
+                format_iec(j.rate_bytes_per_sec)
+            );
+            if let Some(eta) = j.eta_s {
+                s.push_str(&format!(", ETA {eta}s"));
+            }
+            s.push(')');
+            return s;
+        }
+        if self.failed_extents.contains(&i) {
+            "stale".into()
+        } else {
+            "ok".into()
+        }
+    }
+}
+
+fn percent(done: u64, total: u64) -> u64 {
+    if total == 0 {
+        100
+    } else {
+        (u128::from(done) * 100 / u128::from(total)) as u64
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -119,6 +198,12 @@ pub enum VolumeCmd {
     Ls,
     /// Show a volume, its extents and the hosts it is attached to.
     Info {
+        /// Volume name or UUID.
+        volume: String,
+    },
+    /// The volume's copies, running and past: resyncs of stale copies
+    /// (partial or full), with bytes copied and how they ended.
+    History {
         /// Volume name or UUID.
         volume: String,
     },
@@ -293,7 +378,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
             format!("{} ({} bytes)", format_iec(x.size_bytes), x.size_bytes),
         ),
         ("Layout", layout_text(&x.layout)),
-        ("Status", x.status.clone()),
+        ("Status", x.status_text()),
         ("Pool", x.pool.clone().unwrap_or_else(|| "-".into())),
         ("Extent size", format_iec(x.extent_bytes)),
         ("Created", age(x.created_ms)),
@@ -312,11 +397,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
     ]);
     for (i, e) in x.extents.iter().enumerate() {
         // A copy that missed writes is never read until it is rebuilt.
-        let state = if x.failed_extents.contains(&(i as u32)) {
-            "stale"
-        } else {
-            "ok"
-        };
+        let state = x.extent_state(i as u32);
         t.add_row([
             e.row.to_string(),
             e.member.to_string(),
@@ -325,7 +406,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
             e.device.clone(),
             format_iec(e.offset),
             format_iec(e.length),
-            state.to_string(),
+            state,
         ]);
     }
     println!("{t}");
@@ -469,7 +550,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     x.uuid.to_string(),
                     format_iec(x.size_bytes),
                     layout_text(&x.layout),
-                    x.status.clone(),
+                    x.status_text(),
                     x.pool.clone().unwrap_or_else(|| "-".into()),
                     if x.attachments.is_empty() {
                         "-".into()
@@ -485,6 +566,39 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
         VolumeCmd::Info { volume } => {
             let (_, v) = resolve(&conn.client(false)?, &volume)?;
             print_volume(&v, fmt)
+        }
+        VolumeCmd::History { volume } => {
+            let c = conn.client(false)?;
+            let (uuid, _) = resolve(&c, &volume)?;
+            let v: Value = c.get(&format!("/v1/volumes/{uuid}/history"))?;
+            if fmt == Format::Json {
+                return print_json(&v);
+            }
+            let rows: Vec<CopyHistoryOut> = typed("history", &v)?;
+            let mut t = table(&[
+                "ID", "EXTENT", "FROM", "KIND", "RESULT", "COPIED", "OF", "STARTED", "TOOK",
+                "ERROR",
+            ]);
+            for r in &rows {
+                let took = r.finished_ms.map_or_else(
+                    || "-".to_owned(),
+                    |f| format!("{:.1}s", f.saturating_sub(r.started_ms) as f64 / 1000.0),
+                );
+                t.add_row([
+                    r.id.to_string(),
+                    r.extent.to_string(),
+                    r.source.to_string(),
+                    r.kind.clone(),
+                    r.result.clone(),
+                    format_iec(r.bytes_copied),
+                    format_iec(r.bytes_total),
+                    age(r.started_ms),
+                    took,
+                    r.error.clone().unwrap_or_else(|| "-".into()),
+                ]);
+            }
+            println!("{t}");
+            Ok(())
         }
         VolumeCmd::Resize { volume, size } => {
             check_size(size)?;

@@ -2,103 +2,14 @@
 //! in-process control plane that programs two real in-process targets
 //! (file devices on the build disk) through their admin APIs.
 
-use nvpool_control::api::{ApiServer, AuthConfig};
+mod common;
+
+use common::{control_plane, target, ADMIN, HOST, MIB};
+use nvpool_control::api::ApiServer;
 use nvpool_control::plan::HOST_SUBSYSTEM_PREFIX;
-use nvpool_control::store::MemStore;
-use nvpool_control::{Cluster, ManualClock, StateConfig};
-use nvpool_target::{Running, StartOptions, Target};
 use serde_json::{json, Value};
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Arc;
-
-const MIB: u64 = 1 << 20;
-const ADMIN: &str = "admin-secret";
-const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:12345678-aaaa-4bbb-8ccc-1234567890ab";
-
-/// A control plane on a loopback port (MemStore, a clock pinned to now).
-fn control_plane() -> ApiServer {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    let config = StateConfig {
-        extent_bytes: MIB,
-        ..StateConfig::default()
-    };
-    let cluster = Cluster::new(
-        Arc::new(MemStore::new()),
-        Arc::new(ManualClock::new(now)),
-        config,
-    )
-    .unwrap();
-    let auth = AuthConfig {
-        admin_token: Some(ADMIN.into()),
-        target_token: None,
-    };
-    ApiServer::start(Arc::new(cluster), auth, "127.0.0.1:0".parse().unwrap()).unwrap()
-}
-
-/// A real target on loopback with one 64 MiB file device `d0`,
-/// registered with the control plane as `id`.
-struct Tgt {
-    running: Option<Running>,
-    target: Arc<Target>,
-    addr: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Tgt {
-    fn drop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.shutdown();
-        }
-    }
-}
-
-fn target(cp: &ApiServer, id: &str) -> Tgt {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let path = dir.path().join("d0.img");
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(64 * MIB))
-        .unwrap();
-    let target = Target::new(None).unwrap();
-    let running = Running::start(
-        target.clone(),
-        &StartOptions {
-            listeners: vec!["127.0.0.1:0".parse().unwrap()],
-            reactors: 1,
-            io_uring: false,
-            admin_listen: Some("127.0.0.1:0".parse().unwrap()),
-        },
-    )
-    .unwrap();
-    let addr = running.listen_addrs()[0];
-    let admin = running.admin_addr().unwrap();
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .proxy(None)
-        .build()
-        .into();
-    let body = json!({
-        "id": id, "name": id, "addr": addr.to_string(), "admin_addr": admin.to_string(),
-        "labels": {"rack": id},
-        "devices": [{"id": "d0", "backend": format!("file:{}", path.display()), "capacity_bytes": 64 * MIB}],
-    });
-    let r = agent
-        .post(format!("http://{}/v1/targets", cp.addr))
-        .header("Authorization", format!("Bearer {ADMIN}"))
-        .send_json(&body)
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    Tgt {
-        running: Some(running),
-        target,
-        addr,
-        _dir: dir,
-    }
-}
 
 struct Run {
     code: i32,

@@ -169,14 +169,15 @@ impl ApiServer {
             let _guard = rt.enter();
             tokio::net::TcpListener::from_std(listener)?
         };
-        let app = router(cluster, auth);
+        let app = router(cluster.clone(), auth);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name(format!("nvpool-api {addr}"))
             .spawn(move || {
                 rt.block_on(async move {
-                    let stopped = async {
+                    let stopped = async move {
                         let _ = rx.await;
+                        cluster.begin_shutdown();
                     };
                     if let Err(e) = axum::serve(listener, app)
                         .with_graceful_shutdown(stopped)
@@ -1373,7 +1374,7 @@ async fn get_attachment(
         let deadline = tokio::time::Instant::now() + WATCH_WAIT;
         loop {
             let rev = api.run(move |c| Ok(c.copy_state(&uuid)?.revision)).await?;
-            if rev > after || tokio::time::Instant::now() >= deadline {
+            if rev > after || tokio::time::Instant::now() >= deadline || api.cluster.closing() {
                 break;
             }
             tokio::time::sleep(WATCH_STEP).await;

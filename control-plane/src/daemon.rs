@@ -164,7 +164,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
         tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
         axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
+            .with_graceful_shutdown({
+                let c = cluster.clone();
+                async move {
+                    shutdown_signal().await;
+                    c.begin_shutdown();
+                }
+            })
             .await
             .context("serving the API")?;
         anyhow::Ok(())

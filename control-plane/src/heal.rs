@@ -147,6 +147,16 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
         if *n >= COPIES_PER_TARGET_MAX {
             continue;
         }
+        // A target that still heartbeats recently but does not answer is
+        // not back yet: no job (it would only fail).
+        let reachable = s
+            .targets
+            .get(dest)
+            .is_some_and(|t| TargetAdmin::new(&t.value).copies().is_ok());
+        if !reachable {
+            tracing::debug!(target = %dest, "stale copy's target does not answer yet");
+            continue;
+        }
         if let Some(job) = cluster.create_job(&c)? {
             *n += 1;
             tracing::info!(volume = %c.volume, job = job.id, extent = c.extent,
@@ -189,7 +199,23 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 "region_bytes": RESYNC_REGION_BYTES,
                 "rate_bytes_per_sec": cfg.rate_bytes_per_sec,
             });
-            TargetAdmin::new(&dest_target).arm_copy(&id, &body)?;
+            let admin = TargetAdmin::new(&dest_target);
+            // Earlier jobs of this volume the target still holds (their
+            // cleanup did not reach it) would refuse the range: they are
+            // over, so remove them.
+            let mine = format!("{}-", v.uuid);
+            let live: Vec<String> = cluster
+                .copy_state(&v.uuid)?
+                .jobs
+                .iter()
+                .map(|j| target_copy_id(&v.uuid, j.id))
+                .collect();
+            for old in admin.copies()? {
+                if old.id.starts_with(&mine) && !live.contains(&old.id) {
+                    admin.delete_copy(&old.id)?;
+                }
+            }
+            admin.arm_copy(&id, &body)?;
             cluster.job_mirroring(&v.uuid, job.id)?;
             tracing::info!(volume = %v.uuid, job = job.id, "copy armed; hosts mirror to it");
         }

@@ -70,6 +70,7 @@ struct NamespaceState {
 /// A copy job as the target's admin API reports it.
 #[derive(Debug, Clone, Deserialize)]
 pub(crate) struct CopyStatus {
+    pub id: String,
     pub state: String,
     pub bytes_copied: u64,
     #[serde(default)]
@@ -262,6 +263,15 @@ impl TargetAdmin {
                 .map(Some)
                 .map_err(|e| self.unreachable(e)),
             None => Ok(None),
+        }
+    }
+
+    /// Every copy job the target knows.
+    pub(crate) fn copies(&self) -> Result<Vec<CopyStatus>, ProgramError> {
+        let r = self.agent.get(self.url("/v1/copies")).call();
+        match self.check("listing copies", r)? {
+            Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
+            None => Ok(Vec::new()),
         }
     }
 

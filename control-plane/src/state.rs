@@ -324,6 +324,8 @@ pub struct Cluster {
     clock: Arc<dyn Clock>,
     config: StateConfig,
     mutations: Arc<Mutex<()>>,
+    /// Set when the serving process stops: long polls answer at once.
+    closing: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A mutation attempt: committed with a result, or lost a race.
@@ -375,7 +377,19 @@ impl Cluster {
             clock,
             config,
             mutations: Arc::default(),
+            closing: Arc::default(),
         })
+    }
+
+    /// The process serving this cluster is stopping: waits such as long
+    /// polls end now instead of holding the shutdown up.
+    pub fn begin_shutdown(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {

@@ -42,13 +42,14 @@ start_control_plane() {
     return 1
 }
 
-# start_target I SIZE: target tI with one sparse file device of SIZE.
+# start_target I SIZE: target tI with one sparse file device of SIZE (the
+# binary is $TARGET_BIN when set, for upgrades).
 start_target() {
     local i=$1 size=$2
     local d=$E2E_DIR/t$i
     mkdir -p "$d/state"
     [[ -f $d/d0.img ]] || truncate -s "$size" "$d/d0.img"
-    "$BIN/nvpool-target" --state-dir "$d/state" \
+    "${TARGET_BIN:-$BIN/nvpool-target}" --state-dir "$d/state" \
         --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" \
         --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
         --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \

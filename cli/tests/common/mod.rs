@@ -1,0 +1,142 @@
+//! Shared by the CLI's integration tests: a control plane in process and
+//! real in-process targets with file devices on the build disk, registered
+//! with it as the daemons would register themselves.
+
+// Each test file uses its own part of this module.
+#![allow(dead_code)]
+
+use nvpool_control::api::{ApiServer, AuthConfig};
+use nvpool_control::store::MemStore;
+use nvpool_control::{Cluster, ManualClock, StateConfig};
+use nvpool_target::{Running, StartOptions, Target};
+use serde_json::json;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub const MIB: u64 = 1 << 20;
+pub const ADMIN: &str = "admin-secret";
+pub const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:12345678-aaaa-4bbb-8ccc-1234567890ab";
+/// Size of each target's file device.
+pub const DEVICE_BYTES: u64 = 64 * MIB;
+
+/// A control plane on a loopback port (MemStore, a clock pinned to now, so
+/// targets registered once stay online), with 1 MiB extents.
+pub fn control_plane() -> ApiServer {
+    control_plane_with(MIB).0
+}
+
+/// `control_plane` with another extent size, and its cluster.
+pub fn control_plane_with(extent_bytes: u64) -> (ApiServer, Arc<Cluster>) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let config = StateConfig {
+        extent_bytes,
+        ..StateConfig::default()
+    };
+    let cluster = Arc::new(
+        Cluster::new(
+            Arc::new(MemStore::new()),
+            Arc::new(ManualClock::new(now)),
+            config,
+        )
+        .unwrap(),
+    );
+    let auth = AuthConfig {
+        admin_token: Some(ADMIN.into()),
+        target_token: None,
+    };
+    let server = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
+    (server, cluster)
+}
+
+/// A real target on loopback with one file device `d0` of
+/// `DEVICE_BYTES`, registered with the control plane.
+pub struct Tgt {
+    running: Option<Running>,
+    pub target: Arc<Target>,
+    pub id: String,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: tempfile::TempDir,
+}
+
+impl Drop for Tgt {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+pub fn target(cp: &ApiServer, id: &str) -> Tgt {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    std::fs::File::create(dir.path().join("d0.img"))
+        .and_then(|f| f.set_len(DEVICE_BYTES))
+        .unwrap();
+    let mut t = Tgt {
+        running: None,
+        target: Target::new(None).unwrap(),
+        id: id.to_owned(),
+        addr: "127.0.0.1:0".parse().unwrap(),
+        admin: "127.0.0.1:0".parse().unwrap(),
+        dir,
+    };
+    t.start(cp);
+    t
+}
+
+impl Tgt {
+    pub fn device_path(&self) -> PathBuf {
+        self.dir.path().join("d0.img")
+    }
+
+    /// Stops the target (its connections drop; its exports are forgotten,
+    /// as a target without a state directory forgets them).
+    pub fn stop(&mut self) {
+        if let Some(r) = self.running.take() {
+            r.shutdown();
+        }
+    }
+
+    /// Starts it again on the same ports with the same device, and
+    /// registers it (the control plane then restores its exports).
+    pub fn restart(&mut self, cp: &ApiServer) {
+        self.stop();
+        self.target = Target::new(None).unwrap();
+        self.start(cp);
+    }
+
+    fn start(&mut self, cp: &ApiServer) {
+        let running = Running::start(
+            self.target.clone(),
+            &StartOptions {
+                listeners: vec![self.addr],
+                reactors: 1,
+                io_uring: false,
+                admin_listen: Some(self.admin),
+            },
+        )
+        .unwrap();
+        self.addr = running.listen_addrs()[0];
+        self.admin = running.admin_addr().unwrap();
+        self.running = Some(running);
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .build()
+            .into();
+        let body = json!({
+            "id": self.id, "name": self.id, "addr": self.addr.to_string(),
+            "admin_addr": self.admin.to_string(), "labels": {"rack": self.id},
+            "devices": [{"id": "d0", "backend": format!("file:{}", self.device_path().display()),
+                         "capacity_bytes": DEVICE_BYTES}],
+        });
+        let r = agent
+            .post(format!("http://{}/v1/targets", cp.addr))
+            .header("Authorization", format!("Bearer {ADMIN}"))
+            .send_json(&body)
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+    }
+}

@@ -1,0 +1,204 @@
+//! A stale copy heals itself online, the whole stack in one process: the
+//! control plane with its heal loop, two real targets (file devices), and a
+//! host serving the volume as `nvpool volume serve` does (volume engine +
+//! the copy watcher), writing throughout.
+
+mod common;
+
+use common::{control_plane_with, target, ADMIN, HOST, MIB};
+use nvpool_cli::client::Client;
+use nvpool_cli::resync::{new_session, CopyView, Watcher};
+use nvpool_control::heal::{self, HealConfig};
+use nvpool_control::plan::ConnectionPlan;
+use nvpool_initiator::device::block_on;
+use nvpool_initiator::volume::{CopyState, Volume, VolumeOptions};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Extents of 4 MiB: four resync regions each.
+const EXTENT: u64 = 4 * MIB;
+
+#[derive(Deserialize)]
+struct AttachmentView {
+    plan: ConnectionPlan,
+    #[serde(flatten)]
+    copies: CopyView,
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn file_range(path: &std::path::Path, offset: u64, len: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len as usize];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, offset)
+        .unwrap();
+    buf
+}
+
+#[test]
+fn a_stale_copy_heals_partially_while_the_host_writes() {
+    let (cp, cluster) = control_plane_with(EXTENT);
+    let stop = Arc::new(AtomicBool::new(false));
+    let healer = heal::spawn(
+        cluster.clone(),
+        HealConfig {
+            interval: Duration::from_millis(100),
+            rate_bytes_per_sec: 0,
+            retry_ms: 0,
+            confirm_timeout_ms: 30_000,
+        },
+        stop.clone(),
+    )
+    .unwrap();
+    let mut targets = [target(&cp, "t0"), target(&cp, "t1")];
+    let client = Client::new(&format!("http://{}", cp.addr), Some(ADMIN.into())).unwrap();
+
+    // A two-copy raid1 of two rows.
+    let uuid = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42";
+    let body = json!({"name": "heal", "size_bytes": 2 * EXTENT,
+                      "layout": {"type": "raid1", "copies": 2}});
+    let (_, v): (u16, Value) = client.put(&format!("/v1/volumes/{uuid}"), &body).unwrap();
+    // The victim: the target of copy 1 of row 0.
+    let vi = usize::from(v["extents"][1]["target"] == "t1");
+    let on_victim: Vec<usize> = (0..4)
+        .filter(|&i| v["extents"][i]["target"] == targets[vi].id.as_str())
+        .collect();
+    let base = format!(
+        "/v1/volumes/{uuid}/attachments/{}",
+        nvpool_cli::client::segment(HOST)
+    );
+    let (status, _): (u16, Value) = client.put_empty(&base).unwrap();
+    assert_eq!(status, 201);
+    let view: AttachmentView = client.get(&base).unwrap();
+
+    // Serve it as `nvpool volume serve` does.
+    let opts = VolumeOptions {
+        failed_extents: view.copies.stale_at_open(),
+        syncing_extents: view.copies.syncing_at_open(),
+        ctrl_loss_timeout: Some(Duration::from_millis(800)),
+        reconnect_delay: Duration::from_millis(100),
+        connect_timeout: Duration::from_millis(500),
+        ..VolumeOptions::default()
+    };
+    let volume = Arc::new(Volume::open(&view.plan, opts).unwrap());
+    let watcher = Arc::new(Watcher::new(
+        &client,
+        &uuid.parse().unwrap(),
+        HOST,
+        volume.clone(),
+        new_session(),
+        stop.clone(),
+    ));
+    watcher.register(view.copies.revision);
+    let w = watcher.clone();
+    let first = view.copies.clone();
+    let watching = std::thread::spawn(move || w.run(first));
+
+    // Pattern A everywhere.
+    let vol_bytes = 2 * EXTENT as usize;
+    let (r, _) = block_on(volume.write(0, pattern(1, vol_bytes), false));
+    r.unwrap();
+
+    // The copies' target dies; the host writes region 1 of row 0 and
+    // region 2 of row 1 and gives the copies up.
+    targets[vi].stop();
+    let b = pattern(2, MIB as usize);
+    let (r, _) = block_on(volume.write(MIB, b.clone(), false));
+    r.unwrap();
+    let (r, _) = block_on(volume.write(EXTENT + 2 * MIB, b.clone(), false));
+    r.unwrap();
+    let failed = volume.health().failed_extents;
+    assert_eq!(
+        failed, on_victim,
+        "every copy on the dead target is given up"
+    );
+    let (_, _): (u16, Value) = client
+        .put(
+            &format!("{base}/failed-extents"),
+            &json!({"failed_extents": failed}),
+        )
+        .unwrap();
+    let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
+    assert_eq!(v["status"], "degraded");
+
+    // A writer keeps going while the target comes back and the copies heal.
+    let writing = Arc::new(AtomicBool::new(true));
+    let writer = {
+        let (volume, writing) = (volume.clone(), writing.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while writing.load(Ordering::Relaxed) {
+                // Region 0 of row 1, rewritten over and over.
+                let (r, _) = block_on(volume.write(
+                    EXTENT + (n % 16) * 64 * 1024,
+                    pattern(n as u8, 64 * 1024),
+                    false,
+                ));
+                r.unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    targets[vi].restart(&cp);
+    wait_until("the copies to be in sync", 60, || {
+        let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
+        v["failed_extents"] == json!([]) && v["copy_jobs"] == json!([])
+    });
+    wait_until("the host to read the copies again", 10, || {
+        (0..4).all(|i| volume.copy_state(i) == CopyState::Ok)
+    });
+    writing.store(false, Ordering::Relaxed);
+    let writes = writer.join().unwrap();
+    assert!(writes > 0);
+    block_on(volume.flush()).unwrap();
+
+    // Partial: only the regions written while the copies were away (plus
+    // what the writer touched before it was mirroring).
+    let h: Vec<Value> = client.get(&format!("/v1/volumes/{uuid}/history")).unwrap();
+    assert!(!h.is_empty());
+    for r in &h {
+        assert_eq!(r["result"], "done", "{r}");
+        assert_eq!(r["kind"], "resync-partial", "{r}");
+    }
+    let copied: u64 = h.iter().map(|r| r["bytes_copied"].as_u64().unwrap()).sum();
+    assert!(
+        copied >= 2 * MIB,
+        "at least the two regions written: {copied}"
+    );
+    assert!(
+        copied <= 4 * MIB,
+        "far less than the 8 MiB the copies hold: {copied}"
+    );
+
+    // Both copies of each row are byte-identical on the devices.
+    let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
+    for row in 0..2 {
+        let e0 = &v["extents"][row * 2];
+        let e1 = &v["extents"][row * 2 + 1];
+        let dev = |e: &Value| targets[usize::from(e["target"] == "t1")].device_path();
+        let a = file_range(&dev(e0), e0["offset"].as_u64().unwrap(), EXTENT);
+        let b = file_range(&dev(e1), e1["offset"].as_u64().unwrap(), EXTENT);
+        assert!(a == b, "row {row}: the copies differ");
+    }
+    stop.store(true, Ordering::Relaxed);
+    healer.join().unwrap();
+    drop(watching);
+}

@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# End to end on this host, as root: stale copies heal themselves online.
+# A control plane and four nvpool-target daemons on loopback; RAID1 and
+# RAID10 volumes attached through FUSE + loop with fio writing and verifying
+# (crc32c) throughout:
+#  (a) one target is killed with SIGKILL and restarted after the host gave
+#      its copies up: every stale copy is resynchronised, partially (only the
+#      regions written meanwhile), without anyone typing a command; the
+#      volume is online again, fio saw no error, and after detach every
+#      row's copies are byte-identical on the targets' backing files;
+#  (e) a rolling restart of every target in turn, each from a fresh copy of
+#      the binary (an upgrade), waiting for the volume to be in sync before
+#      the next: zero I/O errors, zero verify failures, copies identical.
+#
+# Usage: tests/e2e/resync.sh [BIN_DIR]   (default target/release)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BIN=$(cd "${1:-target/release}" && pwd)
+CP_PORT=34530 TARGET_PORT_BASE=34520 ADMIN_PORT_BASE=34580
+EXTENT_BYTES=$((64 << 20))
+source tests/e2e/lib.sh
+
+skip() {
+    echo "SKIP e2e resync: $*"
+    if [[ ${CI:-} == true ]]; then
+        echo "FAIL: CI must run this test" >&2
+        exit 1
+    fi
+    exit 0
+}
+[[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
+[[ -c /dev/fuse ]] || skip "no /dev/fuse"
+[[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
+for t in jq curl fio cmp; do
+    command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
+done
+
+trap 'stop_fio; cleanup' EXIT
+FIO_PID=
+FIO_NAME=
+
+# fio_loop NAME DEV: rounds of 16 KiB random writes over the first 24 MiB,
+# each verified (crc32c) before the next, until $E2E_DIR/stop-NAME exists.
+# A failed round leaves $E2E_DIR/fio-NAME.failed.
+fio_loop() {
+    local name=$1 dev=$2 round=0
+    while [[ ! -f $E2E_DIR/stop-$name ]]; do
+        round=$((round + 1))
+        if ! fio --name="$name" --filename="$dev" --direct=1 --ioengine=libaio \
+            --iodepth=8 --rw=randwrite --bs=16k --size=24M --verify=crc32c \
+            --verify_fatal=1 --do_verify=1 --verify_state_save=0 \
+            --randseed=$round --output="$E2E_DIR/fio-$name.out"; then
+            cp "$E2E_DIR/fio-$name.out" "$E2E_DIR/fio-$name.failed"
+            return 1
+        fi
+        grep -q "err= 0" "$E2E_DIR/fio-$name.out" || {
+            cp "$E2E_DIR/fio-$name.out" "$E2E_DIR/fio-$name.failed"
+            return 1
+        }
+        echo "$round" >"$E2E_DIR/fio-$name.rounds"
+    done
+}
+
+start_fio() {
+    rm -f "$E2E_DIR/stop-$1" "$E2E_DIR/fio-$1.failed" "$E2E_DIR/fio-$1.rounds"
+    fio_loop "$1" "$2" &
+    FIO_PID=$!
+    FIO_NAME=$1
+}
+
+stop_fio() {
+    [[ -n $FIO_PID ]] || return 0
+    touch "$E2E_DIR/stop-$FIO_NAME"
+    wait "$FIO_PID" 2>/dev/null
+    local rc=$?
+    FIO_PID=
+    return $rc
+}
+
+# rounds NAME: fio rounds completed so far.
+rounds() {
+    cat "$E2E_DIR/fio-$1.rounds" 2>/dev/null || echo 0
+}
+
+# rounds_past N K: the roll loop has done at least K rounds since N.
+rounds_past() {
+    [[ $(rounds roll) -ge $(($1 + $2)) ]]
+}
+
+# in_sync NAME: online, no copy stale, no job running.
+in_sync() {
+    nvpool volume info "$1" -o json |
+        jq -e '.status == "online" and (.failed_extents | length) == 0 and (.copy_jobs | length) == 0' \
+            >/dev/null
+}
+
+# wait_for SECONDS CMD...: until CMD succeeds.
+wait_for() {
+    local s=$1 i
+    shift
+    for i in $(seq $((s * 5))); do
+        "$@" && return 0
+        sleep 0.2
+    done
+    return 1
+}
+
+# has_stale NAME: some copy is stale (the host gave it up).
+has_stale() {
+    nvpool volume info "$1" -o json | jq -e '(.failed_extents | length) > 0' >/dev/null
+}
+
+# copies_identical NAME: every row's copies hold the same bytes on the
+# targets' backing files (read directly, the volume detached).
+copies_identical() {
+    local name=$1 json rows ok=0
+    json=$(nvpool volume info "$name" -o json)
+    local n copies
+    n=$(jq '.extents | length' <<<"$json")
+    copies=$(jq '.layout.copies' <<<"$json")
+    local i
+    for ((i = 0; i < n; i += copies)); do
+        local a b
+        a=$(jq -r ".extents[$i] | \"\(.target) \(.offset) \(.length)\"" <<<"$json")
+        b=$(jq -r ".extents[$((i + 1))] | \"\(.target) \(.offset) \(.length)\"" <<<"$json")
+        read -r ta oa la <<<"$a"
+        read -r tb ob lb <<<"$b"
+        if ! cmp -s <(dd if="$E2E_DIR/$ta/d0.img" bs=1M skip=$((oa >> 20)) count=$((la >> 20)) status=none) \
+            <(dd if="$E2E_DIR/$tb/d0.img" bs=1M skip=$((ob >> 20)) count=$((lb >> 20)) status=none); then
+            echo "$name: extents $i ($ta@$oa) and $((i + 1)) ($tb@$ob) differ" >&2
+            ok=1
+        fi
+    done
+    return $ok
+}
+
+log "starting a control plane and 4 targets in $E2E_DIR"
+start_control_plane || {
+    bad "control plane starts"
+    summary
+    exit 1
+}
+for i in 0 1 2 3; do start_target "$i" 2G; done
+check "4 targets register and are online" wait_targets 4
+
+# (a) kill -9 a target, keep writing, restart it: partial resync.
+scenario_a() {
+    local name=$1
+    shift
+    if ! nvpool volume create "$name" --size 256M "$@" >/dev/null; then
+        bad "$name: create"
+        return
+    fi
+    local dev
+    dev=$(nvpool volume attach "$name" --frontend fuse --host-nqn "$HOSTNQN")
+    [[ -b $dev ]] || {
+        bad "$name: attach (got '$dev')"
+        return
+    }
+    start_fio "$name" "$dev"
+    sleep 2
+    local victim vi
+    victim=$(nvpool volume info "$name" -o json | jq -r '.extents[1].target')
+    vi=${victim#t}
+    kill -9 "${TARGET_PIDS[vi]}"
+    log "$name: killed $victim"
+    check "$name: the host gives the dead copies up (volume degraded)" \
+        wait_for 30 has_stale "$name"
+    sleep 2
+    start_target "$vi" 2G
+    log "$name: restarted $victim"
+    check "$name: back in sync without a command (online, nothing stale)" \
+        wait_for 120 in_sync "$name"
+    nvpool volume history "$name" || true
+    local h
+    h=$(nvpool volume history "$name" -o json)
+    check "$name: every copy resynced partially and completed" \
+        jq -e 'length > 0 and all(.kind == "resync-partial" and .result == "done")' <<<"$h"
+    local copied total
+    copied=$(jq '[.[].bytes_copied] | add' <<<"$h")
+    total=$(nvpool volume info "$name" -o json | jq '[.extents[] | .length] | add / 2')
+    log "$name: resync copied $copied bytes of $total"
+    check "$name: copied far less than the copies hold ($copied < $total / 4)" \
+        test "$copied" -lt $((total / 4))
+    sleep 2
+    if stop_fio; then
+        ok "$name: fio verify=crc32c saw no error ($(cat "$E2E_DIR/fio-$name.rounds" 2>/dev/null) rounds)"
+    else
+        bad "$name: fio failed"
+        cat "$E2E_DIR/fio-$name.failed" 2>/dev/null
+    fi
+    check "$name: detach" nvpool volume detach "$name" --host-nqn "$HOSTNQN"
+    check "$name: every row's copies are byte-identical on the targets" copies_identical "$name"
+}
+
+scenario_a r1 --layout raid1 --copies 2
+scenario_a r10 --layout raid10 --stripe-width 2 --copies 2
+
+# (e) rolling upgrade: each target restarted from a fresh copy of the binary
+# while fio verifies; the next only once the volume is in sync again.
+log "rolling restart of every target under fio"
+if dev=$(nvpool volume attach r10 --frontend fuse --host-nqn "$HOSTNQN") && [[ -b $dev ]]; then
+    start_fio roll "$dev"
+    for i in 0 1 2 3; do
+        gen=$E2E_DIR/bin-gen$i
+        mkdir -p "$gen"
+        cp "$BIN/nvpool-target" "$gen/"
+        kill -TERM "${TARGET_PIDS[i]}"
+        wait "${TARGET_PIDS[i]}" 2>/dev/null
+        TARGET_BIN=$gen/nvpool-target start_target "$i" 2G
+        check "roll: t$i answers again" wait_for 30 curl -sf "http://127.0.0.1:$((ADMIN_PORT_BASE + i))/v1/health" -o /dev/null
+        # Let I/O flow through the new process before judging.
+        check "roll: fio goes on through t$i's new process" wait_for 60 rounds_past "$(rounds roll)" 2
+        check "roll: t$i restarted from $gen and in sync" wait_for 120 in_sync r10
+    done
+    if stop_fio; then
+        ok "roll: fio verify=crc32c saw no error ($(cat "$E2E_DIR/fio-roll.rounds" 2>/dev/null) rounds)"
+    else
+        bad "roll: fio failed"
+        cat "$E2E_DIR/fio-roll.failed" 2>/dev/null
+    fi
+    check "roll: detach" nvpool volume detach r10 --host-nqn "$HOSTNQN"
+    check "roll: copies byte-identical after the upgrade" copies_identical r10
+else
+    bad "roll: attach"
+fi
+
+summary
