@@ -16,6 +16,7 @@ pub mod dataset;
 pub mod discover;
 pub mod resync;
 pub mod size;
+pub mod verify;
 pub mod volume;
 
 use clap::{Parser, Subcommand};

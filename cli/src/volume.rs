@@ -88,8 +88,19 @@ pub struct CopyHistoryOut {
     pub bytes_total: u64,
     pub bytes_copied: u64,
     pub started_ms: u64,
+    #[serde(default)]
+    pub copy_started_ms: Option<u64>,
     pub finished_ms: Option<u64>,
     pub error: Option<String>,
+}
+
+impl CopyHistoryOut {
+    /// Bytes per second while the copier ran, once it is over.
+    pub fn rate(&self) -> Option<u64> {
+        let (start, end) = (self.copy_started_ms?, self.finished_ms?);
+        let ms = end.saturating_sub(start).max(1);
+        Some(self.bytes_copied.saturating_mul(1000) / ms)
+    }
 }
 
 impl VolumeOut {
@@ -206,6 +217,16 @@ pub enum VolumeCmd {
     History {
         /// Volume name or UUID.
         volume: String,
+    },
+    /// Read every in-sync copy of every extent through the targets and
+    /// compare them region by region (online, throttled); lists the
+    /// regions whose copies differ and exits 1 when any do.
+    Verify {
+        /// Volume name or UUID.
+        volume: String,
+        /// Bytes read per second over all copies, IEC units (0: unthrottled).
+        #[arg(long, default_value = "256M", value_parser = parse_size)]
+        rate: u64,
     },
     /// Grow a volume (volumes never shrink).
     Resize {
@@ -567,6 +588,52 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let (_, v) = resolve(&conn.client(false)?, &volume)?;
             print_volume(&v, fmt)
         }
+        VolumeCmd::Verify { volume, rate } => {
+            let c = conn.client(true)?;
+            let (uuid, _) = resolve(&c, &volume)?;
+            let opts = crate::verify::VerifyOptions {
+                rate_bytes_per_sec: rate,
+                ..crate::verify::VerifyOptions::default()
+            };
+            let report = crate::verify::verify(&c, &uuid, &opts)?;
+            if fmt == Format::Json {
+                print_json(&serde_json::to_value(&report)?)?;
+            } else {
+                if !report.differences.is_empty() {
+                    let mut t = table(&["ROW", "MEMBER", "EXTENTS", "REGION", "OFFSET", "LENGTH"]);
+                    for d in &report.differences {
+                        t.add_row([
+                            d.row.to_string(),
+                            d.member.to_string(),
+                            d.extents
+                                .iter()
+                                .map(u32::to_string)
+                                .collect::<Vec<_>>()
+                                .join(","),
+                            d.region.to_string(),
+                            format_iec(d.offset),
+                            format_iec(d.length),
+                        ]);
+                    }
+                    println!("{t}");
+                }
+                println!(
+                    "{} copies compared, {} read, {} rows without two copies in sync, {} regions differ",
+                    report.copies_compared,
+                    format_iec(report.bytes_read),
+                    report.groups_skipped,
+                    report.differences.len()
+                );
+            }
+            if report.differences.is_empty() {
+                Ok(())
+            } else {
+                anyhow::bail!(
+                    "{} regions of {volume} differ between copies",
+                    report.differences.len()
+                )
+            }
+        }
         VolumeCmd::History { volume } => {
             let c = conn.client(false)?;
             let (uuid, _) = resolve(&c, &volume)?;
@@ -577,7 +644,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let rows: Vec<CopyHistoryOut> = typed("history", &v)?;
             let mut t = table(&[
                 "ID", "EXTENT", "FROM", "KIND", "RESULT", "COPIED", "OF", "STARTED", "TOOK",
-                "ERROR",
+                "RATE", "ERROR",
             ]);
             for r in &rows {
                 let took = r.finished_ms.map_or_else(
@@ -594,6 +661,8 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     format_iec(r.bytes_total),
                     age(r.started_ms),
                     took,
+                    r.rate()
+                        .map_or_else(|| "-".into(), |b| format!("{}/s", format_iec(b))),
                     r.error.clone().unwrap_or_else(|| "-".into()),
                 ]);
             }

@@ -1,13 +1,15 @@
 //! A stale copy heals itself online, the whole stack in one process: the
 //! control plane with its heal loop, two real targets (file devices), and a
 //! host serving the volume as `nvpool volume serve` does (volume engine +
-//! the copy watcher), writing throughout.
+//! the copy watcher), writing throughout; then `nvpool volume verify`
+//! finds the copies equal, and finds a region changed behind their back.
 
 mod common;
 
 use common::{control_plane_with, target, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
 use nvpool_cli::resync::{new_session, CopyView, Watcher};
+use nvpool_cli::verify::{verify, VerifyOptions};
 use nvpool_control::heal::{self, HealConfig};
 use nvpool_control::plan::ConnectionPlan;
 use nvpool_initiator::device::block_on;
@@ -198,6 +200,46 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         let b = file_range(&dev(e1), e1["offset"].as_u64().unwrap(), EXTENT);
         assert!(a == b, "row {row}: the copies differ");
     }
+    // `nvpool volume verify` agrees, online (the host still has it
+    // attached)...
+    let opts = VerifyOptions::default();
+    let report = verify(&client, &uuid.parse().unwrap(), &opts).unwrap();
+    assert_eq!(report.copies_compared, 4, "{report:?}");
+    assert_eq!(report.bytes_read, 4 * EXTENT);
+    assert!(report.differences.is_empty(), "{report:?}");
+    // ...and finds one region of one copy changed behind the volume's back.
+    {
+        use std::os::unix::fs::FileExt;
+        let e = &v["extents"][3];
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(targets[usize::from(e["target"] == "t1")].device_path())
+            .unwrap();
+        f.write_all_at(
+            &[0xEE; 4096],
+            e["offset"].as_u64().unwrap() + 2 * MIB + 8192,
+        )
+        .unwrap();
+        f.sync_data().unwrap();
+    }
+    let report = verify(&client, &uuid.parse().unwrap(), &opts).unwrap();
+    assert_eq!(report.differences.len(), 1, "{report:?}");
+    let d = &report.differences[0];
+    assert_eq!(
+        (d.row, d.region, d.offset, d.length),
+        (1, 2, 2 * MIB, MIB),
+        "{d:?}"
+    );
+    assert_eq!(d.extents, vec![2, 3]);
+    let a: Value = client
+        .get(&format!("/v1/volumes/{uuid}/attachments"))
+        .unwrap();
+    assert_eq!(
+        a.as_array().unwrap().len(),
+        1,
+        "the verifier's attachment is gone: {a}"
+    );
+
     stop.store(true, Ordering::Relaxed);
     healer.join().unwrap();
     drop(watching);

@@ -853,6 +853,8 @@ pub struct CopyHistoryOut {
     pub bytes_total: u64,
     pub bytes_copied: u64,
     pub started_ms: u64,
+    /// When the copier started copying (after hosts confirmed mirroring).
+    pub copy_started_ms: Option<u64>,
     pub finished_ms: Option<u64>,
     pub error: Option<String>,
 }
@@ -1556,6 +1558,8 @@ async fn get_history(
                     bytes_total: j.bytes_total,
                     bytes_copied: j.bytes_copied,
                     started_ms: j.started_ms,
+                    copy_started_ms: (j.state == crate::resync::JobState::Copying)
+                        .then_some(j.state_ms),
                     finished_ms: None,
                     error: None,
                 })
@@ -1569,6 +1573,7 @@ async fn get_history(
                 bytes_total: r.bytes_total,
                 bytes_copied: r.bytes_copied,
                 started_ms: r.started_ms,
+                copy_started_ms: (r.copy_started_ms > 0).then_some(r.copy_started_ms),
                 finished_ms: Some(r.finished_ms),
                 error: r.error.clone(),
             }));

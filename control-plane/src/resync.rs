@@ -48,6 +48,10 @@ pub fn copy_state_key(volume: &Uuid) -> String {
     format!("{COPY_STATE}{volume}")
 }
 
+/// Host NQNs of `nvpool volume verify` runs start with this. They only
+/// read, so copy jobs do not wait for them to mirror.
+pub const VERIFIER_NQN_PREFIX: &str = "nqn.2026-11.io.nvpool:verify:";
+
 /// Host NQN under which a target's copier reads source extents.
 pub fn copier_nqn(target: &str) -> String {
     format!("nqn.2026-11.io.nvpool:copier:{target}")
@@ -125,6 +129,8 @@ pub struct CopyRecord {
     pub source: u32,
     pub kind: CopyKind,
     pub started_ms: u64,
+    /// When the copier started (0: it never did).
+    pub copy_started_ms: u64,
     pub finished_ms: u64,
     pub bytes_total: u64,
     pub bytes_copied: u64,
@@ -270,11 +276,13 @@ impl Snapshot {
         (cond, Op::Put(key, encode(next)))
     }
 
-    /// Hosts attached to `volume` (any state but detaching).
+    /// Hosts attached to `volume` that may write it (any state but
+    /// detaching; verifiers only read).
     pub fn writers_of(&self, volume: &Uuid) -> BTreeSet<String> {
         self.attachments_of(volume)
             .into_iter()
             .filter(|a| a.value.state != AttachmentState::Detaching)
+            .filter(|a| !a.value.host_nqn.starts_with(VERIFIER_NQN_PREFIX))
             .map(|a| a.value.host_nqn.clone())
             .collect()
     }
@@ -762,6 +770,11 @@ impl Cluster {
                 source: j.source,
                 kind: j.kind,
                 started_ms: j.started_ms,
+                copy_started_ms: if j.state == JobState::Copying {
+                    j.state_ms
+                } else {
+                    0
+                },
                 finished_ms: now,
                 bytes_total: j.bytes_total,
                 bytes_copied: if error.is_none() {
@@ -847,6 +860,11 @@ impl Cluster {
                     source: j.source,
                     kind: j.kind,
                     started_ms: j.started_ms,
+                    copy_started_ms: if j.state == JobState::Copying {
+                        j.state_ms
+                    } else {
+                        0
+                    },
                     finished_ms: now,
                     bytes_total: j.bytes_total,
                     bytes_copied: j.bytes_copied,

@@ -6,8 +6,9 @@
 #  (a) one target is killed with SIGKILL and restarted after the host gave
 #      its copies up: every stale copy is resynchronised, partially (only the
 #      regions written meanwhile), without anyone typing a command; the
-#      volume is online again, fio saw no error, and after detach every
-#      row's copies are byte-identical on the targets' backing files;
+#      volume is online again, fio saw no error, `nvpool volume verify`
+#      finds the copies equal, and after detach every row's copies are
+#      byte-identical on the targets' backing files;
 #  (e) a rolling restart of every target in turn, each from a fresh copy of
 #      the binary (an upgrade), waiting for the volume to be in sync before
 #      the next: zero I/O errors, zero verify failures, copies identical.
@@ -189,6 +190,8 @@ scenario_a() {
         bad "$name: fio failed"
         cat "$E2E_DIR/fio-$name.failed" 2>/dev/null
     fi
+    check "$name: nvpool volume verify finds the copies equal (online)" \
+        nvpool volume verify "$name"
     check "$name: detach" nvpool volume detach "$name" --host-nqn "$HOSTNQN"
     check "$name: every row's copies are byte-identical on the targets" copies_identical "$name"
 }
