@@ -27,11 +27,13 @@ check() { # check NAME COMMAND...: PASS when the command succeeds
 
 nvpool() { "$BIN/nvpool" "$@"; }
 
+# start_control_plane: nvpool-control on $CP_PORT; the array CP_ARGS, when
+# set, is appended to its command line (e.g. CP_ARGS=(--rebuild-rate 0)).
 start_control_plane() {
     mkdir -p "$E2E_DIR/cp"
     "$BIN/nvpool-control" --listen "127.0.0.1:$CP_PORT" --state-dir "$E2E_DIR/cp" \
         --extent-size "${EXTENT_BYTES:-268435456}" --log warn \
-        >"$E2E_DIR/cp.log" 2>&1 &
+        ${CP_ARGS[@]+"${CP_ARGS[@]}"} >"$E2E_DIR/cp.log" 2>&1 &
     CP_PID=$!
     local i
     for i in $(seq 100); do

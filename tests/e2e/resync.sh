@@ -9,6 +9,9 @@
 #      volume is online again, fio saw no error, `nvpool volume verify`
 #      finds the copies equal, and after detach every row's copies are
 #      byte-identical on the targets' backing files;
+#  (c) the control plane, then the copier's target, killed with SIGKILL in
+#      the middle of a throttled copy: the copy completes anyway (resumed, or
+#      failed and redone), fio saw no error, copies agree;
 #  (e) a rolling restart of every target in turn, each from a fresh copy of
 #      the binary (an upgrade), waiting for the volume to be in sync before
 #      the next: zero I/O errors, zero verify failures, copies identical.
@@ -87,6 +90,8 @@ rounds() {
 rounds_past() {
     [[ $(rounds roll) -ge $(($1 + $2)) ]]
 }
+
+CP_ARGS=()
 
 # in_sync NAME: online, no copy stale, no job running.
 in_sync() {
@@ -198,6 +203,63 @@ scenario_a() {
 
 scenario_a r1 --layout raid1 --copies 2
 scenario_a r10 --layout raid10 --stripe-width 2 --copies 2
+
+# copying NAME: a copy job of NAME is copying.
+copying() {
+    nvpool volume info "$1" -o json | jq -e 'any(.copy_jobs[]; .state == "copying")' >/dev/null
+}
+
+restart_control_plane() {
+    kill "-$1" "$CP_PID"
+    wait "$CP_PID" 2>/dev/null
+    start_control_plane
+}
+
+# (c) crashes mid-copy: the control plane, then the copier's target, are
+# killed with SIGKILL while a (throttled) resync copies; each time the copy
+# completes anyway (resumed, or failed and redone) and the copies agree.
+log "crashes in the middle of a copy"
+CP_ARGS=(--rebuild-rate 2M)
+restart_control_plane TERM || bad "control plane restarts with --rebuild-rate 2M"
+if dev=$(nvpool volume attach r1 --frontend fuse --host-nqn "$HOSTNQN") && [[ -b $dev ]]; then
+    start_fio crash "$dev"
+    victim=$(nvpool volume info r1 -o json | jq -r '.extents[1].target')
+    vi=${victim#t}
+    kill -9 "${TARGET_PIDS[vi]}"
+    check "crash: copies on $victim given up" wait_for 30 has_stale r1
+    sleep 2
+    start_target "$vi" 2G
+    check "crash: a copy job is copying" wait_for 60 copying r1
+    restart_control_plane KILL || bad "crash: control plane restarts after SIGKILL"
+    log "crash: control plane killed with SIGKILL mid-copy and restarted"
+    check "crash: the copy goes on and completes after the control plane's restart" \
+        wait_for 120 in_sync r1
+    # Again, and this time the copier's own process dies.
+    kill -9 "${TARGET_PIDS[vi]}"
+    check "crash: copies on $victim given up again" wait_for 30 has_stale r1
+    sleep 2
+    start_target "$vi" 2G
+    check "crash: a copy job is copying again" wait_for 60 copying r1
+    kill -9 "${TARGET_PIDS[vi]}"
+    log "crash: $victim (the copier) killed with SIGKILL mid-copy"
+    sleep 2
+    start_target "$vi" 2G
+    check "crash: the failed copy is redone and completes" wait_for 180 in_sync r1
+    nvpool volume history r1 || true
+    if stop_fio; then
+        ok "crash: fio verify=crc32c saw no error ($(rounds crash) rounds)"
+    else
+        bad "crash: fio failed"
+        cat "$E2E_DIR/fio-crash.failed" 2>/dev/null
+    fi
+    check "crash: nvpool volume verify finds the copies equal" nvpool volume verify r1
+    check "crash: detach" nvpool volume detach r1 --host-nqn "$HOSTNQN"
+    check "crash: copies byte-identical" copies_identical r1
+else
+    bad "crash: attach"
+fi
+CP_ARGS=()
+restart_control_plane TERM || bad "control plane restarts"
 
 # (e) rolling upgrade: each target restarted from a fresh copy of the binary
 # while fio verifies; the next only once the volume is in sync again.
