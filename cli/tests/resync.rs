@@ -139,6 +139,18 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         .unwrap();
     let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
     assert_eq!(v["status"], "degraded");
+    let metric = |name: &str| -> u64 {
+        let text = ureq::get(format!("http://{}/metrics", cp.addr))
+            .call()
+            .unwrap()
+            .into_body()
+            .read_to_string()
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert_eq!(metric("nvpool_stale_extents "), on_victim.len() as u64);
 
     // A writer keeps going while the target comes back and the copies heal.
     let writing = Arc::new(AtomicBool::new(true));
@@ -189,6 +201,9 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         copied <= 4 * MIB,
         "far less than the 8 MiB the copies hold: {copied}"
     );
+    assert_eq!(metric("nvpool_stale_extents "), 0);
+    assert_eq!(metric("nvpool_copies_running "), 0);
+    assert_eq!(metric("nvpool_copy_bytes "), copied);
 
     // Both copies of each row are byte-identical on the devices.
     let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
