@@ -121,6 +121,33 @@ pub struct CopyJob {
     pub bytes_copied: u64,
 }
 
+impl CopyJob {
+    /// The history entry of this job, ended at `now` (`error`: why it failed).
+    fn record(&self, now: u64, error: Option<&str>) -> CopyRecord {
+        CopyRecord {
+            id: self.id,
+            extent: self.extent,
+            source: self.source,
+            kind: self.kind,
+            started_ms: self.started_ms,
+            copy_started_ms: if self.state == JobState::Copying {
+                self.state_ms
+            } else {
+                0
+            },
+            finished_ms: now,
+            bytes_total: self.bytes_total,
+            // A completed copy copied everything it had to.
+            bytes_copied: if error.is_none() {
+                self.bytes_total
+            } else {
+                self.bytes_copied
+            },
+            error: error.map(str::to_owned),
+        }
+    }
+}
+
 /// A finished copy, for `nvpool volume history`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CopyRecord {
@@ -764,26 +791,7 @@ impl Cluster {
                 return Ok(None);
             };
             let j = cs.jobs.remove(idx);
-            let record = CopyRecord {
-                id: j.id,
-                extent: j.extent,
-                source: j.source,
-                kind: j.kind,
-                started_ms: j.started_ms,
-                copy_started_ms: if j.state == JobState::Copying {
-                    j.state_ms
-                } else {
-                    0
-                },
-                finished_ms: now,
-                bytes_total: j.bytes_total,
-                bytes_copied: if error.is_none() {
-                    j.bytes_total
-                } else {
-                    j.bytes_copied
-                },
-                error: error.map(str::to_owned),
-            };
+            let record = j.record(now, error);
             if error.is_none() {
                 cs.missed.remove(&j.extent);
                 if let Some(f) = s.failed_copies.get(volume) {
@@ -854,22 +862,7 @@ impl Cluster {
             if let Some(idx) = cs.jobs.iter().position(|j| j.extent == e) {
                 let j = cs.jobs.remove(idx);
                 cs.revision += 1;
-                cs.push_history(CopyRecord {
-                    id: j.id,
-                    extent: j.extent,
-                    source: j.source,
-                    kind: j.kind,
-                    started_ms: j.started_ms,
-                    copy_started_ms: if j.state == JobState::Copying {
-                        j.state_ms
-                    } else {
-                        0
-                    },
-                    finished_ms: now,
-                    bytes_total: j.bytes_total,
-                    bytes_copied: j.bytes_copied,
-                    error: Some("a host lost its path to the copy".into()),
-                });
+                cs.push_history(j.record(now, Some("a host lost its path to the copy")));
             }
             // A record kept from an earlier failure of this copy goes on
             // (a lost one stays lost).
