@@ -25,8 +25,8 @@
 
 use crate::attach::host_subsystem_nqn;
 use crate::limits::{
-    COPIES_PER_TARGET_MAX, HEAL_INTERVAL_MS, MIRROR_CONFIRM_TIMEOUT_MS, REBUILD_RATE_BYTES_PER_SEC,
-    RESYNC_RETRY_MS,
+    COPIES_PER_TARGET_MAX, HEAL_BUSY_INTERVAL_MS, HEAL_INTERVAL_MS, MIRROR_CONFIRM_TIMEOUT_MS,
+    REBUILD_RATE_BYTES_PER_SEC, RESYNC_RETRY_MS,
 };
 use crate::model::{Uuid, Volume};
 use crate::plan::RESYNC_REGION_BYTES;
@@ -80,11 +80,22 @@ pub fn spawn(
         .name("nvpool-heal".into())
         .spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                if let Err(e) = heal_once(&cluster, &cfg) {
-                    tracing::warn!(error = %e, "heal round failed; retrying");
-                }
+                let busy = match heal_once(&cluster, &cfg) {
+                    Ok(busy) => busy,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "heal round failed; retrying");
+                        false
+                    }
+                };
+                // While jobs run, look again soon: a job's next step (and
+                // the copy in sync) waits on this loop, not on the disks.
+                let mut left = if busy {
+                    cfg.interval
+                        .min(Duration::from_millis(HEAL_BUSY_INTERVAL_MS))
+                } else {
+                    cfg.interval
+                };
                 // Sleep in small steps so a stop is prompt.
-                let mut left = cfg.interval;
                 while !left.is_zero() && !stop.load(Ordering::Relaxed) {
                     let step = left.min(Duration::from_millis(100));
                     std::thread::sleep(step);
@@ -99,27 +110,40 @@ pub fn target_copy_id(volume: &Uuid, job: u64) -> String {
     format!("{volume}-{job}")
 }
 
-/// One round: start jobs on stale copies, move every job on.
-pub fn heal_once(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
+/// One round: start jobs on stale copies, move every job on as far as it
+/// goes now (arming, then mirroring, then copying when nobody has to
+/// confirm). Returns whether any job is under way.
+pub fn heal_once(cluster: &Cluster, cfg: &HealConfig) -> Result<bool, StateError> {
     start_jobs(cluster, cfg)?;
     let s = cluster.snapshot()?;
+    let mut busy = false;
     for (uuid, cs) in &s.copy_states {
         let Some(v) = s.volumes.get(uuid) else {
             continue;
         };
         for job in &cs.value.jobs {
-            if let Err(e) = step(cluster, cfg, &v.value, job) {
-                let why = e.to_string();
-                tracing::warn!(volume = %uuid, job = job.id, extent = job.extent, error = %why,
-                    "copy job failed");
-                if let Err(e) = cluster.finish_job(uuid, job.id, Some(&why)) {
-                    tracing::warn!(error = %e, "recording a failed copy job failed");
+            busy = true;
+            let mut job = job.clone();
+            // At most one pass per state.
+            for _ in 0..3 {
+                if let Err(e) = step(cluster, cfg, &v.value, &job) {
+                    let why = e.to_string();
+                    tracing::warn!(volume = %uuid, job = job.id, extent = job.extent,
+                        error = %why, "copy job failed");
+                    if let Err(e) = cluster.finish_job(uuid, job.id, Some(&why)) {
+                        tracing::warn!(error = %e, "recording a failed copy job failed");
+                    }
+                    cleanup(cluster, &v.value, &job);
+                    break;
                 }
-                cleanup(cluster, &v.value, job);
+                match cluster.copy_state(uuid)?.job(job.id) {
+                    Some(next) if next.state != job.state => job = next.clone(),
+                    _ => break,
+                }
             }
         }
     }
-    Ok(())
+    Ok(busy)
 }
 
 fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {

@@ -80,6 +80,10 @@ pub const COPY_HISTORY_MAX: usize = 64;
 /// How often the heal loop looks for stale copies and moves jobs on; a
 /// copy's progress is polled this often too.
 pub const HEAL_INTERVAL_MS: u64 = 2_000;
+/// The heal loop's interval while copy jobs run: each step of a job (and
+/// seeing its copy done) waits for a round, so rounds come quickly then.
+/// A round reads the store and asks each running job's target once.
+pub const HEAL_BUSY_INTERVAL_MS: u64 = 200;
 /// Copy jobs whose destination is one target, at once: each runs a copier
 /// thread there and reads a source over the network; two keep a target's
 /// disk busy without starving its clients.
