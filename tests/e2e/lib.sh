@@ -27,6 +27,24 @@ check() { # check NAME COMMAND...: PASS when the command succeeds
 
 nvpool() { "$BIN/nvpool" "$@"; }
 
+# wait_for SECONDS CMD...: until CMD succeeds (5 tries a second).
+wait_for() {
+    local s=$1 i
+    shift
+    for ((i = 0; i < s * 5; i++)); do
+        "$@" && return 0
+        sleep 0.2
+    done
+    return 1
+}
+
+# in_sync NAME: the volume is online, no copy stale, no copy job running.
+in_sync() {
+    nvpool volume info "$1" -o json |
+        jq -e '.status == "online" and (.failed_extents | length) == 0 and (.copy_jobs | length) == 0' \
+            >/dev/null
+}
+
 # start_control_plane: nvpool-control on $CP_PORT; the array CP_ARGS, when
 # set, is appended to its command line (e.g. CP_ARGS=(--rebuild-rate 0)).
 start_control_plane() {

@@ -93,24 +93,6 @@ rounds_past() {
 
 CP_ARGS=()
 
-# in_sync NAME: online, no copy stale, no job running.
-in_sync() {
-    nvpool volume info "$1" -o json |
-        jq -e '.status == "online" and (.failed_extents | length) == 0 and (.copy_jobs | length) == 0' \
-            >/dev/null
-}
-
-# wait_for SECONDS CMD...: until CMD succeeds.
-wait_for() {
-    local s=$1 i
-    shift
-    for i in $(seq $((s * 5))); do
-        "$@" && return 0
-        sleep 0.2
-    done
-    return 1
-}
-
 # has_stale NAME: some copy is stale (the host gave it up).
 has_stale() {
     nvpool volume info "$1" -o json | jq -e '(.failed_extents | length) > 0' >/dev/null
