@@ -7,16 +7,17 @@
 
 mod common;
 
+use common::volumes::{self, host_controllers, host_subsystem, Setup};
 use common::*;
 use nvpool_control::mapping::Geometry;
 use nvpool_control::model::Uuid;
-use nvpool_control::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
+use nvpool_control::plan::{LayoutBody, PlanExtent};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::ExtentFailure;
 use nvpool_initiator::{
     BlockDev, Controller, ControllerIo, Device, Error, IoError, Volume, VolumeOptions,
 };
-use nvpool_target::backend::{FaultBackend, FaultConfig, RamBackend};
+use nvpool_target::backend::{FaultConfig, RamBackend};
 use nvpool_wire::Status;
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -31,111 +32,18 @@ const EXTENT: u64 = MIB;
 const BLOCK: u64 = 4096;
 const K: u64 = 1024;
 
-fn host_subsystem() -> String {
-    format!("{HOST_SUBSYSTEM_PREFIX}volume-test")
-}
-
-/// Targets exporting a volume's extents, and the plan to reach them.
-struct Setup {
-    targets: Vec<Tgt>,
-    plan: ConnectionPlan,
-    /// With [`setup_faulty`]: each extent's backend, in plan order.
-    faults: Vec<Arc<FaultBackend>>,
-}
-
-/// Starts `n` targets and exports every extent of a volume of `layout` and
-/// `size` as a namespace (`ns_spec`, e.g. `ram:1M`) of the host subsystem:
-/// extent (row, member, copy) lives on target (row + member × copies +
-/// copy) mod n, so the extents of a row sit on distinct targets.
+/// Volumes of 1 MiB extents (the smallest a plan may have).
 fn setup(n: usize, layout: LayoutBody, size: u64, ns_spec: &str) -> Setup {
-    let mut plan = ConnectionPlan {
-        volume: Uuid([7; 16]),
-        name: "vol".into(),
-        host_nqn: HOST_A.into(),
-        size_bytes: size,
-        block_bytes: BLOCK as u32,
-        extent_bytes: EXTENT,
-        layout,
-        extents: Vec::new(),
-    };
-    let g = plan.geometry();
-    let mut namespaces: Vec<Vec<u32>> = vec![Vec::new(); n];
-    let mut placed = Vec::new();
-    for row in 0..g.rows() {
-        for member in 0..g.width {
-            for copy in 0..g.copies {
-                let t =
-                    (row as usize + (member as usize) * usize::from(g.copies) + copy as usize) % n;
-                let nsid = namespaces[t].len() as u32 + 1;
-                namespaces[t].push(nsid);
-                placed.push((t, nsid, row, member, copy));
-            }
-        }
-    }
-    let nqn = host_subsystem();
-    let targets: Vec<Tgt> = namespaces
-        .iter()
-        .map(|nsids| {
-            let ns: Vec<(u32, &str)> = nsids.iter().map(|&id| (id, ns_spec)).collect();
-            Tgt::start(&[subsystem(&nqn, &[HOST_A], &ns)])
-        })
-        .collect();
-    for (t, nsid, row, member, copy) in placed {
-        plan.extents.push(PlanExtent {
-            target: format!("target-{t}"),
-            addr: targets[t].addr,
-            subsystem_nqn: nqn.clone(),
-            nsid,
-            device: "ram".into(),
-            offset: 0,
-            length: EXTENT,
-            member,
-            row,
-            copy,
-        });
-    }
-    plan.validate().expect("the test builds valid plans");
-    Setup {
-        targets,
-        plan,
-        faults: Vec::new(),
-    }
+    volumes::setup(n, layout, size, EXTENT, ns_spec)
 }
 
-/// Like [`setup`] with 1 MiB RAM namespaces of 512-byte blocks behind
-/// fault-injecting backends.
+/// Like [`setup`], behind fault-injecting backends.
 fn setup_faulty(n: usize, layout: LayoutBody, size: u64) -> Setup {
-    let mut s = setup(n, layout, size, "ram:1M");
-    for e in &s.plan.extents {
-        let t = s.targets.iter().find(|t| t.addr == e.addr).expect("target");
-        let f = Arc::new(FaultBackend::new(Arc::new(RamBackend::new(EXTENT, 512))));
-        t.target
-            .put_namespace_backend(&e.subsystem_nqn, e.nsid, f.clone())
-            .expect("swap the backend");
-        s.faults.push(f);
-    }
-    s
+    volumes::setup_faulty(n, layout, size, EXTENT)
 }
 
-/// Options for tests: quick reconnects, a short controller-loss timeout.
 fn opts() -> VolumeOptions {
-    VolumeOptions {
-        queue_depth: 32,
-        reconnect_delay: Duration::from_millis(100),
-        connect_timeout: Duration::from_secs(1),
-        ctrl_loss_timeout: Some(Duration::from_secs(2)),
-        ..VolumeOptions::default()
-    }
-}
-
-/// Live controllers of the test host on a target.
-fn host_controllers(t: &Tgt) -> usize {
-    let nqn = host_subsystem();
-    t.target
-        .controllers()
-        .iter()
-        .filter(|c| !c.discovery && c.hostnqn == HOST_A && c.subsys_nqn == nqn)
-        .count()
+    volumes::volume_opts()
 }
 
 /// Xorshift: deterministic offsets and lengths.
@@ -182,7 +90,7 @@ fn read_check(v: &Volume, model: &[u8], off: u64, len: u64) {
 /// Returns the contents in plan extent order.
 fn read_namespaces(s: &Setup) -> Vec<Vec<u8>> {
     let mut out = vec![Vec::new(); s.plan.extents.len()];
-    for (t, tgt) in s.targets.iter().enumerate() {
+    for (t, tgt) in s.all().into_iter().enumerate() {
         let mine: Vec<usize> = (0..s.plan.extents.len())
             .filter(|&i| s.plan.extents[i].addr == tgt.addr)
             .collect();
@@ -270,7 +178,7 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
 
     // One controller per target, shared by every extent there.
     assert_eq!(v.controller_count(), n_targets);
-    for (i, t) in s.targets.iter().enumerate() {
+    for (i, t) in s.all().into_iter().enumerate() {
         assert_eq!(
             host_controllers(t),
             1,
@@ -374,7 +282,7 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
     assert!(v.health().is_healthy());
 
     v.close().expect("close flushes");
-    for (i, t) in s.targets.iter().enumerate() {
+    for (i, t) in s.all().into_iter().enumerate() {
         eventually(&format!("target {i} to see the controller go"), || {
             host_controllers(t) == 0
         });
@@ -431,7 +339,7 @@ fn plans_that_do_not_match_the_targets_are_refused() {
         "a namespace that is not there"
     );
     // Nothing stays connected after a refused open.
-    for t in &s.targets {
+    for t in s.all() {
         eventually("refused opens to disconnect", || host_controllers(t) == 0);
     }
 }
@@ -459,7 +367,7 @@ fn mirror_keeps_serving_when_a_target_dies() {
     let size = v.size();
     let stop = AtomicBool::new(false);
     let progress = AtomicU64::new(0);
-    let dead = s.targets[1].addr;
+    let dead = s.target(1).addr;
     let seen: Vec<Seen> = std::thread::scope(|sc| {
         let writers: Vec<_> = (0..2u64)
             .map(|w| {
@@ -500,7 +408,7 @@ fn mirror_keeps_serving_when_a_target_dies() {
             progress.load(Ordering::Relaxed) >= 40
         });
         // Kill one target mid-way: its listener and connections go.
-        s.targets.pop().expect("two targets").stop();
+        s.stop(1);
         eventually("the dead target's copies to be marked failed", || {
             !v.health().failed_extents.is_empty()
         });
@@ -552,7 +460,7 @@ fn mirror_keeps_serving_when_a_target_dies() {
         read_check(&v, &model, off, MIB);
     }
     v.close().expect("flush of the surviving copies");
-    let live = &s.targets[0];
+    let live = s.target(0);
     let ctrl = Controller::connect(params(live.addr, &host_subsystem(), HOST_A)).unwrap();
     let io = ControllerIo::start(ctrl.clone(), 1, 512).unwrap();
     let g = s.plan.geometry();
@@ -587,10 +495,11 @@ fn an_extent_without_a_live_copy_fails_to_the_caller() {
     let mut model = vec![0u8; 2 * MIB as usize];
     write(&v, &mut model, 0, 2 * MIB, 5, false);
     read_check(&v, &model, 0, 2 * MIB);
-    let Setup { targets, plan, .. } = s;
-    for t in targets {
-        t.stop();
+    let mut s = s;
+    for t in 0..s.all().len() {
+        s.stop(t);
     }
+    let plan = s.plan.clone();
     let started = Instant::now();
     let (r, back) = block_on(v.read(MIB, vec![0; 8192]));
     assert_eq!(r, Err(IoError::ControllerLost), "read with every copy gone");
@@ -773,7 +682,7 @@ fn volumes_sharing_connections_share_one_controller_per_target() {
     second.size_bytes = 3 * MIB;
     second.extents = (0..3u32)
         .map(|row| {
-            let t = &s.targets[row as usize];
+            let t = s.target(row as usize);
             let nsid = 100 + row;
             t.target
                 .put_namespace_backend(
@@ -806,7 +715,7 @@ fn volumes_sharing_connections_share_one_controller_per_target() {
     let a = Volume::open(&s.plan, o.clone()).unwrap();
     let b = Volume::open(&second, o).unwrap();
     assert_eq!(shared.controller_count(), 3);
-    for t in &s.targets {
+    for t in s.all() {
         assert_eq!(
             host_controllers(t),
             1,
@@ -822,12 +731,12 @@ fn volumes_sharing_connections_share_one_controller_per_target() {
     // Closing one leaves the other connected and working.
     a.close().unwrap();
     read_check(&b, &mb, 0, b.size());
-    for t in &s.targets {
+    for t in s.all() {
         assert_eq!(host_controllers(t), 1);
     }
     b.close().unwrap();
     assert_eq!(shared.controller_count(), 0);
-    for t in &s.targets {
+    for t in s.all() {
         eventually("the shared controllers to go", || host_controllers(t) == 0);
     }
 }
@@ -882,7 +791,7 @@ fn full_queues_keep_track_of_every_request() {
 fn copies_known_to_have_failed_are_never_touched() {
     let s = setup(2, LayoutBody::Raid1 { copies: 2 }, 3 * MIB, "ram:1M");
     let stale: Vec<usize> = (0..s.plan.extents.len())
-        .filter(|&i| s.plan.extents[i].addr == s.targets[1].addr)
+        .filter(|&i| s.plan.extents[i].addr == s.target(1).addr)
         .collect();
     let o = VolumeOptions {
         failed_extents: stale.clone(),
@@ -894,7 +803,7 @@ fn copies_known_to_have_failed_are_never_touched() {
         1,
         "the stale copies' target is not connected"
     );
-    assert_eq!(host_controllers(&s.targets[1]), 0);
+    assert_eq!(s.host_controllers(1), 0);
     assert_eq!(v.health().failed_extents, stale);
     assert!(v.health().is_degraded());
     let mut model = vec![0u8; v.size() as usize];

@@ -132,6 +132,11 @@ impl Setup {
         self.targets[t].as_ref().expect("target running")
     }
 
+    /// Every target, which must all be running.
+    pub fn all(&self) -> Vec<&Tgt> {
+        (0..self.targets.len()).map(|t| self.target(t)).collect()
+    }
+
     fn target_of(&self, addr: SocketAddr) -> &Tgt {
         let t = self.addrs.iter().position(|&a| a == addr).expect("target");
         self.target(t)
@@ -192,14 +197,18 @@ impl Setup {
 
     /// Controllers of the test host on target `t`.
     pub fn host_controllers(&self, t: usize) -> usize {
-        let nqn = host_subsystem();
-        self.target(t)
-            .target
-            .controllers()
-            .iter()
-            .filter(|c| !c.discovery && c.hostnqn == HOST_A && c.subsys_nqn == nqn)
-            .count()
+        host_controllers(self.target(t))
     }
+}
+
+/// Controllers of the test host on `t`.
+pub fn host_controllers(t: &Tgt) -> usize {
+    let nqn = host_subsystem();
+    t.target
+        .controllers()
+        .iter()
+        .filter(|c| !c.discovery && c.hostnqn == HOST_A && c.subsys_nqn == nqn)
+        .count()
 }
 
 /// Options for tests: quick reconnects, a short controller-loss timeout.
