@@ -169,6 +169,16 @@ fn path_of(dir: &Path, index: usize) -> PathBuf {
 }
 
 fn progress(len: u64, what: &str) -> ProgressBar {
+    bar(
+        len,
+        what,
+        "  {prefix} [{bar:30}] {pos}/{len} files  {per_sec}  eta {eta}",
+    )
+}
+
+/// A progress bar on stderr when it is a terminal (hidden otherwise), in
+/// indicatif's `template`.
+pub(crate) fn bar(len: u64, prefix: &str, template: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(
         Some(len),
         if std::io::stderr().is_terminal() {
@@ -177,13 +187,11 @@ fn progress(len: u64, what: &str) -> ProgressBar {
             ProgressDrawTarget::hidden()
         },
     );
-    let style = ProgressStyle::with_template(
-        "  {prefix} [{bar:30}] {pos}/{len} files  {per_sec}  eta {eta}",
-    )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let style = ProgressStyle::with_template(template)
+        .map(|s| s.progress_chars("=> "))
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
     bar.set_style(style);
-    bar.set_prefix(what.to_owned());
+    bar.set_prefix(prefix.to_owned());
     bar
 }
 

@@ -228,6 +228,19 @@ pub enum VolumeCmd {
         #[arg(long, default_value = "256M", value_parser = parse_size)]
         rate: u64,
     },
+    /// Mark a copy stale so that it is copied whole from an in-sync copy
+    /// (after `verify` found it differing, say): hosts stop reading it at
+    /// once. The last copy in sync of a row is refused.
+    Resync {
+        /// Volume name or UUID.
+        volume: String,
+        /// The copy: its index in `nvpool volume info`'s extent table.
+        #[arg(long)]
+        extent: u32,
+        /// Wait until it is back in sync, with a progress bar on a terminal.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Grow a volume (volumes never shrink).
     Resize {
         /// Volume name or UUID.
@@ -434,6 +447,35 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How often `--wait` looks at a copy being filled.
+const WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Waits until copy `extent` of the volume is in sync, showing the copy's
+/// progress.
+fn wait_in_sync(c: &Client, uuid: &Uuid, extent: u32) -> anyhow::Result<()> {
+    let bar = crate::dataset::bar(
+        0,
+        &format!("extent {extent}"),
+        "  {prefix} [{bar:30}] {bytes}/{total_bytes}  {bytes_per_sec}  eta {eta}  {msg}",
+    );
+    loop {
+        let v: VolumeOut = typed("volume", &c.get(&format!("/v1/volumes/{uuid}"))?)?;
+        match v.copy_jobs.iter().find(|j| j.extent == extent) {
+            Some(j) => {
+                bar.set_length(j.bytes_total);
+                bar.set_position(j.bytes_copied);
+                bar.set_message(format!("{} {}", j.kind, j.state));
+            }
+            None if !v.failed_extents.contains(&extent) => {
+                bar.finish_with_message("in sync");
+                return Ok(());
+            }
+            None => bar.set_message("stale, waiting for a copy job"),
+        }
+        std::thread::sleep(WAIT_POLL);
+    }
+}
+
 fn print_plan(a: &AttachmentOut) {
     let p = &a.plan;
     print_fields(&[
@@ -633,6 +675,24 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     report.differences.len()
                 )
             }
+        }
+        VolumeCmd::Resync {
+            volume,
+            extent,
+            wait,
+        } => {
+            let c = conn.client(true)?;
+            let (uuid, _) = resolve(&c, &volume)?;
+            let v: Value = c.post(
+                &format!("/v1/volumes/{uuid}/extents/{extent}/resync"),
+                &serde_json::json!({}),
+            )?;
+            if wait {
+                wait_in_sync(&c, &uuid, extent)?;
+                let v: Value = c.get(&format!("/v1/volumes/{uuid}"))?;
+                return print_volume(&v, fmt);
+            }
+            print_volume(&v, fmt)
         }
         VolumeCmd::History { volume } => {
             let c = conn.client(false)?;

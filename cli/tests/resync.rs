@@ -255,6 +255,52 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         "the verifier's attachment is gone: {a}"
     );
 
+    // Repair: `nvpool volume resync --extent 3 --wait` marks the copy stale;
+    // the host stops reading it, and it is copied whole while attached.
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, ADMIN).unwrap();
+    let nvpool = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_nvpool"))
+            .env_remove("NVPOOL_LOG")
+            .env("NVPOOL_ENDPOINT", format!("http://{}", cp.addr))
+            .env("NVPOOL_TOKEN_FILE", &token)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = nvpool(&[
+        "volume", "resync", uuid, "--extent", "3", "--wait", "-o", "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(after["failed_extents"], json!([]), "{after}");
+    let h: Vec<Value> = client.get(&format!("/v1/volumes/{uuid}/history")).unwrap();
+    assert_eq!(h[0]["extent"], 3);
+    assert_eq!(h[0]["kind"], "resync-full");
+    assert_eq!(h[0]["result"], "done");
+    let report = verify(&client, &uuid.parse().unwrap(), &opts).unwrap();
+    assert!(report.differences.is_empty(), "repaired: {report:?}");
+    // While one copy of a row is stale, the other is the last in sync.
+    let out = nvpool(&["volume", "resync", uuid, "--extent", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = nvpool(&["volume", "resync", uuid, "--extent", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("last copy in sync"), "{err}");
+    wait_until("extent 2 to be back in sync", 30, || {
+        let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
+        v["failed_extents"] == json!([]) && v["copy_jobs"] == json!([])
+    });
+
     stop.store(true, Ordering::Relaxed);
     healer.join().unwrap();
     drop(watching);

@@ -19,6 +19,7 @@
 //! | `POST /v1/volumes/{uuid}/resize` | grow (body: size_bytes) | admin |
 //! | `DELETE /v1/volumes/{uuid}` | delete | admin |
 //! | `GET /v1/volumes/{uuid}/history` | copies of the volume: running and past | — |
+//! | `POST /v1/volumes/{uuid}/extents/{index}/resync` | mark a copy stale: it is copied whole | admin |
 //! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach | admin / — |
 //! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy | admin |
 //!
@@ -128,6 +129,10 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
             put(put_sync),
         )
         .route("/v1/volumes/{uuid}/history", get(get_history))
+        .route(
+            "/v1/volumes/{uuid}/extents/{index}/resync",
+            post(post_resync),
+        )
         .route("/v1/targets/{id}/reconcile", post(reconcile_target))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -352,6 +357,11 @@ impl ApiError {
             StateError::TooMany { what, max } => {
                 (S::CONFLICT, "limit", json!({"what": what, "max": max}))
             }
+            StateError::LastInSyncCopy { volume, extent } => (
+                S::CONFLICT,
+                "last_in_sync_copy",
+                json!({"volume": volume, "extent": extent}),
+            ),
             StateError::Attached { volume, hosts } => (
                 S::CONFLICT,
                 "attached",
@@ -1535,6 +1545,31 @@ async fn put_sync(
     }
 }
 
+/// An operator marks a copy stale (after `nvpool volume verify` found it
+/// differing, say): hosts stop reading it at once and the heal loop copies
+/// it whole from an in-sync copy. Refused for the last copy in sync of its
+/// row; a copy already stale is left as it is.
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/extents/{index}/resync", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID"), ("index" = u32, Path, description = "the copy: an index into the volume's extents")), security(("admin_token" = [])), responses((status = 202, description = "stale; it will be copied whole", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the last copy in sync of its row", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn post_resync(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, index)): Path<(String, String)>,
+) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let index: u32 = index
+        .parse()
+        .map_err(|_| ApiError::invalid(format!("extent {index:?} is not an index")))?;
+    let out = api
+        .run(move |c| {
+            c.mark_stale(&uuid, index)?;
+            one_with_attachments(c, volume_view_out(c.volume(&uuid)?, c.now()))
+        })
+        .await?;
+    tracing::warn!(volume = %uuid, extent = index, "copy marked stale by an operator");
+    Ok((StatusCode::ACCEPTED, Json(out)))
+}
+
 /// Copies of a volume, running first, then past ones newest first.
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/history", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "running and past copies", body = Vec<CopyHistoryOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_history(
@@ -1715,7 +1750,7 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
         healthz, metrics, openapi, register_target, heartbeat, list_targets, get_target,
         put_pool, list_pools, get_pool, delete_pool, put_volume, list_volumes, get_volume,
         resize_volume, delete_volume, put_attachment, get_attachment, list_attachments,
-        delete_attachment, put_failed_extents, put_session, put_missed, put_sync, get_history,
+        delete_attachment, put_failed_extents, put_session, put_missed, put_sync, get_history, post_resync,
         reconcile_target
     ),
     modifiers(&BearerSchemes)

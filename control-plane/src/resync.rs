@@ -841,6 +841,62 @@ impl Cluster {
         })
     }
 
+    /// Marks copy `extent` stale on an operator's word: it leaves service at
+    /// once (hosts hear of it and stop reading it) and is copied whole, what
+    /// it holds being unknown. Refused when its row has no other copy in
+    /// sync; a copy already stale stays as it is.
+    pub fn mark_stale(&self, volume: &Uuid, extent: u32) -> Result<(), StateError> {
+        let now = self.now();
+        self.change_copy_state(volume, |s, cs, conds, ops| {
+            let v = &s.volumes[volume].value;
+            check_extent(v, extent)?;
+            let failed: BTreeSet<u32> = s
+                .failed_copies
+                .get(volume)
+                .map(|f| f.value.extents.iter().copied().collect())
+                .unwrap_or_default();
+            if failed.contains(&extent) {
+                return Ok(None);
+            }
+            let copies = u32::from(v.layout.copies());
+            let group = extent / copies * copies;
+            let others_in_sync = (group..group + copies)
+                .filter(|&c| c != extent && !failed.contains(&c))
+                .count();
+            if others_in_sync == 0 {
+                return Err(StateError::LastInSyncCopy {
+                    volume: *volume,
+                    extent,
+                });
+            }
+            let key = ak::failed_copies(volume);
+            let mut extents: Vec<u32> = failed.into_iter().chain([extent]).collect();
+            extents.sort_unstable();
+            conds.push(match s.failed_copies.get(volume) {
+                Some(f) => Condition::VersionIs(key.clone(), f.version),
+                None => Condition::Missing(key.clone()),
+            });
+            ops.push(Op::Put(
+                key,
+                encode(&FailedCopies {
+                    volume: *volume,
+                    extents,
+                }),
+            ));
+            cs.missed.insert(
+                extent,
+                Missed {
+                    since_ms: now,
+                    regions: None,
+                    owed: BTreeSet::new(),
+                },
+            );
+            cs.revision += 1;
+            Ok(Some(()))
+        })
+        .map(|_| ())
+    }
+
     /// Bookkeeping when copies fail: each newly stale copy starts a record
     /// of what it misses, owed by every host writing the volume; a job on a
     /// copy that failed again ends as failed. Called inside the failure
@@ -1136,6 +1192,38 @@ mod tests {
         c.confirm_sync(&v, H1, job.id, 11, Some(&[])).unwrap();
         let started = c.job_copying(&v, job.id).unwrap().unwrap();
         assert_eq!(started.kind, CopyKind::ResyncPartial);
+    }
+
+    #[test]
+    fn an_operator_marks_a_copy_stale_and_it_is_copied_whole() {
+        let (c, _, v) = fixture();
+        c.register_session(&v, H1, 11, 0).unwrap();
+        let rev = c.copy_state(&v).unwrap().revision;
+        c.mark_stale(&v, 2).unwrap();
+        assert_eq!(c.volume(&v).unwrap().failed_extents, vec![2]);
+        assert_eq!(c.host_copies(&v, H1).unwrap().failed_extents, vec![2]);
+        assert!(
+            c.copy_state(&v).unwrap().revision > rev,
+            "hosts stop reading it"
+        );
+        // Its row's other copy is the last in sync: refused, nothing changes.
+        assert!(matches!(
+            c.mark_stale(&v, 3),
+            Err(StateError::LastInSyncCopy { extent: 3, .. })
+        ));
+        assert!(c.mark_stale(&v, 9).is_err(), "no such extent");
+        c.mark_stale(&v, 2).unwrap();
+        assert_eq!(c.volume(&v).unwrap().failed_extents, vec![2]);
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        assert_eq!((job.extent, job.source), (2, 3));
+        c.job_mirroring(&v, job.id).unwrap();
+        c.confirm_sync(&v, H1, job.id, 11, Some(&[])).unwrap();
+        c.confirm_sync(&v, H2, job.id, 0, Some(&[])).unwrap();
+        let started = c.job_copying(&v, job.id).unwrap().unwrap();
+        assert_eq!(
+            (started.kind, started.regions),
+            (CopyKind::ResyncFull, None)
+        );
     }
 
     #[test]

@@ -132,6 +132,9 @@ pub enum StateError {
     Attached { volume: Uuid, hosts: Vec<String> },
     #[error("volume {volume} is not attached to {host}")]
     NotAttached { volume: Uuid, host: String },
+    /// Marking this copy stale would leave its row without a copy in sync.
+    #[error("extent {extent} of volume {volume} is the last copy in sync of its row")]
+    LastInSyncCopy { volume: Uuid, extent: u32 },
     #[error("gave up after {attempts} conflicting attempts")]
     Contention { attempts: u32 },
     #[error("stored record {key} is corrupt")]
