@@ -9,6 +9,7 @@
 mod common;
 
 use common::volumes::*;
+use common::volumes::{read_check, write};
 use common::*;
 use nvpool_control::plan::{LayoutBody, RESYNC_REGION_BYTES};
 use nvpool_initiator::device::block_on;
@@ -59,29 +60,6 @@ fn failed_at_open(failed: &[usize]) -> VolumeOptions {
 }
 
 #[track_caller]
-fn write(v: &Volume, model: &mut [u8], off: u64, len: u64, seed: u64) -> Vec<u8> {
-    let data = pattern(seed, len as usize);
-    let (r, back) = block_on(v.write(off, data.clone(), false));
-    r.unwrap_or_else(|e| panic!("write of {len} bytes at {off}: {e}"));
-    assert_eq!(back.len(), data.len(), "the buffer comes back");
-    model[off as usize..(off + len) as usize].copy_from_slice(&data);
-    data
-}
-
-#[track_caller]
-fn read_check(v: &Volume, model: &[u8], off: u64, len: u64) {
-    let (r, got) = block_on(v.read(off, vec![0xEE; len as usize]));
-    r.unwrap_or_else(|e| panic!("read of {len} bytes at {off}: {e}"));
-    assert_same(
-        &got,
-        &model[off as usize..(off + len) as usize],
-        &format!("volume bytes {off}+{len}"),
-    );
-}
-
-/// Reads `len` bytes at `off` `n` times through the volume; counts the
-/// reads that returned `a` and `b` (failing on anything else).
-#[track_caller]
 fn reads_seeing(v: &Volume, off: u64, a: &[u8], b: &[u8], n: usize) -> (usize, usize) {
     let mut seen = (0, 0);
     for _ in 0..n {
@@ -120,11 +98,11 @@ fn a_copy_failed_at_open_records_each_region_written_since() {
     assert_eq!(v.missed_regions(0), None, "only failed copies have one");
 
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 4 * K, 4 * K, 1); // region 0
-    write(&v, &mut model, 2 * REGION - 4 * K, 8 * K, 2); // regions 1 and 2
+    write(&v, &mut model, 4 * K, 4 * K, 1, false); // region 0
+    write(&v, &mut model, 2 * REGION - 4 * K, 8 * K, 2, false); // regions 1 and 2
 
     // Row 1 (other extents) and flushes mark nothing on extent 1.
-    write(&v, &mut model, EXTENT + 3 * REGION, 4 * K, 3);
+    write(&v, &mut model, EXTENT + 3 * REGION, 4 * K, 3, false);
     block_on(v.write_zeroes(EXTENT, 64 * K, false)).unwrap();
     block_on(v.discard(EXTENT + REGION, REGION)).unwrap();
     block_on(v.flush()).unwrap();
@@ -154,7 +132,7 @@ fn a_copy_that_fails_in_this_session_has_a_complete_record() {
     let (o, reports) = reporting(volume_opts());
     let v = Volume::open(&s.plan, o).unwrap();
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 0, EXTENT, 1);
+    write(&v, &mut model, 0, EXTENT, 1, false);
     assert_eq!(v.missed_regions(1), None);
 
     // Copy 1 refuses a write copy 0 takes: it fails, and the write's
@@ -163,11 +141,11 @@ fn a_copy_that_fails_in_this_session_has_a_complete_record() {
         fail_writes: true,
         ..FaultConfig::default()
     });
-    write(&v, &mut model, REGION + 8 * K, 4 * K, 2);
+    write(&v, &mut model, REGION + 8 * K, 4 * K, 2, false);
     assert_eq!(v.copy_state(1), CopyState::Failed);
     assert_eq!(v.missed_regions(1), Some(missed(&[1], true)));
     s.faults[1].heal();
-    write(&v, &mut model, 3 * REGION, 4 * K, 3);
+    write(&v, &mut model, 3 * REGION, 4 * K, 3, false);
     block_on(v.write_zeroes(0, 4 * K, false)).unwrap();
     model[..4 * K as usize].fill(0);
     assert_eq!(v.missed_regions(1), Some(missed(&[0, 1, 3], true)));
@@ -191,7 +169,7 @@ fn a_syncing_copy_is_written_and_never_read_until_finish_sync() {
     let size = v.size();
     let mut model = vec![0u8; size as usize];
     // Copy 0 only: copy 1 keeps zeroes, unlike copy 0, everywhere.
-    write(&v, &mut model, 0, size, 1);
+    write(&v, &mut model, 0, size, 1, false);
 
     // A writer rewrites region 0 in 64 KiB slots, across begin_sync.
     const SLOT: u64 = 64 * K;
@@ -282,7 +260,7 @@ fn begin_sync_waits_for_the_writes_issued_before_it_and_only_those() {
     let s = setup_faulty(2, raid1(), EXTENT, EXTENT);
     let v = Volume::open(&s.plan, failed_at_open(&[1])).unwrap();
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 0, v.size(), 1);
+    write(&v, &mut model, 0, v.size(), 1, false);
 
     // A slow write (copy 0 takes half a second) is in flight when
     // begin_sync switches copy 1 to Syncing.
@@ -348,7 +326,7 @@ fn begin_sync_waits_for_the_writes_issued_before_it_and_only_those() {
     s.faults[0].heal();
 
     // After the switch, writes land on copy 1.
-    let data = write(&v, &mut model, REGION, 8 * K, 3);
+    let data = write(&v, &mut model, REGION, 8 * K, 3, false);
     assert_same(
         &s.read_copy(1, REGION, 8 * K),
         &data,
@@ -363,7 +341,7 @@ fn a_syncing_copy_that_fails_is_failed_again_and_reported() {
     let (o, reports) = reporting(failed_at_open(&[1]));
     let v = Volume::open(&s.plan, o).unwrap();
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 0, REGION, 1);
+    write(&v, &mut model, 0, REGION, 1, false);
     assert_eq!(v.begin_sync(1).unwrap(), missed(&[0], false));
 
     // Copy 1 refuses a write copy 0 takes.
@@ -371,7 +349,7 @@ fn a_syncing_copy_that_fails_is_failed_again_and_reported() {
         fail_writes: true,
         ..FaultConfig::default()
     });
-    write(&v, &mut model, 2 * REGION, 8 * K, 2);
+    write(&v, &mut model, 2 * REGION, 8 * K, 2, false);
     assert_eq!(v.copy_state(1), CopyState::Failed);
     // A fresh record, complete, holding the write that failed.
     assert_eq!(v.missed_regions(1), Some(missed(&[2], true)));
@@ -386,7 +364,7 @@ fn a_syncing_copy_that_fails_is_failed_again_and_reported() {
         );
     }
     // The volume keeps serving.
-    write(&v, &mut model, 0, 4 * K, 3);
+    write(&v, &mut model, 0, 4 * K, 3, false);
     read_check(&v, &model, 0, v.size());
     assert_eq!(v.missed_regions(1), Some(missed(&[0, 2], true)));
 
@@ -416,7 +394,7 @@ fn a_syncing_copy_that_fails_is_failed_again_and_reported() {
     assert_eq!(v.missed_regions(1), Some(missed(&[3], true)));
     assert_eq!(reports.lock().unwrap().len(), 2);
     s.faults[0].heal();
-    write(&v, &mut model, 3 * REGION, 4 * K, 5);
+    write(&v, &mut model, 3 * REGION, 4 * K, 5, false);
     read_check(&v, &model, 0, v.size());
     v.close().unwrap();
 }
@@ -427,9 +405,9 @@ fn abort_sync_records_missed_regions_afresh_without_a_report() {
     let (o, reports) = reporting(failed_at_open(&[1]));
     let v = Volume::open(&s.plan, o).unwrap();
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 0, 4 * K, 1);
+    write(&v, &mut model, 0, 4 * K, 1, false);
     assert_eq!(v.begin_sync(1).unwrap(), missed(&[0], false));
-    let data = write(&v, &mut model, REGION, 4 * K, 2);
+    let data = write(&v, &mut model, REGION, 4 * K, 2, false);
     assert_same(
         &s.read_copy(1, REGION, 4 * K),
         &data,
@@ -440,7 +418,7 @@ fn abort_sync_records_missed_regions_afresh_without_a_report() {
     assert_eq!(v.copy_state(1), CopyState::Failed);
     // This session sees every later write: complete from now on.
     assert_eq!(v.missed_regions(1), Some(missed(&[], true)));
-    write(&v, &mut model, 3 * REGION, 4 * K, 3);
+    write(&v, &mut model, 3 * REGION, 4 * K, 3, false);
     assert_eq!(v.missed_regions(1), Some(missed(&[3], true)));
     assert!(
         s.read_copy(1, 3 * REGION, 4 * K).iter().all(|&b| b == 0),
@@ -481,7 +459,7 @@ fn copies_opened_syncing_are_written_and_never_read() {
     let zeroes = vec![0u8; other.len()];
     assert_eq!(reads_seeing(&v, REGION, &zeroes, &other, 20), (20, 0));
     let mut model = vec![0u8; v.size() as usize];
-    let data = write(&v, &mut model, 2 * REGION, 8 * K, 2);
+    let data = write(&v, &mut model, 2 * REGION, 8 * K, 2, false);
     assert_same(&s.read_copy(1, 2 * REGION, 8 * K), &data, "copy 1");
     // Syncing since open: this session wrote it everything.
     assert_eq!(v.begin_sync(1).unwrap(), missed(&[], true));
@@ -526,7 +504,7 @@ fn a_dead_targets_copy_is_reconnected_and_resynced_after_a_restart() {
     let v = Volume::open(&s.plan, o).unwrap();
     assert_eq!(shared.controller_count(), 2);
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 0, EXTENT, 1);
+    write(&v, &mut model, 0, EXTENT, 1, false);
 
     // Target 1 dies: writes go on, and the first to find its controller
     // lost (after the 2 s controller-loss timeout) fails copy 1.
@@ -534,7 +512,7 @@ fn a_dead_targets_copy_is_reconnected_and_resynced_after_a_restart() {
     let mut i = 0;
     while v.copy_state(1) != CopyState::Failed {
         assert!(i < 20, "copy 1 never failed");
-        write(&v, &mut model, REGION + i * 4 * K, 4 * K, 10 + i);
+        write(&v, &mut model, REGION + i * 4 * K, 4 * K, 10 + i, false);
         i += 1;
     }
     {
@@ -548,7 +526,7 @@ fn a_dead_targets_copy_is_reconnected_and_resynced_after_a_restart() {
         1,
         "a lost controller is not shared"
     );
-    write(&v, &mut model, 3 * REGION, 4 * K, 2);
+    write(&v, &mut model, 3 * REGION, 4 * K, 2, false);
     // While the target is down, begin_sync fails and the copy stays failed.
     assert!(v.begin_sync(1).is_err());
     assert_eq!(v.copy_state(1), CopyState::Failed);
@@ -566,7 +544,7 @@ fn a_dead_targets_copy_is_reconnected_and_resynced_after_a_restart() {
     let all = s.read_copy(0, 0, EXTENT);
     s.write_copy(1, 0, &all);
     // Writes reach both copies; then reads may use copy 1.
-    write(&v, &mut model, 2 * REGION, 8 * K, 3);
+    write(&v, &mut model, 2 * REGION, 8 * K, 3, false);
     v.finish_sync(1);
     assert!(v.health().is_healthy(), "{:?}", v.health());
     for _ in 0..4 {
@@ -584,7 +562,7 @@ fn a_copy_in_sync_that_is_stale_elsewhere_stops_being_read() {
     let (o, reports) = reporting(volume_opts());
     let v = Volume::open(&s.plan, o).unwrap();
     let mut model = vec![0u8; v.size() as usize];
-    write(&v, &mut model, 0, EXTENT, 1);
+    write(&v, &mut model, 0, EXTENT, 1, false);
     // Copy 0 is stale in region 2 (another host wrote while it was down
     // for that host, say).
     let stale = pattern(8, 64 * K as usize);
@@ -601,7 +579,7 @@ fn a_copy_in_sync_that_is_stale_elsewhere_stops_being_read() {
         read_check(&v, &model, 2 * REGION, 64 * K);
     }
     assert_eq!(v.missed_regions(0), Some(missed(&[], true)));
-    write(&v, &mut model, REGION, 4 * K, 2);
+    write(&v, &mut model, REGION, 4 * K, 2, false);
     assert_eq!(v.missed_regions(0), Some(missed(&[1], true)));
 
     // Its job mirrors to it: this session's record, still never read.

@@ -7,7 +7,9 @@
 
 mod common;
 
-use common::volumes::{self, host_controllers, host_subsystem, Setup};
+use common::volumes::{
+    self, eventually, host_controllers, host_subsystem, read_check, write, Setup,
+};
 use common::*;
 use nvpool_control::mapping::Geometry;
 use nvpool_control::model::Uuid;
@@ -64,26 +66,6 @@ impl Rng {
         let off = lo + self.next() % (blocks - len + 1) * BLOCK;
         (off, len * BLOCK)
     }
-}
-
-#[track_caller]
-fn write(v: &Volume, model: &mut [u8], off: u64, len: u64, seed: u64, fua: bool) {
-    let data = pattern(seed, len as usize);
-    let (r, back) = block_on(v.write(off, data.clone(), fua));
-    r.unwrap_or_else(|e| panic!("write of {len} bytes at {off}: {e}"));
-    assert_eq!(back.len(), data.len(), "the buffer comes back");
-    model[off as usize..(off + len) as usize].copy_from_slice(&data);
-}
-
-#[track_caller]
-fn read_check(v: &Volume, model: &[u8], off: u64, len: u64) {
-    let (r, got) = block_on(v.read(off, vec![0xEE; len as usize]));
-    r.unwrap_or_else(|e| panic!("read of {len} bytes at {off}: {e}"));
-    assert_same(
-        &got,
-        &model[off as usize..(off + len) as usize],
-        &format!("volume bytes {off}+{len}"),
-    );
 }
 
 /// Reads every namespace of every target with a controller of its own.
@@ -148,16 +130,6 @@ fn check_placement(s: &Setup, model: &[u8]) {
                 &format!("copy {copy} of extent group {group}"),
             );
         }
-    }
-}
-
-/// Waits until `f` holds, failing the test after `WAIT`.
-#[track_caller]
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let until = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < until, "still waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -3,11 +3,11 @@
 //! built by hand, and access to each extent copy beside the volume (to
 //! check where bytes landed, or to change a copy behind its back).
 
-use super::{params, subsystem, Tgt, HOST_A, WAIT};
+use super::{assert_same, params, pattern, subsystem, Tgt, HOST_A, WAIT};
 use nvpool_control::model::Uuid;
 use nvpool_control::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
 use nvpool_initiator::device::block_on;
-use nvpool_initiator::{Controller, ControllerIo, Device, VolumeOptions};
+use nvpool_initiator::{Controller, ControllerIo, Device, Volume, VolumeOptions};
 use nvpool_target::backend::{FaultBackend, RamBackend};
 use nvpool_target::config::SubsystemConfig;
 use nvpool_target::Target;
@@ -230,4 +230,28 @@ pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
         assert!(Instant::now() < until, "still waiting for {what}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Writes `len` bytes of pattern `seed` at `off` through the volume and
+/// into `model`; returns the bytes written.
+#[track_caller]
+pub fn write(v: &Volume, model: &mut [u8], off: u64, len: u64, seed: u64, fua: bool) -> Vec<u8> {
+    let data = pattern(seed, len as usize);
+    let (r, back) = block_on(v.write(off, data.clone(), fua));
+    r.unwrap_or_else(|e| panic!("write of {len} bytes at {off}: {e}"));
+    assert_eq!(back.len(), data.len(), "the buffer comes back");
+    model[off as usize..(off + len) as usize].copy_from_slice(&data);
+    data
+}
+
+/// Reads `[off, off + len)` through the volume and compares it with `model`.
+#[track_caller]
+pub fn read_check(v: &Volume, model: &[u8], off: u64, len: u64) {
+    let (r, got) = block_on(v.read(off, vec![0xEE; len as usize]));
+    r.unwrap_or_else(|e| panic!("read of {len} bytes at {off}: {e}"));
+    assert_same(
+        &got,
+        &model[off as usize..(off + len) as usize],
+        &format!("volume bytes {off}+{len}"),
+    );
 }
