@@ -1700,8 +1700,10 @@ fn render_metrics(c: &Cluster) -> Result<String, StateError> {
         running += v.jobs.len() as u64;
         stale += v.failed_extents.len() as u64;
         copied += v.jobs.iter().map(|j| j.bytes_copied).sum::<u64>();
-        let cs = c.copy_state(&v.volume.uuid)?;
-        copied += cs.history.iter().map(|r| r.bytes_copied).sum::<u64>();
+    }
+    // Finished copies, from one read of every copy-state record.
+    for cs in c.snapshot()?.copy_states.values() {
+        copied += cs.value.history.iter().map(|r| r.bytes_copied).sum::<u64>();
     }
     let _ = writeln!(out, "# HELP nvpool_copies_running Copy jobs under way.");
     let _ = writeln!(out, "# TYPE nvpool_copies_running gauge");
