@@ -37,4 +37,4 @@ pub use blockdev::{BlockDev, BufResult, IoFuture};
 pub use device::{ControllerIo, Device};
 pub use error::{Error, IoError};
 pub use queue::{Completion, IoQueue, Op, Request};
-pub use volume::{CopyState, MissedRegions, Volume, VolumeHealth, VolumeOptions};
+pub use volume::{CopyState, MissedRegions, MovingCopy, Volume, VolumeHealth, VolumeOptions};

@@ -118,26 +118,37 @@
 //! connections is noticed by its controller's keep-alive first (admin
 //! command timeout, 30 s), then the same timeout applies.
 //!
+//! **Moves** (moves.rs): a copy slot moves to another extent (replacing a
+//! dead copy, or rebalancing) through two extra copies no one reads: an
+//! *incoming* one ([`Volume::begin_move`]: written like a `Syncing` copy,
+//! dropped without a report when it strays) until [`Volume::switch_move`]
+//! makes it the slot's copy, and then the old copy as a *leaving* one
+//! (written, results ignored) until [`Volume::end_move`]. A group without
+//! moves costs a mutation one atomic load.
+//!
 //! **Flush** goes to the namespaces written since the previous flush
 //! (every copy, every queue), which is every namespace whose data a flush
 //! could concern, without flushing thousands of idle extents.
 
 mod drain;
 mod missed;
+mod moves;
 mod runs;
 
 pub use missed::MissedRegions;
+pub use moves::MovingCopy;
 
 use crate::admin::{ConnectParams, Controller, NamespaceInfo};
 use crate::blockdev::{BlockDev, BufResult, IoFuture};
 use crate::bufpool::BufPool;
 use crate::device::{block_on, join_all, ControllerIo, Device};
 use crate::error::{Error, IoError};
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use drain::Drain;
 use missed::{Mark, Missed};
+use moves::{GroupMoves, Shadows};
 use nvpool_control::mapping::Geometry;
-use nvpool_control::plan::ConnectionPlan;
+use nvpool_control::plan::{ConnectionPlan, PlanExtent};
 use nvpool_wire::tcp::Digests;
 use nvpool_wire::Status;
 use std::collections::HashMap;
@@ -234,6 +245,16 @@ pub struct VolumeOptions {
     /// are connected like copies in sync; an open that cannot reach one
     /// fails. Disjoint from `failed_extents`.
     pub syncing_extents: Vec<usize>,
+    /// Copies being moved to another extent (the control plane's record),
+    /// at most one per plan extent. Not switched: the destination is the
+    /// slot's incoming copy (written, never read; connected like a copy in
+    /// sync, so an open that cannot reach it fails), the slot's own copy is
+    /// as the lists above say. Switched: the destination is the slot's
+    /// copy, [`CopyState::Ok`] even when the slot is in `failed_extents`
+    /// (that entry is about the old copy), and the plan's extent, unless
+    /// failed, its leaving copy (written only; opened if it can be, else
+    /// done without).
+    pub moving: Vec<MovingCopy>,
 }
 
 impl Default for VolumeOptions {
@@ -251,6 +272,7 @@ impl Default for VolumeOptions {
             connections: None,
             failed_extents: Vec::new(),
             syncing_extents: Vec::new(),
+            moving: Vec::new(),
         }
     }
 }
@@ -270,6 +292,7 @@ impl fmt::Debug for VolumeOptions {
             .field("connections", &self.connections)
             .field("failed_extents", &self.failed_extents)
             .field("syncing_extents", &self.syncing_extents)
+            .field("moving", &self.moving)
             .finish()
     }
 }
@@ -282,7 +305,8 @@ pub struct ExtentFailure {
     pub row: u32,
     pub member: u32,
     pub copy: u8,
-    /// The plan's target id, address, subsystem and namespace of the copy.
+    /// The target id, address, subsystem and namespace of the copy: its
+    /// plan extent's, or its move's destination once switched.
     pub target: String,
     pub addr: SocketAddr,
     pub subsystem_nqn: String,
@@ -303,6 +327,10 @@ pub struct VolumeHealth {
     pub syncing_extents: Vec<usize>,
     /// `(row, member)` with no copy in sync left: I/O there fails.
     pub lost: Vec<(u32, u32)>,
+    /// Plan extent indices of the copies with an incoming copy (a move
+    /// before its switch), ascending. A move does not make a volume
+    /// degraded: its copies are all there.
+    pub moving_extents: Vec<usize>,
 }
 
 impl VolumeHealth {
@@ -391,24 +419,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One extent copy: its state, namespace handle and missed regions.
+/// One extent copy slot: its state, namespace handle, missed regions and
+/// where it is.
 ///
 /// Invariants: a copy that is not `Failed` has a device, and a device,
 /// once set, is only ever replaced (never removed); a `Failed` copy has a
 /// missed-regions record. The record is stored before the state that needs
-/// it, and the device before `Syncing`: a mutation that loads the state
-/// (`SeqCst`) then the device or record sees the ones stored with it.
+/// it, and the device before `Syncing` or `Ok`: a mutation that loads the
+/// state (`SeqCst`) then the device or record sees the ones stored with it.
 #[derive(Debug)]
 struct CopyIo {
     /// A [`CopyState`] as u8.
     state: AtomicU8,
     /// Swapped by begin_sync when the copy's controller was lost (or it was
-    /// never connected). Loads are lock-free.
+    /// never connected), and by switch_move. Loads are lock-free.
     dev: ArcSwapOption<Device>,
     missed: ArcSwapOption<Missed>,
-    /// Held (briefly) to change `state` together with `missed`: by the data
-    /// path when the copy fails, and by the resync calls.
+    /// Held (briefly) to change `state` together with `missed` or `dev`:
+    /// by the data path when the copy fails, and by the resync and move
+    /// calls.
     edit: Mutex<()>,
+    /// The plan extent, or the destination a move switched the slot to:
+    /// what reconnects and reports name.
+    location: ArcSwap<PlanExtent>,
+    /// The slot's incoming copy strayed and was dropped (moves.rs).
+    move_failed: AtomicBool,
 }
 
 /// What a run does to every copy it writes.
@@ -421,12 +456,19 @@ enum Mutation {
 }
 
 impl CopyIo {
-    fn new(state: CopyState, dev: Option<Device>, missed: Option<Missed>) -> CopyIo {
+    fn new(
+        state: CopyState,
+        dev: Option<Device>,
+        missed: Option<Missed>,
+        location: PlanExtent,
+    ) -> CopyIo {
         CopyIo {
             state: AtomicU8::new(state as u8),
             dev: ArcSwapOption::new(dev.map(Arc::new)),
             missed: ArcSwapOption::new(missed.map(Arc::new)),
             edit: Mutex::new(()),
+            location: ArcSwap::from_pointee(location),
+            move_failed: AtomicBool::new(false),
         }
     }
 
@@ -455,9 +497,23 @@ impl CopyIo {
 
     /// Makes the copy `Failed` with a fresh, complete record holding
     /// `mark` if its state is one of `from`; a copy failed already gets
-    /// `mark` added to its record. True when this call failed it.
-    fn fail(&self, from: &[CopyState], extent_bytes: u64, mark: Mark) -> bool {
+    /// `mark` added to its record. With `dev`, only while that is still
+    /// the copy's handle: a handle a move switched away from is the old
+    /// copy's, leaving, whose failures are not the slot's. True when this
+    /// call failed it.
+    fn fail(
+        &self,
+        from: &[CopyState],
+        extent_bytes: u64,
+        mark: Mark,
+        dev: Option<&Arc<Device>>,
+    ) -> bool {
         let _e = lock(&self.edit);
+        if let Some(d) = dev {
+            if !self.dev.load().as_ref().is_some_and(|x| Arc::ptr_eq(x, d)) {
+                return false;
+            }
+        }
         let state = self.state();
         if state == CopyState::Failed {
             if let Some(r) = &*self.missed.load() {
@@ -476,7 +532,41 @@ impl CopyIo {
     }
 }
 
-async fn mutate(dev: Arc<Device>, m: Mutation, offset: u64, len: u64, buf: Vec<u8>) -> BufResult {
+/// What one mutation of a group writes; see [`Volume::run_copies`].
+struct RunCopies {
+    /// Bitmasks of the group's copies by state.
+    in_sync: u32,
+    syncing: u32,
+    failed: u32,
+    /// The handle of each copy in use, loaded after its state.
+    devs: [Option<Arc<Device>>; COPIES_MAX],
+    /// The group's incoming and leaving copies, if any.
+    shadows: Option<Arc<Shadows>>,
+}
+
+/// Whether a copy that must take exactly what the copies in sync take (a
+/// `Syncing` or incoming copy) strayed, answering `r` to a mutation `m`
+/// the copies in sync took (`acked`) or refused (`err`): the error to fail
+/// it with, or `None` when it is still in step.
+fn strayed(
+    r: Result<(), IoError>,
+    acked: bool,
+    m: Mutation,
+    err: &Option<IoError>,
+) -> Option<IoError> {
+    match r {
+        Ok(()) if acked || m == Mutation::Flush => None,
+        // Only it took the change: it now differs from every copy in
+        // sync, and the copy job would not overwrite the range (the
+        // target saw a host write there).
+        Ok(()) => Some(err.clone().unwrap_or(IoError::ControllerLost)),
+        // Refused like the copies in sync refused it: unchanged.
+        Err(e) if !acked && blame(&e) == Blame::Request => None,
+        Err(e) => Some(e),
+    }
+}
+
+async fn mutate(dev: &Device, m: Mutation, offset: u64, len: u64, buf: Vec<u8>) -> BufResult {
     match m {
         Mutation::Write { fua } => dev.write(offset, buf, fua).await,
         Mutation::Zeroes { unmap } => (dev.write_zeroes(offset, len, unmap).await, buf),
@@ -527,6 +617,8 @@ pub struct Volume {
     ios: Mutex<Vec<Arc<ControllerIo>>>,
     /// One per plan extent, in plan order.
     extents: Vec<CopyIo>,
+    /// Per (row, member): the incoming and leaving copies of its slots.
+    moves: Vec<GroupMoves>,
     /// Per (row, member): written since the last flush.
     dirty: Vec<AtomicBool>,
     /// Rotates read ties between copies.
@@ -534,9 +626,9 @@ pub struct Volume {
     on_failed: Option<ExtentFailedFn>,
     /// Buffers of the runs of reads that span extents.
     bufs: BufPool,
-    /// Mutations outstanding, for begin_sync's drain.
+    /// Mutations outstanding, for begin_sync's and begin_move's drains.
     drain: Drain,
-    /// begin_sync calls run one at a time.
+    /// begin_sync, begin_move and switch_move calls run one at a time.
     syncing: Mutex<()>,
     /// Connect parameters of every controller (address and subsystem set
     /// per controller), I/O queues per controller and the namespace block
@@ -561,7 +653,8 @@ impl fmt::Debug for Volume {
 impl Volume {
     /// Validates `plan`, connects one controller per distinct target
     /// address and subsystem (in parallel), checks every namespace against
-    /// the plan and starts the I/O queues.
+    /// the plan and starts the I/O queues. Copies failed, syncing or moving
+    /// start as `opts` says.
     pub fn open(plan: &ConnectionPlan, opts: VolumeOptions) -> Result<Volume, Error> {
         plan.validate()
             .map_err(|e| Error::Invalid(format!("connection plan of {}: {e}", plan.name)))?;
@@ -593,6 +686,28 @@ impl Volume {
                 states[i] = state;
             }
         }
+        // At most one move per slot, to the slot's row, member and copy.
+        let mut moving: Vec<Option<&MovingCopy>> = vec![None; n];
+        for m in &opts.moving {
+            let i = m.extent;
+            if i >= n {
+                return Err(Error::Invalid(format!(
+                    "moving extent {i}: the plan of {} has {n} extents",
+                    plan.name
+                )));
+            }
+            moves::check_dest(&plan.name, i, &plan.extents[i], &m.dest)?;
+            if moving[i].replace(m).is_some() {
+                return Err(Error::Invalid(format!(
+                    "{}: extent {i} is listed as moving twice",
+                    plan.name
+                )));
+            }
+            if m.switched {
+                // The failed or syncing entry is about the old copy.
+                states[i] = CopyState::Ok;
+            }
+        }
         if let Some(g) = (0..n / copies).find(|g| {
             states[g * copies..][..copies]
                 .iter()
@@ -605,23 +720,40 @@ impl Volume {
                 plan.name, e.row, e.member
             )));
         }
+        // Where each slot's copy is: a switched move's destination, else
+        // its plan extent.
+        let locations: Vec<&PlanExtent> = (0..n)
+            .map(|i| match moving[i] {
+                Some(m) if m.switched => &m.dest,
+                _ => &plan.extents[i],
+            })
+            .collect();
 
-        // Controllers in order of first use; each with the plan extents it
-        // serves. Known-failed copies are not connected.
+        // The namespaces to open: each slot's copy unless known to have
+        // failed, and the incoming copies of moves not switched yet
+        // (`true`). Leaving copies are opened later, if they can be.
+        let mut wanted: Vec<(usize, &PlanExtent, bool)> = Vec::new();
+        for i in 0..n {
+            if states[i] != CopyState::Failed {
+                wanted.push((i, locations[i], false));
+            }
+            if let Some(m) = moving[i].filter(|m| !m.switched) {
+                wanted.push((i, &m.dest, true));
+            }
+        }
+        // Controllers in order of first use; each with the namespaces it
+        // serves (indices into `wanted`).
         let mut keys: Vec<(SocketAddr, &str)> = Vec::new();
         let mut index: HashMap<(SocketAddr, &str), usize> = HashMap::new();
         let mut served: Vec<Vec<usize>> = Vec::new();
-        for (i, e) in plan.extents.iter().enumerate() {
-            if states[i] == CopyState::Failed {
-                continue;
-            }
+        for (w, &(_, e, _)) in wanted.iter().enumerate() {
             let key = (e.addr, e.subsystem_nqn.as_str());
             let ci = *index.entry(key).or_insert_with(|| {
                 keys.push(key);
                 served.push(Vec::new());
                 keys.len() - 1
             });
-            served[ci].push(i);
+            served[ci].push(w);
         }
 
         let hostid = opts
@@ -664,7 +796,10 @@ impl Volume {
                         Some(io) => Reach::Shared(io),
                         None => Reach::Connect(controller_params(&base, addr, nqn)),
                     };
-                    s.spawn(move || connect_one(plan, reach, mine, align, queues))
+                    let mine: Vec<(usize, &PlanExtent)> =
+                        mine.iter().map(|&w| (wanted[w].0, wanted[w].1)).collect();
+                    let bytes = plan.extent_bytes;
+                    s.spawn(move || connect_one(bytes, reach, &mine, align, queues))
                 })
                 .collect();
             threads
@@ -677,11 +812,15 @@ impl Volume {
         });
 
         let mut ios = Vec::with_capacity(keys.len());
-        let mut slots: Vec<Option<Device>> = (0..plan.extents.len()).map(|_| None).collect();
-        for c in connected {
+        let mut slots: Vec<Option<Device>> = (0..n).map(|_| None).collect();
+        let mut incoming: Vec<(usize, Device)> = Vec::new();
+        for (c, mine) in connected.into_iter().zip(&served) {
             let c = c?;
-            for (i, dev) in c.devices {
-                slots[i] = Some(dev);
+            for (dev, &w) in c.devices.into_iter().zip(mine) {
+                match wanted[w] {
+                    (i, _, false) => slots[i] = Some(dev),
+                    (i, _, true) => incoming.push((i, dev)),
+                }
             }
             ios.push(c.io);
         }
@@ -694,12 +833,13 @@ impl Volume {
         let extents = slots
             .into_iter()
             .zip(states)
-            .map(|(dev, state)| {
+            .zip(&locations)
+            .map(|((dev, state), &at)| {
                 let failed = state == CopyState::Failed;
                 assert_eq!(dev.is_some(), !failed, "every copy in use was opened");
                 // Writes of earlier sessions are unknown: not complete.
                 let missed = failed.then(|| Missed::new(plan.extent_bytes, false));
-                CopyIo::new(state, dev, missed)
+                CopyIo::new(state, dev, missed, at.clone())
             })
             .collect();
         let groups = plan.extents.len() / copies;
@@ -712,14 +852,16 @@ impl Volume {
             ctrl_loss_timeout = ?loss,
             failed = ?opts.failed_extents,
             syncing = ?opts.syncing_extents,
+            moving = ?opts.moving.iter().map(|m| m.extent).collect::<Vec<_>>(),
             "volume open"
         );
-        Ok(Volume {
+        let volume = Volume {
             plan: plan.clone(),
             geometry,
             copies,
             ios: Mutex::new(ios),
             extents,
+            moves: (0..groups).map(|_| GroupMoves::default()).collect(),
             dirty: (0..groups).map(|_| AtomicBool::new(false)).collect(),
             rr: AtomicUsize::new(0),
             bufs: BufPool::default(),
@@ -730,9 +872,53 @@ impl Volume {
             queues,
             align,
             connections: opts.connections,
-        })
+        };
+        for (i, dev) in incoming {
+            let dest = &moving[i].expect("an incoming copy is a move's").dest;
+            volume.open_incoming(i, dest, dev);
+        }
+        // Leaving copies are a courtesy to hosts that have not switched:
+        // without one the volume is whole, so one that cannot be reached
+        // is done without (and its controller not tried again).
+        let failed = |i: &usize| opts.failed_extents.contains(i);
+        let mut unreachable: Vec<(SocketAddr, &str)> = Vec::new();
+        for m in opts
+            .moving
+            .iter()
+            .filter(|m| m.switched && !failed(&m.extent))
+        {
+            let old = &plan.extents[m.extent];
+            let key = (old.addr, old.subsystem_nqn.as_str());
+            let r = if unreachable.contains(&key) {
+                Err(Error::Invalid(
+                    "its controller could not be connected".into(),
+                ))
+            } else {
+                volume.connect_copy(m.extent, old)
+            };
+            match r {
+                Ok(dev) => volume.open_leaving(m.extent, dev),
+                Err(e) => {
+                    if matches!(e, Error::Connect { .. } | Error::Timeout { .. }) {
+                        unreachable.push(key);
+                    }
+                    tracing::warn!(
+                        volume = %plan.name,
+                        extent = m.extent,
+                        target = %old.target,
+                        addr = %old.addr,
+                        nsid = old.nsid,
+                        error = %e,
+                        "the leaving copy of a switched move cannot be opened; doing without"
+                    );
+                }
+            }
+        }
+        Ok(volume)
     }
 
+    /// The plan the volume was opened with. Moves do not change it: where
+    /// each copy is now is [`Volume::extent_location`].
     pub fn plan(&self) -> &ConnectionPlan {
         &self.plan
     }
@@ -779,8 +965,8 @@ impl Volume {
         self.copy_state(index) == CopyState::Failed
     }
 
-    /// The copies failed or syncing, and the extents left without a copy
-    /// in sync.
+    /// The copies failed, syncing or moving, and the extents left without
+    /// a copy in sync.
     pub fn health(&self) -> VolumeHealth {
         let in_state = |s: CopyState| -> Vec<usize> {
             (0..self.extents.len())
@@ -798,6 +984,7 @@ impl Volume {
             failed_extents: in_state(CopyState::Failed),
             syncing_extents: in_state(CopyState::Syncing),
             lost,
+            moving_extents: self.moving_extents(),
         }
     }
 
@@ -853,9 +1040,10 @@ impl Volume {
             match x.state() {
                 CopyState::Syncing => break x.missed.load_full(),
                 CopyState::Failed => {
-                    let dev = self.connect_copy(index)?;
+                    let dev = self.connect_copy(index, &x.location.load_full())?;
                     let _e = lock(&x.edit);
-                    // Only begin_sync leaves Failed, one call at a time.
+                    // Only begin_sync and switch_move leave Failed, one
+                    // call at a time (both hold `syncing`).
                     assert_eq!(x.state(), CopyState::Failed, "a failed copy stays failed");
                     // The handle before the state: whoever sees Syncing
                     // finds it.
@@ -869,7 +1057,7 @@ impl Volume {
                         .filter(|&j| j != index && self.copy_state(j) == CopyState::Ok)
                         .count();
                     if others == 0 {
-                        let e = &self.plan.extents[index];
+                        let e = x.location.load();
                         return Err(Error::Invalid(format!(
                             "{}: extent {index} is the last copy in sync of row {} member {}",
                             self.plan.name, e.row, e.member
@@ -927,7 +1115,12 @@ impl Volume {
     /// every later write). No-op in any other state.
     pub fn abort_sync(&self, index: usize) {
         if let Some(x) = self.extents.get(index) {
-            if x.fail(&[CopyState::Syncing], self.plan.extent_bytes, Mark::Nothing) {
+            if x.fail(
+                &[CopyState::Syncing],
+                self.plan.extent_bytes,
+                Mark::Nothing,
+                None,
+            ) {
                 tracing::info!(
                     volume = %self.plan.name,
                     extent = index,
@@ -945,7 +1138,7 @@ impl Volume {
     pub fn mark_failed(&self, index: usize) {
         if let Some(x) = self.extents.get(index) {
             let from = [CopyState::Ok, CopyState::Syncing];
-            if x.fail(&from, self.plan.extent_bytes, Mark::Nothing) {
+            if x.fail(&from, self.plan.extent_bytes, Mark::Nothing, None) {
                 tracing::warn!(
                     volume = %self.plan.name,
                     extent = index,
@@ -955,10 +1148,10 @@ impl Volume {
         }
     }
 
-    /// A namespace handle on copy `index`, on a live controller: the
-    /// volume's own, else a shared one, else a new one.
-    fn connect_copy(&self, index: usize) -> Result<Device, Error> {
-        let e = &self.plan.extents[index];
+    /// A namespace handle on `e`, a place of copy `index` (where it is, or
+    /// where it moves), on a live controller: the volume's own, else a
+    /// shared one, else a new one.
+    fn connect_copy(&self, index: usize, e: &PlanExtent) -> Result<Device, Error> {
         let shared = self.connections.as_deref();
         let _one_open = shared.map(|c| lock(&c.opening));
         let key = (e.addr, e.subsystem_nqn.clone(), self.plan.host_nqn.clone());
@@ -973,7 +1166,8 @@ impl Volume {
             Some(io) => Reach::Shared(io),
             None => Reach::Connect(controller_params(&self.params, e.addr, &e.subsystem_nqn)),
         };
-        let mut c = connect_one(&self.plan, reach, &[index], self.align, self.queues)?;
+        let bytes = self.plan.extent_bytes;
+        let mut c = connect_one(bytes, reach, &[(index, e)], self.align, self.queues)?;
         {
             let mut ios = lock(&self.ios);
             if !ios.iter().any(|io| Arc::ptr_eq(io, &c.io)) {
@@ -983,11 +1177,9 @@ impl Volume {
         if let Some(s) = shared {
             s.add(key, &c.io);
         }
-        let (_, dev) = c
-            .devices
+        Ok(c.devices
             .pop()
-            .expect("connect_one opens every extent it is given");
-        Ok(dev)
+            .expect("connect_one opens every extent it is given"))
     }
 
     /// Lets go of lost controllers no namespace handle uses any more (their
@@ -1175,7 +1367,7 @@ impl Volume {
                 Ok(()) => return (Ok(()), buf),
                 Err(e) => match blame(&e) {
                     Blame::Path => {
-                        self.fail_extent(first + c, &e, Mark::Nothing);
+                        self.fail_extent(first + c, &dev, &e, Mark::Nothing);
                         last = Some(e);
                     }
                     Blame::Media => last = Some(e),
@@ -1211,10 +1403,53 @@ impl Volume {
         best.map(|(c, _)| c)
     }
 
-    /// Applies `m` to every `Ok` and `Syncing` copy of one run and marks it
-    /// on the `Failed` ones; succeeds when at least one `Ok` copy took it.
-    /// Copies that missed it are marked failed. The caller holds a drain
-    /// hold: the states are read after it was counted (drain.rs).
+    /// Who a mutation of the group starting at plan extent `first` writes:
+    /// the copies by state with their handles, and the group's shadow
+    /// copies, loaded in the order moves.rs argues for (shadows, states and
+    /// handles, shadows again unless there were none; again from the top
+    /// when a move changed them meanwhile).
+    fn run_copies(&self, first: usize) -> RunCopies {
+        let moves = &self.moves[first / self.copies];
+        let mut shadows = moves.shadow.load_full();
+        loop {
+            let mut r = RunCopies {
+                in_sync: 0,
+                syncing: 0,
+                failed: 0,
+                devs: Default::default(),
+                shadows: None,
+            };
+            for c in 0..self.copies {
+                let x = &self.extents[first + c];
+                // The state before the handle: see CopyIo.
+                match x.state() {
+                    CopyState::Ok => r.in_sync |= 1 << c,
+                    CopyState::Syncing => r.syncing |= 1 << c,
+                    CopyState::Failed => {
+                        r.failed |= 1 << c;
+                        continue;
+                    }
+                }
+                r.devs[c] = Some(x.device());
+            }
+            let Some(seen) = &shadows else {
+                return r;
+            };
+            let now = moves.shadow.load_full();
+            if now.as_ref().is_some_and(|n| Arc::ptr_eq(n, seen)) {
+                r.shadows = now;
+                return r;
+            }
+            shadows = now;
+        }
+    }
+
+    /// Applies `m` to every `Ok` and `Syncing` copy of one run, and to the
+    /// group's incoming and leaving copies, and marks it on the `Failed`
+    /// ones; succeeds when at least one `Ok` copy took it. Copies that
+    /// missed it are marked failed, incoming copies that did dropped. The
+    /// caller holds a drain hold: the states are read after it was counted
+    /// (drain.rs).
     async fn mutate_run(
         &self,
         first: usize,
@@ -1223,15 +1458,16 @@ impl Volume {
         m: Mutation,
         buf: Vec<u8>,
     ) -> BufResult {
-        let mut in_sync = 0u32;
-        let mut syncing = 0u32;
-        for c in 0..self.copies {
-            let x = &self.extents[first + c];
-            match x.state() {
-                CopyState::Ok => in_sync |= 1 << c,
-                CopyState::Syncing => syncing |= 1 << c,
-                CopyState::Failed if m != Mutation::Flush => x.note_missed(offset, len),
-                CopyState::Failed => {}
+        let RunCopies {
+            in_sync,
+            syncing,
+            failed,
+            devs,
+            shadows,
+        } = self.run_copies(first);
+        if m != Mutation::Flush {
+            for c in (0..self.copies).filter(|&c| failed & (1 << c) != 0) {
+                self.extents[first + c].note_missed(offset, len);
             }
         }
         if in_sync == 0 {
@@ -1239,23 +1475,30 @@ impl Volume {
             // would hold bytes no copy in sync has.
             return (Err(IoError::ControllerLost), buf);
         }
+        let extra: &[moves::Extra] = shadows.as_deref().map_or(&[], |s| &s.list);
         let targets = in_sync | syncing;
-        let n = targets.count_ones() as usize;
+        let own = targets.count_ones() as usize;
+        let n = own + extra.len();
         let is_write = matches!(m, Mutation::Write { .. });
         let copies = || (0..self.copies).filter(move |&c| targets & (1 << c) != 0);
+        // Borrowed: the run's view holds one reference to each handle.
+        let handles = copies()
+            .map(|c| &**devs[c].as_ref().expect("a copy in use has a handle"))
+            .chain(extra.iter().map(|x| &*x.dev));
         // The caller's buffer to the last target copy, clones to the others.
         let mut data = Some(buf);
-        let all = copies().enumerate().map(|(k, c)| {
+        let all = handles.enumerate().map(|(k, dev)| {
             let b = match &mut data {
                 Some(d) if is_write && k + 1 < n => d.clone(),
                 d if is_write => d.take().expect("the caller's buffer is there"),
                 _ => Vec::new(),
             };
-            mutate(self.extents[first + c].device(), m, offset, len, b)
+            mutate(dev, m, offset, len, b)
         });
         let results = join_all(all).await;
         // Only a copy in sync taking it counts: a Syncing copy is read by
-        // no one until its copy job ends, and that job may fail.
+        // no one until its copy job ends, and that job may fail (and the
+        // same for incoming copies; leaving ones are not this host's).
         let acked = copies()
             .zip(&results)
             .any(|(c, (r, _))| in_sync & (1 << c) != 0 && r.is_ok());
@@ -1281,35 +1524,38 @@ impl Volume {
         // (all hold the same bytes), else the last one's (the caller's).
         let mut back: Option<Vec<u8>> = data;
         let mut back_acked = false;
-        for (c, (r, b)) in copies().zip(results) {
+        let mut results = results.into_iter();
+        for (c, (r, b)) in copies().zip(results.by_ref()) {
             if is_write && !back_acked {
                 back_acked = r.is_ok();
                 back = Some(b);
             }
             let index = first + c;
+            let dev = devs[c].as_ref().expect("a copy in use has a handle");
             if in_sync & (1 << c) != 0 {
                 if let Err(e) = r {
                     if acked || blame(&e) == Blame::Path {
                         // Stale (another copy took it) or unreachable.
-                        self.fail_extent(index, &e, mark);
+                        self.fail_extent(index, dev, &e, mark);
                     }
                 }
                 continue;
             }
-            // A Syncing copy stays in sync only by taking exactly what the
-            // copies in sync took.
-            match r {
-                Ok(()) if acked || m == Mutation::Flush => {}
-                // Only it took the change: it now differs from every copy
-                // in sync, and the copy job would not overwrite the range
-                // (the target saw a host write there).
-                Ok(()) => {
-                    let e = err.clone().unwrap_or(IoError::ControllerLost);
-                    self.fail_extent(index, &e, mark);
-                }
-                // Refused like the copies in sync refused it: unchanged.
-                Err(e) if !acked && blame(&e) == Blame::Request => {}
-                Err(e) => self.fail_extent(index, &e, mark),
+            if let Some(e) = strayed(r, acked, m, &err) {
+                self.fail_extent(index, dev, &e, mark);
+            }
+        }
+        for (x, (r, b)) in extra.iter().zip(results) {
+            if is_write && !back_acked {
+                back_acked = r.is_ok();
+                back = Some(b);
+            }
+            // Leaving copies: whatever they answered.
+            let Some(incoming) = &x.incoming else {
+                continue;
+            };
+            if let Some(e) = strayed(r, acked, m, &err) {
+                self.incoming_strayed(first + x.copy, incoming, &e, mark);
             }
         }
         if m != Mutation::Flush {
@@ -1324,25 +1570,24 @@ impl Volume {
     }
 
     /// Stops using extent copy `index` (→ `Failed`, `mark` recorded as
-    /// missed). When its controller is lost, every extent behind that
-    /// controller goes too.
-    fn fail_extent(&self, index: usize, error: &IoError, mark: Mark) {
+    /// missed) after `dev` failed, if `dev` is still its handle (a move
+    /// may have switched it away). When its controller is lost, every
+    /// extent behind that controller goes too.
+    fn fail_extent(&self, index: usize, dev: &Arc<Device>, error: &IoError, mark: Mark) {
         let x = &self.extents[index];
         let in_use = [CopyState::Ok, CopyState::Syncing];
-        if x.fail(&in_use, self.plan.extent_bytes, mark) {
+        if x.fail(&in_use, self.plan.extent_bytes, mark, Some(dev)) {
             self.report(index, error);
         }
-        let Some(dev) = x.dev.load_full() else {
-            return;
-        };
         let io = dev.io();
         if *error == IoError::ControllerLost && io.is_lost() {
             for (j, y) in self.extents.iter().enumerate() {
-                let behind = match &*y.dev.load() {
-                    Some(d) => Arc::ptr_eq(d.io(), io),
-                    None => false,
+                let Some(d) = y.dev.load_full() else {
+                    continue;
                 };
-                if behind && y.fail(&in_use, self.plan.extent_bytes, Mark::Nothing) {
+                if Arc::ptr_eq(d.io(), io)
+                    && y.fail(&in_use, self.plan.extent_bytes, Mark::Nothing, Some(&d))
+                {
                     self.report(j, error);
                 }
             }
@@ -1350,7 +1595,7 @@ impl Volume {
     }
 
     fn report(&self, index: usize, error: &IoError) {
-        let e = &self.plan.extents[index];
+        let e = self.extents[index].location.load_full();
         let member_lost = self.group_lost(index / self.copies);
         tracing::error!(
             volume = %self.plan.name,
@@ -1403,7 +1648,8 @@ fn first_error(results: Vec<BufResult>) -> Result<(), IoError> {
 /// One controller's part of a volume, connected and checked.
 struct Connected {
     io: Arc<ControllerIo>,
-    devices: Vec<(usize, Device)>,
+    /// In the order asked for.
+    devices: Vec<Device>,
 }
 
 /// How a volume reaches one controller.
@@ -1413,12 +1659,13 @@ enum Reach {
     Shared(Arc<ControllerIo>),
 }
 
-/// Connects one controller (or takes the shared one) and opens the plan
-/// extents `mine` on it.
+/// Connects one controller (or takes the shared one) and opens the
+/// extents `mine` (copy slot, where) on it, each a namespace of
+/// `extent_bytes` whose block size divides `align`.
 fn connect_one(
-    plan: &ConnectionPlan,
+    extent_bytes: u64,
     reach: Reach,
-    mine: &[usize],
+    mine: &[(usize, &PlanExtent)],
     align: u64,
     queues: u16,
 ) -> Result<Connected, Error> {
@@ -1427,21 +1674,20 @@ fn connect_one(
         Reach::Shared(io) => (io.controller().clone(), Some(io)),
     };
     let (addr, nqn) = (ctrl.addr(), ctrl.params.subnqn.clone());
-    let mut infos: Vec<(usize, NamespaceInfo)> = Vec::with_capacity(mine.len());
-    for &i in mine {
-        let e = &plan.extents[i];
+    let mut infos: Vec<NamespaceInfo> = Vec::with_capacity(mine.len());
+    for &(i, e) in mine {
         let info = ctrl.namespace(e.nsid)?;
         let bs = u64::from(info.block_size);
-        if info.size_bytes() != plan.extent_bytes || !align.is_multiple_of(bs) {
+        if info.size_bytes() != extent_bytes || !align.is_multiple_of(bs) {
             return Err(Error::Invalid(format!(
                 "{addr} {nqn}: namespace {} (extent {i}) has {} bytes in {bs}-byte blocks; \
                  the plan needs {} bytes in blocks dividing {align}",
                 e.nsid,
                 info.size_bytes(),
-                plan.extent_bytes
+                extent_bytes
             )));
         }
-        if let Some((_, first)) = infos.first() {
+        if let Some(first) = infos.first() {
             if first.block_size != info.block_size {
                 return Err(Error::Invalid(format!(
                     "{addr} {nqn}: namespaces {} and {} differ in block size ({} and {}); \
@@ -1450,18 +1696,18 @@ fn connect_one(
                 )));
             }
         }
-        infos.push((i, info));
+        infos.push(info);
     }
     let io = match shared {
         Some(io) => io,
         None => {
-            let bs = infos.first().map_or(512, |(_, info)| info.block_size);
+            let bs = infos.first().map_or(512, |info| info.block_size);
             ControllerIo::start(ctrl, queues, bs)?
         }
     };
     let devices = infos
         .into_iter()
-        .map(|(i, info)| io.device(info).map(|d| (i, d)))
+        .map(|info| io.device(info))
         .collect::<Result<_, _>>()?;
     Ok(Connected { io, devices })
 }

@@ -8,8 +8,8 @@ use nvpool_control::model::Uuid;
 use nvpool_control::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::{Controller, ControllerIo, Device, Volume, VolumeOptions};
-use nvpool_target::backend::{FaultBackend, RamBackend};
-use nvpool_target::config::SubsystemConfig;
+use nvpool_target::backend::{Backend, FaultBackend, RamBackend};
+use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
 use nvpool_target::Target;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -160,13 +160,54 @@ impl Setup {
         self.targets[t] = Some(tgt);
     }
 
+    /// A new namespace of the volume's extent size on target `t` (RAM,
+    /// behind a fault-injecting backend, which it returns), as the place
+    /// plan extent `index` would have there: the destination of a move.
+    /// A restart of `t` brings it back empty, without the fault backend.
+    pub fn spare(&mut self, index: usize, t: usize) -> (PlanExtent, Arc<FaultBackend>) {
+        let bytes = self.plan.extent_bytes;
+        let config = &mut self.configs[t];
+        let nsid = config.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0) + 1;
+        config.namespaces.push(NamespaceConfig {
+            nsid,
+            backend: format!("ram:{bytes}"),
+            uuid: None,
+            read_only: false,
+        });
+        let f = Arc::new(FaultBackend::new(Arc::new(RamBackend::new(bytes, 512))));
+        let backend: Arc<dyn Backend> = f.clone();
+        self.target(t)
+            .target
+            .put_namespace_backend(&host_subsystem(), nsid, backend)
+            .expect("add the spare namespace");
+        let slot = &self.plan.extents[index];
+        let dest = PlanExtent {
+            target: format!("target-{t}"),
+            addr: self.addrs[t],
+            nsid,
+            device: "spare".into(),
+            ..slot.clone()
+        };
+        (dest, f)
+    }
+
     /// Runs `f` on the namespace of plan extent `index`, through a
     /// controller of its own.
     pub fn with_copy<R>(&self, index: usize, f: impl FnOnce(&Device) -> R) -> R {
-        let e = &self.plan.extents[index];
+        self.with_extent(&self.plan.extents[index], f)
+    }
+
+    /// Runs `f` on the namespace of `e` (a plan extent or a move's
+    /// destination), through a controller of its own.
+    pub fn with_extent<R>(&self, e: &PlanExtent, f: impl FnOnce(&Device) -> R) -> R {
         let t = self.target_of(e.addr);
-        let ctrl = Controller::connect(params(t.addr, &e.subsystem_nqn, HOST_A))
-            .unwrap_or_else(|err| panic!("verifier connect for extent {index}: {err}"));
+        let ctrl =
+            Controller::connect(params(t.addr, &e.subsystem_nqn, HOST_A)).unwrap_or_else(|err| {
+                panic!(
+                    "verifier connect for {} namespace {}: {err}",
+                    e.addr, e.nsid
+                )
+            });
         let bs = ctrl.namespace(e.nsid).expect("namespace").block_size;
         let io = ControllerIo::start(ctrl.clone(), 1, bs).expect("I/O queue");
         let d = Device::on(&io, e.nsid).expect("namespace handle");
@@ -179,9 +220,14 @@ impl Setup {
 
     /// The bytes `[offset, offset + len)` of plan extent `index`.
     pub fn read_copy(&self, index: usize, offset: u64, len: u64) -> Vec<u8> {
-        self.with_copy(index, |d| {
+        self.read_extent(&self.plan.extents[index], offset, len)
+    }
+
+    /// The bytes `[offset, offset + len)` of `e`'s namespace.
+    pub fn read_extent(&self, e: &PlanExtent, offset: u64, len: u64) -> Vec<u8> {
+        self.with_extent(e, |d| {
             let (r, b) = block_on(d.read(offset, vec![0; len as usize]));
-            r.unwrap_or_else(|e| panic!("read of extent {index} at {offset}: {e}"));
+            r.unwrap_or_else(|err| panic!("read of {} ns {} at {offset}: {err}", e.addr, e.nsid));
             b
         })
     }
@@ -189,9 +235,15 @@ impl Setup {
     /// Writes `data` at `offset` of plan extent `index`, behind the
     /// volume's back.
     pub fn write_copy(&self, index: usize, offset: u64, data: &[u8]) {
-        self.with_copy(index, |d| {
+        self.write_extent(&self.plan.extents[index], offset, data)
+    }
+
+    /// Writes `data` at `offset` of `e`'s namespace, behind the volume's
+    /// back.
+    pub fn write_extent(&self, e: &PlanExtent, offset: u64, data: &[u8]) {
+        self.with_extent(e, |d| {
             let (r, _) = block_on(d.write(offset, data.to_vec(), true));
-            r.unwrap_or_else(|e| panic!("write of extent {index} at {offset}: {e}"));
+            r.unwrap_or_else(|err| panic!("write of {} ns {} at {offset}: {err}", e.addr, e.nsid));
         })
     }
 
