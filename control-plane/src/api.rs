@@ -92,7 +92,9 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
         .route("/v1/openapi.json", get(openapi))
         .route("/metrics", get(metrics))
         .route("/v1/targets", post(register_target).get(list_targets))
-        .route("/v1/targets/{id}", get(get_target))
+        .route("/v1/targets/{id}", get(get_target).delete(delete_target))
+        .route("/v1/targets/{id}/state", put(put_target_state))
+        .route("/v1/rebalance", post(post_rebalance).get(get_rebalance))
         .route("/v1/targets/{id}/heartbeat", put(heartbeat))
         .route("/v1/pools", get(list_pools))
         .route(
@@ -630,9 +632,12 @@ pub struct TargetOut {
     /// `online` or `offline`, from the age of the last heartbeat.
     #[schema(value_type = String)]
     pub health: Health,
-    /// `active` (takes new extents) or `cordoned`.
+    /// `active` (takes new extents), `cordoned` (takes none) or `draining`
+    /// (takes none, and its extents move to other targets).
     #[schema(value_type = String)]
     pub state: TargetState,
+    /// Draining and holding nothing any more: it can be removed.
+    pub drained: bool,
     pub registered_ms: u64,
     pub last_heartbeat_ms: u64,
     pub capacity: CapacityOut,
@@ -673,6 +678,7 @@ fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
         labels: t.labels.clone(),
         health: v.health,
         state: t.state,
+        drained: t.state == TargetState::Draining && capacity.used_bytes == 0,
         registered_ms: t.registered_ms,
         last_heartbeat_ms: t.last_heartbeat_ms,
         capacity,
@@ -808,11 +814,14 @@ pub struct CopyJobOut {
     pub extent: u32,
     /// The in-sync copy read from.
     pub source: u32,
-    /// `resync-partial` (only the regions the copy missed) or `resync-full`.
+    /// `resync-partial` (only the regions the copy missed), `resync-full`,
+    /// `replace` (a new extent for a copy whose target is gone) or `move`.
     pub kind: String,
-    /// `arming`, `mirroring` (waiting for every host to write to the copy)
-    /// or `copying`.
+    /// `arming`, `mirroring` (waiting for every host to write to the copy),
+    /// `copying` or `switching` (hosts read the new extent).
     pub state: String,
+    /// Replace and move: the device of the new extent (`target/device`).
+    pub to: Option<String>,
     pub bytes_total: u64,
     pub bytes_copied: u64,
     pub started_ms: u64,
@@ -825,7 +834,7 @@ pub struct CopyJobOut {
 fn job_out(j: &crate::resync::CopyJob, now_ms: u64) -> CopyJobOut {
     use crate::resync::JobState;
     let copying = j.state == JobState::Copying;
-    let elapsed_ms = now_ms.saturating_sub(j.state_ms).max(1);
+    let elapsed_ms = now_ms.saturating_sub(j.copy_started_ms).max(1);
     let rate = if copying {
         j.bytes_copied.saturating_mul(1000) / elapsed_ms
     } else {
@@ -840,8 +849,10 @@ fn job_out(j: &crate::resync::CopyJob, now_ms: u64) -> CopyJobOut {
             JobState::Arming => "arming",
             JobState::Mirroring => "mirroring",
             JobState::Copying => "copying",
+            JobState::Switching => "switching",
         }
         .to_owned(),
+        to: j.dest.as_ref().map(|d| d.device_ref().to_string()),
         bytes_total: j.bytes_total,
         bytes_copied: j.bytes_copied,
         started_ms: j.started_ms,
@@ -856,8 +867,10 @@ pub struct CopyHistoryOut {
     pub id: u64,
     pub extent: u32,
     pub source: u32,
-    /// `resync-partial` or `resync-full`.
+    /// `resync-partial`, `resync-full`, `replace` or `move`.
     pub kind: String,
+    /// Replace and move: the device of the new extent (`target/device`).
+    pub to: Option<String>,
     /// `running`, `done` or `failed`.
     pub result: String,
     pub bytes_total: u64,
@@ -918,6 +931,12 @@ pub struct AttachmentOut {
     /// …/sync/{job}` once they do.
     #[serde(default)]
     pub syncing: Vec<crate::resync::SyncingCopy>,
+    /// Copies moving to new extents (replace, move): hosts write the new
+    /// extent too and confirm with `PUT …/sync/{job}`; once `switched` they
+    /// read it instead of the old one (and confirm again), still writing
+    /// both until the job is gone.
+    #[serde(default)]
+    pub moving: Vec<crate::resync::HostMove>,
     /// Moves whenever hosts must act on the copies; long-poll with
     /// `?after_revision=`.
     #[serde(default)]
@@ -933,6 +952,7 @@ fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentOut {
         created_ms: a.created_ms,
         failed_extents: a.failed_extents,
         syncing: Vec::new(),
+        moving: Vec::new(),
         revision: 0,
         plan,
     }
@@ -953,6 +973,7 @@ fn attachment_with_plan(c: &Cluster, a: Attachment) -> Result<AttachmentOut, Sta
     let mut out = attachment_out(a, plan);
     out.failed_extents = copies.failed_extents;
     out.syncing = copies.syncing;
+    out.moving = copies.moving;
     out.revision = copies.revision;
     Ok(out)
 }
@@ -996,6 +1017,9 @@ pub struct SyncBody {
     pub session: u64,
     /// Regions the copy missed from this host; `null` when unknown.
     pub missed_regions: Option<Vec<u32>>,
+    /// The host could not write a moving copy's new extent: the job fails.
+    #[serde(default)]
+    pub failed: bool,
 }
 
 /// What a reconciliation changed on a target.
@@ -1004,8 +1028,10 @@ pub struct ReconcileOut {
     pub subsystems_removed: usize,
     pub namespaces_removed: usize,
     pub namespaces_added: usize,
-    /// Stale exports of a forced detach were confirmed gone and their
-    /// extents freed.
+    /// Copies the target ran for copy jobs that are over.
+    pub copies_removed: usize,
+    /// Stale exports (of a forced detach, or old extents of moved copies)
+    /// were confirmed gone and their extents freed.
     pub stale_cleared: bool,
 }
 
@@ -1525,6 +1551,9 @@ async fn put_sync(
     let job = crate::resync::validate_job_id(&job).map_err(|e| ApiError::invalid(e.to_string()))?;
     let known = api
         .run(move |c| {
+            if body.failed {
+                return c.job_failed_at_host(&uuid, &host, job);
+            }
             c.confirm_sync(
                 &uuid,
                 &host,
@@ -1589,12 +1618,12 @@ async fn get_history(
                     extent: j.extent,
                     source: j.source,
                     kind: j.kind.as_str().to_owned(),
+                    to: j.dest.as_ref().map(|d| d.device_ref().to_string()),
                     result: "running".into(),
                     bytes_total: j.bytes_total,
                     bytes_copied: j.bytes_copied,
                     started_ms: j.started_ms,
-                    copy_started_ms: (j.state == crate::resync::JobState::Copying)
-                        .then_some(j.state_ms),
+                    copy_started_ms: (j.copy_started_ms > 0).then_some(j.copy_started_ms),
                     finished_ms: None,
                     error: None,
                 })
@@ -1604,6 +1633,7 @@ async fn get_history(
                 extent: r.extent,
                 source: r.source,
                 kind: r.kind.as_str().to_owned(),
+                to: r.to.clone(),
                 result: if r.error.is_some() { "failed" } else { "done" }.into(),
                 bytes_total: r.bytes_total,
                 bytes_copied: r.bytes_copied,
@@ -1613,6 +1643,206 @@ async fn get_history(
                 error: r.error.clone(),
             }));
             Ok(out)
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+/// `PUT /v1/targets/{id}/state`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TargetStateBody {
+    /// `active`, `cordoned` or `draining`.
+    #[schema(value_type = String)]
+    pub state: TargetState,
+}
+
+/// Sets a target's state: `draining` moves every extent off it (online,
+/// through copy jobs; it serves each until the move is done), `cordoned`
+/// only stops new extents, `active` takes new extents again (and stops a
+/// drain; moves under way finish).
+#[utoipa::path(put, path = "/v1/targets/{id}/state", tag = "targets", params(("id" = String, Path, description = "target id")), request_body = TargetStateBody, security(("admin_token" = [])), responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_target_state(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<TargetStateBody>,
+) -> Result<Json<TargetOut>, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let out = api
+        .run(move |c| {
+            c.set_target_state(&id, body.state)?;
+            let view = c.target(&id)?;
+            Ok(target_out(&view, &c.capacity()?.devices))
+        })
+        .await?;
+    tracing::info!(target = %out.id, state = ?out.state, "target state set");
+    Ok(Json(out))
+}
+
+/// Forgets a target that holds no extents (drain it first). Old extents
+/// it may still export keep it until it has been reconciled, unless
+/// `force` (a target gone for good).
+#[utoipa::path(delete, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id"), ForceQuery), security(("admin_token" = [])), responses((status = 204, description = "removed"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the target holds extents", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn delete_target(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    query: Result<Query<ForceQuery>, QueryRejection>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
+    let t = id.clone();
+    api.run(move |c| c.remove_target(&t, q.force)).await?;
+    tracing::info!(target = %id, "target removed");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/rebalance`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RebalanceBody {
+    /// The pool to even out; absent: every pool and the unpooled devices.
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Only say what would move.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// One planned move.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct MoveOut {
+    #[schema(value_type = String)]
+    pub volume: Uuid,
+    pub volume_name: String,
+    /// The copy: an index into the volume's extents.
+    pub extent: u32,
+    /// `target/device`.
+    pub from: String,
+    pub to: String,
+    pub bytes: u64,
+}
+
+/// A rebalance plan (and whether it was started).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RebalanceOut {
+    pub moves: Vec<MoveOut>,
+    pub bytes_total: u64,
+    /// At the rebuild rate, `COPIES_PER_TARGET_MAX` copies per destination
+    /// target at a time; `None` when copies are unthrottled.
+    pub eta_s: Option<u64>,
+    pub started: bool,
+    /// Scopes still being evened out (pool names; `null` for the unpooled
+    /// devices).
+    pub pending: Vec<Option<String>>,
+    /// Move jobs under way.
+    pub moves_running: usize,
+}
+
+fn rebalance_out(
+    c: &Cluster,
+    scopes: &[Option<String>],
+    started: bool,
+) -> Result<RebalanceOut, StateError> {
+    let mut moves = Vec::new();
+    let mut running = 0;
+    let mut parallel = std::collections::BTreeSet::new();
+    for p in scopes {
+        let pool = p.as_deref();
+        running += c.moves_running(pool)?;
+        for m in c.rebalance_plan(pool)? {
+            let name = c
+                .volume(&m.volume)
+                .map(|v| v.volume.name)
+                .unwrap_or_default();
+            parallel.insert(m.to.target.clone());
+            moves.push(MoveOut {
+                volume: m.volume,
+                volume_name: name,
+                extent: m.extent,
+                from: m.from.to_string(),
+                to: m.to.to_string(),
+                bytes: m.bytes,
+            });
+        }
+    }
+    let bytes_total: u64 = moves.iter().map(|m| m.bytes).sum();
+    let rate = c.rebuild_rate();
+    let lanes = (parallel.len() * crate::limits::COPIES_PER_TARGET_MAX).max(1) as u64;
+    let eta_s = (rate > 0).then(|| bytes_total.div_ceil(rate.saturating_mul(lanes)));
+    Ok(RebalanceOut {
+        moves,
+        bytes_total,
+        eta_s,
+        started,
+        pending: c
+            .rebalance_requests()?
+            .into_iter()
+            .map(|r| r.pool)
+            .collect(),
+        moves_running: running,
+    })
+}
+
+fn rebalance_scopes(c: &Cluster, pool: Option<String>) -> Result<Vec<Option<String>>, StateError> {
+    Ok(match pool {
+        Some(p) => vec![Some(p)],
+        None => c
+            .pools()?
+            .into_iter()
+            .map(|p| Some(p.name))
+            .chain([None])
+            .collect(),
+    })
+}
+
+/// Evens out used capacity and extents per device across a pool (or every
+/// pool): the plan is recomputed as moves finish, placement rules holding
+/// at every step, until nothing is worth moving. `dry_run` only returns
+/// the plan.
+#[utoipa::path(post, path = "/v1/rebalance", tag = "pools", request_body = RebalanceBody, security(("admin_token" = [])), responses((status = 200, description = "the plan (dry run)", body = RebalanceOut), (status = 202, description = "started", body = RebalanceOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such pool", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn post_rebalance(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<RebalanceBody>,
+) -> Result<(StatusCode, Json<RebalanceOut>), ApiError> {
+    if !body.dry_run {
+        api.authorize(&headers, Role::Admin)?;
+    }
+    let out = api
+        .run(move |c| {
+            if let Some(p) = &body.pool {
+                crate::model::validate_id("pool name", p, crate::limits::ID_BYTES_MAX)?;
+                if !c.pools()?.iter().any(|x| &x.name == p) {
+                    return Err(StateError::PoolNotFound(p.clone()));
+                }
+            }
+            let scopes = rebalance_scopes(c, body.pool.clone())?;
+            if !body.dry_run {
+                for p in &scopes {
+                    c.request_rebalance(p.as_deref())?;
+                }
+            }
+            rebalance_out(c, &scopes, !body.dry_run)
+        })
+        .await?;
+    let status = if out.started {
+        StatusCode::ACCEPTED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(out)))
+}
+
+/// Rebalancing under way: the scopes pending, moves running and the plan
+/// left.
+#[utoipa::path(get, path = "/v1/rebalance", tag = "pools", responses((status = 200, description = "what is left to move", body = RebalanceOut), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_rebalance(State(api): State<Api>) -> Result<Json<RebalanceOut>, ApiError> {
+    let out = api
+        .run(move |c| {
+            let scopes = rebalance_scopes(c, None)?;
+            rebalance_out(c, &scopes, false)
         })
         .await?;
     Ok(Json(out))
@@ -1633,6 +1863,7 @@ async fn reconcile_target(
         subsystems_removed: r.subsystems_removed,
         namespaces_removed: r.namespaces_removed,
         namespaces_added: r.namespaces_added,
+        copies_removed: r.copies_removed,
         stale_cleared: r.stale_cleared,
     }))
 }
@@ -1753,7 +1984,7 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
         put_pool, list_pools, get_pool, delete_pool, put_volume, list_volumes, get_volume,
         resize_volume, delete_volume, put_attachment, get_attachment, list_attachments,
         delete_attachment, put_failed_extents, put_session, put_missed, put_sync, get_history, post_resync,
-        reconcile_target
+        reconcile_target, put_target_state, delete_target, post_rebalance, get_rebalance
     ),
     modifiers(&BearerSchemes)
 )]

@@ -207,21 +207,63 @@ pub struct DesiredExports {
 
 impl Snapshot {
     /// Every extent of `host`'s attachments, as exports, keyed by target.
-    fn host_exports(&self, host: &str) -> BTreeMap<String, Vec<Export>> {
+    pub(crate) fn host_exports(&self, host: &str) -> BTreeMap<String, Vec<Export>> {
         let mut out: BTreeMap<String, Vec<Export>> = BTreeMap::new();
         for ((uuid, h), a) in &self.attachments {
             if h != host {
                 continue;
             }
             if let Some(v) = self.volumes.get(uuid) {
-                for (e, &nsid) in v.value.extents.iter().zip(&a.value.nsids) {
-                    out.entry(e.target.clone())
-                        .or_default()
-                        .push(export_of(host, e, nsid));
+                for (target, x) in self.attachment_exports(&v.value, &a.value) {
+                    out.entry(target).or_default().push(x);
                 }
             }
         }
         out
+    }
+
+    /// The namespaces of one attachment, with their targets: each extent
+    /// of the volume, and the new extent of every replace or move job
+    /// under way that has an NSID for the host.
+    pub(crate) fn attachment_exports(&self, v: &Volume, a: &Attachment) -> Vec<(String, Export)> {
+        let host = a.host_nqn.as_str();
+        let mut out: Vec<(String, Export)> = v
+            .extents
+            .iter()
+            .zip(&a.nsids)
+            .map(|(e, &nsid)| (e.target.clone(), export_of(host, e, nsid)))
+            .collect();
+        if let Some(cs) = self.copy_states.get(&v.uuid) {
+            for j in &cs.value.jobs {
+                if let (Some(d), Some(&nsid)) = (&j.dest, j.nsids.get(host)) {
+                    out.push((d.target.clone(), export_of(host, d, nsid)));
+                }
+            }
+        }
+        out
+    }
+
+    /// The condition and op that add `exports` to `target`'s stale
+    /// exports (their extents stay allocated until it is reconciled).
+    pub(crate) fn add_stale_exports(&self, target: &str, exports: Vec<Export>) -> (Condition, Op) {
+        let skey = ak::stale_exports(target);
+        let (cond, mut rec) = match self.stale_exports.get(target) {
+            Some(r) => (
+                Condition::VersionIs(skey.clone(), r.version),
+                r.value.clone(),
+            ),
+            None => (
+                Condition::Missing(skey.clone()),
+                StaleExports {
+                    target: target.to_owned(),
+                    exports: Vec::new(),
+                },
+            ),
+        };
+        rec.exports.extend(exports);
+        rec.exports.sort();
+        rec.exports.dedup();
+        (cond, Op::Put(skey, encode(&rec)))
     }
 
     /// The attachments of one volume.
@@ -240,6 +282,7 @@ impl Snapshot {
             .volumes
             .values()
             .flat_map(|v| &v.value.extents)
+            .chain(self.job_dests().map(|(_, d)| d))
             .map(|e| (e.target.as_str(), e.device.as_str(), e.offset))
             .collect();
         let mut seen = BTreeSet::new();
@@ -265,7 +308,7 @@ impl Snapshot {
     }
 }
 
-fn export_of(host: &str, e: &Extent, nsid: u32) -> Export {
+pub(crate) fn export_of(host: &str, e: &Extent, nsid: u32) -> Export {
     Export {
         subsystem_nqn: host_subsystem_nqn(host),
         host_nqn: host.to_owned(),
@@ -277,7 +320,7 @@ fn export_of(host: &str, e: &Extent, nsid: u32) -> Export {
 }
 
 /// Lowest NSID from 1 not in `used`.
-fn lowest_free(used: &BTreeSet<u32>) -> u32 {
+pub(crate) fn lowest_free(used: &BTreeSet<u32>) -> u32 {
     let mut n = 1;
     for &u in used {
         if u == n {
@@ -351,6 +394,18 @@ impl Cluster {
                 set.insert(n);
                 a.nsids.push(n);
             }
+            // New extents of replace and move jobs under way: this host
+            // writes them too.
+            let mut cs = s.copy_state(volume);
+            let cs_before = cs.clone();
+            for j in cs.jobs.iter_mut() {
+                if let (Some(d), false) = (&j.dest, j.nsids.contains_key(host)) {
+                    let set = used.entry(d.target.clone()).or_default();
+                    let n = lowest_free(set);
+                    set.insert(n);
+                    j.nsids.insert(host.to_owned(), n);
+                }
+            }
             let host_key = ak::host(host);
             let host_rec = s.hosts.get(host);
             let next = HostRecord {
@@ -369,11 +424,17 @@ impl Cluster {
                     None => Condition::Missing(host_key.clone()),
                 },
             ];
-            let ops = vec![
+            let mut conds = conds;
+            let mut ops = vec![
                 Op::Put(vkey, encode(&v.value)),
                 Op::Put(key.clone(), encode(&a)),
                 Op::Put(host_key, encode(&next)),
             ];
+            if cs != cs_before {
+                let (c, o) = s.copy_state_txn(&cs);
+                conds.push(c);
+                ops.push(o);
+            }
             Ok(if self.commit(&conds, &ops)? {
                 Attempt::Done(AttachStart {
                     attachment: a,
@@ -504,11 +565,8 @@ impl Cluster {
             .get(volume)
             .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
         let mut by_target: BTreeMap<String, Vec<Export>> = BTreeMap::new();
-        for (e, &nsid) in v.value.extents.iter().zip(&a.nsids) {
-            by_target
-                .entry(e.target.clone())
-                .or_default()
-                .push(export_of(host, e, nsid));
+        for (t, x) in s.attachment_exports(&v.value, &a) {
+            by_target.entry(t).or_default().push(x);
         }
         Ok((a, by_target))
     }
@@ -544,24 +602,9 @@ impl Cluster {
                 ops.push(o);
             }
             for (target, exports) in stale.iter().filter(|(_, x)| !x.is_empty()) {
-                let skey = ak::stale_exports(target);
-                let mut rec = match s.stale_exports.get(target) {
-                    Some(r) => {
-                        conds.push(Condition::VersionIs(skey.clone(), r.version));
-                        r.value.clone()
-                    }
-                    None => {
-                        conds.push(Condition::Missing(skey.clone()));
-                        StaleExports {
-                            target: target.clone(),
-                            exports: Vec::new(),
-                        }
-                    }
-                };
-                rec.exports.extend(exports.iter().cloned());
-                rec.exports.sort();
-                rec.exports.dedup();
-                ops.push(Op::Put(skey, encode(&rec)));
+                let (c, o) = s.add_stale_exports(target, exports.clone());
+                conds.push(c);
+                ops.push(o);
             }
             self.commit_allocation(&s, conds, ops, ())
         })
@@ -579,11 +622,11 @@ impl Cluster {
             let Some(v) = s.volumes.get(uuid) else {
                 continue;
             };
-            for (e, &nsid) in v.value.extents.iter().zip(&a.value.nsids) {
-                if e.target != target {
+            for (t, x) in s.attachment_exports(&v.value, &a.value) {
+                if t != target {
                     continue;
                 }
-                let x = export_of(host, e, nsid);
+                let nsid = x.nsid;
                 out.subsystems
                     .entry(x.subsystem_nqn.clone())
                     .or_insert_with(|| (host.clone(), BTreeMap::new()))

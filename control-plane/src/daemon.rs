@@ -42,6 +42,11 @@ pub struct Args {
     /// keeps the rest of the bandwidth.
     #[arg(long, default_value = "256M", value_parser = parse_rate)]
     pub rebuild_rate: u64,
+    /// How long a target may be gone (no heartbeat) before its copies are
+    /// rebuilt on other targets instead of waiting to resync them in place:
+    /// seconds, or with an s/m/h suffix (`10m`).
+    #[arg(long, default_value = "10m", value_parser = parse_duration_ms)]
+    pub replace_after: u64,
     /// Log filter (tracing env-filter syntax), e.g. `info` or `nvpool_control=debug`.
     #[arg(long, default_value = "info", env = "NVPOOL_LOG", value_parser = parse_log_filter)]
     pub log: String,
@@ -51,6 +56,21 @@ fn parse_extent_size(s: &str) -> Result<u64, String> {
     let n: u64 = s.parse().map_err(|e| format!("{e}"))?;
     crate::model::validate_extent_bytes(n).map_err(|e| e.to_string())?;
     Ok(n)
+}
+
+/// A duration in milliseconds from seconds (`90`) or `90s`, `10m`, `1h`.
+fn parse_duration_ms(s: &str) -> Result<u64, String> {
+    let (digits, unit_ms) = match s.as_bytes().last() {
+        Some(b's') => (&s[..s.len() - 1], 1_000),
+        Some(b'm') => (&s[..s.len() - 1], 60_000),
+        Some(b'h') => (&s[..s.len() - 1], 3_600_000),
+        _ => (s, 1_000),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 600, 90s or 10m"))?;
+    n.checked_mul(unit_ms)
+        .ok_or_else(|| format!("{s:?} is too long"))
 }
 
 fn parse_rate(s: &str) -> Result<u64, String> {
@@ -130,6 +150,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let config = StateConfig {
         extent_bytes: args.extent_size,
+        rebuild_rate_bytes_per_sec: args.rebuild_rate,
         ..StateConfig::default()
     };
     config.validate().context("invalid --extent-size")?;
@@ -148,6 +169,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cluster.clone(),
         crate::heal::HealConfig {
             rate_bytes_per_sec: args.rebuild_rate,
+            replace_after_ms: args.replace_after,
             ..crate::heal::HealConfig::default()
         },
         heal_stop.clone(),
@@ -242,8 +264,20 @@ mod tests {
         assert_eq!(a.rebuild_rate, 0);
         let a = Args::try_parse_from(["nvpool-control", "--rebuild-rate", "8MiB"]).unwrap();
         assert_eq!(a.rebuild_rate, 8 << 20);
+        assert_eq!(a.replace_after, 600_000, "ten minutes by default");
+        for (arg, ms) in [
+            ("90", 90_000),
+            ("5s", 5_000),
+            ("2m", 120_000),
+            ("1h", 3_600_000),
+        ] {
+            let a = Args::try_parse_from(["nvpool-control", "--replace-after", arg]).unwrap();
+            assert_eq!(a.replace_after, ms, "{arg}");
+        }
         for bad in [
-            &["--rebuild-rate", "fast"][..],
+            &["--replace-after", "soon"][..],
+            &["--replace-after", "5d"],
+            &["--rebuild-rate", "fast"],
             &["--rebuild-rate", "5X"],
             &["--extent-size", "3"],
             &["--extent-size", "x"],

@@ -9,8 +9,15 @@
 //!   │             ─► mirroring (hosts are told)
 //!   ├─ mirroring: every writer confirmed ─► start the copier on the regions
 //!   │             ─► copying; no confirmation in MIRROR_CONFIRM_TIMEOUT_MS ─► failed
-//!   └─ copying:   poll the target: progress, done ─► in sync, failed ─► stale
+//!   ├─ copying:   poll the target: progress, done ─► in sync, failed ─► stale
+//!   │             (replace, move: done ─► switching, hosts read the new extent)
+//!   └─ switching: every writer confirmed ─► the new extent takes the copy's
+//!                 place; the old one is let go once its target is reconciled
 //! ```
+//!
+//! Jobs start on stale copies whose target is back (in place), on copies
+//! whose target is gone for longer than `replace_after` or drains, and on
+//! the moves of a requested rebalance ([`crate::moves`]).
 //!
 //! **Where the copier runs.** On the destination's target: it reads the
 //! source over NVMe/TCP and writes its own device, so the data crosses the
@@ -26,12 +33,12 @@
 use crate::attach::host_subsystem_nqn;
 use crate::limits::{
     COPIES_PER_TARGET_MAX, HEAL_BUSY_INTERVAL_MS, HEAL_INTERVAL_MS, MIRROR_CONFIRM_TIMEOUT_MS,
-    REBUILD_RATE_BYTES_PER_SEC, RESYNC_RETRY_MS,
+    REBUILD_RATE_BYTES_PER_SEC, REPLACE_AFTER_MS, RESYNC_RETRY_MS,
 };
 use crate::model::{Uuid, Volume};
 use crate::plan::RESYNC_REGION_BYTES;
 use crate::program::{ensure_exports, Added, ProgramError, TargetAdmin};
-use crate::resync::{copier_export, copier_nqn, CopyJob, JobState};
+use crate::resync::{copier_export, copier_nqn, CopyJob, CopyKind, JobState};
 use crate::state::{Cluster, StateError};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,6 +53,8 @@ pub struct HealConfig {
     pub rate_bytes_per_sec: u64,
     pub retry_ms: u64,
     pub confirm_timeout_ms: u64,
+    /// How long a target may be gone before its copies are replaced.
+    pub replace_after_ms: u64,
 }
 
 impl Default for HealConfig {
@@ -55,6 +64,7 @@ impl Default for HealConfig {
             rate_bytes_per_sec: REBUILD_RATE_BYTES_PER_SEC,
             retry_ms: RESYNC_RETRY_MS,
             confirm_timeout_ms: MIRROR_CONFIRM_TIMEOUT_MS,
+            replace_after_ms: REPLACE_AFTER_MS,
         }
     }
 }
@@ -134,6 +144,9 @@ pub fn heal_once(cluster: &Cluster, cfg: &HealConfig) -> Result<bool, StateError
                         tracing::warn!(error = %e, "recording a failed copy job failed");
                     }
                     cleanup(cluster, &v.value, &job);
+                    if let Some(d) = &job.dest {
+                        release_on(cluster, &d.target);
+                    }
                     break;
                 }
                 match cluster.copy_state(uuid)?.job(job.id) {
@@ -147,7 +160,19 @@ pub fn heal_once(cluster: &Cluster, cfg: &HealConfig) -> Result<bool, StateError
 }
 
 fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
-    let candidates = cluster.resync_candidates(cfg.retry_ms)?;
+    // Moves off gone and draining targets first: a stale copy on a
+    // draining target is rebuilt elsewhere rather than in place.
+    let mut candidates = cluster.move_candidates(cfg.replace_after_ms, cfg.retry_ms)?;
+    candidates.extend(cluster.resync_candidates(cfg.retry_ms)?);
+    for r in cluster.rebalance_requests()? {
+        let pool = r.pool.as_deref();
+        let (moves, settled) = cluster.rebalance_candidates(pool)?;
+        if settled && cluster.moves_running(pool)? == 0 {
+            cluster.end_rebalance(pool)?;
+            tracing::info!(pool = pool.unwrap_or("(unpooled)"), "rebalance done");
+        }
+        candidates.extend(moves);
+    }
     if candidates.is_empty() {
         return Ok(());
     }
@@ -156,36 +181,63 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
     for (uuid, cs) in &s.copy_states {
         if let Some(v) = s.volumes.get(uuid) {
             for j in &cs.value.jobs {
-                if let Some(e) = v.value.extents.get(j.extent as usize) {
+                if let Some(e) = j.dest_extent(&v.value) {
                     *per_target.entry(e.target.clone()).or_default() += 1;
                 }
             }
         }
     }
+    let mut busy: std::collections::BTreeSet<(Uuid, u32)> = Default::default();
     for c in candidates {
         let Some(v) = s.volumes.get(&c.volume) else {
             continue;
         };
-        let dest = &v.value.extents[c.extent as usize].target;
-        let n = per_target.entry(dest.clone()).or_default();
-        if *n >= COPIES_PER_TARGET_MAX {
+        if !busy.insert((c.volume, c.extent)) {
             continue;
         }
-        // A target that still heartbeats recently but does not answer is
-        // not back yet: no job (it would only fail).
-        let reachable = s
-            .targets
-            .get(dest)
-            .is_some_and(|t| TargetAdmin::new(&t.value).copies().is_ok());
-        if !reachable {
-            tracing::debug!(target = %dest, "stale copy's target does not answer yet");
-            continue;
+        // Where the copy lands, when known before placing it.
+        let dest = match (&c.kind, &c.to) {
+            (CopyKind::ResyncFull | CopyKind::ResyncPartial, _) => {
+                Some(v.value.extents[c.extent as usize].target.clone())
+            }
+            (_, Some(to)) => Some(to.target.clone()),
+            (_, None) => None,
+        };
+        if let Some(d) = &dest {
+            if per_target.get(d).copied().unwrap_or(0) >= COPIES_PER_TARGET_MAX {
+                continue;
+            }
         }
-        if let Some(job) = cluster.create_job(&c)? {
-            *n += 1;
-            tracing::info!(volume = %c.volume, job = job.id, extent = c.extent,
-                source = c.source, kind = job.kind.as_str(), "copy job created");
+        if !c.kind.moves() {
+            let dest = &v.value.extents[c.extent as usize].target;
+            // A target that still heartbeats recently but does not answer
+            // is not back yet: no job (it would only fail).
+            let reachable = s
+                .targets
+                .get(dest)
+                .is_some_and(|t| TargetAdmin::new(&t.value).copies().is_ok());
+            if !reachable {
+                tracing::debug!(target = %dest, "stale copy's target does not answer yet");
+                continue;
+            }
         }
+        let job = match cluster.create_job(&c) {
+            Ok(Some(job)) => job,
+            Ok(None) => continue,
+            // No room elsewhere (yet): the copy stays where it is.
+            Err(StateError::Placement(e)) => {
+                tracing::warn!(volume = %c.volume, extent = c.extent, kind = c.kind.as_str(),
+                    error = %e, "no place for the copy's new extent");
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(e) = job.dest_extent(&v.value) {
+            *per_target.entry(e.target.clone()).or_default() += 1;
+        }
+        tracing::info!(volume = %c.volume, job = job.id, extent = c.extent,
+            source = c.source, kind = job.kind.as_str(),
+            to = ?job.dest.as_ref().map(|d| d.device_ref().to_string()), "copy job created");
     }
     Ok(())
 }
@@ -193,10 +245,27 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
 fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Result<(), StepError> {
     let now = cluster.now();
     let id = target_copy_id(&v.uuid, job.id);
-    let dest = &v.extents[job.extent as usize];
+    let dest = job
+        .dest_extent(v)
+        .ok_or_else(|| StepError::Other("the job names no extent".into()))?;
     let dest_target = cluster.target(&dest.target)?.target;
+    if let Some(host) = &job.failed_by {
+        if job.state != JobState::Switching {
+            return Err(StepError::Other(format!(
+                "{host} could not write the new extent"
+            )));
+        }
+    }
     match job.state {
         JobState::Arming => {
+            // Hosts write a new extent too: export it to each of them.
+            if let Some(d) = &job.dest {
+                let admin = TargetAdmin::new(&dest_target);
+                for (host, &nsid) in &job.nsids {
+                    let x = crate::attach::export_of(host, d, nsid);
+                    ensure_exports(&admin, &dest_target, host, &[x], &mut Added::default())?;
+                }
+            }
             let src = &v.extents[job.source as usize];
             let src_target = cluster.target(&src.target)?.target;
             let x = copier_export(v, job)
@@ -269,6 +338,11 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                     StepError::Other("the target forgot the copy (it restarted)".into())
                 })?;
             match st.state.as_str() {
+                "done" if job.moves() => {
+                    cluster.job_switching(&v.uuid, job.id)?;
+                    tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
+                        bytes = st.bytes_copied, "new extent filled; hosts switch to it");
+                }
                 "done" => {
                     cluster.finish_job(&v.uuid, job.id, None)?;
                     tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
@@ -284,8 +358,39 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 _ => cluster.job_progress(&v.uuid, job.id, st.bytes_copied)?,
             }
         }
+        JobState::Switching => {
+            // No timeout: a host may read the new extent already, so the job
+            // can only end by the swap. A host that never confirms is one
+            // to detach (forced, if it is gone).
+            if cluster.job_confirmed(&v.uuid, job.id)? {
+                cluster.finish_job(&v.uuid, job.id, None)?;
+                let old = &v.extents[job.extent as usize];
+                tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
+                    from = %old.device_ref(), to = %dest.device_ref(), kind = job.kind.as_str(),
+                    "copy moved");
+                cleanup(cluster, v, job);
+                // Let the old extent go (it is free once unexported).
+                release_on(cluster, &old.target);
+            } else if now.saturating_sub(job.state_ms) > cfg.confirm_timeout_ms {
+                tracing::warn!(volume = %v.uuid, job = job.id,
+                    "hosts have not confirmed reading the new extent; the old one stays");
+            }
+        }
     }
     Ok(())
+}
+
+/// Reconciles `target` if it answers, so extents it no longer needs to
+/// export are freed now rather than at the next periodic reconciliation.
+fn release_on(cluster: &Cluster, target: &str) {
+    let online = cluster
+        .target(target)
+        .is_ok_and(|t| t.health == crate::model::Health::Online);
+    if online {
+        if let Err(e) = crate::program::reconcile(cluster, target) {
+            tracing::debug!(target, error = %e, "reconciling after a copy job failed");
+        }
+    }
 }
 
 /// Disarms the copy on the destination and removes the source's copier
@@ -293,7 +398,9 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
 /// leftover guard only records writes until the target restarts).
 fn cleanup(cluster: &Cluster, v: &Volume, job: &CopyJob) {
     let id = target_copy_id(&v.uuid, job.id);
-    let dest = &v.extents[job.extent as usize];
+    let Some(dest) = job.dest_extent(v) else {
+        return;
+    };
     if let Ok(t) = cluster.target(&dest.target) {
         if let Err(e) = TargetAdmin::new(&t.target).delete_copy(&id) {
             tracing::debug!(error = %e, "removing the copy on its target failed");

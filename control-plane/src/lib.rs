@@ -32,10 +32,12 @@ pub mod heal;
 pub mod limits;
 pub mod mapping;
 pub mod model;
+pub mod moves;
 pub mod placement;
 pub mod plan;
 #[cfg(feature = "server")]
 pub mod program;
+pub mod rebalance;
 pub mod resync;
 pub mod state;
 pub mod store;

@@ -94,6 +94,11 @@ pub const COPIES_PER_TARGET_MAX: usize = 2;
 pub const MIRROR_CONFIRM_TIMEOUT_MS: u64 = 60_000;
 /// After a job on a copy failed, wait this long before trying again.
 pub const RESYNC_RETRY_MS: u64 = 10_000;
+
+/// How long a target may be gone (no heartbeat) before the control plane
+/// replaces its copies elsewhere rather than waiting to resync them in
+/// place; the usual grace period of replicated block stores.
+pub const REPLACE_AFTER_MS: u64 = 600_000;
 /// Default copy rate per job (`--rebuild-rate`): about a third of one NVMe
 /// drive's bandwidth, so client I/O keeps most of it.
 pub const REBUILD_RATE_BYTES_PER_SEC: u64 = 256 << 20;

@@ -221,6 +221,10 @@ pub enum TargetState {
     /// Keeps serving its extents but takes no new ones (before maintenance
     /// or decommissioning).
     Cordoned,
+    /// Takes no new extents, and every extent it holds moves to other
+    /// targets (it serves each until its move is done); empty, it is
+    /// "drained" and can be removed. Last, so stored states decode.
+    Draining,
 }
 
 /// A target's liveness as judged from its last heartbeat.

@@ -154,7 +154,7 @@ impl DeviceSpace {
     }
 
     /// The lowest `size`-aligned offset where `size` free bytes start.
-    fn first_fit(&self, size: u64) -> Option<u64> {
+    pub(crate) fn first_fit(&self, size: u64) -> Option<u64> {
         let mut cursor = 0u64;
         for (&start, &end) in &self.used {
             let candidate = cursor.next_multiple_of(size);

@@ -422,15 +422,8 @@ fn exports_by_target(
 ) -> Result<Vec<(Target, Vec<Export>)>, StateError> {
     let s = cluster.snapshot()?;
     let mut by: BTreeMap<String, Vec<Export>> = BTreeMap::new();
-    for (e, &nsid) in volume.extents.iter().zip(&a.nsids) {
-        by.entry(e.target.clone()).or_default().push(Export {
-            subsystem_nqn: crate::attach::host_subsystem_nqn(&a.host_nqn),
-            host_nqn: a.host_nqn.clone(),
-            nsid,
-            device: e.device.clone(),
-            offset: e.offset,
-            length: e.length,
-        });
+    for (t, x) in s.attachment_exports(volume, a) {
+        by.entry(t).or_default().push(x);
     }
     by.into_iter()
         .map(|(id, xs)| {
@@ -521,19 +514,11 @@ pub fn detach(
     for (t, r) in results {
         if let Err(e) = r {
             tracing::warn!(%volume, host, target = %t.id, error = %e, force, "detach: target failed");
-            let xs: Vec<Export> = v
-                .extents
-                .iter()
-                .zip(&a.nsids)
-                .filter(|(e, _)| e.target == t.id)
-                .map(|(e, &nsid)| Export {
-                    subsystem_nqn: crate::attach::host_subsystem_nqn(host),
-                    host_nqn: host.to_owned(),
-                    nsid,
-                    device: e.device.clone(),
-                    offset: e.offset,
-                    length: e.length,
-                })
+            let xs: Vec<Export> = s
+                .attachment_exports(&v, &a)
+                .into_iter()
+                .filter(|(target, _)| *target == t.id)
+                .map(|(_, x)| x)
                 .collect();
             stale.insert(t.id.clone(), xs);
             first_error.get_or_insert(e);
@@ -555,6 +540,8 @@ pub struct Reconciled {
     pub subsystems_removed: usize,
     pub namespaces_removed: usize,
     pub namespaces_added: usize,
+    /// Copies (resync, move) the target ran for jobs that are over.
+    pub copies_removed: usize,
     pub stale_cleared: bool,
 }
 
@@ -601,6 +588,28 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
         let mut added = Added::default();
         ensure_exports(&admin, &t, host, &xs, &mut added)?;
         out.namespaces_added += xs.iter().filter(|x| !before.contains(&x.nsid)).count();
+    }
+    // Copies no job names any more (their cleanup did not reach the
+    // target): a copier still writing would write an extent that is free.
+    // Listed before the jobs are read: a copy is armed after its job is
+    // recorded, so every copy listed of a live job finds it.
+    let copies = admin.copies()?;
+    let live: BTreeSet<String> = cluster
+        .snapshot()?
+        .copy_states
+        .iter()
+        .flat_map(|(u, cs)| {
+            cs.value
+                .jobs
+                .iter()
+                .map(move |j| crate::heal::target_copy_id(u, j.id))
+        })
+        .collect();
+    for c in copies {
+        if !live.contains(&c.id) {
+            admin.delete_copy(&c.id)?;
+            out.copies_removed += 1;
+        }
     }
     if let Some((_, version)) = stale {
         cluster.clear_stale_exports(target_id, version)?;

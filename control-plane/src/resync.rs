@@ -34,8 +34,8 @@
 
 use crate::attach::{attach_keys as ak, AttachmentState, Export, FailedCopies};
 use crate::limits::{COPY_HISTORY_MAX, ID_BYTES_MAX};
-use crate::model::{encode, ModelError, Uuid, Volume};
-use crate::plan::RESYNC_REGION_BYTES;
+use crate::model::{encode, DeviceRef, Extent, ModelError, Uuid, Volume};
+use crate::plan::{PlanExtent, RESYNC_REGION_BYTES};
 use crate::state::{Attempt, Cluster, Snapshot, StateError};
 use crate::store::{Condition, Op};
 use serde::{Deserialize, Serialize};
@@ -70,13 +70,26 @@ pub enum CopyKind {
     ResyncPartial,
     /// A stale copy back in place, every byte (what it missed is unknown).
     ResyncFull,
+    /// A copy whose target did not come back in time, rebuilt whole on
+    /// another device and swapped in.
+    Replace,
+    /// A copy moved whole to another device (drain, rebalance) while the
+    /// old one stays in service until the swap.
+    Move,
 }
 
 impl CopyKind {
+    /// Whether the copy goes to a new extent.
+    pub fn moves(&self) -> bool {
+        matches!(self, CopyKind::Replace | CopyKind::Move)
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             CopyKind::ResyncPartial => "resync-partial",
             CopyKind::ResyncFull => "resync-full",
+            CopyKind::Replace => "replace",
+            CopyKind::Move => "move",
         }
     }
 }
@@ -93,6 +106,10 @@ pub enum JobState {
     Mirroring,
     /// The destination target's copier is filling the regions.
     Copying,
+    /// A new extent (replace, move) holds every byte: hosts read it and
+    /// keep writing the old one too; waiting for every host to confirm
+    /// before the old one is let go.
+    Switching,
 }
 
 /// A copy under way.
@@ -100,7 +117,7 @@ pub enum JobState {
 pub struct CopyJob {
     /// Unique within the volume, never reused.
     pub id: u64,
-    /// The destination: index into the volume's extents.
+    /// The copy being filled: index into the volume's extents.
     pub extent: u32,
     /// The in-sync copy read from: index into the volume's extents.
     pub source: u32,
@@ -119,9 +136,33 @@ pub struct CopyJob {
     pub bytes_total: u64,
     /// As last polled from the destination target.
     pub bytes_copied: u64,
+    /// Replace and move: the new extent, swapped in for `extent` when the
+    /// job completes; `None`: the copy is filled in place.
+    pub dest: Option<Extent>,
+    /// The NSID of `dest` in each attached host's subsystem on its target.
+    pub nsids: BTreeMap<String, u32>,
+    /// When the copier started (0: not yet).
+    pub copy_started_ms: u64,
+    /// A host that could not write the new extent (the job fails).
+    pub failed_by: Option<String>,
+    /// The copy was reported failed while hosts were switching to `dest`:
+    /// it may be `dest` that failed, so it stays stale after the swap.
+    pub failed_while_switching: bool,
 }
 
 impl CopyJob {
+    /// The extent the copier fills: the new one, or the copy itself.
+    pub fn dest_extent<'a>(&'a self, v: &'a Volume) -> Option<&'a Extent> {
+        self.dest
+            .as_ref()
+            .or_else(|| v.extents.get(self.extent as usize))
+    }
+
+    /// Whether `dest` is a new extent (replace, move).
+    pub fn moves(&self) -> bool {
+        self.dest.is_some()
+    }
+
     /// The history entry of this job, ended at `now` (`error`: why it failed).
     fn record(&self, now: u64, error: Option<&str>) -> CopyRecord {
         CopyRecord {
@@ -130,11 +171,8 @@ impl CopyJob {
             source: self.source,
             kind: self.kind,
             started_ms: self.started_ms,
-            copy_started_ms: if self.state == JobState::Copying {
-                self.state_ms
-            } else {
-                0
-            },
+            copy_started_ms: self.copy_started_ms,
+            to: self.dest.as_ref().map(|d| d.device_ref().to_string()),
             finished_ms: now,
             bytes_total: self.bytes_total,
             // A completed copy copied everything it had to.
@@ -163,6 +201,8 @@ pub struct CopyRecord {
     pub bytes_copied: u64,
     /// `None`: it completed; otherwise why it failed.
     pub error: Option<String>,
+    /// Replace and move: the device the copy went to (`target/device`).
+    pub to: Option<String>,
 }
 
 /// What is known of the writes a stale copy missed.
@@ -212,11 +252,11 @@ impl CopyState {
         self.jobs.iter().find(|j| j.extent == extent)
     }
 
-    /// Copies hosts must write to: jobs past arming.
+    /// Copies hosts must write to: in-place jobs past arming.
     pub fn syncing(&self) -> Vec<SyncingCopy> {
         self.jobs
             .iter()
-            .filter(|j| j.state != JobState::Arming)
+            .filter(|j| j.state != JobState::Arming && !j.moves())
             .map(|j| SyncingCopy {
                 extent: j.extent,
                 job: j.id,
@@ -230,7 +270,7 @@ impl CopyState {
         let mirrored: BTreeSet<u32> = self
             .jobs
             .iter()
-            .filter(|j| j.confirmed.contains(host))
+            .filter(|j| !j.moves() && j.confirmed.contains(host))
             .map(|j| j.extent)
             .collect();
         for (e, m) in self.missed.iter_mut() {
@@ -274,6 +314,20 @@ pub struct SyncingCopy {
     pub job: u64,
 }
 
+/// A copy moving to a new extent, as a host sees it: write the new extent
+/// too (never read it) until `switched`; then read the new one and keep
+/// writing the old one until the job is gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct HostMove {
+    /// The copy that moves: index into the volume's extents.
+    pub extent: u32,
+    pub job: u64,
+    /// Where the new extent is exported to this host.
+    pub dest: PlanExtent,
+    pub switched: bool,
+}
+
 /// What a host is told about its attachment's copies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostCopies {
@@ -281,6 +335,8 @@ pub struct HostCopies {
     pub failed_extents: Vec<u32>,
     /// Write to these (a subset of `failed_extents`).
     pub syncing: Vec<SyncingCopy>,
+    /// Copies moving to new extents.
+    pub moving: Vec<HostMove>,
     pub revision: u64,
 }
 
@@ -314,6 +370,17 @@ impl Snapshot {
             .collect()
     }
 
+    /// The new extents of replace and move jobs under way, with their
+    /// volumes: allocated like the volumes' own extents.
+    pub fn job_dests(&self) -> impl Iterator<Item = (&Uuid, &Extent)> + '_ {
+        self.copy_states.iter().flat_map(|(u, cs)| {
+            cs.value
+                .jobs
+                .iter()
+                .filter_map(move |j| j.dest.as_ref().map(|d| (u, d)))
+        })
+    }
+
     /// Exports the running jobs need on `target`: each source extent there,
     /// to the copier of the destination's target.
     pub fn copier_exports(&self, target: &str) -> Vec<Export> {
@@ -337,7 +404,7 @@ impl Snapshot {
 /// The export through which the destination's target reads `job`'s source.
 pub fn copier_export(v: &Volume, job: &CopyJob) -> Option<Export> {
     let src = v.extents.get(job.source as usize)?;
-    let dst = v.extents.get(job.extent as usize)?;
+    let dst = job.dest_extent(v)?;
     let host = copier_nqn(&dst.target);
     Some(Export {
         subsystem_nqn: crate::attach::host_subsystem_nqn(&host),
@@ -360,12 +427,18 @@ fn check_extent(v: &Volume, extent: u32) -> Result<(), StateError> {
     Ok(())
 }
 
-/// A stale copy a job could start on now.
+/// A copy a job could start on now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Candidate {
     pub volume: Uuid,
     pub extent: u32,
     pub source: u32,
+    /// `ResyncFull` for a stale copy in place (partial or full is decided
+    /// when the job is created), `Replace` or `Move` for a new extent.
+    pub kind: CopyKind,
+    /// Replace and move: the device the new extent must go to (a planned
+    /// rebalance); `None`: wherever the placement rules say.
+    pub to: Option<DeviceRef>,
 }
 
 impl Cluster {
@@ -440,9 +513,40 @@ impl Cluster {
             )
             .copied()
             .collect();
+        let mut moving = Vec::new();
+        for j in &cs.jobs {
+            let (Some(d), Some(&nsid)) = (&j.dest, j.nsids.get(host)) else {
+                continue;
+            };
+            if j.state == JobState::Arming {
+                continue;
+            }
+            let t = s
+                .targets
+                .get(&d.target)
+                .ok_or_else(|| StateError::TargetNotFound(d.target.clone()))?;
+            moving.push(HostMove {
+                extent: j.extent,
+                job: j.id,
+                dest: PlanExtent {
+                    target: d.target.clone(),
+                    addr: t.value.addr,
+                    subsystem_nqn: crate::attach::host_subsystem_nqn(host),
+                    nsid,
+                    device: d.device.clone(),
+                    offset: d.offset,
+                    length: d.length,
+                    member: d.member,
+                    row: d.row,
+                    copy: d.copy,
+                },
+                switched: j.state == JobState::Switching,
+            });
+        }
         Ok(HostCopies {
             failed_extents: failed.into_iter().collect(),
             syncing: cs.syncing(),
+            moving,
             revision: cs.revision,
         })
     }
@@ -530,10 +634,11 @@ impl Cluster {
             let Some(j) = cs.job(job) else {
                 return Ok(Some(false));
             };
-            if j.state != JobState::Mirroring || j.confirmed.contains(host) {
+            let confirms = matches!(j.state, JobState::Mirroring | JobState::Switching);
+            if !confirms || j.confirmed.contains(host) {
                 return Ok(Some(j.state != JobState::Arming));
             }
-            let extent = j.extent;
+            let (extent, moves) = (j.extent, j.moves());
             if cs.sessions.get(host) != Some(&session) {
                 // A session the control plane does not know (started
                 // before a lost registration): its record cannot be
@@ -541,7 +646,10 @@ impl Cluster {
                 cs.lose_records_of(host);
                 cs.sessions.insert(host.to_owned(), session);
             }
+            // What a stale copy missed matters to a copy filled in place; a
+            // new extent is copied whole.
             match missed {
+                _ if moves => {}
                 Some(r) => cs.merge(host, extent, r),
                 None => {
                     if let Some(m) = cs.missed.get_mut(&extent) {
@@ -605,6 +713,8 @@ impl Cluster {
                         volume: *uuid,
                         extent: e,
                         source,
+                        kind: CopyKind::ResyncFull,
+                        to: None,
                     });
                 }
             }
@@ -612,10 +722,13 @@ impl Cluster {
         Ok(out)
     }
 
-    /// Records a new job (arming) on a stale copy. Serialised with
-    /// allocations so copier NSIDs, allocated across volumes per (source
-    /// target, destination target), never collide. Returns `None` when the
-    /// copy has a job already or is no longer stale.
+    /// Records a new job (arming). In place: on a stale copy, `None` when
+    /// it has a job already or is no longer stale. Replace and move: places
+    /// the new extent (on `c.to` when given, else by the placement rules),
+    /// which stays allocated from now on, and gives it an NSID for every
+    /// attached host; `None` when the copy has a job already. Serialised
+    /// with allocations so copier NSIDs, allocated across volumes per
+    /// (source target, destination target), never collide.
     pub fn create_job(&self, c: &Candidate) -> Result<Option<CopyJob>, StateError> {
         self.retry_serialized(|| {
             let s = self.snapshot()?;
@@ -630,13 +743,48 @@ impl Cluster {
                 .get(&c.volume)
                 .is_some_and(|f| f.value.extents.contains(&c.extent));
             let mut cs = s.copy_state(&c.volume);
-            if !stale || cs.job_on(c.extent).is_some() {
+            let moves = c.kind.moves();
+            if cs.job_on(c.extent).is_some() || (!moves && !stale) {
                 return Ok(Attempt::Done(None));
             }
-            let (src_t, dst_t) = (
-                v.extents[c.source as usize].target.as_str(),
-                v.extents[c.extent as usize].target.as_str(),
-            );
+            let mut conds = Vec::new();
+            let mut ops = Vec::new();
+            let now = self.now();
+            let mut nsids = BTreeMap::new();
+            let dest = if moves {
+                let d = self.place_new_copy(&s, v, &cs, c)?;
+                for a in s.attachments_of(&c.volume) {
+                    let host = a.value.host_nqn.as_str();
+                    let used: BTreeSet<u32> = s
+                        .host_exports(host)
+                        .remove(&d.target)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|x| x.nsid)
+                        .collect();
+                    nsids.insert(host.to_owned(), crate::attach::lowest_free(&used));
+                    // The host's record guards its NSIDs (as attach does).
+                    let hkey = ak::host(host);
+                    match s.hosts.get(host) {
+                        Some(h) => {
+                            conds.push(Condition::VersionIs(hkey.clone(), h.version));
+                            let mut next = h.value.clone();
+                            next.changes += 1;
+                            ops.push(Op::Put(hkey, encode(&next)));
+                        }
+                        None => conds.push(Condition::Missing(hkey)),
+                    }
+                }
+                Some(d)
+            } else {
+                None
+            };
+            let src_t = v.extents[c.source as usize].target.as_str();
+            let dst_t = dest
+                .as_ref()
+                .unwrap_or(&v.extents[c.extent as usize])
+                .target
+                .clone();
             // NSIDs of the copier's subsystem on the source target in use.
             let mut used = BTreeSet::new();
             for (uuid, other) in &s.copy_states {
@@ -644,10 +792,8 @@ impl Cluster {
                     continue;
                 };
                 for j in &other.value.jobs {
-                    let (os, od) = (
-                        ov.value.extents.get(j.source as usize),
-                        ov.value.extents.get(j.extent as usize),
-                    );
+                    let os = ov.value.extents.get(j.source as usize);
+                    let od = j.dest_extent(&ov.value);
                     if os.is_some_and(|x| x.target == src_t)
                         && od.is_some_and(|x| x.target == dst_t)
                     {
@@ -656,16 +802,19 @@ impl Cluster {
                 }
             }
             let nsid = (1..).find(|n| !used.contains(n)).unwrap_or(1);
-            let now = self.now();
-            let missed = cs.missed.entry(c.extent).or_insert_with(|| Missed {
-                since_ms: now,
-                regions: None,
-                owed: BTreeSet::new(),
-            });
-            let kind = if missed.regions.is_some() {
-                CopyKind::ResyncPartial
+            let kind = if moves {
+                c.kind
             } else {
-                CopyKind::ResyncFull
+                let missed = cs.missed.entry(c.extent).or_insert_with(|| Missed {
+                    since_ms: now,
+                    regions: None,
+                    owed: BTreeSet::new(),
+                });
+                if missed.regions.is_some() {
+                    CopyKind::ResyncPartial
+                } else {
+                    CopyKind::ResyncFull
+                }
             };
             let job = CopyJob {
                 id: cs.next_job,
@@ -680,12 +829,52 @@ impl Cluster {
                 copier_nsid: nsid,
                 bytes_total: v.extent_bytes,
                 bytes_copied: 0,
+                copy_started_ms: 0,
+                dest,
+                nsids,
+                failed_by: None,
+                failed_while_switching: false,
             };
             cs.next_job += 1;
             cs.jobs.push(job.clone());
             let (cond, op) = s.copy_state_txn(&cs);
-            self.commit_allocation(&s, vec![cond], vec![op], Some(job))
+            conds.push(cond);
+            ops.push(op);
+            self.commit_allocation(&s, conds, ops, Some(job))
         })
+    }
+
+    /// Where a replace or move job's new extent goes: `c.to` when given
+    /// (it must obey the placement rules), else where the rules put it.
+    fn place_new_copy(
+        &self,
+        s: &Snapshot,
+        v: &Volume,
+        cs: &CopyState,
+        c: &Candidate,
+    ) -> Result<Extent, StateError> {
+        let slot = c.extent as usize;
+        let me = &v.extents[slot];
+        // The row's other extents, and new extents of its jobs under way.
+        let row: Vec<Extent> = v
+            .extents
+            .iter()
+            .enumerate()
+            .filter(|&(i, e)| i != slot && e.row == me.row)
+            .map(|(_, e)| e.clone())
+            .chain(
+                cs.jobs
+                    .iter()
+                    .filter_map(|j| j.dest.clone())
+                    .filter(|d| d.row == me.row),
+            )
+            .collect();
+        let mut a = self.allocator(s)?;
+        let placed = match &c.to {
+            None => crate::rebalance::place_copy(&mut a, v, slot, &row),
+            Some(to) => crate::rebalance::place_copy_on(&mut a, v, slot, &row, to),
+        };
+        placed.map_err(StateError::from)
     }
 
     /// Arming → mirroring: hosts are told (the revision moves).
@@ -724,6 +913,8 @@ impl Cluster {
             }
             let extent = j.extent;
             let regions = match cs.missed.get(&extent) {
+                // A new extent is copied whole.
+                _ if j.moves() => None,
                 // A host still owes its record: what it wrote is unknown.
                 Some(m) if m.owed.iter().any(|h| !j.confirmed.contains(h)) => None,
                 Some(m) => m.regions.clone(),
@@ -733,11 +924,14 @@ impl Cluster {
             let regions: Option<Vec<u32>> =
                 regions.map(|r| r.into_iter().filter(|&i| i < total_regions).collect());
             let j = &mut cs.jobs[idx];
-            j.kind = if regions.is_some() {
-                CopyKind::ResyncPartial
-            } else {
-                CopyKind::ResyncFull
-            };
+            if !j.moves() {
+                j.kind = if regions.is_some() {
+                    CopyKind::ResyncPartial
+                } else {
+                    CopyKind::ResyncFull
+                };
+            }
+            j.copy_started_ms = now;
             j.bytes_total = match &regions {
                 None => v.extent_bytes,
                 Some(r) => r
@@ -774,11 +968,81 @@ impl Cluster {
         .map(|_| ())
     }
 
-    /// Ends a job. Done: the copy is in sync — it leaves the volume's
-    /// failed copies and every attachment's failed list in the same
-    /// transaction, so it is read again. Failed: the copy stays stale and
-    /// what it missed stays recorded (hosts owe their records again from
-    /// now on, when they stop mirroring to it).
+    /// Copying → switching, when the copier filled a new extent: hosts
+    /// are told to read it (and keep writing the old one). Returns false
+    /// when the job is not copying.
+    pub fn job_switching(&self, volume: &Uuid, job: u64) -> Result<bool, StateError> {
+        let now = self.now();
+        self.change_copy_state(volume, |_, cs, _, _| {
+            match cs.jobs.iter_mut().find(|j| j.id == job) {
+                Some(j) if j.state == JobState::Copying && j.moves() => {
+                    j.state = JobState::Switching;
+                    j.state_ms = now;
+                    j.bytes_copied = j.bytes_total;
+                    j.confirmed.clear();
+                    cs.revision += 1;
+                    Ok(Some(()))
+                }
+                _ => Ok(None),
+            }
+        })
+        .map(|r| r.is_some())
+    }
+
+    /// Whether every host writing the volume confirmed the job's current
+    /// state (mirroring: it writes the copy; switching: it reads the new
+    /// extent).
+    pub fn job_confirmed(&self, volume: &Uuid, job: u64) -> Result<bool, StateError> {
+        let s = self.snapshot()?;
+        let cs = s.copy_state(volume);
+        Ok(cs
+            .job(job)
+            .is_some_and(|j| s.writers_of(volume).iter().all(|h| j.confirmed.contains(h))))
+    }
+
+    /// A host could not write a moving copy's new extent: the job fails
+    /// (the heal loop ends it). Returns false when there is no such job.
+    pub fn job_failed_at_host(
+        &self,
+        volume: &Uuid,
+        host: &str,
+        job: u64,
+    ) -> Result<bool, StateError> {
+        self.change_copy_state(volume, |_, cs, _, _| {
+            match cs.jobs.iter_mut().find(|j| j.id == job) {
+                // Other hosts may read the new extent already: the swap
+                // goes on, and the copy is stale after it.
+                Some(j) if j.state == JobState::Switching => {
+                    j.failed_while_switching = true;
+                    j.confirmed.insert(host.to_owned());
+                    cs.revision += 1;
+                    Ok(Some(true))
+                }
+                Some(j) if j.failed_by.is_none() => {
+                    j.failed_by = Some(host.to_owned());
+                    Ok(Some(true))
+                }
+                Some(_) => Ok(Some(true)),
+                None => Ok(None),
+            }
+        })
+        .map(|r| r.unwrap_or(false))
+    }
+
+    /// Ends a job, in one transaction.
+    ///
+    /// Done, in place: the copy is in sync — it leaves the volume's failed
+    /// copies and every attachment's failed list, so it is read again.
+    /// Done, replace or move: the new extent takes the copy's place in the
+    /// volume and each attachment takes its NSID; the old extent stays
+    /// allocated, as a stale export of its target, until that target is
+    /// reconciled (hosts that have not heard still write it).
+    ///
+    /// Failed: the copy stays as it was, and what it missed stays recorded
+    /// (hosts owe their records again from now on, when they stop mirroring
+    /// to it). A new extent stays allocated as a stale export of its target
+    /// until that target is reconciled: hosts may still write it, and its
+    /// copier may still run.
     pub fn finish_job(
         &self,
         volume: &Uuid,
@@ -786,43 +1050,130 @@ impl Cluster {
         error: Option<&str>,
     ) -> Result<Option<CopyRecord>, StateError> {
         let now = self.now();
-        self.change_copy_state(volume, |s, cs, conds, ops| {
+        self.retry_serialized(|| {
+            let s = self.snapshot()?;
+            let Some(vv) = s.volumes.get(volume) else {
+                return Err(StateError::VolumeNotFound(volume.to_string()));
+            };
+            let v = &vv.value;
+            let mut cs = s.copy_state(volume);
             let Some(idx) = cs.jobs.iter().position(|j| j.id == job) else {
-                return Ok(None);
+                return Ok(Attempt::Done(None));
             };
             let j = cs.jobs.remove(idx);
             let record = j.record(now, error);
+            let (mut conds, mut ops) = (Vec::new(), Vec::new());
+            // Exports that may outlive the records, by target.
+            let mut leftover: BTreeMap<String, Vec<Export>> = BTreeMap::new();
             if error.is_none() {
-                cs.missed.remove(&j.extent);
-                if let Some(f) = s.failed_copies.get(volume) {
+                let in_sync = !j.failed_while_switching;
+                let failed_now = s
+                    .failed_copies
+                    .get(volume)
+                    .is_some_and(|f| f.value.extents.contains(&j.extent));
+                if !in_sync && !failed_now {
+                    // Some host could not write the new extent: stale, and
+                    // what it missed is unknown.
                     let key = ak::failed_copies(volume);
-                    conds.push(Condition::VersionIs(key.clone(), f.version));
-                    let rest: Vec<u32> = f
-                        .value
-                        .extents
-                        .iter()
-                        .copied()
-                        .filter(|&e| e != j.extent)
-                        .collect();
-                    if rest.is_empty() {
-                        ops.push(Op::Delete(key));
-                    } else {
-                        ops.push(Op::Put(
-                            key,
-                            encode(&FailedCopies {
-                                volume: *volume,
-                                extents: rest,
-                            }),
-                        ));
+                    let mut extents: Vec<u32> = s
+                        .failed_copies
+                        .get(volume)
+                        .map(|f| f.value.extents.clone())
+                        .unwrap_or_default();
+                    extents.push(j.extent);
+                    extents.sort_unstable();
+                    conds.push(match s.failed_copies.get(volume) {
+                        Some(f) => Condition::VersionIs(key.clone(), f.version),
+                        None => Condition::Missing(key.clone()),
+                    });
+                    ops.push(Op::Put(
+                        key,
+                        encode(&FailedCopies {
+                            volume: *volume,
+                            extents,
+                        }),
+                    ));
+                }
+                if !in_sync {
+                    cs.missed.insert(
+                        j.extent,
+                        Missed {
+                            since_ms: now,
+                            regions: None,
+                            owed: BTreeSet::new(),
+                        },
+                    );
+                }
+                if in_sync {
+                    cs.missed.remove(&j.extent);
+                    if let Some(f) = s.failed_copies.get(volume) {
+                        let key = ak::failed_copies(volume);
+                        conds.push(Condition::VersionIs(key.clone(), f.version));
+                        let rest: Vec<u32> = f
+                            .value
+                            .extents
+                            .iter()
+                            .copied()
+                            .filter(|&e| e != j.extent)
+                            .collect();
+                        if rest.is_empty() {
+                            ops.push(Op::Delete(key));
+                        } else {
+                            ops.push(Op::Put(
+                                key,
+                                encode(&FailedCopies {
+                                    volume: *volume,
+                                    extents: rest,
+                                }),
+                            ));
+                        }
                     }
                 }
+                let slot = j.extent as usize;
+                let old = v.extents[slot].clone();
                 for a in s.attachments_of(volume) {
-                    if a.value.failed_extents.contains(&j.extent) {
-                        let key = ak::attachment(volume, &a.value.host_nqn);
-                        conds.push(Condition::VersionIs(key.clone(), a.version));
-                        let mut next = a.value.clone();
+                    let host = a.value.host_nqn.as_str();
+                    let key = ak::attachment(volume, host);
+                    let mut next = a.value.clone();
+                    if in_sync {
                         next.failed_extents.retain(|&e| e != j.extent);
+                    }
+                    if j.dest.is_some() {
+                        let nsid = *j.nsids.get(host).ok_or_else(|| {
+                            StateError::Inconsistent(format!(
+                                "copy job {} of volume {volume} has no NSID for {host}",
+                                j.id
+                            ))
+                        })?;
+                        if let Some(n) = next.nsids.get_mut(slot) {
+                            leftover
+                                .entry(old.target.clone())
+                                .or_default()
+                                .push(crate::attach::export_of(host, &old, *n));
+                            *n = nsid;
+                        }
+                    }
+                    if next != a.value {
+                        conds.push(Condition::VersionIs(key.clone(), a.version));
                         ops.push(Op::Put(key, encode(&next)));
+                    }
+                }
+                if let Some(d) = &j.dest {
+                    let mut next = v.clone();
+                    next.extents[slot] = Extent {
+                        member: old.member,
+                        row: old.row,
+                        copy: old.copy,
+                        ..d.clone()
+                    };
+                    let vkey = crate::state::keys::volume(volume);
+                    conds.push(Condition::VersionIs(vkey.clone(), vv.version));
+                    ops.push(Op::Put(vkey, encode(&next)));
+                    // The copier read the old extent through this.
+                    if j.source == j.extent {
+                        if let Some(x) = copier_export(v, &j) {
+                            leftover.entry(old.target.clone()).or_default().push(x);
+                        }
                     }
                 }
             } else {
@@ -832,12 +1183,36 @@ impl Cluster {
                 if let Some(m) = cs.missed.get_mut(&j.extent) {
                     m.owed.extend(hosts);
                 }
+                if let Some(d) = &j.dest {
+                    let xs = leftover.entry(d.target.clone()).or_default();
+                    for (host, &nsid) in &j.nsids {
+                        xs.push(crate::attach::export_of(host, d, nsid));
+                    }
+                    // Its copier writes it until the target drops the copy.
+                    let copier = copier_nqn(&d.target);
+                    xs.push(Export {
+                        subsystem_nqn: crate::attach::host_subsystem_nqn(&copier),
+                        host_nqn: copier,
+                        nsid: 0,
+                        device: d.device.clone(),
+                        offset: d.offset,
+                        length: d.length,
+                    });
+                }
             }
             if j.state != JobState::Arming {
                 cs.revision += 1;
             }
             cs.push_history(record.clone());
-            Ok(Some(record))
+            for (target, xs) in leftover {
+                let (c, o) = s.add_stale_exports(&target, xs);
+                conds.push(c);
+                ops.push(o);
+            }
+            let (c, o) = s.copy_state_txn(&cs);
+            conds.push(c);
+            ops.push(o);
+            self.commit_allocation(&s, conds, ops, Some(record.clone()))
         })
     }
 
@@ -915,10 +1290,17 @@ impl Cluster {
                 .failed_copies
                 .get(volume)
                 .is_some_and(|f| f.value.extents.contains(&e));
-            if let Some(idx) = cs.jobs.iter().position(|j| j.extent == e) {
+            if let Some(idx) = cs.jobs.iter().position(|j| j.extent == e && !j.moves()) {
                 let j = cs.jobs.remove(idx);
                 cs.revision += 1;
                 cs.push_history(j.record(now, Some("a host lost its path to the copy")));
+            }
+            // A move goes on: the new extent got every write. Once hosts
+            // switch, the failed copy may be the new one: it stays stale.
+            for j in cs.jobs.iter_mut() {
+                if j.extent == e && j.state == JobState::Switching {
+                    j.failed_while_switching = true;
+                }
             }
             // A record kept from an earlier failure of this copy goes on
             // (a lost one stays lost).
@@ -945,6 +1327,7 @@ impl Cluster {
         cs.sessions.remove(host);
         for j in cs.jobs.iter_mut() {
             j.confirmed.remove(host);
+            j.nsids.remove(host);
         }
         (cs != before).then(|| s.copy_state_txn(&cs))
     }

@@ -118,7 +118,7 @@ pub enum StateError {
     DeviceInUse { device: DeviceRef, reason: String },
     #[error("pool {pool} still holds {volumes} volumes")]
     PoolInUse { pool: String, volumes: usize },
-    #[error("target {target} still holds {extents} extents")]
+    #[error("target {target} still holds {extents} extents (drain it first: nvpool target drain {target})")]
     TargetInUse { target: String, extents: usize },
     #[error("volume {uuid} is {size_bytes} bytes; volumes only grow (asked for {requested})")]
     Shrink {
@@ -158,6 +158,9 @@ pub struct StateConfig {
     pub heartbeat_timeout_ms: u64,
     /// Label whose values are failure domains (see `placement`).
     pub failure_domain_label: String,
+    /// Copy rate of each copy job (for estimates; the heal loop enforces
+    /// it), bytes per second; 0: unthrottled.
+    pub rebuild_rate_bytes_per_sec: u64,
 }
 
 impl Default for StateConfig {
@@ -166,6 +169,7 @@ impl Default for StateConfig {
             extent_bytes: EXTENT_BYTES,
             heartbeat_timeout_ms: HEARTBEAT_TIMEOUT_MS,
             failure_domain_label: DEFAULT_FAILURE_DOMAIN_LABEL.into(),
+            rebuild_rate_bytes_per_sec: crate::limits::REBUILD_RATE_BYTES_PER_SEC,
         }
     }
 }
@@ -403,6 +407,11 @@ impl Cluster {
         &self.config
     }
 
+    /// Copy rate of each copy job, bytes per second (0: unthrottled).
+    pub fn rebuild_rate(&self) -> u64 {
+        self.config.rebuild_rate_bytes_per_sec
+    }
+
     pub(crate) fn now(&self) -> u64 {
         self.clock.now_ms()
     }
@@ -585,6 +594,11 @@ impl Cluster {
             a.occupy_volume(&v.value)
                 .map_err(|e| StateError::Inconsistent(format!("volume {}: {e}", v.value.uuid)))?;
         }
+        // New extents of copies under way are taken from the start.
+        for (uuid, d) in s.job_dests() {
+            a.occupy(d)
+                .map_err(|e| StateError::Inconsistent(format!("copy job of volume {uuid}: {e}")))?;
+        }
         // Extents a target may still export after a forced detach stay
         // taken until it is reconciled.
         for e in s.stale_extents() {
@@ -686,20 +700,30 @@ impl Cluster {
         })
     }
 
-    /// Forgets a target that holds no extents.
-    pub fn remove_target(&self, id: &str) -> Result<(), StateError> {
+    /// Forgets a target that holds no extents. Old extents it may still
+    /// export (a forced detach, a moved copy) keep it until it has been
+    /// reconciled — unless `force`: for a target that is gone for good,
+    /// whose leftovers nobody can reach any more, they are forgotten with it.
+    pub fn remove_target(&self, id: &str, force: bool) -> Result<(), StateError> {
         self.retry_serialized(|| {
             let s = self.snapshot()?;
             let t = s
                 .targets
                 .get(id)
                 .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
+            let stale = s.stale_exports.get(id);
             let extents = s
                 .volumes
                 .values()
                 .flat_map(|v| &v.value.extents)
+                .chain(s.job_dests().map(|(_, d)| d))
                 .filter(|e| e.target == id)
-                .count();
+                .count()
+                + if force {
+                    0
+                } else {
+                    stale.map_or(0, |r| r.value.exports.len())
+                };
             if extents > 0 {
                 return Err(StateError::TargetInUse {
                     target: id.to_owned(),
@@ -707,12 +731,14 @@ impl Cluster {
                 });
             }
             let key = keys::target(id);
-            self.commit_allocation(
-                &s,
-                vec![Condition::VersionIs(key.clone(), t.version)],
-                vec![Op::Delete(key)],
-                (),
-            )
+            let mut conds = vec![Condition::VersionIs(key.clone(), t.version)];
+            let mut ops = vec![Op::Delete(key)];
+            if let Some(r) = stale {
+                let skey = ak::stale_exports(id);
+                conds.push(Condition::VersionIs(skey.clone(), r.version));
+                ops.push(Op::Delete(skey));
+            }
+            self.commit_allocation(&s, conds, ops, ())
         })
     }
 
@@ -1187,7 +1213,7 @@ impl Cluster {
                 }
             }
         }
-        let mut nsids: BTreeSet<(&str, &str, u32)> = BTreeSet::new();
+        let mut nsids: BTreeSet<(String, String, u32)> = BTreeSet::new();
         for ((uuid, host), a) in &s.attachments {
             let Some(v) = s.volumes.get(uuid) else {
                 problems.push(format!("attachment of missing volume {uuid} to {host}"));
@@ -1200,9 +1226,9 @@ impl Cluster {
                     v.value.extents.len()
                 ));
             }
-            for (e, &n) in v.value.extents.iter().zip(&a.value.nsids) {
-                if !nsids.insert((host.as_str(), e.target.as_str(), n)) {
-                    problems.push(format!("host {host} has NSID {n} twice on {}", e.target));
+            for (t, x) in s.attachment_exports(&v.value, &a.value) {
+                if !nsids.insert((host.clone(), t.clone(), x.nsid)) {
+                    problems.push(format!("host {host} has NSID {} twice on {t}", x.nsid));
                 }
             }
         }
@@ -1219,11 +1245,28 @@ impl Cluster {
                 .map(|f| f.value.extents.iter().copied().collect())
                 .unwrap_or_default();
             for j in &cs.value.jobs {
-                if !stale.contains(&j.extent) {
+                if j.dest.is_none() && !stale.contains(&j.extent) {
                     problems.push(format!(
                         "volume {uuid}: job {} fills extent {}, which is not stale",
                         j.id, j.extent
                     ));
+                }
+                // A new extent is a copy of its slot, on a target holding
+                // nothing else of the row.
+                if let (Some(d), Some(me)) = (&j.dest, v.value.extents.get(j.extent as usize)) {
+                    let clash = v
+                        .value
+                        .extents
+                        .iter()
+                        .any(|e| e.row == d.row && e.target == d.target);
+                    if (d.row, d.member, d.copy) != (me.row, me.member, me.copy) || clash {
+                        problems.push(format!(
+                            "volume {uuid}: job {} puts extent {} on {} against the placement rules",
+                            j.id,
+                            j.extent,
+                            d.device_ref()
+                        ));
+                    }
                 }
                 if stale.contains(&j.source) || j.source as usize >= v.value.extents.len() {
                     problems.push(format!(
@@ -1571,12 +1614,12 @@ mod tests {
         ));
         c.register_target(&registration(0, "a", 2, 8)).unwrap();
         assert!(matches!(
-            c.remove_target("t0"),
+            c.remove_target("t0", false),
             Err(StateError::TargetInUse { extents: 2, .. })
         ));
-        c.remove_target("t2").unwrap();
+        c.remove_target("t2", false).unwrap();
         assert!(matches!(
-            c.remove_target("t2"),
+            c.remove_target("t2", false),
             Err(StateError::TargetNotFound(_))
         ));
         assert_consistent(c);

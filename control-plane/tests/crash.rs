@@ -234,9 +234,24 @@ fn resync_step(c: &Cluster, uuid: &Uuid, rng: &mut Rng) {
     }
     let cs = c.copy_state(uuid).unwrap();
     match cs.jobs.first() {
-        None if view.failed_extents.is_empty() => {
+        None if view.failed_extents.is_empty() && rng.below(2) == 0 => {
             let e = rng.below(u64::from(copies)) as u32;
             c.report_failed_extents(uuid, host, &[e]).unwrap();
+        }
+        None if view.failed_extents.is_empty() => {
+            // Move a copy to a new extent (as a drain or a rebalance does).
+            let e = rng.below(u64::from(copies)) as u32;
+            let k = nvpool_control::resync::Candidate {
+                volume: *uuid,
+                extent: e,
+                source: e,
+                kind: nvpool_control::resync::CopyKind::Move,
+                to: None,
+            };
+            match c.create_job(&k) {
+                Ok(_) | Err(StateError::Placement(_)) => {}
+                Err(e) => panic!("create a move: {e}"),
+            }
         }
         None => {
             let mine: Vec<_> = c
@@ -262,9 +277,19 @@ fn resync_step(c: &Cluster, uuid: &Uuid, rng: &mut Rng) {
                     }
                     c.job_copying(uuid, j.id).unwrap();
                 }
+                JobState::Copying if j.dest.is_some() && rng.below(3) != 0 => {
+                    c.job_switching(uuid, j.id).unwrap();
+                }
                 JobState::Copying => {
                     let error = (rng.below(3) == 0).then_some("copier failed");
                     c.finish_job(uuid, j.id, error).unwrap();
+                }
+                JobState::Switching => {
+                    for a in c.volume_attachments(uuid).unwrap() {
+                        c.confirm_sync(uuid, &a.host_nqn, j.id, 1, None).unwrap();
+                    }
+                    assert!(c.job_confirmed(uuid, j.id).unwrap());
+                    c.finish_job(uuid, j.id, None).unwrap();
                 }
             }
         }
