@@ -446,6 +446,7 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
     let opts = VolumeOptions {
         failed_extents: view.copies.stale_at_open(),
         syncing_extents: view.copies.syncing_at_open(),
+        moving: view.copies.moving_at_open(),
         on_extent_failed: Some(Arc::new(move |f| {
             tracing::warn!(extent = f.index, target = %f.target, error = %f.error,
                 lost = f.member_lost, "extent copy failed; serving from the others");

@@ -76,6 +76,8 @@ pub struct TargetOut {
     pub labels: BTreeMap<String, String>,
     pub health: String,
     pub state: String,
+    #[serde(default)]
+    pub drained: bool,
     pub registered_ms: u64,
     pub last_heartbeat_ms: u64,
     pub capacity: CapacityOut,
@@ -152,6 +154,15 @@ pub fn age(ms: u64) -> String {
     }
 }
 
+/// A span of seconds for people: `45s`, `12m`, `3h`.
+pub fn span(s: u64) -> String {
+    match s {
+        0..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m", s.div_ceil(60)),
+        _ => format!("{}h", s.div_ceil(3600)),
+    }
+}
+
 // ----- nvpool target -----
 
 #[derive(Debug, clap::Args)]
@@ -172,6 +183,75 @@ pub enum TargetCmd {
         /// Target ID.
         id: String,
     },
+    /// Move every extent off a target, online (it serves each until its
+    /// move is done); `target ls` shows it `draining`, then `drained`.
+    Drain {
+        /// Target ID.
+        id: String,
+        /// Wait until it holds nothing, with a progress bar on a terminal.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Stop placing new extents on a target (it keeps what it holds).
+    Cordon {
+        /// Target ID.
+        id: String,
+    },
+    /// Take new extents again (ends a cordon or a drain).
+    Activate {
+        /// Target ID.
+        id: String,
+    },
+    /// Forget a target that holds nothing (drain it first).
+    #[command(visible_alias = "remove")]
+    Rm {
+        /// Target ID.
+        id: String,
+        /// The target is gone for good: forget the old extents it may
+        /// still export instead of waiting to reconcile it.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// `STATE` as `target ls` shows it.
+fn state_text(x: &TargetOut) -> String {
+    if x.drained {
+        "drained".into()
+    } else {
+        x.state.clone()
+    }
+}
+
+fn set_state(c: &Client, id: &str, state: &str) -> anyhow::Result<Value> {
+    let path = format!("/v1/targets/{}/state", segment(id));
+    let (_, v): (u16, Value) = c.put(&path, &serde_json::json!({ "state": state }))?;
+    Ok(v)
+}
+
+/// Waits until target `id` holds nothing, showing the bytes left.
+fn wait_drained(c: &Client, id: &str) -> anyhow::Result<()> {
+    let path = format!("/v1/targets/{}", segment(id));
+    let first: TargetOut = typed("target", &c.get(&path)?)?;
+    let total = first.capacity.used_bytes;
+    let bar = crate::dataset::bar(
+        total,
+        &format!("drain {id}"),
+        "  {prefix} [{bar:30}] {bytes}/{total_bytes} moved  eta {eta}  {msg}",
+    );
+    loop {
+        let x: TargetOut = typed("target", &c.get(&path)?)?;
+        if x.state != "draining" {
+            bar.abandon_with_message(format!("stopped: the target is {}", x.state));
+            anyhow::bail!("target {id} is {} now, not draining", x.state);
+        }
+        bar.set_position(total.saturating_sub(x.capacity.used_bytes));
+        if x.drained {
+            bar.finish_with_message("drained");
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
 }
 
 pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
@@ -194,7 +274,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                     x.name.clone(),
                     x.addr.clone(),
                     x.health.clone(),
-                    x.state.clone(),
+                    state_text(x),
                     x.devices.len().to_string(),
                     format_iec(x.capacity.total_bytes),
                     format_iec(x.capacity.used_bytes),
@@ -217,7 +297,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                 ("Address", x.addr.clone()),
                 ("Admin address", x.admin_addr.clone()),
                 ("Health", x.health.clone()),
-                ("State", x.state.clone()),
+                ("State", state_text(&x)),
                 ("Labels", labels(&x.labels)),
                 ("Last heartbeat", age(x.last_heartbeat_ms)),
                 ("Size", format_iec(x.capacity.total_bytes)),
@@ -240,6 +320,50 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                 ]);
             }
             println!("{t}");
+        }
+        TargetCmd::Drain { id, wait } => {
+            let mc = conn.client(true)?;
+            let v = set_state(&mc, &id, "draining")?;
+            if fmt == Format::Json && !wait {
+                return print_json(&v);
+            }
+            let x: TargetOut = typed("target", &v)?;
+            if fmt == Format::Table {
+                println!(
+                    "target {id} draining: {} to move to other targets",
+                    format_iec(x.capacity.used_bytes)
+                );
+            }
+            if wait {
+                wait_drained(&c, &id)?;
+                if fmt == Format::Json {
+                    return print_json(&c.get::<Value>(&format!("/v1/targets/{}", segment(&id)))?);
+                }
+                println!("target {id} drained; remove it with `nvpool target rm {id}`");
+            }
+        }
+        TargetCmd::Cordon { ref id } | TargetCmd::Activate { ref id } => {
+            let state = if matches!(a.cmd, TargetCmd::Cordon { .. }) {
+                "cordoned"
+            } else {
+                "active"
+            };
+            let v = set_state(&conn.client(true)?, id, state)?;
+            if fmt == Format::Json {
+                return print_json(&v);
+            }
+            println!("target {id} {state}");
+        }
+        TargetCmd::Rm { id, force } => {
+            let q = if force { "?force=true" } else { "" };
+            conn.client(true)?
+                .delete(&format!("/v1/targets/{}{q}", segment(&id)))?;
+            match fmt {
+                Format::Json => {
+                    return print_json(&serde_json::json!({ "target": id, "removed": true }))
+                }
+                Format::Table => println!("target {id} removed"),
+            }
         }
     }
     Ok(())
@@ -272,6 +396,86 @@ pub enum PoolCmd {
     /// Delete a pool no volume uses (its devices return to the unpooled space).
     #[command(visible_alias = "rm")]
     Delete { name: String },
+    /// Move extents so every device of the pool is about as full as the
+    /// others (new ones included), online; without NAME, every pool and the
+    /// devices in none.
+    Rebalance {
+        name: Option<String>,
+        /// Only print what would move.
+        #[arg(long)]
+        dry_run: bool,
+        /// Wait until it is done, with a progress bar on a terminal.
+        #[arg(long, conflicts_with = "dry_run")]
+        wait: bool,
+    },
+}
+
+/// `POST /v1/rebalance` as the CLI reads it.
+#[derive(Debug, Clone, Deserialize)]
+struct RebalanceOut {
+    moves: Vec<MoveOut>,
+    bytes_total: u64,
+    eta_s: Option<u64>,
+    #[serde(default)]
+    pending: Vec<Option<String>>,
+    #[serde(default)]
+    moves_running: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct MoveOut {
+    volume_name: String,
+    extent: u32,
+    from: String,
+    to: String,
+    bytes: u64,
+}
+
+fn print_rebalance(r: &RebalanceOut, dry_run: bool) {
+    if r.moves.is_empty() {
+        println!("balanced: nothing to move");
+        return;
+    }
+    let mut t = table(&["VOLUME", "EXTENT", "FROM", "TO", "SIZE"]);
+    for m in &r.moves {
+        t.add_row([
+            m.volume_name.clone(),
+            m.extent.to_string(),
+            m.from.clone(),
+            m.to.clone(),
+            format_iec(m.bytes),
+        ]);
+    }
+    println!("{t}");
+    let eta = match r.eta_s {
+        Some(s) => format!("about {}", span(s)),
+        None => "as fast as the disks go (unthrottled)".into(),
+    };
+    println!(
+        "{} {} move(s), {}; {eta}",
+        if dry_run { "would make" } else { "started:" },
+        r.moves.len(),
+        format_iec(r.bytes_total),
+    );
+}
+
+/// Waits until no pool has a rebalance pending, showing the bytes left.
+fn wait_rebalanced(c: &Client, total: u64) -> anyhow::Result<()> {
+    let bar = crate::dataset::bar(
+        total,
+        "rebalance",
+        "  {prefix} [{bar:30}] {bytes}/{total_bytes} moved  eta {eta}  {msg}",
+    );
+    loop {
+        let r: RebalanceOut = typed("rebalance", &c.get("/v1/rebalance")?)?;
+        bar.set_position(total.saturating_sub(r.bytes_total));
+        bar.set_message(format!("{} running", r.moves_running));
+        if r.pending.is_empty() && r.moves_running == 0 {
+            bar.finish_with_message("balanced");
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
 }
 
 fn parse_device_ref(s: &str) -> Result<DeviceRef, String> {
@@ -341,6 +545,33 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
                 .client(false)?
                 .get(&format!("/v1/pools/{}", segment(&name)))?;
             print_pool(&v, fmt)
+        }
+        PoolCmd::Rebalance {
+            name,
+            dry_run,
+            wait,
+        } => {
+            if name.as_deref() == Some("") {
+                return Err(Usage("pool rebalance: the name is empty".into()).into());
+            }
+            let c = conn.client(!dry_run)?;
+            let body = serde_json::json!({ "pool": name, "dry_run": dry_run });
+            let v: Value = c.post("/v1/rebalance", &body)?;
+            if fmt == Format::Json && !wait {
+                return print_json(&v);
+            }
+            let r: RebalanceOut = typed("rebalance", &v)?;
+            if fmt == Format::Table {
+                print_rebalance(&r, dry_run);
+            }
+            if wait {
+                wait_rebalanced(&c, r.bytes_total)?;
+                if fmt == Format::Json {
+                    return print_json(&c.get::<Value>("/v1/rebalance")?);
+                }
+                println!("rebalanced");
+            }
+            Ok(())
         }
         PoolCmd::Delete { name } => {
             conn.client(true)?

@@ -16,13 +16,24 @@
 //!  stop ── PUT …/missed {extent: regions}
 //! ```
 //!
+//! A copy moving to a new extent (replace, move) is listed in `moving`:
+//!
+//! ```text
+//!  moving, not switched ─► begin_move (connect the new extent, write it
+//!                          too, drain) ─► PUT …/sync/{job}
+//!  moving, switched     ─► switch_move (read the new extent, keep writing
+//!                          the old one) ─► PUT …/sync/{job}
+//!  no longer moving     ─► end_move / abort_move (stop writing the other)
+//!  the new extent failed here ─► PUT …/sync/{job} {failed: true}
+//! ```
+//!
 //! The data path never waits on any of this: the engine applies a change
 //! between requests, and a control plane that cannot be reached only
 //! delays healing.
 
 use crate::client::{segment, Client};
-use nvpool_control::resync::SyncingCopy;
-use nvpool_initiator::volume::{CopyState, Volume};
+use nvpool_control::resync::{HostMove, SyncingCopy};
+use nvpool_initiator::volume::{CopyState, MovingCopy, Volume};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
@@ -41,6 +52,8 @@ pub struct CopyView {
     #[serde(default)]
     pub syncing: Vec<SyncingCopy>,
     #[serde(default)]
+    pub moving: Vec<HostMove>,
+    #[serde(default)]
     pub revision: u64,
 }
 
@@ -58,6 +71,19 @@ impl CopyView {
 
     pub fn syncing_at_open(&self) -> Vec<usize> {
         self.syncing.iter().map(|s| s.extent as usize).collect()
+    }
+
+    /// Copies the engine opens moving (writing the new extent too, or
+    /// reading it once switched).
+    pub fn moving_at_open(&self) -> Vec<MovingCopy> {
+        self.moving
+            .iter()
+            .map(|m| MovingCopy {
+                extent: m.extent as usize,
+                dest: m.dest.clone(),
+                switched: m.switched,
+            })
+            .collect()
     }
 }
 
@@ -125,11 +151,16 @@ impl Watcher {
 
     /// Follows the attachment until stopped, applying every copy change.
     pub fn run(&self, mut view: CopyView) {
+        // (job, switched) pairs confirmed; a session that opened with a
+        // move counts as having confirmed its state then.
+        let mut moves: BTreeSet<(u64, bool)> =
+            view.moving.iter().map(|m| (m.job, m.switched)).collect();
         let mut confirmed: BTreeSet<u64> = BTreeSet::new();
         // Copies opened mirroring mirror for the jobs the view named.
         let mut mirroring_for: BTreeMap<u32, u64> =
             view.syncing.iter().map(|s| (s.extent, s.job)).collect();
         loop {
+            self.apply_moves(&view, &mut moves);
             self.apply(&view, &mut confirmed, &mut mirroring_for);
             if self.stop.load(Ordering::Relaxed) {
                 return;
@@ -156,8 +187,13 @@ impl Watcher {
     ) {
         let failed: BTreeSet<u32> = view.failed_extents.iter().copied().collect();
         let syncing: BTreeMap<u32, u64> = view.syncing.iter().map(|s| (s.extent, s.job)).collect();
+        let moving: BTreeSet<u32> = view.moving.iter().map(|m| m.extent).collect();
         for i in 0..self.volume.plan().extents.len() {
             let e = i as u32;
+            if moving.contains(&e) {
+                // apply_moves owns it until the move is over.
+                continue;
+            }
             let state = self.volume.copy_state(i);
             match (syncing.get(&e), failed.contains(&e), state) {
                 (Some(&job), _, _) => {
@@ -212,6 +248,77 @@ impl Watcher {
         }
         confirmed.retain(|j| syncing.values().any(|x| x == j));
         mirroring_for.retain(|e, _| self.volume.copy_state(*e as usize) == CopyState::Syncing);
+    }
+
+    /// Brings the engine's moving copies along: write the new extent, read
+    /// it once switched, let the other one go when the job is over.
+    /// `done` holds the (job, switched) states confirmed.
+    fn apply_moves(&self, view: &CopyView, done: &mut BTreeSet<(u64, bool)>) {
+        let listed: BTreeSet<u32> = view.moving.iter().map(|m| m.extent).collect();
+        for i in 0..self.volume.plan().extents.len() {
+            if !listed.contains(&(i as u32)) {
+                // Over: done (stop writing the old extent) or failed (stop
+                // writing the new one). Both are no-ops without a move.
+                self.volume.end_move(i);
+                self.volume.abort_move(i);
+            }
+        }
+        for m in &view.moving {
+            let i = m.extent as usize;
+            if done.contains(&(m.job, m.switched)) {
+                if !m.switched && self.volume.move_failed(i) {
+                    tracing::warn!(extent = i, job = m.job, "the new extent failed here");
+                    self.report_move_failed(m.job);
+                }
+                continue;
+            }
+            let step = if m.switched {
+                if self.volume.extent_location(i) == m.dest {
+                    // Switched already (a confirmation to retry).
+                    Ok(())
+                } else {
+                    self.volume.switch_move(i)
+                }
+            } else {
+                self.volume.begin_move(i, &m.dest)
+            };
+            match step {
+                Ok(()) => {
+                    if self.confirm(m.job, &[]) {
+                        done.insert((m.job, m.switched));
+                        tracing::info!(extent = i, job = m.job, switched = m.switched,
+                            to = %m.dest.target, "moving copy: confirmed");
+                    }
+                }
+                Err(err) if m.switched || self.volume.move_failed(i) => {
+                    // The new extent missed writes from this host.
+                    tracing::warn!(extent = i, job = m.job, error = %err,
+                        "the new extent failed here; telling the control plane");
+                    if self.report_move_failed(m.job) {
+                        done.insert((m.job, m.switched));
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(extent = i, job = m.job, error = %err,
+                        "cannot write the new extent yet; the job waits");
+                }
+            }
+        }
+        done.retain(|(j, _)| view.moving.iter().any(|m| m.job == *j));
+    }
+
+    fn report_move_failed(&self, job: u64) -> bool {
+        let path = format!("{}/sync/{job}", self.base);
+        let body =
+            serde_json::json!({ "session": self.session, "missed_regions": null, "failed": true });
+        match self.client.put_no_content(&path, &body) {
+            Ok(()) => true,
+            Err(e) if e.status() == Some(404) => true,
+            Err(e) => {
+                tracing::warn!(job, error = %e, "reporting the failed new extent failed; retrying");
+                false
+            }
+        }
     }
 
     fn confirm(&self, job: u64, regions: &[u32]) -> bool {

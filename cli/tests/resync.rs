@@ -65,6 +65,7 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
             rate_bytes_per_sec: 0,
             retry_ms: 0,
             confirm_timeout_ms: 30_000,
+            ..HealConfig::default()
         },
         stop.clone(),
     )

@@ -28,6 +28,13 @@ pub fn control_plane() -> ApiServer {
 
 /// `control_plane` with another extent size, and its cluster.
 pub fn control_plane_with(extent_bytes: u64) -> (ApiServer, Arc<Cluster>) {
+    let (server, cluster, _) = control_plane_clocked(extent_bytes);
+    (server, cluster)
+}
+
+/// `control_plane_with`, and the clock the control plane reads (it moves
+/// only when the test advances it).
+pub fn control_plane_clocked(extent_bytes: u64) -> (ApiServer, Arc<Cluster>, Arc<ManualClock>) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -36,20 +43,14 @@ pub fn control_plane_with(extent_bytes: u64) -> (ApiServer, Arc<Cluster>) {
         extent_bytes,
         ..StateConfig::default()
     };
-    let cluster = Arc::new(
-        Cluster::new(
-            Arc::new(MemStore::new()),
-            Arc::new(ManualClock::new(now)),
-            config,
-        )
-        .unwrap(),
-    );
+    let clock = Arc::new(ManualClock::new(now));
+    let cluster = Arc::new(Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap());
     let auth = AuthConfig {
         admin_token: Some(ADMIN.into()),
         target_token: None,
     };
     let server = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
-    (server, cluster)
+    (server, cluster, clock)
 }
 
 /// A real target on loopback with one file device `d0` of
