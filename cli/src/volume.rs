@@ -75,6 +75,9 @@ pub struct CopyJobOut {
     pub rate_bytes_per_sec: u64,
     #[serde(default)]
     pub eta_s: Option<u64>,
+    /// Replace and move: where the copy goes (`target/device`).
+    #[serde(default)]
+    pub to: Option<String>,
 }
 
 /// One copy of `GET /v1/volumes/{uuid}/history`.
@@ -92,6 +95,9 @@ pub struct CopyHistoryOut {
     pub copy_started_ms: Option<u64>,
     pub finished_ms: Option<u64>,
     pub error: Option<String>,
+    /// Replace and move: where the copy went (`target/device`).
+    #[serde(default)]
+    pub to: Option<String>,
 }
 
 impl CopyHistoryOut {
@@ -117,27 +123,39 @@ impl VolumeOut {
 
     /// The STATE of extent `i`: ok, stale, or syncing with progress.
     fn extent_state(&self, i: u32) -> String {
-        if let Some(j) = self.copy_jobs.iter().find(|j| j.extent == i) {
-            if j.state != "copying" {
-                return format!("syncing ({}: {})", j.kind, j.state);
-            }
-            let mut s = format!(
-                "syncing {}% ({}, {}/s",
-                percent(j.bytes_copied, j.bytes_total),
-                j.kind,
-                format_iec(j.rate_bytes_per_sec)
-            );
-            if let Some(eta) = j.eta_s {
-                s.push_str(&format!(", ETA {eta}s"));
-            }
-            s.push(')');
-            return s;
-        }
-        if self.failed_extents.contains(&i) {
-            "stale".into()
+        let own = if self.failed_extents.contains(&i) {
+            "stale"
         } else {
-            "ok".into()
+            "ok"
+        };
+        let Some(j) = self.copy_jobs.iter().find(|j| j.extent == i) else {
+            return own.into();
+        };
+        // A copy filled in place is syncing; one moving keeps its own state
+        // until the swap.
+        let what = match &j.to {
+            Some(to) => format!("{own}, {} to {to}", j.kind),
+            None => "syncing".into(),
+        };
+        if j.state != "copying" {
+            let detail = if j.to.is_some() {
+                j.state.clone()
+            } else {
+                format!("{}: {}", j.kind, j.state)
+            };
+            return format!("{what} ({detail})");
         }
+        let mut s = format!(
+            "{what} {}% ({}, {}/s",
+            percent(j.bytes_copied, j.bytes_total),
+            j.kind,
+            format_iec(j.rate_bytes_per_sec)
+        );
+        if let Some(eta) = j.eta_s {
+            s.push_str(&format!(", ETA {eta}s"));
+        }
+        s.push(')');
+        s
     }
 }
 
@@ -703,7 +721,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             }
             let rows: Vec<CopyHistoryOut> = typed("history", &v)?;
             let mut t = table(&[
-                "ID", "EXTENT", "FROM", "KIND", "RESULT", "COPIED", "OF", "STARTED", "TOOK",
+                "ID", "EXTENT", "FROM", "KIND", "TO", "RESULT", "COPIED", "OF", "STARTED", "TOOK",
                 "RATE", "ERROR",
             ]);
             for r in &rows {
@@ -716,6 +734,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     r.extent.to_string(),
                     r.source.to_string(),
                     r.kind.clone(),
+                    r.to.clone().unwrap_or_else(|| "-".into()),
                     r.result.clone(),
                     format_iec(r.bytes_copied),
                     format_iec(r.bytes_total),
@@ -883,6 +902,39 @@ fn attached_hint(e: ClientError, fix: &str) -> ClientError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_states_say_what_a_copy_does() {
+        let job = |extent: u32, kind: &str, state: &str, to: Option<&str>| {
+            serde_json::json!({"id": 1, "extent": extent, "kind": kind, "state": state,
+                "bytes_total": 100, "bytes_copied": 42, "rate_bytes_per_sec": 1 << 20,
+                "eta_s": 3, "to": to})
+        };
+        let v: VolumeOut = serde_json::from_value(serde_json::json!({
+            "uuid": "6d1c7f3e-2a4b-4c8d-9e0f-1a2b3c4d5e6f", "name": "v", "size_bytes": 1,
+            "layout": {"type": "raid1", "copies": 2}, "status": "degraded",
+            "extent_bytes": 1, "created_ms": 0, "failed_extents": [1, 3, 5],
+            "copy_jobs": [
+                job(1, "resync-partial", "copying", None),
+                job(2, "move", "copying", Some("t4/d0")),
+                job(3, "replace", "switching", Some("t2/d0")),
+                job(5, "resync-full", "mirroring", None),
+            ],
+        }))
+        .unwrap();
+        assert_eq!(v.extent_state(0), "ok");
+        assert_eq!(
+            v.extent_state(1),
+            "syncing 42% (resync-partial, 1.0 MiB/s, ETA 3s)"
+        );
+        assert_eq!(
+            v.extent_state(2),
+            "ok, move to t4/d0 42% (move, 1.0 MiB/s, ETA 3s)"
+        );
+        assert_eq!(v.extent_state(3), "stale, replace to t2/d0 (switching)");
+        assert_eq!(v.extent_state(4), "ok");
+        assert_eq!(v.extent_state(5), "syncing (resync-full: mirroring)");
+    }
 
     fn args(layout: LayoutArg) -> CreateArgs {
         CreateArgs {
