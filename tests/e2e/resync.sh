@@ -14,7 +14,14 @@
 #      failed and redone), fio saw no error, copies agree;
 #  (e) a rolling restart of every target in turn, each from a fresh copy of
 #      the binary (an upgrade), waiting for the volume to be in sync before
-#      the next: zero I/O errors, zero verify failures, copies identical.
+#      the next: zero I/O errors, zero verify failures, copies identical;
+#  (b) a target killed for good: past the grace period (--replace-after)
+#      its copies are rebuilt on the other targets and swapped in, and the
+#      dead target is removed (--force);
+#  (c) a fifth target joins: `nvpool pool rebalance` moves data onto it
+#      while fio writes;
+#  (d) `nvpool target drain` empties a target while fio writes; `target
+#      ls` shows it drained and `target rm` removes it.
 #
 # Usage: tests/e2e/resync.sh [BIN_DIR]   (default target/release)
 set -uo pipefail
@@ -271,5 +278,132 @@ if dev=$(nvpool volume attach r10 --frontend fuse --host-nqn "$HOSTNQN") && [[ -
 else
     bad "roll: attach"
 fi
+
+# extents_on NAME TARGET: how many extents of NAME TARGET holds.
+extents_on() {
+    nvpool volume info "$1" -o json | jq --arg t "$2" '[.extents[] | select(.target == $t)] | length'
+}
+
+# none_on NAME TARGET: TARGET holds no extent of NAME.
+none_on() {
+    [[ $(extents_on "$1" "$2") -eq 0 ]]
+}
+
+# healed_off NAME TARGET: in sync, and nothing of NAME left on TARGET.
+healed_off() {
+    in_sync "$1" && none_on "$1" "$2"
+}
+
+# history_has NAME KIND: a copy of KIND completed on NAME.
+history_has() {
+    nvpool volume history "$1" -o json |
+        jq -e --arg k "$2" 'any(.[]; .kind == $k and .result == "done" and .bytes_copied > 0)' >/dev/null
+}
+
+# online TARGET: TARGET is registered and online.
+online() {
+    nvpool target ls -o json | jq -e --arg t "$1" 'any(.[]; .id == $t and .health == "online")' >/dev/null
+}
+
+# nothing_to_move: a rebalance plan would move nothing.
+nothing_to_move() {
+    nvpool pool rebalance --dry-run -o json | jq -e '.moves | length == 0' >/dev/null
+}
+
+# listed_drained TARGET: `target ls` shows TARGET drained.
+listed_drained() {
+    nvpool target ls | grep -E "[│| ]$1 .*drained" >/dev/null
+}
+
+# rm_refused TARGET: `target rm` refuses TARGET (it holds data).
+rm_refused() {
+    ! nvpool target rm "$1" 2>/dev/null
+}
+
+# used_on TARGET: bytes allocated on TARGET.
+used_on() {
+    nvpool target info "$1" -o json | jq '.capacity.used_bytes'
+}
+
+# fio_ok NAME LABEL: stop the fio loop and judge it.
+fio_ok() {
+    if stop_fio; then
+        ok "$2: fio verify=crc32c saw no error ($(rounds "$1") rounds)"
+    else
+        bad "$2: fio failed"
+        cat "$E2E_DIR/fio-$1.failed" 2>/dev/null
+    fi
+}
+
+# (b) a target gone for good: replaced after the grace period.
+log "replacement of a target that does not come back"
+CP_ARGS=(--replace-after 20s)
+restart_control_plane TERM || bad "control plane restarts with --replace-after 20s"
+dev=
+if dev=$(nvpool volume attach r1 --frontend fuse --host-nqn "$HOSTNQN") && [[ -b $dev ]]; then
+    start_fio replace "$dev"
+    sleep 2
+    victim=$(nvpool volume info r1 -o json | jq -r '.extents[1].target')
+    vi=${victim#t}
+    kill -9 "${TARGET_PIDS[vi]}"
+    wait "${TARGET_PIDS[vi]}" 2>/dev/null
+    log "replace: killed $victim for good"
+    check "replace: the host gives the dead copies up" wait_for 30 has_stale r1
+    check "replace: past the grace period the copies are rebuilt elsewhere" \
+        wait_for 180 healed_off r1 "$victim"
+    nvpool volume history r1 | head -6 || true
+    check "replace: the history says replace, done" history_has r1 replace
+    fio_ok replace replace
+    check "replace: nvpool volume verify finds the copies equal" nvpool volume verify r1
+else
+    bad "replace: attach"
+    dev=
+fi
+
+# (c) a fifth target joins: r10 (four targets per row) gets its copies on
+# the dead target rebuilt there, and a rebalance moves data onto it while
+# fio writes.
+log "a fifth target and a rebalance"
+start_target 4 2G
+check "rebalance: t4 registers" wait_for 30 online t4
+check "rebalance: r10's copies on the dead target are rebuilt on t4" \
+    wait_for 180 healed_off r10 "$victim"
+check "the dead $victim is removed (--force: it cannot be reconciled)" \
+    nvpool target rm "$victim" --force
+if [[ -b $dev ]]; then
+    start_fio rebalance "$dev"
+    nvpool pool rebalance --dry-run || true
+    before=$(used_on t4)
+    check "rebalance: nvpool pool rebalance --wait completes" nvpool pool rebalance --wait
+    after=$(used_on t4)
+    check "rebalance: data moved onto t4 ($before -> $after bytes)" test "$after" -gt "$before"
+    check "rebalance: a new plan moves nothing" nothing_to_move
+    nvpool target ls || true
+    fio_ok rebalance rebalance
+fi
+
+# (d) drain a target while fio writes, then remove it (r10 spans every
+# live target, four per row, so it goes first).
+log "drain and remove a target"
+check "drain: r10 deleted to make room" nvpool volume delete r10
+drainee=$(nvpool volume info r1 -o json | jq -r '.extents[0].target')
+if [[ -b $dev ]]; then
+    start_fio drain "$dev"
+    check "drain: nvpool target drain $drainee --wait" nvpool target drain "$drainee" --wait
+    nvpool target ls || true
+    check "drain: target ls shows $drainee drained" listed_drained "$drainee"
+    check "drain: r1 holds nothing on $drainee" none_on r1 "$drainee"
+    check "drain: the history says move, done" history_has r1 move
+    fio_ok drain drain
+    check "drain: nvpool volume verify finds the copies equal" nvpool volume verify r1
+    check "drain: detach" nvpool volume detach r1 --host-nqn "$HOSTNQN"
+    check "drain: copies byte-identical after replace, rebalance and drain" copies_identical r1
+    check "drain: $drainee is removed" wait_for 30 nvpool target rm "$drainee"
+    check "drain: a target holding data cannot be removed" \
+        rm_refused "$(nvpool volume info r1 -o json | jq -r '.extents[0].target')"
+else
+    bad "drain: no attached device"
+fi
+CP_ARGS=()
 
 summary
