@@ -8,52 +8,24 @@
 
 mod common;
 
-use common::{control_plane_clocked, target, Tgt, ADMIN, HOST, MIB};
+use common::{control_plane_clocked, file_range, target, wait_until, Tgt, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
-use nvpool_cli::resync::{new_session, CopyView, Watcher};
 use nvpool_control::api::ApiServer;
 use nvpool_control::heal::{self, HealConfig};
-use nvpool_control::plan::ConnectionPlan;
 use nvpool_control::Cluster;
 use nvpool_initiator::device::block_on;
-use nvpool_initiator::volume::{Volume, VolumeOptions};
-use serde::Deserialize;
+use nvpool_initiator::volume::Volume;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const EXTENT: u64 = 4 * MIB;
 const ROWS: u64 = 2;
 const CHUNK: u64 = 64 * 1024;
 const UUID: &str = "6d1c7f3e-2a4b-4c8d-9e0f-1a2b3c4d5e6f";
-
-#[derive(Deserialize)]
-struct AttachmentView {
-    plan: ConnectionPlan,
-    #[serde(flatten)]
-    copies: CopyView,
-}
-
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn file_range(path: &std::path::Path, offset: u64, len: u64) -> Vec<u8> {
-    use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; len as usize];
-    std::fs::File::open(path)
-        .unwrap()
-        .read_exact_at(&mut buf, offset)
-        .unwrap();
-    buf
-}
 
 fn chunk(seed: u64) -> Vec<u8> {
     (0..CHUNK)
@@ -74,39 +46,12 @@ struct Host {
 
 impl Host {
     fn attach(client: &Client) -> Host {
-        let base = format!(
-            "/v1/volumes/{UUID}/attachments/{}",
-            nvpool_cli::client::segment(HOST)
-        );
-        let (status, _): (u16, Value) = client.put_empty(&base).unwrap();
-        assert_eq!(status, 201);
-        let view: AttachmentView = client.get(&base).unwrap();
-        let opts = VolumeOptions {
-            failed_extents: view.copies.stale_at_open(),
-            syncing_extents: view.copies.syncing_at_open(),
-            moving: view.copies.moving_at_open(),
-            ctrl_loss_timeout: Some(Duration::from_millis(800)),
-            reconnect_delay: Duration::from_millis(100),
-            connect_timeout: Duration::from_millis(500),
-            ..VolumeOptions::default()
-        };
-        let volume = Arc::new(Volume::open(&view.plan, opts).unwrap());
         let stop = Arc::new(AtomicBool::new(false));
-        let watcher = Arc::new(Watcher::new(
-            client,
-            &UUID.parse().unwrap(),
-            HOST,
-            volume.clone(),
-            new_session(),
-            stop.clone(),
-        ));
-        watcher.register(view.copies.revision);
-        let first = view.copies.clone();
-        let watching = Some(std::thread::spawn(move || watcher.run(first)));
+        let served = common::serve(client, UUID, &stop);
         Host {
-            volume,
+            volume: served.volume,
             stop,
-            watching,
+            watching: Some(served.watching),
             writing: Arc::new(AtomicBool::new(false)),
             writer: None,
             written: Arc::default(),

@@ -6,52 +6,24 @@
 
 mod common;
 
-use common::{control_plane_with, target, ADMIN, HOST, MIB};
+use common::{control_plane_with, file_range, target, wait_until, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
-use nvpool_cli::resync::{new_session, CopyView, Watcher};
 use nvpool_cli::verify::{verify, VerifyOptions};
 use nvpool_control::heal::{self, HealConfig};
-use nvpool_control::plan::ConnectionPlan;
 use nvpool_initiator::device::block_on;
-use nvpool_initiator::volume::{CopyState, Volume, VolumeOptions};
-use serde::Deserialize;
+use nvpool_initiator::volume::CopyState;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Extents of 4 MiB: four resync regions each.
 const EXTENT: u64 = 4 * MIB;
-
-#[derive(Deserialize)]
-struct AttachmentView {
-    plan: ConnectionPlan,
-    #[serde(flatten)]
-    copies: CopyView,
-}
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
-}
-
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn file_range(path: &std::path::Path, offset: u64, len: u64) -> Vec<u8> {
-    use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; len as usize];
-    std::fs::File::open(path)
-        .unwrap()
-        .read_exact_at(&mut buf, offset)
-        .unwrap();
-    buf
 }
 
 #[test]
@@ -87,32 +59,8 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         "/v1/volumes/{uuid}/attachments/{}",
         nvpool_cli::client::segment(HOST)
     );
-    let (status, _): (u16, Value) = client.put_empty(&base).unwrap();
-    assert_eq!(status, 201);
-    let view: AttachmentView = client.get(&base).unwrap();
-
     // Serve it as `nvpool volume serve` does.
-    let opts = VolumeOptions {
-        failed_extents: view.copies.stale_at_open(),
-        syncing_extents: view.copies.syncing_at_open(),
-        ctrl_loss_timeout: Some(Duration::from_millis(800)),
-        reconnect_delay: Duration::from_millis(100),
-        connect_timeout: Duration::from_millis(500),
-        ..VolumeOptions::default()
-    };
-    let volume = Arc::new(Volume::open(&view.plan, opts).unwrap());
-    let watcher = Arc::new(Watcher::new(
-        &client,
-        &uuid.parse().unwrap(),
-        HOST,
-        volume.clone(),
-        new_session(),
-        stop.clone(),
-    ));
-    watcher.register(view.copies.revision);
-    let w = watcher.clone();
-    let first = view.copies.clone();
-    let watching = std::thread::spawn(move || w.run(first));
+    let common::Served { volume, watching } = common::serve(&client, uuid, &stop);
 
     // Pattern A everywhere.
     let vol_bytes = 2 * EXTENT as usize;

@@ -111,11 +111,7 @@ impl Cluster {
         for (uuid, v) in &s.volumes {
             let v = &v.value;
             let cs = s.copy_state(uuid);
-            let failed: BTreeSet<u32> = s
-                .failed_copies
-                .get(uuid)
-                .map(|f| f.value.extents.iter().copied().collect())
-                .unwrap_or_default();
+            let failed = s.failed_set(uuid);
             for (i, e) in v.extents.iter().enumerate() {
                 let slot = i as u32;
                 if cs.job_on(slot).is_some() {
@@ -128,12 +124,7 @@ impl Cluster {
                 if !gone && !draining {
                     continue;
                 }
-                let recent_failure = cs.history.iter().rev().any(|r| {
-                    r.extent == slot
-                        && r.error.is_some()
-                        && now.saturating_sub(r.finished_ms) < retry_ms
-                });
-                if recent_failure {
+                if cs.failed_recently(slot, now, retry_ms) {
                     continue;
                 }
                 let Some(source) = s.source_for(v, &cs, &failed, slot, !gone, &online) else {
@@ -257,11 +248,7 @@ impl Cluster {
                 continue;
             };
             let cs = s.copy_state(&m.volume);
-            let failed: BTreeSet<u32> = s
-                .failed_copies
-                .get(&m.volume)
-                .map(|f| f.value.extents.iter().copied().collect())
-                .unwrap_or_default();
+            let failed = s.failed_set(&m.volume);
             let Some(source) = s.source_for(&v.value, &cs, &failed, m.extent, true, &online) else {
                 continue;
             };
@@ -303,7 +290,7 @@ impl Cluster {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::limits::EXTENT_BYTES_MIN;
@@ -316,7 +303,8 @@ mod tests {
     const E: u64 = EXTENT_BYTES_MIN;
     const H1: &str = "nqn.2014-08.org.nvmexpress:uuid:host-1";
 
-    fn register(c: &Cluster, i: u32, capacity_extents: u64) {
+    /// Registers target `t{i}` with one device `d0` of `capacity_bytes`.
+    pub(crate) fn register(c: &Cluster, i: u32, capacity_bytes: u64) {
         c.register_target(&TargetRegistration {
             id: format!("t{i}"),
             name: format!("t{i}"),
@@ -326,7 +314,7 @@ mod tests {
             devices: vec![Device {
                 id: "d0".into(),
                 backend: "file:/dev/null".into(),
-                capacity_bytes: capacity_extents * E,
+                capacity_bytes,
                 labels: BTreeMap::new(),
             }],
         })
@@ -342,8 +330,8 @@ mod tests {
             ..StateConfig::default()
         };
         let c = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
-        register(&c, 0, 8);
-        register(&c, 1, 8);
+        register(&c, 0, 8 * E);
+        register(&c, 1, 8 * E);
         let uuid = Uuid([9; 16]);
         c.create_volume(&VolumeSpec {
             uuid,
@@ -353,7 +341,7 @@ mod tests {
             pool: None,
         })
         .unwrap();
-        register(&c, 2, 8);
+        register(&c, 2, 8 * E);
         c.begin_attach(&uuid, H1).unwrap();
         c.finish_attach(&uuid, H1).unwrap();
         (c, clock, uuid)

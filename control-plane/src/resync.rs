@@ -299,6 +299,13 @@ impl CopyState {
         }
     }
 
+    /// Whether a job on copy `extent` failed less than `retry_ms` ago.
+    pub fn failed_recently(&self, extent: u32, now: u64, retry_ms: u64) -> bool {
+        self.history.iter().rev().any(|r| {
+            r.extent == extent && r.error.is_some() && now.saturating_sub(r.finished_ms) < retry_ms
+        })
+    }
+
     fn push_history(&mut self, r: CopyRecord) {
         self.history.push(r);
         let excess = self.history.len().saturating_sub(COPY_HISTORY_MAX);
@@ -368,6 +375,40 @@ impl Snapshot {
             .filter(|a| !a.value.host_nqn.starts_with(VERIFIER_NQN_PREFIX))
             .map(|a| a.value.host_nqn.clone())
             .collect()
+    }
+
+    /// The volume's stale copies.
+    pub fn failed_set(&self, volume: &Uuid) -> BTreeSet<u32> {
+        self.failed_copies
+            .get(volume)
+            .map(|f| f.value.extents.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// The condition that the volume's failed copies are as read, and the
+    /// op that makes them `extents` (deleting the record when empty).
+    pub(crate) fn failed_copies_txn(
+        &self,
+        volume: &Uuid,
+        extents: BTreeSet<u32>,
+    ) -> (Condition, Op) {
+        let key = ak::failed_copies(volume);
+        let cond = match self.failed_copies.get(volume) {
+            Some(f) => Condition::VersionIs(key.clone(), f.version),
+            None => Condition::Missing(key.clone()),
+        };
+        let op = if extents.is_empty() {
+            Op::Delete(key)
+        } else {
+            Op::Put(
+                key,
+                encode(&FailedCopies {
+                    volume: *volume,
+                    extents: extents.into_iter().collect(),
+                }),
+            )
+        };
+        (cond, op)
     }
 
     /// The new extents of replace and move jobs under way, with their
@@ -694,12 +735,7 @@ impl Cluster {
                 if cs.job_on(e).is_some() || !online(&ext.target) {
                     continue;
                 }
-                let recent_failure = cs.history.iter().rev().any(|r| {
-                    r.extent == e
-                        && r.error.is_some()
-                        && now.saturating_sub(r.finished_ms) < retry_ms
-                });
-                if recent_failure {
+                if cs.failed_recently(e, now, retry_ms) {
                     continue;
                 }
                 let group = e / copies * copies;
@@ -1066,35 +1102,14 @@ impl Cluster {
             // Exports that may outlive the records, by target.
             let mut leftover: BTreeMap<String, Vec<Export>> = BTreeMap::new();
             if error.is_none() {
+                // A host that could not write the new extent while others
+                // read it leaves it stale, what it missed unknown.
                 let in_sync = !j.failed_while_switching;
-                let failed_now = s
-                    .failed_copies
-                    .get(volume)
-                    .is_some_and(|f| f.value.extents.contains(&j.extent));
-                if !in_sync && !failed_now {
-                    // Some host could not write the new extent: stale, and
-                    // what it missed is unknown.
-                    let key = ak::failed_copies(volume);
-                    let mut extents: Vec<u32> = s
-                        .failed_copies
-                        .get(volume)
-                        .map(|f| f.value.extents.clone())
-                        .unwrap_or_default();
-                    extents.push(j.extent);
-                    extents.sort_unstable();
-                    conds.push(match s.failed_copies.get(volume) {
-                        Some(f) => Condition::VersionIs(key.clone(), f.version),
-                        None => Condition::Missing(key.clone()),
-                    });
-                    ops.push(Op::Put(
-                        key,
-                        encode(&FailedCopies {
-                            volume: *volume,
-                            extents,
-                        }),
-                    ));
-                }
-                if !in_sync {
+                let mut failed = s.failed_set(volume);
+                let changed = if in_sync {
+                    cs.missed.remove(&j.extent);
+                    failed.remove(&j.extent)
+                } else {
                     cs.missed.insert(
                         j.extent,
                         Missed {
@@ -1103,31 +1118,12 @@ impl Cluster {
                             owed: BTreeSet::new(),
                         },
                     );
-                }
-                if in_sync {
-                    cs.missed.remove(&j.extent);
-                    if let Some(f) = s.failed_copies.get(volume) {
-                        let key = ak::failed_copies(volume);
-                        conds.push(Condition::VersionIs(key.clone(), f.version));
-                        let rest: Vec<u32> = f
-                            .value
-                            .extents
-                            .iter()
-                            .copied()
-                            .filter(|&e| e != j.extent)
-                            .collect();
-                        if rest.is_empty() {
-                            ops.push(Op::Delete(key));
-                        } else {
-                            ops.push(Op::Put(
-                                key,
-                                encode(&FailedCopies {
-                                    volume: *volume,
-                                    extents: rest,
-                                }),
-                            ));
-                        }
-                    }
+                    failed.insert(j.extent)
+                };
+                if changed {
+                    let (c, o) = s.failed_copies_txn(volume, failed);
+                    conds.push(c);
+                    ops.push(o);
                 }
                 let slot = j.extent as usize;
                 let old = v.extents[slot].clone();
@@ -1225,11 +1221,7 @@ impl Cluster {
         self.change_copy_state(volume, |s, cs, conds, ops| {
             let v = &s.volumes[volume].value;
             check_extent(v, extent)?;
-            let failed: BTreeSet<u32> = s
-                .failed_copies
-                .get(volume)
-                .map(|f| f.value.extents.iter().copied().collect())
-                .unwrap_or_default();
+            let mut failed = s.failed_set(volume);
             if failed.contains(&extent) {
                 return Ok(None);
             }
@@ -1244,20 +1236,10 @@ impl Cluster {
                     extent,
                 });
             }
-            let key = ak::failed_copies(volume);
-            let mut extents: Vec<u32> = failed.into_iter().chain([extent]).collect();
-            extents.sort_unstable();
-            conds.push(match s.failed_copies.get(volume) {
-                Some(f) => Condition::VersionIs(key.clone(), f.version),
-                None => Condition::Missing(key.clone()),
-            });
-            ops.push(Op::Put(
-                key,
-                encode(&FailedCopies {
-                    volume: *volume,
-                    extents,
-                }),
-            ));
+            failed.insert(extent);
+            let (c, o) = s.failed_copies_txn(volume, failed);
+            conds.push(c);
+            ops.push(o);
             cs.missed.insert(
                 extent,
                 Missed {
@@ -1347,8 +1329,8 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::limits::EXTENT_BYTES_MIN;
-    use crate::model::{Device, Layout, VolumeSpec};
-    use crate::state::{StateConfig, TargetRegistration};
+    use crate::model::{Layout, VolumeSpec};
+    use crate::state::StateConfig;
     use crate::store::MemStore;
     use std::sync::Arc;
 
@@ -1367,20 +1349,7 @@ mod tests {
         };
         let c = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
         for i in 0..2 {
-            c.register_target(&TargetRegistration {
-                id: format!("t{i}"),
-                name: format!("t{i}"),
-                addr: format!("127.0.0.1:{}", 4420 + i).parse().unwrap(),
-                admin_addr: format!("127.0.0.1:{}", 4480 + i).parse().unwrap(),
-                labels: BTreeMap::new(),
-                devices: vec![Device {
-                    id: "d0".into(),
-                    backend: "file:/dev/null".into(),
-                    capacity_bytes: 64 * E,
-                    labels: BTreeMap::new(),
-                }],
-            })
-            .unwrap();
+            crate::moves::tests::register(&c, i, 64 * E);
         }
         let uuid = Uuid([7; 16]);
         c.create_volume(&VolumeSpec {

@@ -14,12 +14,10 @@ use common::volumes::{read_check, write};
 use common::*;
 use nvpool_control::plan::{LayoutBody, RESYNC_REGION_BYTES};
 use nvpool_initiator::device::block_on;
-use nvpool_initiator::volume::ExtentFailure;
 use nvpool_initiator::{CopyState, Error, IoError, MovingCopy, Volume, VolumeOptions};
 use nvpool_target::backend::FaultConfig;
 use nvpool_wire::Status;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 const EXTENT: u64 = 4 * MIB;
 const REGION: u64 = RESYNC_REGION_BYTES;
@@ -28,21 +26,6 @@ const _: () = assert!(EXTENT == 4 * REGION);
 
 fn raid1() -> LayoutBody {
     LayoutBody::Raid1 { copies: 2 }
-}
-
-type Reports = Arc<Mutex<Vec<ExtentFailure>>>;
-
-/// Options that collect every failure report.
-fn reporting(base: VolumeOptions) -> (VolumeOptions, Reports) {
-    let reports: Reports = Arc::default();
-    let r = reports.clone();
-    let o = VolumeOptions {
-        on_extent_failed: Some(Arc::new(move |f: &ExtentFailure| {
-            r.lock().unwrap().push(f.clone())
-        })),
-        ..base
-    };
-    (o, reports)
 }
 
 fn with(failed: &[usize], moving: Vec<MovingCopy>) -> VolumeOptions {
@@ -67,34 +50,6 @@ fn zeroes(len: u64) -> Vec<u8> {
 #[track_caller]
 fn invalid<T: std::fmt::Debug>(r: Result<T, Error>, what: &str) {
     assert!(matches!(r, Err(Error::Invalid(_))), "{what}: {r:?}");
-}
-
-/// Reads `n` times at `off` through the volume: how many returned `a`,
-/// how many `b` (anything else fails the test).
-#[track_caller]
-fn reads_seeing(v: &Volume, off: u64, a: &[u8], b: &[u8], n: usize) -> (usize, usize) {
-    let mut seen = (0, 0);
-    for _ in 0..n {
-        let (r, got) = block_on(v.read(off, vec![0xEE; a.len()]));
-        r.unwrap_or_else(|e| panic!("read at {off}: {e}"));
-        if got == a {
-            seen.0 += 1;
-        } else if got == b {
-            seen.1 += 1;
-        } else {
-            panic!("a read at {off} returned the bytes of neither copy");
-        }
-    }
-    seen
-}
-
-/// Sets the flag when the scope unwinds, so writer threads end.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
-    }
 }
 
 /// Slots of [`SLOT`] bytes at the start of the volume, rewritten by

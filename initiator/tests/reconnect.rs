@@ -278,15 +278,6 @@ fn target_restart_during_io_is_invisible() {
     check_file(&path, &acked);
 }
 
-/// Sets the stop flag when a test assertion unwinds, so the writers end.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
 #[test]
 fn target_gone_for_good_fails_io_with_controller_lost() {
     let t = Tgt::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);

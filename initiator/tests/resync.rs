@@ -13,12 +13,11 @@ use common::volumes::{read_check, write};
 use common::*;
 use nvpool_control::plan::{LayoutBody, RESYNC_REGION_BYTES};
 use nvpool_initiator::device::block_on;
-use nvpool_initiator::volume::{Connections, ExtentFailure};
+use nvpool_initiator::volume::Connections;
 use nvpool_initiator::{CopyState, Error, IoError, MissedRegions, Volume, VolumeOptions};
 use nvpool_target::backend::FaultConfig;
 use nvpool_wire::Status;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const EXTENT: u64 = 4 * MIB;
@@ -37,51 +36,10 @@ fn missed(regions: &[u32], complete: bool) -> MissedRegions {
     }
 }
 
-type Reports = Arc<Mutex<Vec<ExtentFailure>>>;
-
-/// Options that collect every failure report.
-fn reporting(base: VolumeOptions) -> (VolumeOptions, Reports) {
-    let reports: Reports = Arc::default();
-    let r = reports.clone();
-    let o = VolumeOptions {
-        on_extent_failed: Some(Arc::new(move |f: &ExtentFailure| {
-            r.lock().unwrap().push(f.clone())
-        })),
-        ..base
-    };
-    (o, reports)
-}
-
 fn failed_at_open(failed: &[usize]) -> VolumeOptions {
     VolumeOptions {
         failed_extents: failed.to_vec(),
         ..volume_opts()
-    }
-}
-
-#[track_caller]
-fn reads_seeing(v: &Volume, off: u64, a: &[u8], b: &[u8], n: usize) -> (usize, usize) {
-    let mut seen = (0, 0);
-    for _ in 0..n {
-        let (r, got) = block_on(v.read(off, vec![0xEE; a.len()]));
-        r.unwrap_or_else(|e| panic!("read at {off}: {e}"));
-        if got == a {
-            seen.0 += 1;
-        } else if got == b {
-            seen.1 += 1;
-        } else {
-            panic!("a read at {off} returned the bytes of neither copy");
-        }
-    }
-    seen
-}
-
-/// Sets the flag when the scope unwinds, so writer threads end.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
     }
 }
 

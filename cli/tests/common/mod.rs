@@ -5,14 +5,20 @@
 // Each test file uses its own part of this module.
 #![allow(dead_code)]
 
+use nvpool_cli::client::Client;
+use nvpool_cli::resync::{new_session, CopyView, Watcher};
 use nvpool_control::api::{ApiServer, AuthConfig};
+use nvpool_control::plan::ConnectionPlan;
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
+use nvpool_initiator::volume::{Volume, VolumeOptions};
 use nvpool_target::{Running, StartOptions, Target};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub const MIB: u64 = 1 << 20;
 pub const ADMIN: &str = "admin-secret";
@@ -140,4 +146,76 @@ impl Tgt {
             .unwrap();
         assert_eq!(r.status().as_u16(), 200);
     }
+}
+
+#[derive(serde::Deserialize)]
+struct AttachmentView {
+    plan: ConnectionPlan,
+    #[serde(flatten)]
+    copies: CopyView,
+}
+
+/// A volume attached to `HOST` and served as `nvpool volume serve` does:
+/// the engine opened from the attachment (stale, syncing and moving copies
+/// as listed) and the copy watcher running until `stop` is set.
+pub struct Served {
+    pub volume: Arc<Volume>,
+    pub watching: std::thread::JoinHandle<()>,
+}
+
+pub fn serve(client: &Client, uuid: &str, stop: &Arc<AtomicBool>) -> Served {
+    let base = format!(
+        "/v1/volumes/{uuid}/attachments/{}",
+        nvpool_cli::client::segment(HOST)
+    );
+    let (status, _): (u16, serde_json::Value) = client
+        .put_empty(&base)
+        .unwrap_or_else(|e| panic!("attaching {uuid}: {e}"));
+    assert_eq!(status, 201);
+    let view: AttachmentView = client.get(&base).unwrap();
+    let opts = VolumeOptions {
+        failed_extents: view.copies.stale_at_open(),
+        syncing_extents: view.copies.syncing_at_open(),
+        moving: view.copies.moving_at_open(),
+        ctrl_loss_timeout: Some(Duration::from_millis(800)),
+        reconnect_delay: Duration::from_millis(100),
+        connect_timeout: Duration::from_millis(500),
+        ..VolumeOptions::default()
+    };
+    let volume = Arc::new(Volume::open(&view.plan, opts).unwrap());
+    let watcher = Watcher::new(
+        client,
+        &uuid.parse().unwrap(),
+        HOST,
+        volume.clone(),
+        new_session(),
+        stop.clone(),
+    );
+    watcher.register(view.copies.revision);
+    let first = view.copies.clone();
+    let watching = std::thread::spawn(move || watcher.run(first));
+    Served { volume, watching }
+}
+
+/// Polls `f` every 100 ms until it holds; fails the test after `secs`.
+pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `len` bytes of a file at `offset` (a target's device, read directly).
+pub fn file_range(path: &std::path::Path, offset: u64, len: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len as usize];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, offset)
+        .unwrap();
+    buf
 }

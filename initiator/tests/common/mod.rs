@@ -31,6 +31,15 @@ pub const RAM_BLOCKS: u64 = (16 << 20) / 512;
 pub const WAIT: Duration = Duration::from_secs(15);
 
 /// A subsystem with the given allowed hosts (none: any host) and namespaces.
+/// Sets the stop flag when a test assertion unwinds, so writer threads end.
+pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
 pub fn subsystem(nqn: &str, hosts: &[&str], namespaces: &[(u32, &str)]) -> SubsystemConfig {
     SubsystemConfig {
         nqn: nqn.to_owned(),

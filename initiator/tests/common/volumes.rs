@@ -307,3 +307,37 @@ pub fn read_check(v: &Volume, model: &[u8], off: u64, len: u64) {
         &format!("volume bytes {off}+{len}"),
     );
 }
+
+/// Reads `n` times at `off` through the volume: how many returned `a`,
+/// how many `b` (anything else fails the test).
+#[track_caller]
+pub fn reads_seeing(v: &Volume, off: u64, a: &[u8], b: &[u8], n: usize) -> (usize, usize) {
+    let mut seen = (0, 0);
+    for _ in 0..n {
+        let (r, got) = block_on(v.read(off, vec![0xEE; a.len()]));
+        r.unwrap_or_else(|e| panic!("read at {off}: {e}"));
+        if got == a {
+            seen.0 += 1;
+        } else if got == b {
+            seen.1 += 1;
+        } else {
+            panic!("a read at {off} returned the bytes of neither copy");
+        }
+    }
+    seen
+}
+
+pub type Reports = std::sync::Arc<std::sync::Mutex<Vec<nvpool_initiator::volume::ExtentFailure>>>;
+
+/// Options that collect every failure report.
+pub fn reporting(base: VolumeOptions) -> (VolumeOptions, Reports) {
+    let reports: Reports = Arc::default();
+    let r = reports.clone();
+    let o = VolumeOptions {
+        on_extent_failed: Some(Arc::new(
+            move |f: &nvpool_initiator::volume::ExtentFailure| r.lock().unwrap().push(f.clone()),
+        )),
+        ..base
+    };
+    (o, reports)
+}
