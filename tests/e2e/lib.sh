@@ -4,9 +4,12 @@
 # the release binaries).
 
 E2E_DIR=${E2E_DIR:-$(mktemp -d /var/tmp/nvpool-e2e.XXXXXX)}
-CP_PORT=${CP_PORT:-34430}
-TARGET_PORT_BASE=${TARGET_PORT_BASE:-34420}
-ADMIN_PORT_BASE=${ADMIN_PORT_BASE:-34480}
+# Ports below the kernel's ephemeral range (32768 and up by default): a
+# target started late in a run must not find its port taken as the local
+# end of some client connection.
+CP_PORT=${CP_PORT:-14430}
+TARGET_PORT_BASE=${TARGET_PORT_BASE:-14420}
+ADMIN_PORT_BASE=${ADMIN_PORT_BASE:-14480}
 export NVPOOL_ENDPOINT=http://127.0.0.1:$CP_PORT
 export NVPOOL_RUN_DIR=$E2E_DIR/run
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:6e76706f-6f6c-4e00-8000-653265000001

@@ -27,7 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=$(cd "${1:-target/release}" && pwd)
-CP_PORT=34530 TARGET_PORT_BASE=34520 ADMIN_PORT_BASE=34580
+CP_PORT=14530 TARGET_PORT_BASE=14520 ADMIN_PORT_BASE=14580
 EXTENT_BYTES=$((64 << 20))
 source tests/e2e/lib.sh
 
