@@ -187,12 +187,15 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
             }
         }
     }
-    let mut busy: std::collections::BTreeSet<(Uuid, u32)> = Default::default();
+    // Copies a job started on this round: a later candidate for the same
+    // copy (a stale copy on a draining target is both) is the fallback
+    // when the first found no room, never a second job.
+    let mut started: std::collections::BTreeSet<(Uuid, u32)> = Default::default();
     for c in candidates {
         let Some(v) = s.volumes.get(&c.volume) else {
             continue;
         };
-        if !busy.insert((c.volume, c.extent)) {
+        if started.contains(&(c.volume, c.extent)) {
             continue;
         }
         // Where the copy lands, when known before placing it.
@@ -232,6 +235,7 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
             }
             Err(e) => return Err(e),
         };
+        started.insert((c.volume, c.extent));
         if let Some(e) = job.dest_extent(&v.value) {
             *per_target.entry(e.target.clone()).or_default() += 1;
         }
