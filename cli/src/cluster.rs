@@ -400,6 +400,7 @@ pub enum PoolCmd {
     /// others (new ones included), online; without NAME, every pool and the
     /// devices in none.
     Rebalance {
+        /// The pool (default: every pool, and the devices in none).
         name: Option<String>,
         /// Only print what would move.
         #[arg(long)]
