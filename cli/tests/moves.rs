@@ -11,7 +11,6 @@ mod common;
 use common::{control_plane_clocked, file_range, target, wait_until, Tgt, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
 use nvpool_control::api::ApiServer;
-use nvpool_control::heal::{self, HealConfig};
 use nvpool_control::Cluster;
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::Volume;
@@ -106,23 +105,6 @@ impl Drop for Host {
     }
 }
 
-fn healer(cluster: &Arc<Cluster>, replace_after_ms: u64) -> Arc<AtomicBool> {
-    let stop = Arc::new(AtomicBool::new(false));
-    heal::spawn(
-        cluster.clone(),
-        HealConfig {
-            interval: Duration::from_millis(100),
-            rate_bytes_per_sec: 0,
-            retry_ms: 0,
-            confirm_timeout_ms: 30_000,
-            replace_after_ms,
-        },
-        stop.clone(),
-    )
-    .unwrap();
-    stop
-}
-
 fn volume(client: &Client) -> Value {
     client.get(&format!("/v1/volumes/{UUID}")).unwrap()
 }
@@ -175,7 +157,7 @@ fn create(client: &Client) {
 #[test]
 fn rebalance_fills_new_targets_and_drain_empties_one_while_the_host_writes() {
     let (cp, cluster, _clock, client) = setup();
-    let stop = healer(&cluster, 600_000);
+    let (stop, _healing) = common::healer(&cluster, 600_000);
     let t0 = target(&cp, "t0");
     let t1 = target(&cp, "t1");
     create(&client);
@@ -249,7 +231,7 @@ fn copies_of_a_target_gone_past_the_grace_period_are_replaced() {
     let mut t1 = target(&cp, "t1");
     create(&client);
     let t2 = target(&cp, "t2");
-    let stop = healer(&cluster, 60_000);
+    let (stop, _healing) = common::healer(&cluster, 60_000);
     let mut host = Host::attach(&client);
     host.start_writing();
     std::thread::sleep(Duration::from_millis(200));

@@ -9,13 +9,11 @@ mod common;
 use common::{control_plane_with, file_range, target, wait_until, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
 use nvpool_cli::verify::{verify, VerifyOptions};
-use nvpool_control::heal::{self, HealConfig};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::CopyState;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Extents of 4 MiB: four resync regions each.
 const EXTENT: u64 = 4 * MIB;
@@ -29,19 +27,8 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
 #[test]
 fn a_stale_copy_heals_partially_while_the_host_writes() {
     let (cp, cluster) = control_plane_with(EXTENT);
-    let stop = Arc::new(AtomicBool::new(false));
-    let healer = heal::spawn(
-        cluster.clone(),
-        HealConfig {
-            interval: Duration::from_millis(100),
-            rate_bytes_per_sec: 0,
-            retry_ms: 0,
-            confirm_timeout_ms: 30_000,
-            ..HealConfig::default()
-        },
-        stop.clone(),
-    )
-    .unwrap();
+    // Replacement never comes into it: the target comes back.
+    let (stop, healer) = common::healer(&cluster, 600_000);
     let mut targets = [target(&cp, "t0"), target(&cp, "t1")];
     let client = Client::new(&format!("http://{}", cp.addr), Some(ADMIN.into())).unwrap();
 

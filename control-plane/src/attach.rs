@@ -533,19 +533,7 @@ impl Cluster {
             return Ok(());
         }
         let key = Self::attachment_key_checks(volume, host)?;
-        self.retry(|| {
-            let Some(kv) = self.store().get(&key)? else {
-                return Ok(Attempt::Done(()));
-            };
-            let ops = [Op::Delete(key.clone())];
-            Ok(
-                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
-                    Attempt::Done(())
-                } else {
-                    Attempt::Retry
-                },
-            )
-        })
+        self.delete_if_present(&key)
     }
 
     /// Marks an attachment `detaching` and returns it with its volume and

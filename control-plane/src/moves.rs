@@ -193,20 +193,7 @@ impl Cluster {
 
     /// Forgets the request for `pool` (it is done).
     pub fn end_rebalance(&self, pool: Option<&str>) -> Result<(), StateError> {
-        let key = rebalance_key(pool);
-        self.retry(|| {
-            let Some(kv) = self.store().get(&key)? else {
-                return Ok(Attempt::Done(()));
-            };
-            let ops = [Op::Delete(key.clone())];
-            Ok(
-                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
-                    Attempt::Done(())
-                } else {
-                    Attempt::Retry
-                },
-            )
-        })
+        self.delete_if_present(&rebalance_key(pool))
     }
 
     /// The moves that would even out `pool` now, in order, given the jobs
@@ -303,6 +290,18 @@ pub(crate) mod tests {
     const E: u64 = EXTENT_BYTES_MIN;
     const H1: &str = "nqn.2014-08.org.nvmexpress:uuid:host-1";
 
+    /// A cluster on a memory store with `extent_bytes` extents and a
+    /// manual clock.
+    pub(crate) fn cluster(extent_bytes: u64) -> (Cluster, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let config = StateConfig {
+            extent_bytes,
+            ..StateConfig::default()
+        };
+        let c = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+        (c, clock)
+    }
+
     /// Registers target `t{i}` with one device `d0` of `capacity_bytes`.
     pub(crate) fn register(c: &Cluster, i: u32, capacity_bytes: u64) {
         c.register_target(&TargetRegistration {
@@ -324,12 +323,7 @@ pub(crate) mod tests {
     /// Three targets, a raid1 volume of two rows (4 extents) on t0 and t1,
     /// attached to H1.
     fn fixture() -> (Cluster, Arc<ManualClock>, Uuid) {
-        let clock = Arc::new(ManualClock::new(1_000_000));
-        let config = StateConfig {
-            extent_bytes: E,
-            ..StateConfig::default()
-        };
-        let c = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+        let (c, clock) = cluster(E);
         register(&c, 0, 8 * E);
         register(&c, 1, 8 * E);
         let uuid = Uuid([9; 16]);

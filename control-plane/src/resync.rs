@@ -1330,8 +1330,6 @@ mod tests {
     use crate::clock::ManualClock;
     use crate::limits::EXTENT_BYTES_MIN;
     use crate::model::{Layout, VolumeSpec};
-    use crate::state::StateConfig;
-    use crate::store::MemStore;
     use std::sync::Arc;
 
     /// Four resync regions per extent.
@@ -1342,12 +1340,7 @@ mod tests {
     /// Two targets, a two-copy raid1 volume of 4 extents' size (8
     /// extents), attached to H1 and H2.
     fn fixture() -> (Cluster, Arc<ManualClock>, Uuid) {
-        let clock = Arc::new(ManualClock::new(1_000_000));
-        let config = StateConfig {
-            extent_bytes: E,
-            ..StateConfig::default()
-        };
-        let c = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+        let (c, clock) = crate::moves::tests::cluster(E);
         for i in 0..2 {
             crate::moves::tests::register(&c, i, 64 * E);
         }

@@ -407,6 +407,22 @@ impl Cluster {
         &self.config
     }
 
+    /// Deletes `key` if it is there (whatever its version when read),
+    /// retrying on contention.
+    pub(crate) fn delete_if_present(&self, key: &str) -> Result<(), StateError> {
+        self.retry(|| {
+            let Some(kv) = self.store.get(key)? else {
+                return Ok(Attempt::Done(()));
+            };
+            let cond = [Condition::VersionIs(key.to_owned(), kv.version)];
+            Ok(if self.commit(&cond, &[Op::Delete(key.to_owned())])? {
+                Attempt::Done(())
+            } else {
+                Attempt::Retry
+            })
+        })
+    }
+
     /// Copy rate of each copy job, bytes per second (0: unthrottled).
     pub fn rebuild_rate(&self) -> u64 {
         self.config.rebuild_rate_bytes_per_sec

@@ -219,3 +219,27 @@ pub fn file_range(path: &std::path::Path, offset: u64, len: u64) -> Vec<u8> {
         .unwrap();
     buf
 }
+
+/// The heal loop on `cluster`, quick (100 ms rounds, unthrottled, retries
+/// at once), replacing copies of targets gone for `replace_after_ms`; it
+/// runs until the returned flag is set.
+pub fn healer(
+    cluster: &Arc<Cluster>,
+    replace_after_ms: u64,
+) -> (Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+    use nvpool_control::heal::{self, HealConfig};
+    let stop = Arc::new(AtomicBool::new(false));
+    let handle = heal::spawn(
+        cluster.clone(),
+        HealConfig {
+            interval: Duration::from_millis(100),
+            rate_bytes_per_sec: 0,
+            retry_ms: 0,
+            confirm_timeout_ms: 30_000,
+            replace_after_ms,
+        },
+        stop.clone(),
+    )
+    .unwrap();
+    (stop, handle)
+}
