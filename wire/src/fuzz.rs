@@ -26,8 +26,8 @@ use crate::identify::{
     IdentifyController, IdentifyNamespace, IDENTIFY_LEN,
 };
 use crate::log::{
-    decode_discovery_header, encode_discovery_log, DiscoveryEntry, ErrorEntry, GetLogPage,
-    DISC_ENTRY_LEN, DISC_HEADER_LEN, ERROR_ENTRY_LEN,
+    decode_discovery_header, encode_discovery_log, AnaLog, DiscoveryEntry, ErrorEntry, GetLogPage,
+    ANA_DESC_LEN, ANA_HEADER_LEN, DISC_ENTRY_LEN, DISC_HEADER_LEN, ERROR_ENTRY_LEN,
 };
 use crate::sqe::{admin, sgl_id, Direction, Sgl, SQE_LEN};
 use crate::tcp::{
@@ -81,7 +81,12 @@ pub const TARGETS: &[Target] = &[
     target("discovery_header", discovery_header, DISC_HEADER_LEN),
     target("error_entry", error_entry, ERROR_ENTRY_LEN),
     target("status", status, 2),
+    target("ana_log", ana_log, ANA_LOG_FUZZ_LEN),
 ];
+
+/// Input size the `ana_log` target is exercised around: a header and two
+/// descriptors listing eight NSIDs between them. The log has no fixed size.
+const ANA_LOG_FUZZ_LEN: usize = ANA_HEADER_LEN + 2 * ANA_DESC_LEN + 8 * 4;
 
 /// Every digest selection ICReq/ICResp can negotiate.
 const DIGEST_CHOICES: [Digests; 4] = [
@@ -473,8 +478,9 @@ pub fn identify_namespace(data: &[u8]) {
     let mut out = [0u8; IDENTIFY_LEN];
     n.encode(&mut out);
     assert_eq!(IdentifyNamespace::decode(&out), Ok(n));
-    // NSZE, NCAP, NUSE, NSFEAT; NGUID and EUI64, byte for byte.
+    // NSZE, NCAP, NUSE, NSFEAT; ANAGRPID; NGUID and EUI64, byte for byte.
     assert_eq!(&out[..25], &data[..25]);
+    assert_eq!(&out[92..96], &data[92..96]);
     assert_eq!(&out[104..128], &data[104..128]);
 }
 
@@ -581,8 +587,55 @@ pub fn status(data: &[u8]) {
     assert_eq!(s.to_wire(), raw & !1);
     assert_eq!(Status::from_wire(s.to_wire()), s);
     assert_eq!(s.is_success(), s.sct == 0 && s.sc == 0);
+    assert_eq!(s.is_path_error(), s.sct == 3);
     let r = s.retryable();
     assert!(!r.dnr);
     assert_eq!(Status { dnr: s.dnr, ..r }, s);
     let _ = format!("{s} {s:?}");
+}
+
+/// [`AnaLog::decode`]: descriptors come out with non-zero ANAGRPIDs and
+/// non-zero ascending NSIDs; the decoder reads only up to the end of the
+/// last descriptor; re-encoding gives back the header and every
+/// descriptor's ANAGRPID, NNSID, CHGCNT and NSIDs byte for byte; and the
+/// Return Groups Only form keeps the groups without their lists.
+pub fn ana_log(data: &[u8]) {
+    let Ok(log) = AnaLog::decode(data) else {
+        return;
+    };
+    let len = log.encoded_len(false);
+    assert!(len <= data.len());
+    assert_reads_only(data, len, AnaLog::decode);
+    for g in &log.groups {
+        assert_ne!(g.grpid, 0);
+        assert!(g.nsids.first().is_none_or(|&n| n != 0));
+        assert!(g.nsids.windows(2).all(|w| w[0] < w[1]));
+    }
+    let mut out = Vec::new();
+    log.encode(false, &mut out);
+    assert_eq!(out.len(), len);
+    assert_eq!(AnaLog::decode(&out).as_ref(), Ok(&log));
+    assert_eq!(&out[..10], &data[..10]);
+    let mut off = ANA_HEADER_LEN;
+    for g in &log.groups {
+        assert_eq!(&out[off..off + 16], &data[off..off + 16]);
+        assert_eq!(out[off + 16], data[off + 16] & 0xF);
+        let end = off + ANA_DESC_LEN + g.nsids.len() * 4;
+        assert_eq!(
+            &out[off + ANA_DESC_LEN..end],
+            &data[off + ANA_DESC_LEN..end]
+        );
+        off = end;
+    }
+
+    log.encode(true, &mut out);
+    assert_eq!(out.len(), log.encoded_len(true));
+    assert_eq!(out.len(), ANA_HEADER_LEN + log.groups.len() * ANA_DESC_LEN);
+    let groups_only = AnaLog::decode(&out).expect("an encoded RGO log decodes");
+    assert_eq!(groups_only.chgcnt, log.chgcnt);
+    assert_eq!(groups_only.groups.len(), log.groups.len());
+    for (a, b) in groups_only.groups.iter().zip(&log.groups) {
+        assert!(a.nsids.is_empty());
+        assert_eq!((a.grpid, a.chgcnt, a.state), (b.grpid, b.chgcnt, b.state));
+    }
 }

@@ -47,6 +47,15 @@ pub struct IdentifyController {
     pub elpe: u8,
     /// Keep-alive granularity, 100 ms units.
     pub kas: u16,
+    /// ANA Transition Time: longest a group stays in the change state, seconds.
+    pub anatt: u8,
+    /// ANA capabilities: bits 0..4 say which states may be reported
+    /// (optimized, non-optimized, inaccessible, persistent loss, change).
+    pub anacap: u8,
+    /// Highest ANAGRPID this controller uses.
+    pub anagrpmax: u32,
+    /// Number of ANA group IDs supported.
+    pub nanagrpid: u32,
     pub sqes: u8,
     pub cqes: u8,
     pub maxcmd: u16,
@@ -54,6 +63,8 @@ pub struct IdentifyController {
     pub oncs: u16,
     pub vwc: u8,
     pub sgls: u32,
+    /// Maximum number of allowed namespaces (1..=NN when CMIC bit 3 is set).
+    pub mnan: u32,
     pub subnqn: String,
     /// I/O command capsule size in 16-byte units.
     pub ioccsz: u32,
@@ -61,6 +72,16 @@ pub struct IdentifyController {
     pub iorcsz: u32,
     pub icdoff: u16,
     pub msdbd: u8,
+}
+
+/// CMIC bits.
+pub mod cmic {
+    /// The NVM subsystem may have more than one port.
+    pub const MULTI_PORT: u8 = 1 << 0;
+    /// The NVM subsystem may have more than one controller.
+    pub const MULTI_CONTROLLER: u8 = 1 << 1;
+    /// Asymmetric Namespace Access reporting.
+    pub const ANA_REPORTING: u8 = 1 << 3;
 }
 
 /// ONCS bits.
@@ -89,6 +110,10 @@ impl IdentifyController {
         out[261] = self.lpa;
         out[262] = self.elpe;
         put_u16(out, 320, self.kas);
+        out[342] = self.anatt;
+        out[343] = self.anacap;
+        put_u32(out, 344, self.anagrpmax);
+        put_u32(out, 348, self.nanagrpid);
         out[512] = self.sqes;
         out[513] = self.cqes;
         put_u16(out, 514, self.maxcmd);
@@ -96,6 +121,7 @@ impl IdentifyController {
         put_u16(out, 520, self.oncs);
         out[525] = self.vwc;
         put_u32(out, 536, self.sgls);
+        put_u32(out, 540, self.mnan);
         put_str_padded(&mut out[768..1023], &self.subnqn, 0);
         put_u32(out, 1792, self.ioccsz);
         put_u32(out, 1796, self.iorcsz);
@@ -131,6 +157,10 @@ impl IdentifyController {
             lpa: b[261],
             elpe: b[262],
             kas: u16_at(b, 320),
+            anatt: b[342],
+            anacap: b[343],
+            anagrpmax: u32_at(b, 344),
+            nanagrpid: u32_at(b, 348),
             sqes: b[512],
             cqes: b[513],
             maxcmd: u16_at(b, 514),
@@ -138,6 +168,7 @@ impl IdentifyController {
             oncs: u16_at(b, 520),
             vwc: b[525],
             sgls: u32_at(b, 536),
+            mnan: u32_at(b, 540),
             // The last byte of the 256-byte field is the terminating NUL;
             // `encode` writes at most 255 bytes, so read the same window.
             subnqn: s(768..1023, "SUBNQN")?,
@@ -162,6 +193,8 @@ pub struct IdentifyNamespace {
     pub lbads: u8,
     /// Optimal I/O boundary in LBAs (0: none).
     pub noiob: u16,
+    /// ANA group the namespace belongs to (0: none).
+    pub anagrpid: u32,
     pub nguid: [u8; 16],
     pub eui64: [u8; 8],
 }
@@ -178,6 +211,7 @@ impl IdentifyNamespace {
         out[30] = self.nmic;
         out[33] = self.dlfeat;
         put_u16(out, 46, self.noiob);
+        put_u32(out, 92, self.anagrpid);
         out[104..120].copy_from_slice(&self.nguid);
         out[120..128].copy_from_slice(&self.eui64);
         // LBAF0: MS 0, LBADS, RP 0 (best performance).
@@ -201,6 +235,7 @@ impl IdentifyNamespace {
             dlfeat: b[33],
             lbads: b[lbaf + 2],
             noiob: u16_at(b, 46),
+            anagrpid: u32_at(b, 92),
             nguid,
             eui64,
         })
@@ -340,6 +375,11 @@ mod tests {
             ioccsz: 1028,
             iorcsz: 1,
             msdbd: 1,
+            anatt: 10,
+            anacap: 0x1F,
+            anagrpmax: 1,
+            nanagrpid: 2,
+            mnan: 1000,
             ..Default::default()
         };
         let mut b = [0u8; IDENTIFY_LEN];
@@ -348,7 +388,10 @@ mod tests {
         assert_eq!(b[77], 5);
         assert_eq!(u16_at(&b, 78), 7);
         assert_eq!(u16_at(&b, 320), 10);
+        assert_eq!((b[342], b[343]), (10, 0x1F));
+        assert_eq!((u32_at(&b, 344), u32_at(&b, 348)), (1, 2));
         assert_eq!(u32_at(&b, 536), 0x0010_0001);
+        assert_eq!(u32_at(&b, 540), 1000);
         assert_eq!(u32_at(&b, 1792), 1028);
         assert_eq!(IdentifyController::decode(&b).unwrap(), c);
     }
@@ -361,6 +404,7 @@ mod tests {
             nuse: 5,
             nmic: 1,
             lbads: 9,
+            anagrpid: 0x0102_0304,
             nguid: [3; 16],
             eui64: [4; 8],
             ..Default::default()
@@ -368,6 +412,7 @@ mod tests {
         let mut b = [0u8; IDENTIFY_LEN];
         n.encode(&mut b);
         assert_eq!(b[130], 9);
+        assert_eq!(&b[92..96], &[4, 3, 2, 1]);
         assert_eq!(IdentifyNamespace::decode(&b).unwrap(), n);
         assert_eq!(n.block_size(), 512);
     }

@@ -62,6 +62,16 @@ impl Status {
     pub const WRITE_FAULT: Status = st(2, 0x80, false);
     pub const UNRECOVERED_READ_ERROR: Status = st(2, 0x81, false);
 
+    // Path related (SCT 3). Never with DNR: a host fails these over to
+    // another path, and DNR would make it complete the I/O with an error
+    // instead.
+    /// Asymmetric Access Persistent Loss: the ANA group is lost on this path.
+    pub const ANA_PERSISTENT_LOSS: Status = st(3, 0x01, false);
+    /// Asymmetric Access Inaccessible: use another path.
+    pub const ANA_INACCESSIBLE: Status = st(3, 0x02, false);
+    /// Asymmetric Access Transition: the group is changing state on this path.
+    pub const ANA_TRANSITION: Status = st(3, 0x03, false);
+
     /// Encodes into the 16-bit status field (bit 0, the phase tag, is 0 on fabrics).
     pub const fn to_wire(self) -> u16 {
         let v = (self.sc as u16)
@@ -86,6 +96,12 @@ impl Status {
 
     pub const fn is_success(self) -> bool {
         self.sct == 0 && self.sc == 0
+    }
+
+    /// A path related status (SCT 3): the command may succeed through
+    /// another path to the same namespace.
+    pub const fn is_path_error(self) -> bool {
+        self.sct == 3
     }
 
     /// The same status without the Do Not Retry bit.
@@ -124,6 +140,9 @@ impl fmt::Display for Status {
             (1, 0x82) => "connect: invalid parameters",
             (2, 0x80) => "write fault",
             (2, 0x81) => "unrecovered read error",
+            (3, 0x01) => "ANA persistent loss",
+            (3, 0x02) => "ANA inaccessible",
+            (3, 0x03) => "ANA transition",
             _ => "status",
         };
         write!(f, "{name} ({:?})", self)
@@ -144,6 +163,19 @@ mod tests {
             Status::CONNECT_INVALID_HOST.to_wire(),
             ((0x84 | 1 << 8 | 1 << 14) << 1) as u16
         );
+    }
+
+    #[test]
+    fn ana_statuses_are_path_errors_without_dnr() {
+        for (s, wire) in [
+            (Status::ANA_PERSISTENT_LOSS, 0x0602),
+            (Status::ANA_INACCESSIBLE, 0x0604),
+            (Status::ANA_TRANSITION, 0x0606),
+        ] {
+            assert_eq!(s.to_wire(), wire, "{s}");
+            assert!(s.is_path_error() && !s.dnr, "{s}");
+        }
+        assert!(!Status::LBA_OUT_OF_RANGE.is_path_error());
     }
 
     #[test]

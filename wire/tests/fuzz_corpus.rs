@@ -118,6 +118,7 @@ replay_tests!(
     discovery_header,
     error_entry,
     status,
+    ana_log,
 );
 
 #[test]

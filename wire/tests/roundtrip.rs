@@ -11,8 +11,9 @@ use nvpool_wire::identify::{
     IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN,
 };
 use nvpool_wire::log::{
-    decode_discovery_header, encode_discovery_log, DiscoveryEntry, ErrorEntry, GetLogPage,
-    DISC_ENTRY_LEN, DISC_HEADER_LEN, ERROR_ENTRY_LEN,
+    decode_discovery_header, encode_discovery_log, AnaGroup, AnaLog, AnaState, DiscoveryEntry,
+    ErrorEntry, GetLogPage, ANA_DESC_LEN, ANA_HEADER_LEN, DISC_ENTRY_LEN, DISC_HEADER_LEN,
+    ERROR_ENTRY_LEN,
 };
 use nvpool_wire::sqe::{admin, sgl_id, Direction};
 use nvpool_wire::tcp::{
@@ -166,12 +167,20 @@ fn identify_controller_value() -> impl Strategy<Value = IdentifyController> {
         any::<u16>(),
         any::<u8>(),
     );
-    (ids, caps, nvm, fabrics).prop_map(
+    let ana = (
+        any::<u8>(),
+        any::<u8>(),
+        any::<u32>(),
+        any::<u32>(),
+        any::<u32>(),
+    );
+    (ids, caps, nvm, fabrics, ana).prop_map(
         |(
             (vid, ssvid, serial, model, firmware),
             (cmic, mdts, cntlid, ver, oaes, ctratt, cntrltype, acl, aerl, lpa, elpe, kas),
             (sqes, cqes, maxcmd, nn, oncs, vwc),
             (sgls, subnqn, ioccsz, iorcsz, icdoff, msdbd),
+            (anatt, anacap, anagrpmax, nanagrpid, mnan),
         )| IdentifyController {
             vid,
             ssvid,
@@ -202,6 +211,11 @@ fn identify_controller_value() -> impl Strategy<Value = IdentifyController> {
             iorcsz,
             icdoff,
             msdbd,
+            anatt,
+            anacap,
+            anagrpmax,
+            nanagrpid,
+            mnan,
         },
     )
 }
@@ -216,10 +230,14 @@ fn identify_namespace_value() -> impl Strategy<Value = IdentifyNamespace> {
             any::<u8>(),
             any::<u16>(),
         ),
-        (any::<[u8; 16]>(), any::<[u8; 8]>()),
+        (any::<[u8; 16]>(), any::<[u8; 8]>(), any::<u32>()),
     )
         .prop_map(
-            |((nsze, ncap, nuse), (nsfeat, nmic, dlfeat, lbads, noiob), (nguid, eui64))| {
+            |(
+                (nsze, ncap, nuse),
+                (nsfeat, nmic, dlfeat, lbads, noiob),
+                (nguid, eui64, anagrpid),
+            )| {
                 IdentifyNamespace {
                     nsze,
                     ncap,
@@ -229,6 +247,7 @@ fn identify_namespace_value() -> impl Strategy<Value = IdentifyNamespace> {
                     dlfeat,
                     lbads,
                     noiob,
+                    anagrpid,
                     nguid,
                     eui64,
                 }
@@ -291,6 +310,25 @@ fn error_entry_value() -> impl Strategy<Value = ErrorEntry> {
             lba,
             nsid,
         })
+}
+
+fn ana_group() -> impl Strategy<Value = AnaGroup> {
+    (
+        1u32..,
+        any::<u64>(),
+        select(AnaState::ALL.to_vec()),
+        btree_set(1u32.., 0..=64),
+    )
+        .prop_map(|(grpid, chgcnt, state, nsids)| AnaGroup {
+            grpid,
+            chgcnt,
+            state,
+            nsids: nsids.into_iter().collect(),
+        })
+}
+
+fn ana_log_value() -> impl Strategy<Value = AnaLog> {
+    (any::<u64>(), vec(ana_group(), 0..=8)).prop_map(|(chgcnt, groups)| AnaLog { chgcnt, groups })
 }
 
 // ----------------------------------------------------------- round trips
@@ -578,6 +616,29 @@ proptest! {
     }
 
     #[test]
+    fn ana_log_round_trips(log in ana_log_value(), pad in 0usize..=64) {
+        let mut b = Vec::new();
+        log.encode(false, &mut b);
+        let nsids: usize = log.groups.iter().map(|g| g.nsids.len()).sum();
+        prop_assert_eq!(b.len(), ANA_HEADER_LEN + log.groups.len() * ANA_DESC_LEN + nsids * 4);
+        // A host reads a fixed length; the zero fill after the log is ignored.
+        b.resize(b.len() + pad, 0);
+        prop_assert_eq!(AnaLog::decode(&b), Ok(log.clone()));
+        // Return Groups Only: the same groups, no NSID lists.
+        log.encode(true, &mut b);
+        prop_assert_eq!(b.len(), ANA_HEADER_LEN + log.groups.len() * ANA_DESC_LEN);
+        let want = AnaLog {
+            chgcnt: log.chgcnt,
+            groups: log
+                .groups
+                .iter()
+                .map(|g| AnaGroup { nsids: Vec::new(), ..g.clone() })
+                .collect(),
+        };
+        prop_assert_eq!(AnaLog::decode(&b), Ok(want));
+    }
+
+    #[test]
     fn status_round_trips(s in status_value(), raw: u16) {
         prop_assert_eq!(s.to_wire() & 1, 0, "phase tag is 0 on fabrics");
         prop_assert_eq!(Status::from_wire(s.to_wire()), s);
@@ -678,6 +739,7 @@ never_panic_tests!(
     discovery_header,
     error_entry,
     status,
+    ana_log,
 );
 
 #[test]

@@ -11,10 +11,10 @@ use nvpool_wire::identify::{
     cntrltype, encode_active_ns_list, encode_ns_descriptors, oncs, IdentifyController,
     IdentifyNamespace, NsId, IDENTIFY_LEN,
 };
-use nvpool_wire::le::put_u32;
+use nvpool_wire::le::{put_u16, put_u32};
 use nvpool_wire::log::{
-    adrfam, encode_discovery_log, lid, subtype, trtype, DiscoveryEntry, ErrorEntry, GetLogPage,
-    DISC_ENTRY_LEN, ERROR_ENTRY_LEN,
+    adrfam, encode_discovery_log, lid, subtype, trtype, AnaGroup, AnaLog, AnaState, DiscoveryEntry,
+    ErrorEntry, GetLogPage, DISC_ENTRY_LEN, ERROR_ENTRY_LEN,
 };
 use nvpool_wire::sqe::{admin, nvm, sgl_id};
 use nvpool_wire::tcp::{
@@ -51,7 +51,7 @@ type MakeSeeds = fn(&mut Seeds);
 
 /// Every seed, grouped by target in the order of `nvpool_wire::fuzz::TARGETS`.
 pub fn all() -> Vec<Seed> {
-    let makers: [(&'static str, MakeSeeds); 21] = [
+    let makers: [(&'static str, MakeSeeds); 22] = [
         ("common_header", common_header),
         ("ic_req", ic_req),
         ("ic_resp", ic_resp),
@@ -73,6 +73,7 @@ pub fn all() -> Vec<Seed> {
         ("discovery_header", discovery_header),
         ("error_entry", error_entry),
         ("status", status),
+        ("ana_log", ana_log),
     ];
     let mut s = Seeds {
         target: "",
@@ -546,6 +547,11 @@ fn controller() -> IdentifyController {
         iorcsz: 1,
         icdoff: 0,
         msdbd: 1,
+        anatt: 0,
+        anacap: 0,
+        anagrpmax: 0,
+        nanagrpid: 0,
+        mnan: 0,
     }
 }
 
@@ -566,6 +572,17 @@ fn identify_controller(s: &mut Seeds) {
         ..controller()
     };
     s.add("discovery-controller", identify_bytes(&disc));
+    let ana = IdentifyController {
+        cmic: 0x0B,
+        oaes: 1 << 8 | 1 << 11,
+        anatt: 10,
+        anacap: 0x1F,
+        anagrpmax: 1,
+        nanagrpid: 1,
+        mnan: 1024,
+        ..controller()
+    };
+    s.add("io-controller-ana", identify_bytes(&ana));
     s.add("all-zero", [0u8; IDENTIFY_LEN]);
     let mut b = io;
     b[4] = 0xC3; // a lone UTF-8 lead byte in SN
@@ -577,6 +594,10 @@ fn identify_controller(s: &mut Seeds) {
 }
 
 fn namespace_bytes(lbads: u8) -> [u8; IDENTIFY_LEN] {
+    namespace_in_group(lbads, 0)
+}
+
+fn namespace_in_group(lbads: u8, anagrpid: u32) -> [u8; IDENTIFY_LEN] {
     let n = IdentifyNamespace {
         nsze: 1 << 21,
         ncap: 1 << 21,
@@ -586,6 +607,7 @@ fn namespace_bytes(lbads: u8) -> [u8; IDENTIFY_LEN] {
         dlfeat: 0x9,
         lbads,
         noiob: 0,
+        anagrpid,
         nguid: [0x11; 16],
         eui64: [0x22; 8],
     };
@@ -596,6 +618,7 @@ fn namespace_bytes(lbads: u8) -> [u8; IDENTIFY_LEN] {
 
 fn identify_namespace(s: &mut Seeds) {
     s.add("lba-512", namespace_bytes(9));
+    s.add("ana-group-1", namespace_in_group(9, 1));
     // FLBAS picks format 3 (4 KiB) out of four.
     let mut b = namespace_bytes(9);
     b[25] = 3;
@@ -747,9 +770,77 @@ fn status(s: &mut Seeds) {
         ("lba-out-of-range-dnr", Status::LBA_OUT_OF_RANGE),
         ("connect-invalid-host", Status::CONNECT_INVALID_HOST),
         ("write-fault", Status::WRITE_FAULT),
+        ("ana-inaccessible", Status::ANA_INACCESSIBLE),
     ] {
         s.add(name, st.to_wire().to_le_bytes());
     }
     s.add("all-ones", [0xFF, 0xFF]);
     s.add("one-byte", [0x01]);
+}
+
+fn ana_log_bytes(log: &AnaLog, rgo: bool) -> Vec<u8> {
+    let mut b = Vec::new();
+    log.encode(rgo, &mut b);
+    b
+}
+
+fn ana_log(s: &mut Seeds) {
+    let one = AnaLog {
+        chgcnt: 3,
+        groups: vec![AnaGroup {
+            grpid: 1,
+            chgcnt: 3,
+            state: AnaState::Optimized,
+            nsids: vec![1, 2, 7],
+        }],
+    };
+    let two = AnaLog {
+        chgcnt: u64::MAX,
+        groups: vec![
+            AnaGroup {
+                grpid: 1,
+                chgcnt: 1,
+                state: AnaState::Inaccessible,
+                nsids: vec![1],
+            },
+            AnaGroup {
+                grpid: 0xFFFF_FFFF,
+                chgcnt: 2,
+                state: AnaState::Change,
+                nsids: vec![2, 0xFFFF_FFFE],
+            },
+        ],
+    };
+    // What the target answers to the Linux host's read (NANAGRPID 1 and
+    // MNAN 16): the descriptors, zero-filled to the length asked for.
+    let mut b = ana_log_bytes(&one, false);
+    b.resize(16 + 32 + 16 * 4, 0);
+    s.add("one-group-zero-filled", b);
+    s.add("two-groups", ana_log_bytes(&two, false));
+    s.add("return-groups-only", ana_log_bytes(&two, true));
+    s.add("no-groups", ana_log_bytes(&AnaLog::default(), false));
+    let good = ana_log_bytes(&two, false);
+    let mut b = good.clone();
+    put_u32(&mut b, 16, 0);
+    s.add("grpid-0", b);
+    let mut b = good.clone();
+    b[32] = 0x05;
+    s.add("state-5", b);
+    let mut b = good.clone();
+    b[32] |= 0xF0;
+    s.add("state-reserved-bits", b);
+    let mut b = good.clone();
+    put_u32(&mut b, 16 + 32 + 4 + 32, 0);
+    s.add("nsid-0", b);
+    let mut b = ana_log_bytes(&one, false);
+    put_u32(&mut b, 52, 1);
+    s.add("nsids-unordered", b);
+    let mut b = good.clone();
+    put_u32(&mut b, 20, u32::MAX);
+    s.add("nnsid-max", b);
+    let mut b = good.clone();
+    put_u16(&mut b, 8, u16::MAX);
+    s.add("numanagd-max", b);
+    s.add("truncated-47", &good[..47]);
+    s.add("truncated-15", &good[..15]);
 }
