@@ -27,6 +27,8 @@ pub mod conn;
 pub mod device;
 pub mod discover;
 pub mod error;
+pub mod exec;
+pub mod follow;
 pub mod frontend;
 pub mod hostnqn;
 pub mod queue;

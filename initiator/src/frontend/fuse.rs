@@ -38,10 +38,10 @@
 //! MOUNTPOINT` (or `umount -l`), which succeeds once the loop device has
 //! let go of the file.
 
-use super::exec::Executor;
 use super::loopdev;
 use super::span::Span;
 use crate::blockdev::BlockDev;
+use crate::exec::Executor;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,

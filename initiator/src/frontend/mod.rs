@@ -7,7 +7,7 @@
 //!   /dev/loopN ──► FUSE file ──┐          /dev/nbdN (kernel nbd) ─┐
 //!                              │          qemu, nbdinfo, fio ─────┤ NBD
 //!                         fuse::FuseFs                       nbd::NbdServer
-//!                              └──────► exec::Executor ◄──────────┘
+//!                              └────► crate::exec::Executor ◄─────┘
 //!                                         │ polls BlockDev futures
 //!                                  Arc<dyn BlockDev>
 //! ```
@@ -24,7 +24,6 @@
 //! in-flight requests are bounded at every stage. Unaligned ranges are
 //! served by read-modify-write ([`span`]).
 
-mod exec;
 pub mod fuse;
 mod loopdev;
 pub mod nbd;
@@ -37,8 +36,9 @@ use nvpool_wire::Status;
 
 /// The errno reported to the kernel or an NBD client for a failed I/O.
 /// NBD's error values are Linux's errno numbers for the same meanings
-/// (EPERM 1, EIO 5, EINVAL 22, ENOSPC 28), so one mapping serves both.
-pub(crate) fn errno(e: &IoError) -> i32 {
+/// (EPERM 1, EIO 5, EINVAL 22, ENOSPC 28), so one mapping serves both;
+/// the target serving a volume as a namespace maps through it too.
+pub fn errno(e: &IoError) -> i32 {
     match e {
         IoError::Invalid(_) => libc::EINVAL,
         IoError::Status(s) if *s == Status::LBA_OUT_OF_RANGE || *s == Status::CAPACITY_EXCEEDED => {

@@ -36,9 +36,9 @@
 
 pub mod kernel;
 
-use super::exec::Executor;
 use super::span::Span;
 use crate::blockdev::BlockDev;
+use crate::exec::Executor;
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};

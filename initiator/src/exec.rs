@@ -1,18 +1,22 @@
-//! A small executor that polls [`BlockDev`](crate::BlockDev) futures on a
-//! few threads, so front-end threads (FUSE sessions, NBD readers) hand an
-//! I/O off and go back to reading requests.
+//! A small executor that polls I/O futures ([`BlockDev`](crate::BlockDev)
+//! and [`Volume`](crate::Volume) calls) on a few threads, so the threads
+//! that receive requests (FUSE sessions, NBD readers, the target's
+//! reactors serving a volume namespace) hand an I/O off and go back to
+//! their own work. There is one executor implementation in the project;
+//! every user starts its own instance of it.
 //!
 //! ```text
 //!  spawn(fut) ──(waits while TASKS at limit)──► first poll on the caller's thread
-//!        ▲                                          │ pending: the device holds the waker
-//!        │                                          ▼
+//!  try_spawn(make) ──(refused at limit)──────►        │ pending: the device holds the waker
+//!        ▲                                           ▼
 //!        └── slot freed when done ◄── executor threads ◄── run queue ◄── waker (I/O thread)
 //! ```
 //!
 //! A task sits in the run queue at most once (a `queued` flag guards the
 //! push), so the queue never holds more entries than there are live tasks,
 //! and live tasks are bounded by `max_tasks`: nothing here grows without
-//! bound.
+//! bound. A thread that must never wait (a reactor) uses
+//! [`Executor::try_spawn`], which is refused instead of waiting for a slot.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -93,7 +97,7 @@ impl Wake for Task {
 }
 
 /// A fixed set of threads polling spawned futures to completion.
-pub(crate) struct Executor {
+pub struct Executor {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -117,7 +121,7 @@ impl Executor {
     /// block (FUSE writes them to /dev/fuse). Front-ends that may wait on a
     /// slow client while replying must not use it: they would stall the
     /// device's queue.
-    pub(crate) fn new(
+    pub fn new(
         name: &str,
         threads: usize,
         max_tasks: usize,
@@ -154,7 +158,7 @@ impl Executor {
     /// I/O, so no executor thread has to be woken just to submit it (one
     /// context switch less per request). Later polls, after the device
     /// wakes the task, run on the executor threads.
-    pub(crate) fn spawn<F: Future<Output = ()> + Send + 'static>(&self, fut: F) {
+    pub fn spawn<F: Future<Output = ()> + Send + 'static>(&self, fut: F) {
         let task = Arc::new(Task {
             fut: Mutex::new(Some(Box::pin(fut))),
             queued: AtomicBool::new(false),
@@ -169,9 +173,36 @@ impl Executor {
         poll_task(&self.shared, &task);
     }
 
+    /// Runs the future `make` builds, unless `max_tasks` are live: then
+    /// `make` is not called and false is returned. Never waits, so a thread
+    /// that must not block (a reactor) can hand work off; whatever `make`
+    /// would have captured stays with the caller when refused.
+    ///
+    /// The first poll happens here, on the caller's thread, as in
+    /// [`Executor::spawn`]: the future must not block in it either.
+    pub fn try_spawn<F, M>(&self, make: M) -> bool
+    where
+        F: Future<Output = ()> + Send + 'static,
+        M: FnOnce() -> F,
+    {
+        {
+            let mut g = self.shared.lock();
+            if g.live >= self.shared.max_tasks {
+                return false;
+            }
+            g.live += 1;
+        }
+        let task = Arc::new(Task {
+            fut: Mutex::new(Some(Box::pin(make()))),
+            queued: AtomicBool::new(false),
+            shared: Arc::downgrade(&self.shared),
+        });
+        poll_task(&self.shared, &task);
+        true
+    }
+
     /// Futures spawned and not yet complete.
-    #[allow(dead_code)]
-    pub(crate) fn live(&self) -> usize {
+    pub fn live(&self) -> usize {
         self.shared.lock().live
     }
 }
@@ -248,9 +279,9 @@ fn poll_locked(shared: &Shared, task: &Arc<Task>, mut slot: MutexGuard<'_, Optio
         {
             Ok(p) => p.is_ready(),
             Err(_) => {
-                // A front-end task panicked: an invariant is broken. A
+                // An I/O task panicked: an invariant is broken. A
                 // half-served request would wedge its client; crash loudly.
-                tracing::error!("front-end I/O task panicked; aborting");
+                tracing::error!("I/O task panicked; aborting");
                 std::process::abort();
             }
         };
@@ -284,6 +315,44 @@ mod tests {
     #[test]
     fn inline_wake_polls_on_the_waking_thread_and_drains_on_drop() {
         woken_tasks_complete(true);
+    }
+
+    #[test]
+    fn try_spawn_is_refused_at_the_limit_and_never_waits() {
+        let ex = Executor::new("t", 1, 2, false).unwrap();
+        let release = Arc::new(AtomicBool::new(false));
+        let wakers: Arc<Mutex<Vec<Waker>>> = Arc::default();
+        let done = Arc::new(AtomicUsize::new(0));
+        let parked = |release: Arc<AtomicBool>,
+                      wakers: Arc<Mutex<Vec<Waker>>>,
+                      done: Arc<AtomicUsize>| async move {
+            std::future::poll_fn(|cx| {
+                if release.load(Ordering::Acquire) {
+                    return Poll::Ready(());
+                }
+                wakers.lock().unwrap().push(cx.waker().clone());
+                Poll::Pending
+            })
+            .await;
+            done.fetch_add(1, Ordering::Relaxed);
+        };
+        for _ in 0..2 {
+            let (r, w, d) = (release.clone(), wakers.clone(), done.clone());
+            assert!(ex.try_spawn(move || parked(r, w, d)));
+        }
+        assert_eq!(ex.live(), 2);
+        let mut built = false;
+        assert!(!ex.try_spawn(|| {
+            built = true;
+            async {}
+        }));
+        assert!(!built, "a refused future is never built");
+        release.store(true, Ordering::Release);
+        for w in wakers.lock().unwrap().drain(..) {
+            w.wake();
+        }
+        drop(ex);
+        assert_eq!(done.load(Ordering::Relaxed), 2);
     }
 
     fn woken_tasks_complete(inline_wake: bool) {

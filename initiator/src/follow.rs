@@ -1,0 +1,1201 @@
+//! The host's part of resync and moves (ARCHITECTURE C17, C18), in any
+//! process that serves a volume with the engine (`nvpool volume serve`,
+//! the target's volume namespaces): it tells the control plane which
+//! session serves the volume, follows the volume's copy changes by
+//! long-polling its attachment, brings the volume engine's copies along
+//! (mirror to a copy being filled, read from it once it is in sync, stop
+//! when a job fails), confirms mirroring, reports copies that fail at I/O
+//! time, and hands over what stale copies missed when it stops.
+//!
+//! ```text
+//!  open ── PUT …/session {session, revision}
+//!  loop ── GET …/attachments/{host}?after_revision=R   (≤ 25 s each)
+//!    ├─ syncing copy, engine Failed  ─► begin_sync (connect, mirror, drain)
+//!    │                                  ─► PUT …/sync/{job} {missed regions}
+//!    ├─ copy no longer stale         ─► finish_sync (reads may use it)
+//!    ├─ stale, engine mirroring      ─► abort_sync (the job failed)
+//!    └─ stale, engine Ok             ─► mark_failed (another host found it stale)
+//!  stop ── PUT …/missed {extent: regions}
+//! ```
+//!
+//! A copy moving to a new extent (replace, move) is listed in `moving`:
+//!
+//! ```text
+//!  moving, not switched ─► begin_move (connect the new extent, write it
+//!                          too, drain) ─► PUT …/sync/{job}
+//!  moving, switched     ─► switch_move (read the new extent, keep writing
+//!                          the old one) ─► PUT …/sync/{job}
+//!  no longer moving     ─► end_move / abort_move (stop writing the other)
+//!  the new extent failed here ─► PUT …/sync/{job} {failed: true}
+//! ```
+//!
+//! A copy the engine gives up during I/O goes to a reporter thread
+//! ([`spawn_failure_reporter`]): `PUT …/failed-extents`, retried until the
+//! control plane answers.
+//!
+//! The data path never waits on any of this: the engine applies a change
+//! between requests, and a control plane that cannot be reached only
+//! delays healing. How the control plane is called is the caller's
+//! ([`ControlPlane`]: the CLI's client, the target's), so this crate
+//! carries no HTTP client.
+
+use crate::error::Error;
+use crate::volume::{CopyState, ExtentFailedFn, ExtentFailure, MissedRegions, MovingCopy, Volume};
+use nvpool_control::plan::{ConnectionPlan, PlanExtent};
+use nvpool_control::resync::{HostMove, SyncingCopy};
+use nvpool_control::Uuid;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Wait after a failed call to the control plane before the next one.
+const RETRY: Duration = Duration::from_secs(1);
+/// Retry interval of failure reports to an unreachable control plane.
+const REPORT_RETRY: Duration = Duration::from_secs(2);
+/// How long the reporter sleeps with nothing to report before it looks
+/// again; it wakes at once for a failure, so this only bounds an idle wait.
+const REPORT_IDLE: Duration = Duration::from_secs(3600);
+/// Failures queued for the reporter. A failure is reported once per copy
+/// and copies are at most the plan's extents; past this many the volume is
+/// lost anyway, and a full queue drops (the callback runs inside an I/O
+/// and must not block).
+const FAILURES_QUEUED_MAX: usize = 1024;
+/// Tries of the missed-regions hand-over at stop: a record that does not
+/// arrive is treated as lost (a full copy later), so a stopping process
+/// does not wait long for an unreachable control plane.
+const HAND_OVER_TRIES: u32 = 3;
+/// How long the control plane holds a long-poll of the attachment before
+/// it answers unchanged (its `WATCH_WAIT`).
+const LONG_POLL: Duration = Duration::from_secs(25);
+/// Timeout of one GET of the attachment, a long-poll included: the control
+/// plane's wait plus room for a busy store. A request still unanswered
+/// then is on a dead connection; the watch is retried.
+pub const GET_TIMEOUT: Duration = Duration::from_secs(60);
+const _: () = assert!(GET_TIMEOUT.as_secs() > 2 * LONG_POLL.as_secs());
+
+/// How the follower calls the control plane's REST API: blocking, from
+/// the follower's own threads. `path` is relative to the control plane's
+/// base URL (`/v1/volumes/{uuid}/attachments/{host}…`, every segment
+/// escaped with [`segment`]); calls that change something (every PUT)
+/// carry the admin token when one is configured.
+///
+/// `Ok` is any HTTP answer, error statuses included: its status and body.
+/// `Err` is no answer at all (refused, timed out, reset), in words for
+/// the log.
+pub trait ControlPlane: Send + Sync + 'static {
+    /// `GET path`, giving up after `timeout` for the whole answer
+    /// ([`GET_TIMEOUT`], which covers a long-poll).
+    fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String>;
+
+    /// `PUT path` with a JSON body.
+    fn put_json(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<u8>), String>;
+}
+
+impl<T: ControlPlane + ?Sized> ControlPlane for Arc<T> {
+    fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String> {
+        (**self).get(path, timeout)
+    }
+
+    fn put_json(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<u8>), String> {
+        (**self).put_json(path, body)
+    }
+}
+
+/// Why one call to the control plane did not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// No HTTP answer (the [`ControlPlane`]'s words).
+    #[error("{0}")]
+    Unreachable(String),
+    /// The control plane answered with an error (`{kind, message}`).
+    #[error("the control plane answered HTTP {status} ({kind}): {message}")]
+    Refused {
+        status: u16,
+        kind: String,
+        message: String,
+    },
+    /// An answer that is not what the API documents.
+    #[error("unexpected answer to GET {path}: {reason}")]
+    Protocol { path: String, reason: String },
+}
+
+impl CallError {
+    /// The HTTP status of an error answer.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            CallError::Refused { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// The error an answer with status `status` stands for, if any.
+    fn check(status: u16, body: &[u8]) -> Result<(), CallError> {
+        if (200..300).contains(&status) {
+            return Ok(());
+        }
+        #[derive(Default, Deserialize)]
+        struct ErrorBody {
+            #[serde(default)]
+            kind: String,
+            #[serde(default)]
+            message: String,
+        }
+        let b: ErrorBody = serde_json::from_slice(body).unwrap_or_default();
+        Err(CallError::Refused {
+            status,
+            kind: if b.kind.is_empty() {
+                "http".into()
+            } else {
+                b.kind
+            },
+            message: b.message,
+        })
+    }
+}
+
+fn put(cp: &impl ControlPlane, path: &str, body: &serde_json::Value) -> Result<(), CallError> {
+    let (status, answer) = cp.put_json(path, body).map_err(CallError::Unreachable)?;
+    CallError::check(status, &answer)
+}
+
+fn get<T: DeserializeOwned>(cp: &impl ControlPlane, path: &str) -> Result<T, CallError> {
+    let (status, body) = cp.get(path, GET_TIMEOUT).map_err(CallError::Unreachable)?;
+    CallError::check(status, &body)?;
+    serde_json::from_slice(&body).map_err(|e| CallError::Protocol {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+/// Percent-encodes one path segment: everything but RFC 3986 unreserved
+/// characters (host NQNs hold `:`, which must not reach the path raw).
+pub fn segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The path of `host_nqn`'s attachment of `volume`:
+/// `/v1/volumes/{uuid}/attachments/{host}`.
+pub fn attachment_path(volume: &Uuid, host_nqn: &str) -> String {
+    format!("/v1/volumes/{volume}/attachments/{}", segment(host_nqn))
+}
+
+/// The copy fields of `GET …/attachments/{host}`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CopyView {
+    #[serde(default)]
+    pub failed_extents: Vec<u32>,
+    #[serde(default)]
+    pub syncing: Vec<SyncingCopy>,
+    #[serde(default)]
+    pub moving: Vec<HostMove>,
+    #[serde(default)]
+    pub revision: u64,
+}
+
+impl CopyView {
+    /// Copies the engine must not read or write at open: stale and not
+    /// being filled.
+    pub fn stale_at_open(&self) -> Vec<usize> {
+        let syncing: BTreeSet<u32> = self.syncing.iter().map(|s| s.extent).collect();
+        self.failed_extents
+            .iter()
+            .filter(|e| !syncing.contains(e))
+            .map(|&e| e as usize)
+            .collect()
+    }
+
+    /// Copies the engine opens syncing (written, never read).
+    pub fn syncing_at_open(&self) -> Vec<usize> {
+        self.syncing.iter().map(|s| s.extent as usize).collect()
+    }
+
+    /// Copies the engine opens moving (writing the new extent too, or
+    /// reading it once switched).
+    pub fn moving_at_open(&self) -> Vec<MovingCopy> {
+        self.moving
+            .iter()
+            .map(|m| MovingCopy {
+                extent: m.extent as usize,
+                dest: m.dest.clone(),
+                switched: m.switched,
+            })
+            .collect()
+    }
+}
+
+/// What a serving process reads at open from `GET …/attachments/{host}`:
+/// the connection plan and the copies.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AttachmentView {
+    pub plan: ConnectionPlan,
+    #[serde(flatten)]
+    pub copies: CopyView,
+}
+
+/// `GET …/attachments/{host}`: what a serving process opens `volume`
+/// from. Validate the plan before using it.
+pub fn read_attachment(
+    cp: &impl ControlPlane,
+    volume: &Uuid,
+    host_nqn: &str,
+) -> Result<AttachmentView, CallError> {
+    get(cp, &attachment_path(volume, host_nqn))
+}
+
+/// A random session id for one serving process (or one volume served).
+pub fn new_session() -> u64 {
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_err()
+    {
+        // Unique enough without randomness: pid and time.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return t ^ u64::from(std::process::id()).rotate_left(32);
+    }
+    u64::from_le_bytes(b)
+}
+
+/// Starts the thread that reports copies the engine gives up to the
+/// control plane (`PUT …/failed-extents`), retrying until it answers.
+/// Returns the callback to put in
+/// [`VolumeOptions::on_extent_failed`](crate::volume::VolumeOptions::on_extent_failed)
+/// (it logs and queues, never blocks) and the thread, which ends once
+/// every clone of the callback is gone (the volume closed) and nothing is
+/// pending.
+pub fn spawn_failure_reporter<C: ControlPlane>(
+    cp: C,
+    volume: &Uuid,
+    host_nqn: &str,
+) -> std::io::Result<(ExtentFailedFn, JoinHandle<()>)> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<usize>(FAILURES_QUEUED_MAX);
+    let path = format!("{}/failed-extents", attachment_path(volume, host_nqn));
+    let span = tracing::info_span!("follow", volume = %volume);
+    let thread = std::thread::Builder::new()
+        .name("nvpool-report".into())
+        .spawn(move || {
+            let _s = span.entered();
+            report_failures(&cp, &path, &rx)
+        })?;
+    let on_failed: ExtentFailedFn = Arc::new(move |f: &ExtentFailure| {
+        tracing::warn!(extent = f.index, target = %f.target, error = %f.error,
+            lost = f.member_lost, "extent copy failed; serving from the others");
+        let _ = tx.try_send(f.index);
+    });
+    Ok((on_failed, thread))
+}
+
+/// Sends failed extents to the control plane, retrying until it answers.
+fn report_failures(cp: &impl ControlPlane, path: &str, rx: &Receiver<usize>) {
+    let mut pending: Vec<u32> = Vec::new();
+    loop {
+        let wait = if pending.is_empty() {
+            REPORT_IDLE
+        } else {
+            REPORT_RETRY
+        };
+        match rx.recv_timeout(wait) {
+            Ok(i) => pending.push(i as u32),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) if pending.is_empty() => return,
+            Err(RecvTimeoutError::Disconnected) => {}
+        }
+        while let Ok(i) = rx.try_recv() {
+            pending.push(i as u32);
+        }
+        if pending.is_empty() {
+            continue;
+        }
+        pending.sort_unstable();
+        pending.dedup();
+        let body = serde_json::json!({ "failed_extents": pending });
+        match put(cp, path, &body) {
+            Ok(()) => {
+                tracing::info!(extents = ?pending, "failed extents reported to the control plane");
+                pending.clear();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reporting failed extents failed; retrying");
+                std::thread::sleep(REPORT_RETRY);
+            }
+        }
+    }
+}
+
+/// The engine calls the watcher makes: [`Volume`]'s, or a unit test's
+/// scripted engine.
+trait Engine: Send + Sync {
+    fn extents(&self) -> usize;
+    fn copy_state(&self, index: usize) -> CopyState;
+    fn begin_sync(&self, index: usize) -> Result<MissedRegions, Error>;
+    fn finish_sync(&self, index: usize);
+    fn abort_sync(&self, index: usize);
+    fn mark_failed(&self, index: usize);
+    fn missed_regions(&self, index: usize) -> Option<MissedRegions>;
+    fn begin_move(&self, index: usize, dest: &PlanExtent) -> Result<(), Error>;
+    fn switch_move(&self, index: usize) -> Result<(), Error>;
+    fn end_move(&self, index: usize);
+    fn abort_move(&self, index: usize);
+    fn move_failed(&self, index: usize) -> bool;
+    fn extent_location(&self, index: usize) -> PlanExtent;
+}
+
+impl Engine for Volume {
+    fn extents(&self) -> usize {
+        self.plan().extents.len()
+    }
+    fn copy_state(&self, index: usize) -> CopyState {
+        Volume::copy_state(self, index)
+    }
+    fn begin_sync(&self, index: usize) -> Result<MissedRegions, Error> {
+        Volume::begin_sync(self, index)
+    }
+    fn finish_sync(&self, index: usize) {
+        Volume::finish_sync(self, index)
+    }
+    fn abort_sync(&self, index: usize) {
+        Volume::abort_sync(self, index)
+    }
+    fn mark_failed(&self, index: usize) {
+        Volume::mark_failed(self, index)
+    }
+    fn missed_regions(&self, index: usize) -> Option<MissedRegions> {
+        Volume::missed_regions(self, index)
+    }
+    fn begin_move(&self, index: usize, dest: &PlanExtent) -> Result<(), Error> {
+        Volume::begin_move(self, index, dest)
+    }
+    fn switch_move(&self, index: usize) -> Result<(), Error> {
+        Volume::switch_move(self, index)
+    }
+    fn end_move(&self, index: usize) {
+        Volume::end_move(self, index)
+    }
+    fn abort_move(&self, index: usize) {
+        Volume::abort_move(self, index)
+    }
+    fn move_failed(&self, index: usize) -> bool {
+        Volume::move_failed(self, index)
+    }
+    fn extent_location(&self, index: usize) -> PlanExtent {
+        Volume::extent_location(self, index)
+    }
+}
+
+/// Follows the copies of one served volume.
+pub struct Watcher<C> {
+    cp: C,
+    volume_id: Uuid,
+    /// The attachment's path.
+    base: String,
+    session: u64,
+    engine: Arc<dyn Engine>,
+    stop: Arc<AtomicBool>,
+}
+
+impl<C> fmt::Debug for Watcher<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watcher")
+            .field("base", &self.base)
+            .field("session", &self.session)
+            .field("stop", &self.stop)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: ControlPlane> Watcher<C> {
+    /// The watcher of `host_nqn`'s attachment of `volume`, served by
+    /// `engine` in session `session` ([`new_session`]). Setting `stop`
+    /// ends [`Watcher::register`] and [`Watcher::run`] (within one
+    /// long-poll).
+    pub fn new(
+        cp: C,
+        volume: &Uuid,
+        host_nqn: &str,
+        engine: Arc<Volume>,
+        session: u64,
+        stop: Arc<AtomicBool>,
+    ) -> Watcher<C> {
+        Watcher::with_engine(cp, volume, host_nqn, engine, session, stop)
+    }
+
+    fn with_engine(
+        cp: C,
+        volume: &Uuid,
+        host_nqn: &str,
+        engine: Arc<dyn Engine>,
+        session: u64,
+        stop: Arc<AtomicBool>,
+    ) -> Watcher<C> {
+        Watcher {
+            cp,
+            volume_id: *volume,
+            base: attachment_path(volume, host_nqn),
+            session,
+            engine,
+            stop,
+        }
+    }
+
+    /// The session this process serves the volume in.
+    pub fn session(&self) -> u64 {
+        self.session
+    }
+
+    /// Tells the control plane this session serves the volume, as of
+    /// `revision`. Retries until it answers or the watcher is stopped.
+    pub fn register(&self, revision: u64) {
+        let _s = tracing::info_span!("follow", volume = %self.volume_id).entered();
+        let body = serde_json::json!({ "session": self.session, "revision": revision });
+        let path = format!("{}/session", self.base);
+        while !self.stop.load(Ordering::Relaxed) {
+            match put(&self.cp, &path, &body) {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "registering the serving session failed; retrying");
+                    std::thread::sleep(RETRY);
+                }
+            }
+        }
+    }
+
+    /// [`Watcher::run`] on a thread of its own, from `view` (the copies
+    /// the engine was opened with).
+    pub fn spawn(self: &Arc<Self>, view: CopyView) -> std::io::Result<JoinHandle<()>> {
+        let w = self.clone();
+        std::thread::Builder::new()
+            .name("nvpool-watch".into())
+            .spawn(move || w.run(view))
+    }
+
+    /// Follows the attachment until stopped, applying every copy change.
+    /// `view` is what the engine was opened with.
+    pub fn run(&self, mut view: CopyView) {
+        let _s = tracing::info_span!("follow", volume = %self.volume_id).entered();
+        // (job, switched) pairs confirmed; a session that opened with a
+        // move counts as having confirmed its state then.
+        let mut moves: BTreeSet<(u64, bool)> =
+            view.moving.iter().map(|m| (m.job, m.switched)).collect();
+        let mut confirmed: BTreeSet<u64> = BTreeSet::new();
+        // Copies opened mirroring mirror for the jobs the view named.
+        let mut mirroring_for: BTreeMap<u32, u64> =
+            view.syncing.iter().map(|s| (s.extent, s.job)).collect();
+        loop {
+            self.apply_moves(&view, &mut moves);
+            self.apply(&view, &mut confirmed, &mut mirroring_for);
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            match self.watch(view.revision) {
+                Ok(v) => view = v,
+                Err(e) => {
+                    if self.stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    tracing::warn!(error = %e, "watching the attachment failed; retrying");
+                    std::thread::sleep(RETRY);
+                }
+            }
+        }
+    }
+
+    /// The attachment's copies once their revision is past `revision`
+    /// (or as they are, after the control plane's long-poll wait).
+    fn watch(&self, revision: u64) -> Result<CopyView, CallError> {
+        get(
+            &self.cp,
+            &format!("{}?after_revision={revision}", self.base),
+        )
+    }
+
+    fn apply(
+        &self,
+        view: &CopyView,
+        confirmed: &mut BTreeSet<u64>,
+        mirroring_for: &mut BTreeMap<u32, u64>,
+    ) {
+        let engine = &*self.engine;
+        let failed: BTreeSet<u32> = view.failed_extents.iter().copied().collect();
+        let syncing: BTreeMap<u32, u64> = view.syncing.iter().map(|s| (s.extent, s.job)).collect();
+        let moving: BTreeSet<u32> = view.moving.iter().map(|m| m.extent).collect();
+        for i in 0..engine.extents() {
+            let e = i as u32;
+            if moving.contains(&e) {
+                // apply_moves owns it until the move is over.
+                continue;
+            }
+            let state = engine.copy_state(i);
+            match (syncing.get(&e), failed.contains(&e), state) {
+                (Some(&job), _, _) => {
+                    if confirmed.contains(&job) {
+                        continue;
+                    }
+                    if state == CopyState::Ok {
+                        // Another host found it stale before we heard:
+                        // stop reading it before mirroring again.
+                        engine.mark_failed(i);
+                    } else if state == CopyState::Syncing && mirroring_for.get(&e) != Some(&job) {
+                        // Mirroring for an earlier job we did not see end:
+                        // writes issued for it may still be in flight, so
+                        // switch again (and drain) for this one.
+                        engine.abort_sync(i);
+                    }
+                    match engine.begin_sync(i) {
+                        Ok(missed) => {
+                            mirroring_for.insert(e, job);
+                            if self.confirm(job, &missed.regions) {
+                                confirmed.insert(job);
+                                tracing::info!(
+                                    extent = i,
+                                    job,
+                                    missed = missed.regions.len(),
+                                    "mirroring to the copy being filled"
+                                );
+                            }
+                        }
+                        Err(err) => {
+                            tracing::warn!(extent = i, job, error = %err,
+                                "cannot mirror to the copy yet; the job waits");
+                        }
+                    }
+                }
+                (None, false, CopyState::Syncing) => {
+                    engine.finish_sync(i);
+                    tracing::info!(extent = i, "copy in sync; reads use it again");
+                }
+                (None, true, CopyState::Syncing) => {
+                    // The job failed: stop writing, record from now on.
+                    engine.abort_sync(i);
+                    tracing::warn!(extent = i, "copy job over without sync; copy stale again");
+                }
+                (None, true, CopyState::Ok) => {
+                    // Another host found the copy stale: never read it.
+                    engine.mark_failed(i);
+                    tracing::warn!(extent = i, "copy is stale (found by another host)");
+                }
+                _ => {}
+            }
+        }
+        confirmed.retain(|j| syncing.values().any(|x| x == j));
+        mirroring_for.retain(|e, _| engine.copy_state(*e as usize) == CopyState::Syncing);
+    }
+
+    /// Brings the engine's moving copies along: write the new extent, read
+    /// it once switched, let the other one go when the job is over.
+    /// `done` holds the (job, switched) states confirmed.
+    fn apply_moves(&self, view: &CopyView, done: &mut BTreeSet<(u64, bool)>) {
+        let engine = &*self.engine;
+        let listed: BTreeSet<u32> = view.moving.iter().map(|m| m.extent).collect();
+        for i in 0..engine.extents() {
+            if !listed.contains(&(i as u32)) {
+                // Over: done (stop writing the old extent) or failed (stop
+                // writing the new one). Both are no-ops without a move.
+                engine.end_move(i);
+                engine.abort_move(i);
+            }
+        }
+        for m in &view.moving {
+            let i = m.extent as usize;
+            if done.contains(&(m.job, m.switched)) {
+                if !m.switched && engine.move_failed(i) {
+                    tracing::warn!(extent = i, job = m.job, "the new extent failed here");
+                    self.report_move_failed(m.job);
+                }
+                continue;
+            }
+            let step = if m.switched {
+                if engine.extent_location(i) == m.dest {
+                    // Switched already (a confirmation to retry).
+                    Ok(())
+                } else {
+                    engine.switch_move(i)
+                }
+            } else {
+                engine.begin_move(i, &m.dest)
+            };
+            match step {
+                Ok(()) => {
+                    if self.confirm(m.job, &[]) {
+                        done.insert((m.job, m.switched));
+                        tracing::info!(extent = i, job = m.job, switched = m.switched,
+                            to = %m.dest.target, "moving copy: confirmed");
+                    }
+                }
+                Err(err) if m.switched || engine.move_failed(i) => {
+                    // The new extent missed writes from this host.
+                    tracing::warn!(extent = i, job = m.job, error = %err,
+                        "the new extent failed here; telling the control plane");
+                    if self.report_move_failed(m.job) {
+                        done.insert((m.job, m.switched));
+                    }
+                }
+                Err(err) => {
+                    tracing::warn!(extent = i, job = m.job, error = %err,
+                        "cannot write the new extent yet; the job waits");
+                }
+            }
+        }
+        done.retain(|(j, _)| view.moving.iter().any(|m| m.job == *j));
+    }
+
+    fn report_move_failed(&self, job: u64) -> bool {
+        let path = format!("{}/sync/{job}", self.base);
+        let body =
+            serde_json::json!({ "session": self.session, "missed_regions": null, "failed": true });
+        match put(&self.cp, &path, &body) {
+            Ok(()) => true,
+            Err(e) if e.status() == Some(404) => true,
+            Err(e) => {
+                tracing::warn!(job, error = %e, "reporting the failed new extent failed; retrying");
+                false
+            }
+        }
+    }
+
+    fn confirm(&self, job: u64, regions: &[u32]) -> bool {
+        let path = format!("{}/sync/{job}", self.base);
+        let body = serde_json::json!({ "session": self.session, "missed_regions": regions });
+        match put(&self.cp, &path, &body) {
+            Ok(()) => true,
+            Err(e) if e.status() == Some(404) => {
+                // The job is over; the next view says how.
+                true
+            }
+            Err(e) => {
+                tracing::warn!(job, error = %e, "confirming mirroring failed; retrying");
+                false
+            }
+        }
+    }
+
+    /// Hands over what each stale copy missed from this session (call once
+    /// the volume takes no more writes). Tries a few times: a record that
+    /// does not arrive is treated as lost (a full copy later), never as
+    /// empty.
+    pub fn hand_over(&self) {
+        let _s = tracing::info_span!("follow", volume = %self.volume_id).entered();
+        let mut extents: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for i in 0..self.engine.extents() {
+            if let Some(m) = self.engine.missed_regions(i) {
+                extents.insert(i.to_string(), m.regions);
+            }
+        }
+        let body = serde_json::json!({ "session": self.session, "extents": extents });
+        let path = format!("{}/missed", self.base);
+        for attempt in 0..HAND_OVER_TRIES {
+            match put(&self.cp, &path, &body) {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(attempt, error = %e, "handing over missed regions failed");
+                    std::thread::sleep(RETRY);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+    use std::collections::{HashMap, VecDeque};
+    use std::sync::Mutex;
+
+    const UUID: &str = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42";
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:1";
+    const BASE: &str =
+        "/v1/volumes/0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42/attachments/nqn.2014-08.org.nvmexpress%3Auuid%3A1";
+    const SESSION: u64 = 77;
+
+    type Answer = Result<(u16, Vec<u8>), String>;
+
+    /// A control plane in memory: GETs answer from a script (once it is
+    /// spent, the watcher is stopped), PUTs answer 204 unless a path has
+    /// answers queued; every call is recorded.
+    #[derive(Default)]
+    struct FakeCp {
+        gets: Mutex<VecDeque<Answer>>,
+        puts: Mutex<HashMap<String, VecDeque<Answer>>>,
+        calls: Mutex<Vec<(String, String, Value)>>,
+        stop: Arc<AtomicBool>,
+    }
+
+    impl FakeCp {
+        fn new(views: &[Value]) -> Arc<FakeCp> {
+            let cp = FakeCp::default();
+            for v in views {
+                cp.gets
+                    .lock()
+                    .unwrap()
+                    .push_back(Ok((200, v.to_string().into_bytes())));
+            }
+            Arc::new(cp)
+        }
+
+        fn answer_put(&self, path: &str, a: Answer) {
+            let mut puts = self.puts.lock().unwrap();
+            puts.entry(path.to_owned()).or_default().push_back(a);
+        }
+
+        fn calls(&self) -> Vec<(String, String, Value)> {
+            self.calls.lock().unwrap().clone()
+        }
+
+        fn puts_to(&self, suffix: &str) -> Vec<Value> {
+            let path = format!("{BASE}{suffix}");
+            self.calls()
+                .into_iter()
+                .filter(|(m, p, _)| m == "PUT" && *p == path)
+                .map(|(_, _, b)| b)
+                .collect()
+        }
+    }
+
+    impl ControlPlane for FakeCp {
+        fn get(&self, path: &str, timeout: Duration) -> Answer {
+            assert_eq!(timeout, GET_TIMEOUT);
+            let call = ("GET".to_owned(), path.to_owned(), Value::Null);
+            self.calls.lock().unwrap().push(call);
+            self.gets.lock().unwrap().pop_front().unwrap_or_else(|| {
+                self.stop.store(true, Ordering::Relaxed);
+                Err("script over".into())
+            })
+        }
+
+        fn put_json(&self, path: &str, body: &Value) -> Answer {
+            let call = ("PUT".to_owned(), path.to_owned(), body.clone());
+            self.calls.lock().unwrap().push(call);
+            let mut puts = self.puts.lock().unwrap();
+            let queued = puts.get_mut(path).and_then(VecDeque::pop_front);
+            queued.unwrap_or(Ok((204, Vec::new())))
+        }
+    }
+
+    /// An engine in memory with the state changes of [`Volume`]'s copy
+    /// calls; the calls that change something are recorded.
+    #[derive(Debug)]
+    struct FakeEngine(Mutex<EngineState>);
+
+    #[derive(Debug)]
+    struct EngineState {
+        states: Vec<CopyState>,
+        missed: Vec<Vec<u32>>,
+        location: Vec<PlanExtent>,
+        incoming: Vec<Option<PlanExtent>>,
+        leaving: Vec<bool>,
+        move_failed: Vec<bool>,
+        /// begin_move's destination strays.
+        dest_fails: bool,
+        calls: Vec<String>,
+    }
+
+    fn place(target: &str, copy: u8) -> PlanExtent {
+        PlanExtent {
+            target: target.into(),
+            addr: "127.0.0.1:4420".parse().unwrap(),
+            subsystem_nqn: format!("nqn.2026-11.io.nvpool:{target}"),
+            nsid: 1,
+            device: "d0".into(),
+            offset: 0,
+            length: 1 << 20,
+            member: 0,
+            row: 0,
+            copy,
+        }
+    }
+
+    impl FakeEngine {
+        fn new(states: &[CopyState]) -> Arc<FakeEngine> {
+            let n = states.len();
+            Arc::new(FakeEngine(Mutex::new(EngineState {
+                states: states.to_vec(),
+                missed: vec![Vec::new(); n],
+                location: (0..n).map(|i| place("t0", i as u8)).collect(),
+                incoming: vec![None; n],
+                leaving: vec![false; n],
+                move_failed: vec![false; n],
+                dest_fails: false,
+                calls: Vec::new(),
+            })))
+        }
+
+        fn with<T>(&self, f: impl FnOnce(&mut EngineState) -> T) -> T {
+            f(&mut self.0.lock().unwrap())
+        }
+
+        fn calls(&self) -> Vec<String> {
+            self.with(|s| s.calls.clone())
+        }
+    }
+
+    impl Engine for FakeEngine {
+        fn extents(&self) -> usize {
+            self.with(|s| s.states.len())
+        }
+        fn copy_state(&self, index: usize) -> CopyState {
+            self.with(|s| s.states[index])
+        }
+        fn begin_sync(&self, index: usize) -> Result<MissedRegions, Error> {
+            self.with(|s| {
+                s.calls.push(format!("begin_sync {index}"));
+                let regions = match s.states[index] {
+                    CopyState::Ok => Vec::new(),
+                    _ => s.missed[index].clone(),
+                };
+                s.states[index] = CopyState::Syncing;
+                Ok(MissedRegions {
+                    regions,
+                    complete: true,
+                })
+            })
+        }
+        fn finish_sync(&self, index: usize) {
+            self.with(|s| {
+                s.calls.push(format!("finish_sync {index}"));
+                if s.states[index] == CopyState::Syncing {
+                    s.states[index] = CopyState::Ok;
+                    s.missed[index].clear();
+                }
+            })
+        }
+        fn abort_sync(&self, index: usize) {
+            self.with(|s| {
+                s.calls.push(format!("abort_sync {index}"));
+                if s.states[index] == CopyState::Syncing {
+                    s.states[index] = CopyState::Failed;
+                    s.missed[index].clear();
+                }
+            })
+        }
+        fn mark_failed(&self, index: usize) {
+            self.with(|s| {
+                s.calls.push(format!("mark_failed {index}"));
+                if s.states[index] != CopyState::Failed {
+                    s.states[index] = CopyState::Failed;
+                    s.missed[index].clear();
+                }
+            })
+        }
+        fn missed_regions(&self, index: usize) -> Option<MissedRegions> {
+            self.with(|s| {
+                (s.states[index] == CopyState::Failed).then(|| MissedRegions {
+                    regions: s.missed[index].clone(),
+                    complete: true,
+                })
+            })
+        }
+        fn begin_move(&self, index: usize, dest: &PlanExtent) -> Result<(), Error> {
+            self.with(|s| {
+                s.calls
+                    .push(format!("begin_move {index} to {}", dest.target));
+                if s.dest_fails {
+                    s.move_failed[index] = true;
+                    return Err(Error::Invalid("the destination failed".into()));
+                }
+                s.incoming[index] = Some(dest.clone());
+                Ok(())
+            })
+        }
+        fn switch_move(&self, index: usize) -> Result<(), Error> {
+            self.with(|s| {
+                s.calls.push(format!("switch_move {index}"));
+                let dest = s.incoming[index]
+                    .take()
+                    .ok_or_else(|| Error::Invalid("not moving".into()))?;
+                s.location[index] = dest;
+                s.leaving[index] = s.states[index] != CopyState::Failed;
+                s.states[index] = CopyState::Ok;
+                Ok(())
+            })
+        }
+        fn end_move(&self, index: usize) {
+            self.with(|s| {
+                if std::mem::take(&mut s.leaving[index]) {
+                    s.calls.push(format!("end_move {index}"));
+                }
+            })
+        }
+        fn abort_move(&self, index: usize) {
+            self.with(|s| {
+                s.move_failed[index] = false;
+                if s.incoming[index].take().is_some() {
+                    s.calls.push(format!("abort_move {index}"));
+                }
+            })
+        }
+        fn move_failed(&self, index: usize) -> bool {
+            self.with(|s| s.move_failed[index])
+        }
+        fn extent_location(&self, index: usize) -> PlanExtent {
+            self.with(|s| s.location[index].clone())
+        }
+    }
+
+    fn watcher(cp: &Arc<FakeCp>, engine: &Arc<FakeEngine>) -> Watcher<Arc<FakeCp>> {
+        Watcher::with_engine(
+            cp.clone(),
+            &UUID.parse().unwrap(),
+            HOST,
+            engine.clone(),
+            SESSION,
+            cp.stop.clone(),
+        )
+    }
+
+    fn view(v: Value) -> CopyView {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn gets(cp: &FakeCp) -> Vec<String> {
+        cp.calls()
+            .into_iter()
+            .filter(|(m, _, _)| m == "GET")
+            .map(|(_, p, _)| p)
+            .collect()
+    }
+
+    #[test]
+    fn paths_escape_the_host_nqn() {
+        assert_eq!(
+            segment("nqn.2014-08.org.nvmexpress:uuid:ab"),
+            "nqn.2014-08.org.nvmexpress%3Auuid%3Aab"
+        );
+        assert_eq!(segment("a b/c"), "a%20b%2Fc");
+        assert_eq!(attachment_path(&UUID.parse().unwrap(), HOST), BASE);
+    }
+
+    #[test]
+    fn the_view_at_open_says_which_copies_start_stale_syncing_or_moving() {
+        let v = view(json!({
+            "failed_extents": [1, 3],
+            "syncing": [{"extent": 3, "job": 7}],
+            "moving": [{"extent": 0, "job": 9, "dest": place("t2", 0), "switched": true}],
+            "revision": 4,
+        }));
+        assert_eq!(v.stale_at_open(), [1]);
+        assert_eq!(v.syncing_at_open(), [3]);
+        assert_eq!(
+            v.moving_at_open(),
+            [MovingCopy {
+                extent: 0,
+                dest: place("t2", 0),
+                switched: true
+            }]
+        );
+        let plan = json!({
+            "volume": UUID, "name": "v", "host_nqn": HOST, "size_bytes": 1 << 20,
+            "block_bytes": 4096, "extent_bytes": 1 << 20,
+            "layout": {"type": "raid1", "copies": 2},
+            "extents": [place("t0", 0), place("t1", 1)],
+        });
+        let a = json!({ "plan": plan, "revision": 4, "failed_extents": [1], "status": "ok" });
+        let cp = FakeCp::new(&[a]);
+        let a = read_attachment(&cp, &UUID.parse().unwrap(), HOST).unwrap();
+        assert_eq!(gets(&cp), [BASE]);
+        assert_eq!(a.plan.extents.len(), 2);
+        assert_eq!(a.copies.stale_at_open(), [1]);
+        assert_eq!(a.copies.revision, 4);
+
+        let cp = FakeCp::new(&[]);
+        let gone = json!({"kind": "not_found", "message": "not attached"});
+        cp.gets
+            .lock()
+            .unwrap()
+            .push_back(Ok((404, gone.to_string().into_bytes())));
+        let e = read_attachment(&cp, &UUID.parse().unwrap(), HOST).unwrap_err();
+        assert_eq!(e.status(), Some(404));
+        assert_eq!(
+            e.to_string(),
+            "the control plane answered HTTP 404 (not_found): not attached"
+        );
+    }
+
+    #[test]
+    fn a_copy_being_filled_is_mirrored_confirmed_then_read() {
+        let cp = FakeCp::new(&[
+            json!({"failed_extents": [1], "syncing": [{"extent": 1, "job": 7}], "revision": 2}),
+            json!({"failed_extents": [], "syncing": [], "revision": 3}),
+        ]);
+        let engine = FakeEngine::new(&[CopyState::Ok, CopyState::Failed]);
+        engine.with(|s| s.missed[1] = vec![3, 5]);
+        let w = watcher(&cp, &engine);
+        w.run(view(json!({"failed_extents": [1], "revision": 1})));
+
+        assert_eq!(engine.calls(), ["begin_sync 1", "finish_sync 1"]);
+        assert_eq!(
+            cp.puts_to("/sync/7"),
+            [json!({"session": SESSION, "missed_regions": [3, 5]})]
+        );
+        assert_eq!(
+            gets(&cp),
+            [1, 2, 3].map(|r| format!("{BASE}?after_revision={r}"))
+        );
+        assert_eq!(engine.copy_state(1), CopyState::Ok);
+    }
+
+    #[test]
+    fn a_confirmation_is_retried_until_the_control_plane_takes_it() {
+        let job_view = json!({"failed_extents": [1], "syncing": [{"extent": 1, "job": 7}],
+                              "revision": 2});
+        let cp = FakeCp::new(&[job_view.clone(), job_view.clone(), job_view]);
+        let refused = json!({"kind": "unavailable", "message": "store busy"});
+        cp.answer_put(&format!("{BASE}/sync/7"), Err("connection refused".into()));
+        cp.answer_put(
+            &format!("{BASE}/sync/7"),
+            Ok((503, refused.to_string().into_bytes())),
+        );
+        let engine = FakeEngine::new(&[CopyState::Ok, CopyState::Failed]);
+        watcher(&cp, &engine).run(view(json!({"failed_extents": [1], "revision": 1})));
+
+        // Unreachable, refused, taken; then the job is left alone.
+        assert_eq!(cp.puts_to("/sync/7").len(), 3);
+        assert_eq!(
+            engine.calls(),
+            ["begin_sync 1", "begin_sync 1", "begin_sync 1"]
+        );
+    }
+
+    #[test]
+    fn a_job_that_ends_unsynced_or_a_copy_stale_elsewhere_stops_its_use() {
+        let cp = FakeCp::new(&[
+            json!({"failed_extents": [1, 2], "syncing": [], "revision": 2}),
+            // A job over that this host never heard of (404): done.
+            json!({"failed_extents": [1, 2], "syncing": [{"extent": 1, "job": 8}],
+                   "revision": 3}),
+        ]);
+        cp.answer_put(&format!("{BASE}/sync/8"), Ok((404, b"{}".to_vec())));
+        let engine = FakeEngine::new(&[
+            CopyState::Ok,
+            CopyState::Syncing,
+            CopyState::Ok,
+            CopyState::Ok,
+        ]);
+        // Opened mirroring to copy 1 for job 7: confirmed again (drained).
+        let opened = json!({"failed_extents": [1], "syncing": [{"extent": 1, "job": 7}],
+                            "revision": 1});
+        watcher(&cp, &engine).run(view(opened));
+
+        assert_eq!(
+            engine.calls(),
+            [
+                "begin_sync 1",
+                // Job 7 ended without sync; another host found 2 stale.
+                "abort_sync 1",
+                "mark_failed 2",
+                // Job 8 mirrors to 1 again.
+                "begin_sync 1",
+            ]
+        );
+        assert_eq!(cp.puts_to("/sync/7").len(), 1);
+        assert_eq!(cp.puts_to("/sync/8").len(), 1);
+        assert_eq!(engine.copy_state(2), CopyState::Failed);
+    }
+
+    #[test]
+    fn a_moving_copy_is_written_then_read_then_let_go() {
+        let dest = place("t2", 1);
+        let mv =
+            |switched: bool| json!({"extent": 1, "job": 9, "dest": dest, "switched": switched});
+        let cp = FakeCp::new(&[
+            json!({"moving": [mv(false)], "revision": 2}),
+            json!({"moving": [mv(true)], "revision": 3}),
+            json!({"moving": [], "revision": 4}),
+        ]);
+        let engine = FakeEngine::new(&[CopyState::Ok, CopyState::Ok]);
+        watcher(&cp, &engine).run(view(json!({"revision": 1})));
+
+        assert_eq!(
+            engine.calls(),
+            ["begin_move 1 to t2", "switch_move 1", "end_move 1"]
+        );
+        let confirm = json!({"session": SESSION, "missed_regions": []});
+        assert_eq!(cp.puts_to("/sync/9"), [confirm.clone(), confirm]);
+        assert_eq!(engine.extent_location(1), place("t2", 1));
+    }
+
+    #[test]
+    fn a_new_extent_that_fails_here_fails_the_move() {
+        let mv = json!({"extent": 0, "job": 9, "dest": place("t2", 0), "switched": false});
+        let cp = FakeCp::new(&[json!({"moving": [mv], "revision": 2})]);
+        let engine = FakeEngine::new(&[CopyState::Ok, CopyState::Ok]);
+        engine.with(|s| s.dest_fails = true);
+        watcher(&cp, &engine).run(view(json!({"revision": 1})));
+
+        assert_eq!(engine.calls(), ["begin_move 0 to t2"]);
+        assert_eq!(
+            cp.puts_to("/sync/9"),
+            [json!({"session": SESSION, "missed_regions": null, "failed": true})]
+        );
+    }
+
+    #[test]
+    fn the_session_is_registered_and_missed_regions_handed_over_at_stop() {
+        let cp = FakeCp::new(&[]);
+        let engine = FakeEngine::new(&[CopyState::Ok, CopyState::Failed, CopyState::Failed]);
+        engine.with(|s| {
+            s.missed[1] = vec![2, 4];
+        });
+        let w = watcher(&cp, &engine);
+        w.register(5);
+        w.hand_over();
+
+        assert_eq!(
+            cp.puts_to("/session"),
+            [json!({"session": SESSION, "revision": 5})]
+        );
+        // Every stale copy is listed, the ones that missed nothing too.
+        assert_eq!(
+            cp.puts_to("/missed"),
+            [json!({"session": SESSION, "extents": {"1": [2, 4], "2": []}})]
+        );
+    }
+
+    #[test]
+    fn copies_failed_at_io_time_are_reported() {
+        let cp = FakeCp::new(&[]);
+        let (on_failed, reporter) =
+            spawn_failure_reporter(cp.clone(), &UUID.parse().unwrap(), HOST).unwrap();
+        for index in [3, 1, 3] {
+            on_failed(&ExtentFailure {
+                index,
+                row: 0,
+                member: 0,
+                copy: 1,
+                target: "t1".into(),
+                addr: "127.0.0.1:4420".parse().unwrap(),
+                subsystem_nqn: "nqn.2026-11.io.nvpool:t1".into(),
+                nsid: 1,
+                error: crate::error::IoError::ControllerLost,
+                member_lost: false,
+            });
+        }
+        // The reporter ends once the callback is gone and all is sent.
+        drop(on_failed);
+        reporter.join().unwrap();
+
+        let reported: BTreeSet<u64> = cp
+            .puts_to("/failed-extents")
+            .iter()
+            .flat_map(|b| b["failed_extents"].as_array().unwrap().clone())
+            .map(|e| e.as_u64().unwrap())
+            .collect();
+        assert_eq!(reported, BTreeSet::from([1, 3]));
+    }
+}
