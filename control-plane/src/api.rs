@@ -21,7 +21,9 @@
 //! | `GET /v1/volumes/{uuid}/history` | copies of the volume: running and past | — |
 //! | `POST /v1/volumes/{uuid}/extents/{index}/resync` | mark a copy stale: it is copied whole | admin |
 //! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach | admin / — |
-//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy | admin |
+//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy | admin (target for an owner's host NQN) |
+//! | `PUT/DELETE /v1/volumes/{uuid}/exports/{host}`, `GET /v1/volumes/{uuid}/exports` | serve the volume to a stock host through targets (ANA paths) | admin / — |
+//! | `POST /v1/targets/{id}/lease` | an owner of served volumes renews its lease | target |
 //!
 //! Every error is `{"kind", "message", "details"}` with a 4xx status for
 //! anything the request got wrong (see [`ApiError::from_state`], the one
@@ -96,6 +98,12 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
         .route("/v1/targets/{id}/state", put(put_target_state))
         .route("/v1/rebalance", post(post_rebalance).get(get_rebalance))
         .route("/v1/targets/{id}/heartbeat", put(heartbeat))
+        .route("/v1/targets/{id}/lease", post(post_lease))
+        .route("/v1/volumes/{uuid}/exports", get(get_exports))
+        .route(
+            "/v1/volumes/{uuid}/exports/{host_nqn}",
+            put(put_export).delete(delete_export),
+        )
         .route("/v1/pools", get(list_pools))
         .route(
             "/v1/pools/{name}",
@@ -1467,6 +1475,110 @@ async fn delete_attachment(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Who may act for `host`'s serving process: an owner of a served volume
+/// is a target, every other host is the admin's.
+fn host_role(host: &str) -> Role {
+    if crate::paths::parse_owner_host(host).is_some() {
+        Role::Target
+    } else {
+        Role::Admin
+    }
+}
+
+/// Body of `PUT /v1/volumes/{uuid}/exports/{host_nqn}`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExportBody {
+    /// Targets presenting the volume (ANA paths) when it is first
+    /// exported: 1 to 8, default 2 (different failure domains first).
+    #[serde(default)]
+    pub paths: Option<usize>,
+}
+
+/// Serves the volume to a stock host: the host's NQN joins the access
+/// list of the volume's subsystem, which a few targets present as ANA
+/// paths (one optimized, the owner running the volume engine; the others
+/// inaccessible until a failover). Connect with `nvme connect` to every
+/// path. Idempotent: again, 200 with the same view.
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), security(("admin_token" = [])), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
+async fn put_export(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Result<(StatusCode, Json<crate::failover::ServedView>), ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    let body: ExportBody = if body.iter().all(u8::is_ascii_whitespace) {
+        ExportBody::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?
+    };
+    let paths = body.paths.unwrap_or(crate::paths::PATHS_DEFAULT);
+    let (view, created) = api
+        .program(move |c| crate::failover::export(c, &uuid, &host, paths))
+        .await?;
+    let code = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((code, Json(view)))
+}
+
+/// How the volume is served by targets: hosts, paths with their listener
+/// addresses and ANA state, owner.
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/exports", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "the served volume", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "the volume is not served", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_exports(
+    State(api): State<Api>,
+    Path(uuid): Path<String>,
+) -> Result<Json<crate::failover::ServedView>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| {
+            let (s, _) = c
+                .served(&uuid)?
+                .ok_or_else(|| StateError::VolumeNotFound(format!("{uuid} (served)")))?;
+            crate::failover::view(c, &s)
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+/// Stops serving the volume to the host (its NQN leaves the access list;
+/// the host sees its paths go). The last host gone, the volume's
+/// subsystem is removed from every target and the owner stops.
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), security(("admin_token" = [])), responses((status = 204, description = "no longer exported to that host"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not exported to that host", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
+async fn delete_export(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((uuid, host)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    api.authorize(&headers, Role::Admin)?;
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    api.program(move |c| crate::failover::unexport(c, &uuid, &host))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// An owner of served volumes renews its lease: the answer lists the
+/// subsystems it may serve, for `valid_ms` counted from when it sent this
+/// request (so its expiry is never later than the control plane's idea of
+/// it). Another path is promoted only after the lease has run out.
+#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), security(("target_token" = []), ("admin_token" = [])), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn post_lease(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<crate::paths::LeaseGrant>, ApiError> {
+    api.authorize(&headers, Role::Target)?;
+    let out = api.run(move |c| c.grant_lease(&id)).await?;
+    Ok(Json(out))
+}
+
 /// A host reports copies it stopped using because I/O to them failed (the
 /// volume engine keeps serving from the other copies). The failure is the
 /// volume's: it turns degraded and stays so after detach, and every later
@@ -1479,7 +1591,7 @@ async fn put_failed_extents(
     Path((uuid, host)): Path<(String, String)>,
     JsonBody(body): JsonBody<FailedExtentsBody>,
 ) -> Result<Json<AttachmentOut>, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
+    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let out = api
@@ -1504,7 +1616,7 @@ async fn put_session(
     Path((uuid, host)): Path<(String, String)>,
     JsonBody(body): JsonBody<SessionBody>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
+    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     api.run(move |c| c.register_session(&uuid, &host, body.session, body.revision))
@@ -1521,7 +1633,7 @@ async fn put_missed(
     Path((uuid, host)): Path<(String, String)>,
     JsonBody(body): JsonBody<MissedBody>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
+    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let mut extents = BTreeMap::new();
@@ -1545,7 +1657,7 @@ async fn put_sync(
     Path((uuid, host, job)): Path<(String, String, String)>,
     JsonBody(body): JsonBody<SyncBody>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
+    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let job = crate::resync::validate_job_id(&job).map_err(|e| ApiError::invalid(e.to_string()))?;
@@ -1984,7 +2096,8 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
         put_pool, list_pools, get_pool, delete_pool, put_volume, list_volumes, get_volume,
         resize_volume, delete_volume, put_attachment, get_attachment, list_attachments,
         delete_attachment, put_failed_extents, put_session, put_missed, put_sync, get_history, post_resync,
-        reconcile_target, put_target_state, delete_target, post_rebalance, get_rebalance
+        reconcile_target, put_target_state, delete_target, post_rebalance, get_rebalance,
+        put_export, get_exports, delete_export, post_lease
     ),
     modifiers(&BearerSchemes)
 )]

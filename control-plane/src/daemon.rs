@@ -185,6 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("listening on {}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
         tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
+        tokio::spawn(crate::failover::watch_loop(cluster.clone()));
         axum::serve(listener, app)
             .with_graceful_shutdown({
                 let c = cluster.clone();

@@ -28,11 +28,14 @@ pub mod clock;
 #[cfg(feature = "server")]
 pub mod daemon;
 #[cfg(feature = "server")]
+pub mod failover;
+#[cfg(feature = "server")]
 pub mod heal;
 pub mod limits;
 pub mod mapping;
 pub mod model;
 pub mod moves;
+pub mod paths;
 pub mod placement;
 pub mod plan;
 #[cfg(feature = "server")]

@@ -62,6 +62,13 @@ pub const DEVICES_PER_POOL_MAX: usize = 16384;
 /// Volumes in one cluster.
 pub const VOLUMES_MAX: usize = 65536;
 
+/// A call that changes a served volume's ANA state on a target: leaving
+/// a serving state waits there for the I/O in flight (at most 10 s).
+pub const ANA_CHANGE_TIMEOUT_MS: u64 = 15_000;
+
+/// Hosts a served volume's subsystem admits (its ACL on every path).
+pub const HOSTS_PER_SERVED_VOLUME_MAX: usize = 256;
+
 /// Namespaces of one host's subsystem on one target: each attached extent
 /// is one. Matches the target's per-subsystem namespace limit.
 pub const NAMESPACES_PER_HOST_TARGET_MAX: usize = 1024;

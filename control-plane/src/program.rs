@@ -181,7 +181,80 @@ impl TargetAdmin {
             .map(drop)
     }
 
-    fn allow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+    /// A subsystem as the admin API shows it, untyped (served volumes read
+    /// fields the attach protocol does not need).
+    pub(crate) fn subsystem_value(
+        &self,
+        nqn: &str,
+    ) -> Result<Option<serde_json::Value>, ProgramError> {
+        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
+        let r = self.agent.get(url).call();
+        match self.check("reading a subsystem", r)? {
+            Some(mut r) => r
+                .body_mut()
+                .read_json()
+                .map(Some)
+                .map_err(|e| self.unreachable(e)),
+            None => Ok(None),
+        }
+    }
+
+    /// Every subsystem NQN the target has.
+    pub(crate) fn subsystem_nqns(&self) -> Result<Vec<String>, ProgramError> {
+        Ok(self.subsystems()?.into_iter().map(|s| s.nqn).collect())
+    }
+
+    /// Creates or replaces a subsystem (open namespaces whose spec is
+    /// unchanged are kept open by the target).
+    pub(crate) fn put_subsystem_value(
+        &self,
+        nqn: &str,
+        body: &serde_json::Value,
+    ) -> Result<(), ProgramError> {
+        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
+        let r = self.agent.put(url).send_json(body);
+        self.check(&format!("configuring subsystem {nqn}"), r)
+            .map(drop)
+    }
+
+    /// Sets the ANA state the target reports for `nqn`. Leaving a serving
+    /// state waits on the target for the I/O in flight, so this call gets
+    /// a longer timeout.
+    pub(crate) fn set_ana(&self, nqn: &str, state: &str) -> Result<(), ProgramError> {
+        let config = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_millis(
+                crate::limits::ANA_CHANGE_TIMEOUT_MS,
+            )))
+            .http_status_as_error(false)
+            .build();
+        let agent = ureq::Agent::new_with_config(config);
+        let url = self.url(&format!("/v1/subsystems/{}/ana", segment(nqn)));
+        let r = agent
+            .put(url)
+            .send_json(serde_json::json!({ "state": state }));
+        match self.check(&format!("ANA state {state} of {nqn}"), r)? {
+            Some(_) => Ok(()),
+            None => Err(ProgramError::Refused {
+                target: self.target.clone(),
+                what: format!("ANA state {state} of {nqn}"),
+                message: "the subsystem does not exist".into(),
+            }),
+        }
+    }
+
+    /// Takes `host` off a subsystem's ACL; one already gone is fine.
+    pub(crate) fn disallow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+        let url = self.url(&format!(
+            "/v1/subsystems/{}/hosts/{}",
+            segment(nqn),
+            segment(host)
+        ));
+        let r = self.agent.delete(url).call();
+        self.check(&format!("removing {host} from {nqn}"), r)
+            .map(drop)
+    }
+
+    pub(crate) fn allow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
         let url = self.url(&format!(
             "/v1/subsystems/{}/hosts/{}",
             segment(nqn),
@@ -283,7 +356,7 @@ impl TargetAdmin {
     }
 
     /// Removes a subsystem; one already gone is fine.
-    fn delete_subsystem(&self, nqn: &str) -> Result<(), ProgramError> {
+    pub(crate) fn delete_subsystem(&self, nqn: &str) -> Result<(), ProgramError> {
         let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
         let r = self.agent.delete(url).call();
         self.check(&format!("removing subsystem {nqn}"), r)
@@ -449,7 +522,24 @@ pub fn attach(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<Attached, 
         let r = ensure_exports(&admin, t, host, xs, &mut added);
         (r, added)
     });
-    let failed = results.iter().find_map(|(_, (r, _))| r.as_ref().err());
+    // A target that cannot be reached and holds only copies that missed
+    // writes (never read, never written) does not stop the attach: its
+    // namespaces are recorded and reconciliation exports them when it is
+    // back, for the copies to be resynced.
+    let stale = cluster.snapshot()?.failed_set(volume);
+    let only_stale = |t: &Target| {
+        start
+            .volume
+            .extents
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.target == t.id)
+            .all(|(i, _)| stale.contains(&(i as u32)))
+    };
+    let failed = results.iter().find_map(|(t, (r, _))| match r {
+        Err(ProgramError::Unreachable { .. }) if only_stale(t) => None,
+        r => r.as_ref().err(),
+    });
     if let Some(e) = failed {
         let message = e.to_string();
         for (t, (_, added)) in &results {
@@ -460,7 +550,10 @@ pub fn attach(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<Attached, 
         // Hand back the first failure itself.
         let err = results
             .into_iter()
-            .find_map(|(_, (r, _))| r.err())
+            .find_map(|(t, (r, _))| match r {
+                Err(ProgramError::Unreachable { .. }) if only_stale(&t) => None,
+                r => r.err(),
+            })
             .expect("a failure was found above");
         return Err(err);
     }
@@ -485,6 +578,18 @@ pub fn detach(
     host: &str,
     force: bool,
 ) -> Result<(), ProgramError> {
+    detach_reporting(cluster, volume, host, force).map(drop)
+}
+
+/// [`detach`], answering the targets that could not be reached (with
+/// `force`, they may still export the host's namespaces: their leftovers
+/// are stale exports).
+pub fn detach_reporting(
+    cluster: &Cluster,
+    volume: &Uuid,
+    host: &str,
+    force: bool,
+) -> Result<Vec<String>, ProgramError> {
     validate_host_nqn(host).map_err(StateError::from)?;
     let (a, _) = cluster.begin_detach(volume, host)?;
     let s = cluster.snapshot()?;
@@ -531,7 +636,7 @@ pub fn detach(
     }
     cluster.finish_detach(volume, host, &stale)?;
     tracing::info!(%volume, host, stale_targets = stale.len(), "volume detached");
-    Ok(())
+    Ok(stale.into_keys().collect())
 }
 
 /// What a reconciliation did on one target.
@@ -611,6 +716,9 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
             out.copies_removed += 1;
         }
     }
+    // Served volumes' subsystems (paths of ANA subsystems), after the
+    // host subsystems so an owner finds its extents exported.
+    out.subsystems_removed += crate::failover::reconcile_target(cluster, target_id)?;
     if let Some((_, version)) = stale {
         cluster.clear_stale_exports(target_id, version)?;
         out.stale_cleared = true;

@@ -333,6 +333,8 @@ pub struct Cluster {
     mutations: Arc<Mutex<()>>,
     /// Set when the serving process stops: long polls answer at once.
     closing: Arc<std::sync::atomic::AtomicBool>,
+    /// Lease grants to owners of served volumes (in memory).
+    leases: Arc<crate::paths::Leases>,
 }
 
 /// A mutation attempt: committed with a result, or lost a race.
@@ -379,12 +381,14 @@ impl Cluster {
         config: StateConfig,
     ) -> Result<Cluster, StateError> {
         config.validate()?;
+        let leases = Arc::new(crate::paths::Leases::new(clock.now_ms()));
         Ok(Cluster {
             store,
             clock,
             config,
             mutations: Arc::default(),
             closing: Arc::default(),
+            leases,
         })
     }
 
@@ -397,6 +401,10 @@ impl Cluster {
 
     pub fn closing(&self) -> bool {
         self.closing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn leases(&self) -> &crate::paths::Leases {
+        &self.leases
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {

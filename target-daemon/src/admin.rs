@@ -10,7 +10,7 @@ use nvpool_wire::fabrics::{self, prop, Cap, PropertyCmd, VS_1_3};
 use nvpool_wire::identify::{
     self, cns, cntrltype, IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN,
 };
-use nvpool_wire::log::{self, lid, DiscoveryEntry, GetLogPage};
+use nvpool_wire::log::{self, lid, AnaGroup, AnaLog, AnaState, DiscoveryEntry, GetLogPage};
 use nvpool_wire::sqe::admin as op;
 use nvpool_wire::{Sqe, Status};
 use std::net::SocketAddr;
@@ -170,12 +170,28 @@ fn identify(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8]) -> Reply {
             }
             out.fill(0);
             if let (cns::NAMESPACE, Some(ns)) = (cns_v, subsys.namespaces.get(&nsid)) {
+                let ana = subsys.ana.as_ref();
+                // Nothing of a namespace is usable through a path that lost
+                // it (nvmet reports NUSE 0 too).
+                let lost = ana.is_some_and(|a| {
+                    matches!(
+                        a.effective(cx.now_ms),
+                        AnaState::Inaccessible | AnaState::PersistentLoss
+                    )
+                });
                 IdentifyNamespace {
                     nsze: ns.blocks,
                     ncap: ns.blocks,
-                    nuse: ns.blocks,
+                    nuse: if lost { 0 } else { ns.blocks },
                     nsfeat: 0,
+                    // Shared: several controllers (and, with ANA, several
+                    // targets) reach it.
                     nmic: 1,
+                    anagrpid: if ana.is_some() {
+                        limits::ANA_GROUP_ID
+                    } else {
+                        0
+                    },
                     // Deallocated blocks read as zeroes; Write Zeroes may deallocate.
                     dlfeat: 0x09,
                     lbads: ns.block_shift,
@@ -223,7 +239,7 @@ fn identify(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8]) -> Reply {
 pub fn identify_controller(ctrl: &Controller, subsys: &Subsystem) -> IdentifyController {
     let common = IdentifyController {
         serial: subsys.serial.clone(),
-        model: "nvpool".into(),
+        model: subsys.model.clone().unwrap_or_else(|| "nvpool".into()),
         firmware: env!("CARGO_PKG_VERSION").chars().take(8).collect(),
         mdts: limits::MDTS_LOG2_PAGES,
         cntlid: ctrl.cntlid,
@@ -248,10 +264,10 @@ pub fn identify_controller(ctrl: &Controller, subsys: &Subsystem) -> IdentifyCon
             ..common
         };
     }
-    IdentifyController {
+    let io = IdentifyController {
         // Several controllers (hosts, or reconnects) may share a subsystem.
-        cmic: 0x02,
-        oaes: 1 << 8,
+        cmic: identify::cmic::MULTI_CONTROLLER,
+        oaes: log::aec::NS_ATTR,
         cntrltype: cntrltype::IO,
         kas: limits::KAS_100MS,
         maxcmd: limits::IO_QUEUE_ENTRIES_MAX,
@@ -261,7 +277,39 @@ pub fn identify_controller(ctrl: &Controller, subsys: &Subsystem) -> IdentifyCon
         ioccsz: limits::IOCCSZ_UNITS,
         iorcsz: 1,
         ..common
+    };
+    if subsys.ana.is_none() {
+        return io;
     }
+    // One path of a subsystem several targets present: one ANA group.
+    IdentifyController {
+        cmic: identify::cmic::MULTI_PORT
+            | identify::cmic::MULTI_CONTROLLER
+            | identify::cmic::ANA_REPORTING,
+        oaes: io.oaes | log::aec::ANA_CHANGE,
+        anatt: limits::ANA_TRANSITION_TIME_S,
+        // Every state may be reported.
+        anacap: 0x1F,
+        anagrpmax: limits::ANA_GROUP_ID,
+        nanagrpid: 1,
+        mnan: limits::ANA_MNAN,
+        ..io
+    }
+}
+
+/// The ANA log of an I/O controller of a subsystem with ANA (None
+/// otherwise): one group holding every namespace, in its effective state.
+fn ana_log(cx: &AdminCtx<'_>, subsys: &Subsystem) -> Option<AnaLog> {
+    let (state, chgcnt) = cx.target.check_ana(subsys)?;
+    Some(AnaLog {
+        chgcnt,
+        groups: vec![AnaGroup {
+            grpid: limits::ANA_GROUP_ID,
+            chgcnt,
+            state,
+            nsids: subsys.namespaces.keys().copied().collect(),
+        }],
+    })
 }
 
 fn get_log_page(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<u8>) -> Reply {
@@ -272,6 +320,7 @@ fn get_log_page(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<
     }
     let ctrl = cx.ctrl;
     scratch.clear();
+    let mut rearm_ana = false;
     match (g.lid, ctrl.discovery) {
         (lid::DISCOVERY, true) => discovery_log(cx, scratch),
         (lid::ERROR, false) => {
@@ -295,11 +344,22 @@ fn get_log_page(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<
             scratch.resize(log::CHANGED_NS_LEN, 0);
             log::encode_changed_ns(&ctrl.changed_namespaces(g.rae), scratch);
         }
+        (lid::ANA, false) => {
+            let Some(ana) = ana_log(cx, &ctrl.subsystem()) else {
+                return Reply::status(Status::INVALID_LOG_PAGE);
+            };
+            let rgo = GetLogPage::lsp(sqe) & log::ANA_LSP_RGO != 0;
+            ana.encode(rgo, scratch);
+            rearm_ana = !g.rae;
+        }
         _ => return Reply::status(Status::INVALID_LOG_PAGE),
     }
     let off = g.offset as usize;
     if g.offset > scratch.len() as u64 {
         return Reply::status(Status::INVALID_FIELD);
+    }
+    if rearm_ana {
+        ctrl.rearm_ana_event();
     }
     let n = (scratch.len() - off).min(len);
     buf[..n].copy_from_slice(&scratch[off..off + n]);
@@ -388,6 +448,8 @@ fn set_features(ctrl: &Controller, sqe: &Sqe) -> Reply {
         (fid::ASYNC_EVENT_CONFIG, _) => {
             let supported = if ctrl.discovery {
                 crate::controller::AEC_DISCOVERY
+            } else if ctrl.subsystem().ana.is_some() {
+                crate::controller::AEC_NS_ATTR | crate::controller::AEC_ANA_CHANGE
             } else {
                 crate::controller::AEC_NS_ATTR
             };

@@ -5,7 +5,9 @@
 //! | `GET /v1/health` | liveness |
 //! | `GET /v1/target` | listeners, subsystems, controllers |
 //! | `GET /v1/subsystems` | every subsystem with namespaces and hosts |
-//! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, serial, namespaces) |
+//! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, serial, model, ana, namespaces) |
+//! | `PUT /v1/subsystems/{nqn}/ana` | set the ANA state here (body: `{"state": "optimized"}`; 503 when a backend cannot be activated) |
+//! | `POST /v1/leases` | renew ANA leases (body: `{"nqns": [...], "valid_ms": N}`, N ≤ 60000) |
 //! | `DELETE /v1/subsystems/{nqn}` | remove (its controllers are disconnected) |
 //! | `PUT /v1/subsystems/{nqn}/namespaces/{nsid}` | add or replace a namespace (body: backend, uuid, read_only) |
 //! | `DELETE /v1/subsystems/{nqn}/namespaces/{nsid}` | remove a namespace (hosts get a namespace-changed event) |
@@ -22,7 +24,7 @@
 //! saved to the state directory before it is answered, except copy jobs,
 //! which live in memory only (copier.rs).
 
-use crate::config::{NamespaceConfig, SubsystemConfig};
+use crate::config::{AnaConfig, AnaState, NamespaceConfig, SubsystemConfig};
 use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
 use crate::daemon::ListenerControl;
 use crate::target::{Target, TargetError};
@@ -128,6 +130,8 @@ fn router(api: Api) -> Router {
             "/v1/subsystems/{nqn}/hosts/{host}",
             put(put_host).delete(delete_host),
         )
+        .route("/v1/subsystems/{nqn}/ana", put(put_ana))
+        .route("/v1/leases", post(post_leases))
         .route("/v1/listeners", get(list_listeners))
         .route(
             "/v1/listeners/{addr}",
@@ -184,6 +188,7 @@ impl From<TargetError> for ApiError {
             TargetError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             TargetError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             TargetError::Limit(_) => (StatusCode::CONFLICT, "limit"),
+            TargetError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
         };
         ApiError::new(code, kind, format!("{e:#}"))
     }
@@ -231,15 +236,43 @@ struct NamespaceView {
 struct SubsystemView {
     nqn: String,
     serial: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<String>,
     allow_any_host: bool,
     allowed_hosts: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ana: Option<AnaView>,
     namespaces: Vec<NamespaceView>,
 }
 
-fn view(s: &crate::target::Subsystem) -> SubsystemView {
+/// The ANA settings as configured, and what hosts see now.
+#[derive(Debug, Serialize)]
+struct AnaView {
+    #[serde(flatten)]
+    config: AnaConfig,
+    /// The state hosts see: the configured one, or inaccessible while a
+    /// lease-gated serving state has no valid lease.
+    effective_state: String,
+    change_count: u64,
+    /// Lease time left (null without a lease).
+    lease_remaining_ms: Option<u64>,
+}
+
+fn view(t: &Target, s: &crate::target::Subsystem) -> SubsystemView {
+    let now = t.now_ms();
     SubsystemView {
         nqn: s.nqn.clone(),
         serial: s.serial.clone(),
+        model: s.model.clone(),
+        ana: s.ana.as_ref().map(|a| {
+            let (state, chgcnt) = t.check_ana(s).unwrap_or((a.effective(now), 0));
+            AnaView {
+                config: a.config,
+                effective_state: state.name().to_owned(),
+                change_count: chgcnt,
+                lease_remaining_ms: a.lease_remaining_ms(now),
+            }
+        }),
         allow_any_host: s.allow_any_host,
         allowed_hosts: s.hosts.iter().cloned().collect(),
         namespaces: s
@@ -287,7 +320,7 @@ async fn target_info(State(api): State<Api>) -> impl IntoResponse {
     Json(serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "listeners": api.target.listeners(),
-        "subsystems": api.target.subsystems().values().map(|s| view(s)).collect::<Vec<_>>(),
+        "subsystems": api.target.subsystems().values().map(|s| view(&api.target, s)).collect::<Vec<_>>(),
         "controllers": controllers(&api.target),
     }))
 }
@@ -297,7 +330,7 @@ async fn list_subsystems(State(api): State<Api>) -> impl IntoResponse {
         api.target
             .subsystems()
             .values()
-            .map(|s| view(s))
+            .map(|s| view(&api.target, s))
             .collect::<Vec<_>>(),
     )
 }
@@ -308,7 +341,7 @@ async fn get_subsystem(
 ) -> Result<Json<SubsystemView>, ApiError> {
     api.target
         .subsystem(&nqn)
-        .map(|s| Json(view(&s)))
+        .map(|s| Json(view(&api.target, &s)))
         .ok_or_else(|| {
             ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -327,6 +360,8 @@ struct SubsystemBody {
     #[serde(default)]
     allow_any_host: bool,
     serial: Option<String>,
+    model: Option<String>,
+    ana: Option<AnaConfig>,
     #[serde(default)]
     namespaces: Vec<NamespaceConfig>,
 }
@@ -351,6 +386,8 @@ async fn put_subsystem(
         allowed_hosts: b.allowed_hosts,
         allow_any_host: b.allow_any_host,
         serial: b.serial,
+        model: b.model,
+        ana: b.ana,
         namespaces: b.namespaces,
     };
     let t = api.target.clone();
@@ -426,6 +463,62 @@ async fn delete_host(
     let t = api.target.clone();
     blocking(move || t.disallow_host(&nqn, &host)).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Body of `PUT /v1/subsystems/{nqn}/ana`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AnaStateBody {
+    state: String,
+}
+
+async fn put_ana(
+    State(api): State<Api>,
+    Path(nqn): Path<String>,
+    JsonBody(b): JsonBody<AnaStateBody>,
+) -> Result<Json<SubsystemView>, ApiError> {
+    let state = AnaState::from_name(&b.state).ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "unknown ANA state {:?} (optimized, non-optimized, inaccessible, persistent-loss, change)",
+            b.state
+        ))
+    })?;
+    let t = api.target.clone();
+    let n = nqn.clone();
+    // Activating or deactivating backends may take a while: off the runtime.
+    blocking(move || t.set_ana_state(&n, state)).await?;
+    get_subsystem(State(api), Path(nqn)).await
+}
+
+/// Body of `POST /v1/leases`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseBody {
+    nqns: Vec<String>,
+    valid_ms: u64,
+}
+
+async fn post_leases(
+    State(api): State<Api>,
+    JsonBody(b): JsonBody<LeaseBody>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    use crate::limits::{LEASE_RENEW_NQNS_MAX, LEASE_VALID_MAX_MS};
+    if b.valid_ms == 0 || b.valid_ms > LEASE_VALID_MAX_MS {
+        return Err(ApiError::bad_request(format!(
+            "valid_ms must be 1..={LEASE_VALID_MAX_MS}"
+        )));
+    }
+    if b.nqns.len() > LEASE_RENEW_NQNS_MAX {
+        return Err(ApiError::bad_request(format!(
+            "at most {LEASE_RENEW_NQNS_MAX} NQNs per renewal"
+        )));
+    }
+    let until = api.target.now_ms().saturating_add(b.valid_ms);
+    let renewed = api.target.renew_leases(&b.nqns, until);
+    Ok(Json(serde_json::json!({
+        "renewed": renewed,
+        "valid_ms": b.valid_ms,
+    })))
 }
 
 async fn list_listeners(State(api): State<Api>) -> impl IntoResponse {

@@ -8,6 +8,7 @@
 //! time and not named in the file is kept.
 
 use crate::backend::BackendSpec;
+pub use nvpool_wire::log::AnaState;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -43,7 +44,7 @@ pub struct ListenerConfig {
     pub addr: SocketAddr,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct SubsystemConfig {
     pub nqn: String,
@@ -56,8 +57,72 @@ pub struct SubsystemConfig {
     /// Serial number reported in Identify (default derived from the NQN).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
+    /// Model number reported in Identify (default "nvpool"); at most 40
+    /// printable ASCII characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Asymmetric Namespace Access: this target is one path of a subsystem
+    /// that several targets present (docs/ARCHITECTURE.md D15).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ana: Option<AnaConfig>,
     #[serde(default)]
     pub namespaces: Vec<NamespaceConfig>,
+}
+
+/// The ANA settings of a subsystem on this target: its one ANA group's
+/// state here, and the CNTLIDs its controllers get here (disjoint from the
+/// other targets' ranges: a host refuses a second controller with a CNTLID
+/// it already has in the subsystem).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AnaConfig {
+    /// `optimized`, `non-optimized`, `inaccessible`, `persistent-loss` or `change`.
+    #[serde(with = "ana_state_name")]
+    pub state: AnaState,
+    pub cntlid_min: u16,
+    pub cntlid_max: u16,
+    /// A serving state (optimized, non-optimized) holds only while a lease
+    /// the control plane renews is valid; without one the group reads as
+    /// inaccessible.
+    #[serde(default)]
+    pub lease: bool,
+}
+
+/// Highest CNTLID a controller may have (FFF0h..FFFFh are reserved).
+pub const CNTLID_MAX: u16 = 0xFFEF;
+/// Identify MN is a 40-byte field.
+pub const MODEL_LEN_MAX: usize = 40;
+
+impl AnaConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.cntlid_min == 0 || self.cntlid_min > self.cntlid_max || self.cntlid_max > CNTLID_MAX
+        {
+            return Err(ConfigError::Invalid(format!(
+                "ana: CNTLID range {}..={} must satisfy 1 <= cntlid_min <= cntlid_max <= {CNTLID_MAX:#x}",
+                self.cntlid_min, self.cntlid_max
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// ANA states as the strings nvmet's configfs and nvme-cli use.
+mod ana_state_name {
+    use super::AnaState;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(s: &AnaState, ser: S) -> Result<S::Ok, S::Error> {
+        ser.serialize_str(s.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(de: D) -> Result<AnaState, D::Error> {
+        let name = String::deserialize(de)?;
+        AnaState::from_name(&name).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "unknown ANA state {name:?} (optimized, non-optimized, inaccessible, persistent-loss, change)"
+            ))
+        })
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -67,7 +132,10 @@ pub struct NamespaceConfig {
     /// `file:PATH[,offset=…][,length=…][,block_size=…]` or `ram:SIZE`.
     pub backend: String,
     /// Namespace UUID; derived from the target identity, NQN and NSID when
-    /// absent, and saved, so it never changes across restarts.
+    /// absent, and saved, so it never changes across restarts. When given,
+    /// NGUID and EUI-64 are derived from it alone, so every target given
+    /// the same UUID reports the same three identifiers (several paths of
+    /// one namespace must).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
     #[serde(default)]
@@ -162,6 +230,21 @@ impl Config {
             }
             for h in &s.allowed_hosts {
                 validate_nqn(h)?;
+            }
+            if let Some(m) = &s.model {
+                if m.is_empty()
+                    || m.len() > MODEL_LEN_MAX
+                    || !m.bytes().all(|b| (0x20..0x7F).contains(&b))
+                {
+                    return Err(ConfigError::Invalid(format!(
+                        "{}: model {m:?} must be 1..={MODEL_LEN_MAX} printable ASCII characters",
+                        s.nqn
+                    )));
+                }
+            }
+            if let Some(a) = &s.ana {
+                a.validate()
+                    .map_err(|e| ConfigError::Invalid(format!("{}: {e}", s.nqn)))?;
             }
             let mut nsids = BTreeMap::new();
             for ns in &s.namespaces {
@@ -314,6 +397,38 @@ backend = "ram:16M"
             merged.subsystems[0].namespaces[0].uuid, c.subsystems[0].namespaces[0].uuid,
             "saved uuid survives"
         );
+    }
+
+    #[test]
+    fn ana_settings_parse_and_are_checked() {
+        let text = format!(
+            "{SAMPLE}[subsystems.ana]\nstate = \"non-optimized\"\ncntlid_min = 1000\ncntlid_max = 1999\n"
+        );
+        let c: Config = toml::from_str(&text).unwrap();
+        c.validate().unwrap();
+        let a = c.subsystems[0].ana.unwrap();
+        assert_eq!(a.state, AnaState::NonOptimized);
+        assert_eq!((a.cntlid_min, a.cntlid_max, a.lease), (1000, 1999, false));
+        let json = serde_json::to_value(a).unwrap();
+        assert_eq!(json["state"], "non-optimized");
+        assert_eq!(serde_json::from_value::<AnaConfig>(json).unwrap(), a);
+
+        for (min, max) in [(0, 10), (20, 10), (1, 0xFFF0), (0xFFF0, 0xFFFF)] {
+            let mut c = c.clone();
+            c.subsystems[0].ana = Some(AnaConfig {
+                cntlid_min: min,
+                cntlid_max: max,
+                ..a
+            });
+            assert!(c.validate().is_err(), "{min}..={max}");
+        }
+        let bad = text.replace("non-optimized", "standby");
+        assert!(toml::from_str::<Config>(&bad).is_err());
+        let mut c = c.clone();
+        c.subsystems[0].model = Some("x".repeat(41));
+        assert!(c.validate().is_err());
+        c.subsystems[0].model = Some("nvpool pooled volume".into());
+        c.validate().unwrap();
     }
 
     #[test]

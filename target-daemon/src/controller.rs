@@ -23,6 +23,9 @@ struct Events {
     changed_ns: BTreeSet<u32>,
     /// An NS-changed event is outstanding (masked until log 04h is read).
     ns_event_masked: bool,
+    /// An ANA change notice is outstanding (masked until log 0Ch is read
+    /// with RAE 0).
+    ana_event_masked: bool,
     /// Async Event Configuration (feature 0Bh).
     config: u32,
 }
@@ -58,9 +61,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// NS Attribute notices enabled in Async Event Configuration.
-pub const AEC_NS_ATTR: u32 = 1 << 8;
+pub const AEC_NS_ATTR: u32 = nvpool_wire::log::aec::NS_ATTR;
+/// ANA change notices (controllers of subsystems with ANA).
+pub const AEC_ANA_CHANGE: u32 = nvpool_wire::log::aec::ANA_CHANGE;
 /// Discovery log change notices.
-pub const AEC_DISCOVERY: u32 = 1 << 31;
+pub const AEC_DISCOVERY: u32 = nvpool_wire::log::aec::DISCOVERY;
 
 impl Controller {
     #[allow(clippy::too_many_arguments)]
@@ -245,6 +250,21 @@ impl Controller {
             ev.pending
                 .push_back(nvpool_wire::log::AEN_DISCOVERY_CHANGED);
         }
+    }
+
+    /// The ANA state this controller reports changed: one notice, if the
+    /// host enabled them and has read the log since the last one.
+    pub(crate) fn notify_ana_changed(&self) {
+        let mut ev = lock(&self.events);
+        if ev.config & AEC_ANA_CHANGE != 0 && !ev.ana_event_masked {
+            ev.ana_event_masked = true;
+            ev.pending.push_back(nvpool_wire::log::AEN_ANA_CHANGED);
+        }
+    }
+
+    /// The host read the ANA log with RAE 0: the next change notifies again.
+    pub fn rearm_ana_event(&self) {
+        lock(&self.events).ana_event_masked = false;
     }
 
     /// The next event to complete an AER with, if any.

@@ -436,6 +436,8 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
                     allowed_hosts: vec![],
                     allow_any_host: false,
                     serial: None,
+                    model: None,
+                    ana: None,
                     namespaces: vec![],
                 });
                 cfg.subsystems.last_mut().expect("just pushed")
@@ -506,7 +508,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGINT,
     ])?;
-    let running = Running::start(target, &opts)?;
+    let running = Running::start(target.clone(), &opts)?;
     if let Some(a) = running.admin_addr() {
         tracing::info!(addr = %a, "admin API listening");
     }
@@ -521,7 +523,15 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     state_dir.as_deref(),
                 )
                 .map_err(anyhow::Error::from)
-                .and_then(|rc| Ok(Registrar::start(rc)?));
+                .and_then(|rc| {
+                    // Volume namespaces open their engine as this target's
+                    // owner host NQN, and owners renew their lease (C19).
+                    target.set_volume_source(Arc::new(crate::served::ControlPlaneSource::new(
+                        rc.clone(),
+                    )));
+                    let leases = crate::served::LeaseKeeper::start(rc.clone(), target.clone())?;
+                    Ok((Registrar::start(rc)?, leases))
+                });
             match started {
                 Ok(r) => Some(r),
                 Err(e) => {
@@ -535,7 +545,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "signal received");
     }
-    if let Some(r) = registrar {
+    if let Some((r, leases)) = registrar {
+        drop(leases);
         r.stop();
     }
     running.shutdown();

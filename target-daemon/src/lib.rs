@@ -24,6 +24,7 @@ pub mod queue;
 pub mod reactor;
 pub mod register;
 pub mod ring;
+pub mod served;
 pub mod sync;
 pub mod target;
 pub mod tx;

@@ -68,6 +68,25 @@ pub const RING_ENTRIES: u32 = 1024;
 
 /// Namespaces per subsystem (Identify NN).
 pub const NAMESPACES_PER_SUBSYS_MAX: u32 = 1024;
+
+/// The one ANA group of a subsystem with ANA: every namespace is in it
+/// (Identify ANAGRPMAX and NANAGRPID are 1).
+pub const ANA_GROUP_ID: u32 = 1;
+/// ANA Transition Time (Identify ANATT), seconds: longest a group stays in
+/// the change state. The Linux host resets the controller after twice
+/// this; nvmet says 10 too.
+pub const ANA_TRANSITION_TIME_S: u8 = 10;
+/// Identify MNAN of an ANA subsystem: NN, as the host requires 1..=NN.
+/// The whole ANA log (one group, MNAN NSIDs) is what the Linux host reads
+/// in one command; it must fit MDTS or the host disables ANA.
+pub const ANA_MNAN: u32 = NAMESPACES_PER_SUBSYS_MAX;
+/// Bytes of the largest ANA log: header, one descriptor, MNAN NSIDs.
+pub const ANA_LOG_BYTES_MAX: u64 = nvpool_wire::log::ana_log_len(1, ANA_MNAN as u64);
+/// Longest lease one renewal grants (`POST /v1/leases`): a renewer that
+/// stops renewing loses its serving state within this.
+pub const LEASE_VALID_MAX_MS: u64 = 60_000;
+/// Subsystem NQNs one lease renewal may name.
+pub const LEASE_RENEW_NQNS_MAX: usize = SUBSYSTEMS_MAX;
 /// Subsystems per target.
 pub const SUBSYSTEMS_MAX: usize = 4096;
 /// Allowed host NQNs per subsystem.
@@ -141,6 +160,26 @@ pub const COPY_ID_LEN_MAX: usize = 128;
 /// reactor polls at least this often; a claim lasts one chunk write.
 pub const PARKED_RETRY_MS: u64 = 1;
 
+/// Threads of the executor that runs the volume engine's calls for every
+/// volume namespace of a target. A task is first polled by the reactor
+/// that issues it and usually finished by the engine's I/O thread that
+/// completes it, so these threads only take what those hand over.
+pub const VOLUME_EXEC_THREADS: usize = 2;
+/// Volume namespace operations in flight at once, across the target. Each
+/// holds at most one transfer's buffer (a write's copied data or a read's
+/// buffer, at most MDTS); beyond it an operation is refused with a status
+/// the host retries, since a reactor never waits for room.
+pub const VOLUME_IO_INFLIGHT_MAX: usize = 1024;
+/// What those buffers may cost at most.
+pub const VOLUME_IO_MEMORY_BUDGET_BYTES: usize = 128 << 20;
+/// Deactivating a volume namespace waits this long for its I/O in flight
+/// (like a shutdown drain); later, the volume closes when the I/O ends.
+pub const VOLUME_DRAIN_MS: u64 = SHUTDOWN_DRAIN_MS;
+/// Warnings a host can trigger on a volume namespace (I/O while inactive,
+/// failing I/O) are logged at most this often per namespace.
+pub const VOLUME_LOG_INTERVAL_MS: u64 = 1_000;
+
+const _: () = assert!(VOLUME_IO_INFLIGHT_MAX * MDTS_BYTES <= VOLUME_IO_MEMORY_BUDGET_BYTES);
 const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);
 const _: () = assert!(REGISTER_BACKOFF_MIN_MS <= REGISTER_BACKOFF_MAX_MS);
 const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);
@@ -160,3 +199,11 @@ const _: () = assert!(
 const _: () =
     assert!(COPY_DEST_BYTES_MAX / COPY_GUARD_UNIT_BYTES <= crate::sync::SYNC_GUARD_UNITS_MAX);
 const _: () = assert!(PARKED_RETRY_MS < TICK_MS);
+const _: () = assert!(ANA_MNAN >= 1 && ANA_MNAN <= NAMESPACES_PER_SUBSYS_MAX);
+const _: () = assert!(ANA_LOG_BYTES_MAX <= MDTS_BYTES as u64);
+const _: () = assert!(ANA_LOG_BYTES_MAX <= CMD_BUF_BYTES_MAX as u64);
+
+/// Longest a subsystem removal waits for the connections of its
+/// controllers to close and their commands to complete (the fence of
+/// C19): a backend I/O that takes longer is stuck.
+pub const FENCE_WAIT_MS: u64 = 10_000;

@@ -10,7 +10,8 @@
 //!   ICReq ─► ICResp ─► CapsuleCmd(Connect) ─► admin queue (QID 0) or I/O queue
 //!   CapsuleCmd ─► slot ─┬─ in-capsule data ─────────────► execute ─► [C2HData] CapsuleResp
 //!                       └─ R2T ─► H2CData… (all data) ─► execute
-//!   execute (I/O) ─► io_uring (file) or inline (RAM) ─► completion ─► response
+//!   execute (I/O) ─► io_uring (file), a backend's own threads (volume) or
+//!                    inline (RAM) ─► completion ─► response
 //!   execute (Write, Write Zeroes, deallocate) while a copy is armed:
 //!     copy guards ─┬─ go ─► backend as above
 //!                  └─ wait (a copier claims those bytes) ─► parked ─► retry_parked() ─► …
@@ -26,7 +27,7 @@
 //! steady-state data path allocates nothing. A slot's TTAG is its index.
 
 use crate::admin::{self, AdminCtx, Reply};
-use crate::backend::AlignedBuf;
+use crate::backend::{AlignedBuf, AsyncDone, AsyncOp, AsyncResult, CompletionSink};
 use crate::controller::Controller;
 use crate::limits;
 use crate::ring::Ring;
@@ -140,11 +141,13 @@ impl Slot {
     }
 }
 
-/// Where backend work for a queue goes: the reactor's ring (or none) and
-/// the id the ring's completions carry back to this queue.
+/// Where backend work for a queue goes: the reactor's ring (or none), the
+/// sink asynchronous backends complete into, and the id their completions
+/// carry back to this queue.
 #[derive(Debug)]
 pub struct Exec<'a> {
     pub ring: Option<&'a mut Ring>,
+    pub sink: &'a Arc<CompletionSink>,
     pub conn: u32,
     pub now_ms: u64,
 }
@@ -185,7 +188,8 @@ pub struct Queue {
     scratch: Vec<u8>,
     /// Slots in `Parked` state, oldest first.
     parked: Vec<u16>,
-    /// Backend operations submitted to the ring and not yet completed.
+    /// Backend operations submitted to the ring or to an asynchronous
+    /// backend and not yet completed.
     pub inflight: u32,
 }
 
@@ -715,6 +719,9 @@ impl Queue {
     }
 
     fn start_io(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
+        if self.refuse_ana(si, tx, ex) {
+            return;
+        }
         if self.refuse_failed(si, tx, ex) {
             return;
         }
@@ -724,6 +731,29 @@ impl Queue {
             return;
         }
         self.issue(si, tx, ex);
+    }
+
+    /// Answers an I/O command with the ANA status of its path when the
+    /// subsystem's ANA group does not serve I/O here now (inaccessible, an
+    /// expired lease, persistent loss, change), before the backend is
+    /// touched. Never with DNR: the host retries it on another path. True
+    /// if it did.
+    fn refuse_ana(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) -> bool {
+        let Some(ctrl) = &self.ctrl else {
+            return false;
+        };
+        let status = ctrl
+            .subsystem()
+            .ana
+            .as_ref()
+            .and_then(|a| a.effective(ex.now_ms).io_status());
+        match status {
+            Some(st) => {
+                self.finish(si, Reply::status(st), tx, ex.now_ms);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Answers a command for a failed backend with an error. True if it did.
@@ -797,6 +827,10 @@ impl Queue {
         let slot = &mut self.slots[si];
         let ns = slot.ns.clone().expect("planned I/O has a namespace");
         let backend = &ns.backend;
+        if backend.is_async() {
+            self.issue_async(si, &ns, tx, ex);
+            return;
+        }
         let uring = backend.uring_target();
         if let (Some(ring), Some(t), IoKind::Read | IoKind::Write | IoKind::Flush) =
             (ex.ring.as_deref_mut(), uring, slot.kind)
@@ -827,6 +861,91 @@ impl Queue {
         let reply = match r {
             Ok(()) if slot.kind == IoKind::Read => Reply::data(len),
             Ok(()) => Reply::ok(),
+            Err(e) => Reply::status(io_error_status(slot.kind, &e)),
+        };
+        self.finish(si, reply, tx, ex.now_ms);
+    }
+
+    /// Hands an admitted I/O command to a backend that completes it on
+    /// threads of its own. Like a ring operation, the slot stays in
+    /// `Backend` state (owning its buffer) until the completion is back
+    /// ([`Queue::on_async_completion`]); the operation owns its data, so a
+    /// write's bytes are copied out of the slot here (the one copy).
+    fn issue_async(&mut self, si: usize, ns: &Namespace, tx: &mut Tx, ex: &mut Exec<'_>) {
+        let slot = &mut self.slots[si];
+        let op = match slot.kind {
+            IoKind::Read => AsyncOp::Read {
+                off: slot.off,
+                len: slot.len,
+            },
+            IoKind::Write => AsyncOp::Write {
+                off: slot.off,
+                data: slot.buf.as_slice(slot.len).to_vec(),
+                fua: slot.fua,
+            },
+            IoKind::Flush => AsyncOp::Flush,
+            IoKind::WriteZeroes => AsyncOp::WriteZeroes {
+                off: slot.off,
+                len: slot.span,
+            },
+            IoKind::Dsm => match dsm_ranges(&slot.sqe, slot.buf.as_slice(slot.len), ns) {
+                Ok(Some(ranges)) => AsyncOp::Discard { ranges },
+                Ok(None) => {
+                    self.finish(si, Reply::ok(), tx, ex.now_ms);
+                    return;
+                }
+                Err(st) => {
+                    self.finish(si, Reply::status(st), tx, ex.now_ms);
+                    return;
+                }
+            },
+            IoKind::Other => {
+                self.finish(si, Reply::ok(), tx, ex.now_ms);
+                return;
+            }
+        };
+        slot.state = SlotState::Backend;
+        self.inflight += 1;
+        // May complete at once, on this thread: the completion then waits
+        // in the sink like any other until the reactor takes it.
+        ns.backend.submit(
+            op,
+            AsyncDone::new(ex.sink.clone(), user_data(ex.conn, si as u16)),
+        );
+    }
+
+    /// An asynchronous backend operation finished. Read data is copied into
+    /// the slot's buffer, from where the response sends it in place.
+    pub fn on_async_completion(
+        &mut self,
+        slot_id: u16,
+        result: AsyncResult,
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) {
+        assert!(self.inflight > 0, "a completion nobody waits for");
+        self.inflight -= 1;
+        let si = slot_id as usize;
+        if self.closed {
+            self.release(si);
+            return;
+        }
+        let slot = &mut self.slots[si];
+        assert_eq!(
+            slot.state,
+            SlotState::Backend,
+            "asynchronous completion for a slot not in the backend"
+        );
+        let reply = match result {
+            Ok(data) if slot.kind == IoKind::Read => {
+                let data = data.expect("a read completes with its data");
+                assert_eq!(data.len(), slot.len, "a read completes with all its data");
+                slot.buf.as_mut_slice(slot.len).copy_from_slice(&data);
+                Reply::data(slot.len)
+            }
+            Ok(_) => Reply::ok(),
+            // The backend logs its own errors (rate-limited: a host can
+            // cause them) and decides whether they make it failed.
             Err(e) => Reply::status(io_error_status(slot.kind, &e)),
         };
         self.finish(si, reply, tx, ex.now_ms);
@@ -1132,6 +1251,8 @@ impl Queue {
                 self.request_close();
                 return true;
             }
+            // Notices a lease that ran out (and tells the hosts).
+            self.target.check_ana(&ctrl.subsystem());
             while !self.aers.is_empty() {
                 let Some(ev) = ctrl.take_event() else { break };
                 let cid = self.aers.remove(0);
@@ -1245,6 +1366,12 @@ fn io_error_status(kind: IoKind, e: &std::io::Error) -> Status {
     match e.raw_os_error() {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) => Status::CAPACITY_EXCEEDED,
         Some(libc::EROFS) => Status::NS_WRITE_PROTECTED,
+        // An asynchronous backend with no room for another operation now
+        // (never the result of a file operation): the host retries.
+        Some(libc::EAGAIN) => Status::NS_NOT_READY,
+        // A volume namespace that stopped serving between the ANA check and
+        // its backend (the path lost ownership): a path error, no DNR.
+        Some(libc::ENOTCONN) => Status::ANA_INACCESSIBLE,
         _ if kind == IoKind::Read => Status::UNRECOVERED_READ_ERROR,
         _ => Status::WRITE_FAULT,
     }
@@ -1290,6 +1417,8 @@ mod tests {
                     allowed_hosts: Vec::new(),
                     allow_any_host: true,
                     serial: None,
+                    model: None,
+                    ana: None,
                     namespaces: vec![NamespaceConfig {
                         nsid: 1,
                         backend: extent.clone(),
@@ -1362,6 +1491,7 @@ mod tests {
         fn exec(&mut self) -> Exec<'static> {
             Exec {
                 ring: None,
+                sink: &SINK,
                 conn: 0,
                 now_ms: 0,
             }
@@ -1426,12 +1556,205 @@ mod tests {
         }
     }
 
+    /// Where the rigs' asynchronous backends complete (the tests take
+    /// their completions from it themselves).
+    static SINK: std::sync::LazyLock<Arc<CompletionSink>> =
+        std::sync::LazyLock::new(|| CompletionSink::new(|| {}));
+
+    /// An asynchronous backend that keeps every operation until the test
+    /// completes it.
+    #[derive(Debug, Default)]
+    struct HeldOps(std::sync::Mutex<Vec<(AsyncOp, AsyncDone)>>);
+
+    impl crate::backend::Backend for HeldOps {
+        fn size(&self) -> u64 {
+            1 << 20
+        }
+        fn block_size(&self) -> u32 {
+            512
+        }
+        fn describe(&self) -> String {
+            "held".into()
+        }
+        fn read_at(&self, _: &mut [u8], _: u64) -> std::io::Result<()> {
+            unreachable!("an asynchronous backend is never run inline")
+        }
+        fn write_at(&self, _: &[u8], _: u64, _: bool) -> std::io::Result<()> {
+            unreachable!("an asynchronous backend is never run inline")
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_zeroes(&self, _: u64, _: u64) -> std::io::Result<()> {
+            unreachable!("an asynchronous backend is never run inline")
+        }
+        fn discard(&self, _: u64, _: u64) -> std::io::Result<()> {
+            unreachable!("an asynchronous backend is never run inline")
+        }
+        fn failed(&self) -> bool {
+            false
+        }
+        fn mark_failed(&self) {}
+        fn is_async(&self) -> bool {
+            true
+        }
+        fn submit(&self, op: AsyncOp, done: AsyncDone) {
+            self.0.lock().unwrap().push((op, done));
+        }
+    }
+
+    impl HeldOps {
+        fn take(&self) -> Vec<(AsyncOp, AsyncDone)> {
+            std::mem::take(&mut *self.0.lock().unwrap())
+        }
+    }
+
+    /// A rig whose namespace 2 is a [`HeldOps`] backend.
+    fn async_rig() -> (Rig, Arc<HeldOps>) {
+        let r = Rig::new();
+        let held = Arc::new(HeldOps::default());
+        r.target
+            .put_namespace_backend(NQN, 2, held.clone())
+            .unwrap();
+        (r, held)
+    }
+
+    /// Hands the sink's completions (for connection 0) to the rig's queue.
+    fn deliver(r: &mut Rig) -> usize {
+        let mut out = Vec::new();
+        SINK.take(&mut out);
+        let n = out.len();
+        let mut ex = r.exec();
+        for c in out {
+            let (conn, slot) = split_user_data(c.user_data);
+            assert_eq!(conn, 0);
+            r.q.on_async_completion(slot, c.result, &mut r.tx, &mut ex);
+        }
+        n
+    }
+
+    /// A 4 KiB Read of namespace 2 at byte `off`.
+    fn read_ns2(r: &mut Rig, off: u64) -> u16 {
+        let cid = r.next_cid;
+        r.next_cid += 1;
+        let mut sqe = Sqe::new(nvm::READ, cid);
+        sqe.set_nsid(2);
+        sqe.set_slba(off / 512);
+        sqe.set_nlb(7);
+        sqe.set_sgl(Sgl {
+            addr: 0,
+            len: 4096,
+            id: sgl_id::TRANSPORT,
+        });
+        r.feed(&capsule(&sqe, &[]));
+        cid
+    }
+
     fn capsule(sqe: &Sqe, icd: &[u8]) -> Vec<u8> {
         let mut hdr = [0u8; tcp::CAPSULE_CMD_HLEN + tcp::DIGEST_LEN];
         let n = tcp::encode_capsule_cmd(sqe, icd.len(), Digests::default(), &mut hdr);
         let mut v = hdr[..n].to_vec();
         v.extend_from_slice(icd);
         v
+    }
+
+    // The tests of asynchronous backends share SINK: they run one at a time.
+    static ASYNC_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    #[test]
+    fn an_async_backend_owns_the_slot_until_its_completion() {
+        let _one = ASYNC_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut r, held) = async_rig();
+        // A write: its data is copied out; no answer until completion.
+        let mut sqe = Sqe::new(nvm::WRITE, 100);
+        sqe.set_nsid(2);
+        sqe.set_slba(8);
+        sqe.set_nlb(7);
+        sqe.set_sgl(Sgl {
+            addr: 0,
+            len: 4096,
+            id: sgl_id::IN_CAPSULE,
+        });
+        r.feed(&capsule(&sqe, &[0x5A; 4096]));
+        read_ns2(&mut r, 8192);
+        assert!(r.responses().is_empty());
+        assert_eq!(r.q.inflight, 2);
+        let ops = held.take();
+        assert_eq!(ops.len(), 2);
+        let mut it = ops.into_iter();
+        let (w, wdone) = it.next().unwrap();
+        let (rop, rdone) = it.next().unwrap();
+        match w {
+            AsyncOp::Write { off, data, fua } => {
+                assert_eq!((off, fua), (4096, false));
+                assert_eq!(data, vec![0x5A; 4096]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            rop,
+            AsyncOp::Read {
+                off: 8192,
+                len: 4096
+            }
+        ));
+        // Completed from another thread, delivered on "the reactor".
+        std::thread::spawn(move || {
+            wdone.complete(Ok(None));
+            rdone.complete(Ok(Some(vec![0xC3; 4096])));
+        })
+        .join()
+        .unwrap();
+        assert_eq!(deliver(&mut r), 2);
+        assert_eq!(r.q.inflight, 0);
+        let mut raw = Vec::new();
+        while r.tx.backlog() > 0 {
+            r.tx.write_to(&mut raw).unwrap();
+        }
+        r.q.reclaim(&mut r.tx);
+        assert!(
+            raw.windows(4096).any(|w| w == [0xC3; 4096]),
+            "the read's data is sent"
+        );
+        assert!(!r.q.busy());
+    }
+
+    #[test]
+    fn async_errors_become_statuses_and_a_dropped_op_fails() {
+        let _one = ASYNC_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut r, held) = async_rig();
+        let a = read_ns2(&mut r, 0);
+        let b = read_ns2(&mut r, 4096);
+        let mut ops = held.take().into_iter();
+        let (_, adone) = ops.next().unwrap();
+        adone.complete(Err(std::io::Error::from_raw_os_error(libc::EAGAIN)));
+        // The backend loses the other operation: it fails, never hangs.
+        drop(ops);
+        assert_eq!(deliver(&mut r), 2);
+        let mut out = r.responses();
+        out.sort_by_key(|c| c.cid);
+        assert_eq!(out.len(), 2);
+        assert_eq!((out[0].cid, out[0].status), (a, Status::NS_NOT_READY));
+        assert_eq!(
+            (out[1].cid, out[1].status),
+            (b, Status::UNRECOVERED_READ_ERROR)
+        );
+        assert!(!r.q.busy());
+    }
+
+    #[test]
+    fn a_closed_queue_keeps_async_slots_until_they_complete() {
+        let _one = ASYNC_TESTS.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut r, held) = async_rig();
+        read_ns2(&mut r, 0);
+        r.q.close();
+        assert!(r.q.busy(), "the slot is the backend's until it completes");
+        assert_eq!(r.q.inflight, 1);
+        let (_, done) = held.take().pop().unwrap();
+        done.complete(Ok(Some(vec![1; 4096])));
+        assert_eq!(deliver(&mut r), 1);
+        assert!(!r.q.busy());
+        assert!(r.responses().is_empty(), "nothing answered after close");
     }
 
     #[test]

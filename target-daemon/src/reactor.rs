@@ -10,7 +10,14 @@
 //! Host writes parked behind a copy job's claim (queue.rs) are retried every
 //! iteration while any are parked, and the loop then waits at most
 //! `PARKED_RETRY_MS` so a released claim is noticed quickly.
+//!
+//! Backends that complete I/O on threads of their own (volume namespaces)
+//! complete into the reactor's [`CompletionSink`], which wakes the loop
+//! through the same waker the acceptor uses; each iteration takes every
+//! waiting completion and runs it like a ring completion. A connection
+//! closed with such operations in flight stays a zombie until they are back.
 
+use crate::backend::{AsyncCompletion, CompletionSink};
 use crate::limits;
 use crate::queue::{split_user_data, Exec, Queue, Tx};
 use crate::ring::Ring;
@@ -83,7 +90,8 @@ struct Conn {
     /// Reading paused until the transmit backlog drains.
     read_paused: bool,
     want_write: bool,
-    /// Socket closed; the entry lives on until in-flight ring work completes.
+    /// Socket closed; the entry lives on until in-flight backend work
+    /// (ring or asynchronous) completes.
     zombie: bool,
 }
 
@@ -98,6 +106,9 @@ pub struct Reactor {
     free: Vec<usize>,
     live: Arc<AtomicUsize>,
     completions: Vec<(u64, i32)>,
+    /// Where asynchronous backends complete this reactor's operations.
+    sink: Arc<CompletionSink>,
+    async_completions: Vec<AsyncCompletion>,
     /// Connections that may have parked commands.
     parked: Vec<usize>,
 }
@@ -139,6 +150,10 @@ impl Reactor {
         } else {
             (None, None)
         };
+        let sink_waker = waker.clone();
+        let sink = CompletionSink::new(move || {
+            let _ = sink_waker.wake();
+        });
         let r = Reactor {
             id,
             target,
@@ -150,6 +165,8 @@ impl Reactor {
             free: Vec::new(),
             live,
             completions: Vec::with_capacity(256),
+            sink,
+            async_completions: Vec::with_capacity(256),
             parked: Vec::new(),
         };
         Ok((r, ReactorHandle { tx, waker }))
@@ -193,6 +210,7 @@ impl Reactor {
                 }
             }
             self.reap();
+            self.reap_async();
             self.retry_parked();
             let now = self.target.now_ms();
             if now >= next_tick {
@@ -224,7 +242,10 @@ impl Reactor {
                     }
                 }
                 let ring_busy = self.ring.as_ref().is_some_and(|r| r.busy());
-                if !open && (!ring_busy || now >= deadline + 1000) {
+                // Zombies wait for asynchronous completions (not in the ring).
+                let backend_busy =
+                    ring_busy || self.conns.iter().flatten().any(|c| c.q.inflight > 0);
+                if !open && (!backend_busy || now >= deadline + 1000) {
                     return;
                 }
             }
@@ -294,6 +315,7 @@ impl Reactor {
         }
         let mut ex = Exec {
             ring,
+            sink: &self.sink,
             conn: i as u32,
             now_ms: now,
         };
@@ -352,6 +374,7 @@ impl Reactor {
                 Some(Some(c)) if !c.zombie => {
                     let mut ex = Exec {
                         ring,
+                        sink: &self.sink,
                         conn: i as u32,
                         now_ms: now,
                     };
@@ -385,6 +408,7 @@ impl Reactor {
             };
             let mut ex = Exec {
                 ring,
+                sink: &self.sink,
                 conn: ci as u32,
                 now_ms: now,
             };
@@ -395,6 +419,38 @@ impl Reactor {
             }
         }
         self.completions = done;
+    }
+
+    /// Runs every completion asynchronous backends left in the sink.
+    fn reap_async(&mut self) {
+        let mut done = std::mem::take(&mut self.async_completions);
+        self.sink.take(&mut done);
+        if done.is_empty() {
+            self.async_completions = done;
+            return;
+        }
+        let now = self.target.now_ms();
+        for c in done.drain(..) {
+            let (ci, slot) = split_user_data(c.user_data);
+            let ci = ci as usize;
+            let ring = self.ring.as_mut();
+            let Some(Some(conn)) = self.conns.get_mut(ci) else {
+                unreachable!("completion for connection {ci} that no longer exists");
+            };
+            let mut ex = Exec {
+                ring,
+                sink: &self.sink,
+                conn: ci as u32,
+                now_ms: now,
+            };
+            conn.q
+                .on_async_completion(slot, c.result, &mut conn.tx, &mut ex);
+            if conn.zombie && conn.q.inflight == 0 {
+                self.conns[ci] = None;
+                self.free.push(ci);
+            }
+        }
+        self.async_completions = done;
     }
 
     fn tick(&mut self, now: u64) {

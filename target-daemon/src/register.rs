@@ -175,13 +175,18 @@ impl DeviceOffer {
                 ));
             }
         }
+        if let BackendSpec::Volume { .. } = &spec {
+            return Err(usage(
+                "a device is local storage; a volume is served as a namespace, not offered".into(),
+            ));
+        }
         let capacity_bytes = match spec {
             // Opening a RAM disk would allocate and zero all of it.
             BackendSpec::Ram { size, block_size } => {
                 let bs = u64::from(block_size.unwrap_or(512));
                 size / bs * bs
             }
-            BackendSpec::File { .. } => spec
+            BackendSpec::File { .. } | BackendSpec::Volume { .. } => spec
                 .open()
                 .map_err(|source| RegisterError::DeviceOpen {
                     id: id.to_owned(),
@@ -568,13 +573,13 @@ struct RegisterBody<'a> {
 
 /// Blocking HTTP calls to the control plane.
 #[derive(Debug)]
-struct Client {
+pub(crate) struct Client {
     agent: ureq::Agent,
     cfg: RegistrationConfig,
 }
 
 impl Client {
-    fn new(cfg: RegistrationConfig) -> Client {
+    pub(crate) fn new(cfg: RegistrationConfig) -> Client {
         let agent = ureq::Agent::config_builder()
             .timeout_global(Some(cfg.request_timeout))
             // Error statuses carry a JSON body we want to read.
@@ -644,6 +649,43 @@ impl Client {
             .auth(self.agent.post(self.url("/v1/targets")))
             .send_json(&body);
         self.check("registration", r)
+    }
+
+    pub(crate) fn target_id(&self) -> &str {
+        &self.cfg.target_id
+    }
+
+    /// Any call, answered with its status and body (error statuses too);
+    /// `Err` when no answer came. For callers that read bodies themselves
+    /// (the volume engine's copy following, the owner lease).
+    pub(crate) fn call_raw(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+        timeout: Option<Duration>,
+    ) -> Result<(u16, Vec<u8>), String> {
+        let url = self.url(path);
+        let r = match (method, body) {
+            ("GET", _) => {
+                let mut req = self.auth(self.agent.get(url));
+                if let Some(t) = timeout {
+                    req = req.config().timeout_global(Some(t)).build();
+                }
+                req.call()
+            }
+            ("PUT", Some(b)) => self.auth(self.agent.put(url)).send_json(b),
+            ("POST", Some(b)) => self.auth(self.agent.post(url)).send_json(b),
+            ("POST", None) => self.auth(self.agent.post(url)).send_empty(),
+            _ => self.auth(self.agent.put(url)).send_empty(),
+        };
+        let mut resp = r.map_err(|e| format!("{}: {e}", self.cfg.control_plane))?;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .body_mut()
+            .read_to_vec()
+            .map_err(|e| format!("reading the answer: {e}"))?;
+        Ok((status, bytes))
     }
 
     fn heartbeat(&self) -> Result<(), RegisterError> {

@@ -7,9 +7,17 @@
 //! up) serialise on one mutex, persist the new configuration, then publish
 //! it and tell affected controllers (namespace-change events, or removal
 //! when their host lost access).
+//!
+//! ANA (D15): a subsystem with an `ana` setting reports one ANA group whose
+//! configured state lives in the snapshot (and in target.json); its change
+//! counter and lease live in an [`AnaRuntime`] kept per NQN, shared by
+//! every snapshot. Namespace backends are activated before their
+//! subsystem starts serving I/O here and deactivated after it stopped.
 
-use crate::backend::{Backend, BackendSpec, DeviceExtent};
-use crate::config::{self, Config, ConfigError, NamespaceConfig, SubsystemConfig};
+use crate::backend::{Backend, BackendSpec, DeviceExtent, VolumeContext, VolumeSource};
+use crate::config::{
+    self, AnaConfig, AnaState, Config, ConfigError, NamespaceConfig, SubsystemConfig,
+};
 use crate::controller::Controller;
 use crate::copier::Copies;
 use crate::limits;
@@ -17,7 +25,7 @@ use arc_swap::ArcSwap;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
@@ -46,9 +54,92 @@ pub struct Namespace {
 pub struct Subsystem {
     pub nqn: String,
     pub serial: String,
+    /// Identify MN; None: "nvpool".
+    pub model: Option<String>,
     pub allow_any_host: bool,
     pub hosts: BTreeSet<String>,
     pub namespaces: BTreeMap<u32, Arc<Namespace>>,
+    /// Set when the subsystem reports Asymmetric Namespace Access.
+    pub ana: Option<SubsystemAna>,
+}
+
+/// The ANA group of one subsystem on this target (there is one, ANAGRPID
+/// [`limits::ANA_GROUP_ID`], holding every namespace).
+#[derive(Debug, Clone)]
+pub struct SubsystemAna {
+    /// As configured: the state, CNTLID range and whether a lease gates it.
+    pub config: AnaConfig,
+    /// Change counter and lease, shared by every snapshot of this NQN.
+    pub runtime: Arc<AnaRuntime>,
+}
+
+impl SubsystemAna {
+    /// The state hosts see at `now_ms`: the configured one, except that a
+    /// serving state gated by an expired lease reads as inaccessible.
+    pub fn effective(&self, now_ms: u64) -> AnaState {
+        let s = self.config.state;
+        if self.config.lease && s.is_serving() && now_ms >= self.runtime.lease_until_ms() {
+            AnaState::Inaccessible
+        } else {
+            s
+        }
+    }
+
+    /// Remaining lease time at `now_ms`; None when no lease gates the state.
+    pub fn lease_remaining_ms(&self, now_ms: u64) -> Option<u64> {
+        self.config
+            .lease
+            .then(|| self.runtime.lease_until_ms().saturating_sub(now_ms))
+    }
+}
+
+/// ANA state of one subsystem NQN that outlives its snapshots.
+#[derive(Debug)]
+pub struct AnaRuntime {
+    /// Until when (in [`Target::now_ms`] units) a lease-gated serving
+    /// state holds; 0 (expired) until the first renewal.
+    lease_until_ms: AtomicU64,
+    /// Where the next CNTLID search of this subsystem's range starts.
+    next_cntlid: AtomicU16,
+    /// The effective state hosts were last told about, and the change count.
+    seen: Mutex<AnaSeen>,
+}
+
+#[derive(Debug)]
+struct AnaSeen {
+    /// None before the first observation.
+    state: Option<AnaState>,
+    chgcnt: u64,
+}
+
+impl AnaRuntime {
+    fn new() -> AnaRuntime {
+        AnaRuntime {
+            lease_until_ms: AtomicU64::new(0),
+            next_cntlid: AtomicU16::new(0),
+            seen: Mutex::new(AnaSeen {
+                state: None,
+                chgcnt: 0,
+            }),
+        }
+    }
+
+    pub fn lease_until_ms(&self) -> u64 {
+        self.lease_until_ms.load(Ordering::Acquire)
+    }
+
+    /// Records `now` as the effective state; bumps the change count when it
+    /// differs from the last one recorded. Returns the change count and
+    /// whether the state changed (the first observation is not a change).
+    fn observe(&self, now: AnaState) -> (u64, bool) {
+        let mut seen = lock(&self.seen);
+        let changed = seen.state.is_some_and(|s| s != now);
+        if seen.state != Some(now) {
+            seen.state = Some(now);
+            seen.chgcnt += 1;
+        }
+        (seen.chgcnt, changed)
+    }
 }
 
 impl Subsystem {
@@ -56,14 +147,25 @@ impl Subsystem {
         self.allow_any_host || self.hosts.contains(hostnqn)
     }
 
+    /// True when namespaces serve I/O here as configured: always without
+    /// ANA, else in the optimized and non-optimized states (a lease gates
+    /// I/O, not backend activation).
+    pub fn serving(&self) -> bool {
+        self.ana
+            .as_ref()
+            .is_none_or(|a| a.config.state.is_serving())
+    }
+
     /// The subsystem a discovery controller belongs to.
     pub fn discovery() -> Subsystem {
         Subsystem {
             nqn: nvpool_wire::DISCOVERY_NQN.into(),
             serial: "discovery".into(),
+            model: None,
             allow_any_host: true,
             hosts: BTreeSet::new(),
             namespaces: BTreeMap::new(),
+            ana: None,
         }
     }
 
@@ -73,6 +175,8 @@ impl Subsystem {
             allowed_hosts: self.hosts.iter().cloned().collect(),
             allow_any_host: self.allow_any_host,
             serial: Some(self.serial.clone()),
+            model: self.model.clone(),
+            ana: self.ana.as_ref().map(|a| a.config),
             namespaces: self
                 .namespaces
                 .values()
@@ -99,6 +203,9 @@ pub enum TargetError {
     Conflict(String),
     #[error("limit reached: {0}")]
     Limit(String),
+    /// A backend could not be activated: the change may succeed later.
+    #[error("{0}")]
+    Unavailable(String),
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
     #[error(transparent)]
@@ -127,6 +234,11 @@ pub struct Target {
     base: Mutex<Config>,
     /// Copy jobs and the guards every host write consults.
     copies: Arc<Copies>,
+    /// What volume namespaces share: the source that opens their volumes
+    /// and the executor their I/O runs on.
+    volumes: Arc<VolumeContext>,
+    /// ANA change counters and leases by subsystem NQN.
+    ana: Mutex<HashMap<String, Arc<AnaRuntime>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -158,6 +270,8 @@ impl Target {
             epoch: Instant::now(),
             base: Mutex::new(Config::default()),
             copies: Arc::new(Copies::default()),
+            volumes: VolumeContext::new(),
+            ana: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -173,7 +287,23 @@ impl Target {
             base.listeners.clone_from(&cfg.listeners);
         }
         for s in &cfg.subsystems {
-            self.put_subsystem(s)?;
+            match self.put_subsystem(s) {
+                // A path that cannot serve now (its backends do not
+                // activate: the pool is unreachable) still starts, as an
+                // inaccessible one, so the daemon comes up and whoever
+                // owns the state can set it again later.
+                Err(TargetError::Unavailable(why))
+                    if s.ana.is_some_and(|a| a.state.is_serving()) =>
+                {
+                    tracing::error!(nqn = %s.nqn, %why, "cannot serve: starting this path as inaccessible");
+                    let mut fallback = s.clone();
+                    if let Some(a) = &mut fallback.ana {
+                        a.state = AnaState::Inaccessible;
+                    }
+                    self.put_subsystem(&fallback)?;
+                }
+                r => r?,
+            }
         }
         Ok(())
     }
@@ -212,6 +342,19 @@ impl Target {
     /// Copy jobs of which this target is the destination.
     pub fn copies(&self) -> &Arc<Copies> {
         &self.copies
+    }
+
+    /// Installs what opens the pooled volumes of `volume:` namespaces when
+    /// they are activated (the daemon's link to the control plane; tests
+    /// install their own). Namespaces already active keep their volumes.
+    pub fn set_volume_source(&self, source: Arc<dyn VolumeSource>) {
+        self.volumes.set_source(source);
+    }
+
+    /// The volume namespaces' shared context (to build a
+    /// [`crate::backend::VolumeBackend`] by hand).
+    pub fn volumes(&self) -> &Arc<VolumeContext> {
+        &self.volumes
     }
 
     pub fn shutting_down(&self) -> bool {
@@ -280,29 +423,141 @@ impl Target {
                 }
             }
         }
-        let serial = cfg
-            .serial
-            .clone()
-            .unwrap_or_else(|| serial_for(&self.identity, &cfg.nqn));
+        // Every path of an ANA subsystem must report the same serial
+        // number: without one configured, derive it from the NQN alone.
+        let serial = cfg.serial.clone().unwrap_or_else(|| match cfg.ana {
+            Some(_) => serial_for(&[0; 16], &cfg.nqn),
+            None => serial_for(&self.identity, &cfg.nqn),
+        });
         let s = Subsystem {
             nqn: cfg.nqn.clone(),
             serial,
+            model: cfg.model.clone(),
             allow_any_host: cfg.allow_any_host,
             hosts: cfg.allowed_hosts.iter().cloned().collect(),
             namespaces,
+            ana: cfg.ana.map(|config| SubsystemAna {
+                config,
+                runtime: self.ana_runtime(&cfg.nqn),
+            }),
         };
         self.publish(s, old.cloned())
     }
 
-    pub fn remove_subsystem(&self, nqn: &str) -> Result<(), TargetError> {
-        let _w = lock(&self.write_lock);
-        let mut map = (*self.subsystems.load_full()).clone();
-        if map.remove(nqn).is_none() {
-            return Err(TargetError::NotFound(format!("subsystem {nqn}")));
+    /// The ANA runtime of `nqn`, created on first use.
+    fn ana_runtime(&self, nqn: &str) -> Arc<AnaRuntime> {
+        lock(&self.ana)
+            .entry(nqn.to_owned())
+            .or_insert_with(|| Arc::new(AnaRuntime::new()))
+            .clone()
+    }
+
+    /// Sets the ANA state of a subsystem's group on this target and saves
+    /// it. Before a serving state is published every namespace's backend
+    /// is activated (if one fails, nothing changes and the error says
+    /// why); after a non-serving state is published every backend is
+    /// deactivated, which may wait for in-flight I/O. Controllers that
+    /// enabled ANA change notices get one.
+    pub fn set_ana_state(&self, nqn: &str, state: AnaState) -> Result<(), TargetError> {
+        self.edit(nqn, |s| {
+            let a = s.ana.as_mut().ok_or_else(|| {
+                TargetError::Invalid(format!("subsystem {nqn} has no ANA configuration"))
+            })?;
+            a.config.state = state;
+            Ok(())
+        })
+    }
+
+    /// Extends the leases of the named subsystems to `valid_until_ms`
+    /// ([`Target::now_ms`] units; a lease never moves backwards). Names
+    /// that are unknown, or whose subsystem has no lease-gated ANA state,
+    /// are ignored. A lease that was expired and is valid again changes
+    /// the effective state: hosts get an ANA change notice. Returns how
+    /// many leases were renewed.
+    pub fn renew_leases(&self, nqns: &[impl AsRef<str>], valid_until_ms: u64) -> usize {
+        let subsystems = self.subsystems.load();
+        let mut renewed = 0;
+        for nqn in nqns {
+            let Some(s) = subsystems.get(nqn.as_ref()) else {
+                continue;
+            };
+            let Some(a) = s.ana.as_ref().filter(|a| a.config.lease) else {
+                continue;
+            };
+            a.runtime
+                .lease_until_ms
+                .fetch_max(valid_until_ms, Ordering::AcqRel);
+            renewed += 1;
+            self.check_ana(s);
         }
-        self.commit(map)?;
-        for c in self.controllers_of(nqn) {
-            c.kill("subsystem removed");
+        renewed
+    }
+
+    /// Re-evaluates the effective ANA state of `s` now: when it changed
+    /// since hosts were last told (a state was published, a lease expired
+    /// or was renewed), bumps the change count and sends the ANA change
+    /// notice to every controller of the subsystem. Returns the effective
+    /// state and change count (None without ANA). Cheap when nothing
+    /// changed; the reactors call it on every tick of an admin queue.
+    pub fn check_ana(&self, s: &Subsystem) -> Option<(AnaState, u64)> {
+        let a = s.ana.as_ref()?;
+        let state = a.effective(self.now_ms());
+        let (chgcnt, changed) = a.runtime.observe(state);
+        if changed {
+            tracing::info!(nqn = %s.nqn, state = %state, chgcnt, "ANA state changed");
+            for c in self.controllers_of(&s.nqn) {
+                c.notify_ana_changed();
+            }
+        }
+        Some((state, chgcnt))
+    }
+
+    /// Removes a subsystem and ends its controllers. Returns only once
+    /// every connection of those controllers is closed and every command
+    /// they issued has completed, so nothing they sent can reach a backend
+    /// afterwards: taking a host's subsystem away fences it (C19). If that
+    /// takes longer than [`limits::FENCE_WAIT_MS`] the subsystem is gone
+    /// but the call fails, and the caller must not count on the fence.
+    pub fn remove_subsystem(&self, nqn: &str) -> Result<(), TargetError> {
+        let killed: Vec<Weak<Controller>> = {
+            let _w = lock(&self.write_lock);
+            let mut map = (*self.subsystems.load_full()).clone();
+            let Some(old) = map.remove(nqn) else {
+                return Err(TargetError::NotFound(format!("subsystem {nqn}")));
+            };
+            self.commit(map)?;
+            lock(&self.ana).remove(nqn);
+            let killed = self
+                .controllers_of(nqn)
+                .iter()
+                .map(|c| {
+                    c.kill("subsystem removed");
+                    Arc::downgrade(c)
+                })
+                .collect();
+            if old.serving() {
+                for n in old.namespaces.values() {
+                    n.backend.deactivate();
+                }
+            }
+            killed
+        };
+        // Each queue of a dead controller closes at its reactor's next tick
+        // and lets go of the controller once its last command completed.
+        let deadline = Instant::now() + std::time::Duration::from_millis(limits::FENCE_WAIT_MS);
+        while killed.iter().any(|w| w.strong_count() > 0) {
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    nqn,
+                    "subsystem removed, but its connections did not close in time"
+                );
+                return Err(TargetError::Conflict(format!(
+                    "subsystem {nqn} was removed, but connections of it still had commands \
+                     in flight after {} ms",
+                    limits::FENCE_WAIT_MS
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         Ok(())
     }
@@ -389,7 +644,7 @@ impl Target {
 
     fn open_namespace(&self, nqn: &str, nc: &NamespaceConfig) -> Result<Namespace, TargetError> {
         let spec = BackendSpec::parse(&nc.backend)?;
-        let backend = spec.open()?;
+        let backend = spec.open_in(&self.volumes)?;
         let uuid = nc
             .uuid
             .as_deref()
@@ -422,12 +677,22 @@ impl Target {
                 "block size {bs} unsupported (512 or 4096)"
             )));
         }
-        let uuid = uuid.unwrap_or_else(|| derive_uuid(&self.identity, nqn, nsid));
-        let mut eui64 = [0u8; 8];
-        eui64.copy_from_slice(
-            &derive_uuid(&self.identity, "eui64", nsid ^ fnv(nqn.as_bytes()) as u32)[..8],
-        );
-        eui64[0] = 0x02; // locally administered
+        let derived = derive_uuid(&self.identity, nqn, nsid);
+        let (uuid, eui64) = match uuid {
+            // A UUID given by the admin: NGUID and EUI-64 follow from it
+            // alone, so every target given it reports the same identifiers.
+            Some(u) if u != derived => (u, eui64_from_uuid(&u)),
+            // Derived here (now, or saved in target.json by an earlier
+            // run): the EUI-64 derived from the identity, as always.
+            _ => {
+                let mut eui64 = [0u8; 8];
+                eui64.copy_from_slice(
+                    &derive_uuid(&self.identity, "eui64", nsid ^ fnv(nqn.as_bytes()) as u32)[..8],
+                );
+                eui64[0] = 0x02; // locally administered
+                (derived, eui64)
+            }
+        };
         tracing::info!(nqn, nsid, backend = %backend.describe(), uuid = %config::format_uuid(&uuid), "namespace ready");
         Ok(Namespace {
             nsid,
@@ -444,11 +709,48 @@ impl Target {
     }
 
     /// Installs `s`, persists, and tells the controllers of that subsystem.
+    ///
+    /// Backends follow whether the subsystem serves I/O here
+    /// ([`Subsystem::serving`]): a namespace that starts serving is
+    /// activated before `s` is visible (a failure leaves everything as it
+    /// was), one that stops serving (removed, replaced, or its ANA state
+    /// turned non-serving) is deactivated after `s` is visible, outside
+    /// every lock the data path takes.
     fn publish(&self, s: Subsystem, old: Option<Arc<Subsystem>>) -> Result<(), TargetError> {
+        let was_serving = |n: &Arc<Namespace>| {
+            old.as_ref().is_some_and(|o| {
+                o.serving() && o.namespaces.get(&n.nsid).is_some_and(|x| Arc::ptr_eq(x, n))
+            })
+        };
+        let mut activated: Vec<Arc<Namespace>> = Vec::new();
+        if s.serving() {
+            for n in s.namespaces.values().filter(|n| !was_serving(n)) {
+                if let Err(e) = n.backend.activate() {
+                    for a in &activated {
+                        a.backend.deactivate();
+                    }
+                    return Err(TargetError::Unavailable(format!(
+                        "{}: namespace {} ({}) could not be activated: {e}",
+                        s.nqn,
+                        n.nsid,
+                        n.backend.describe()
+                    )));
+                }
+                activated.push(n.clone());
+            }
+        }
         let mut map = (*self.subsystems.load_full()).clone();
         let s = Arc::new(s);
         map.insert(s.nqn.clone(), s.clone());
-        self.commit(map)?;
+        if let Err(e) = self.commit(map) {
+            for a in &activated {
+                a.backend.deactivate();
+            }
+            return Err(e);
+        }
+        let ana_toggled = old
+            .as_ref()
+            .is_some_and(|o| o.ana.is_some() != s.ana.is_some());
         let changed: Vec<u32> = match &old {
             None => Vec::new(),
             Some(o) => {
@@ -471,9 +773,26 @@ impl Target {
                 c.kill("host no longer allowed");
                 continue;
             }
+            if ana_toggled {
+                // CMIC and the CNTLID range changed under the host: it must
+                // reconnect and identify again.
+                c.kill("ANA reporting turned on or off");
+                continue;
+            }
             c.set_subsystem(s.clone());
             if !changed.is_empty() {
                 c.notify_ns_changed(&changed);
+            }
+        }
+        // Hosts learn of a new ANA state before backends wind down.
+        self.check_ana(&s);
+        if let Some(o) = old.as_ref().filter(|o| o.serving()) {
+            for n in o.namespaces.values() {
+                let still =
+                    s.serving() && s.namespaces.get(&n.nsid).is_some_and(|x| Arc::ptr_eq(x, n));
+                if !still {
+                    n.backend.deactivate();
+                }
             }
         }
         Ok(())
@@ -518,13 +837,28 @@ impl Target {
         if cs.by_id.len() >= limits::CONTROLLERS_MAX {
             return None;
         }
-        // CNTLIDs 1..=0xFFEF; skip ones in use.
-        let id = loop {
-            let id = cs.next_id;
-            cs.next_id = if id >= 0xFFEF { 1 } else { id + 1 };
-            if !cs.by_id.contains_key(&id) {
-                break id;
+        let id = match subsys.ana.as_ref().filter(|_| !discovery) {
+            // The subsystem's own range, so that the other targets
+            // presenting it (other ranges) never hand out the same CNTLID.
+            Some(a) => {
+                let (lo, hi) = (a.config.cntlid_min, a.config.cntlid_max);
+                let cursor = &a.runtime.next_cntlid;
+                let start = cursor.load(Ordering::Relaxed).clamp(lo, hi);
+                let id = (0..=u32::from(hi - lo))
+                    .map(|i| lo + ((u32::from(start - lo) + i) % (u32::from(hi - lo) + 1)) as u16)
+                    .find(|id| !cs.by_id.contains_key(id))?;
+                cursor.store(if id >= hi { lo } else { id + 1 }, Ordering::Relaxed);
+                id
             }
+            // CNTLIDs 1..=0xFFEF; skip ones in use (CONTROLLERS_MAX leaves
+            // free ones).
+            None => loop {
+                let id = cs.next_id;
+                cs.next_id = if id >= config::CNTLID_MAX { 1 } else { id + 1 };
+                if !cs.by_id.contains_key(&id) {
+                    break id;
+                }
+            },
         };
         let c = Arc::new(Controller::new(
             id,
@@ -642,6 +976,16 @@ pub fn derive_uuid(identity: &[u8; 16], nqn: &str, nsid: u32) -> [u8; 16] {
     u[6] = (u[6] & 0x0F) | 0x40;
     u[8] = (u[8] & 0x3F) | 0x80;
     u
+}
+
+/// The EUI-64 of a namespace whose UUID the admin gave: a function of the
+/// UUID alone, locally administered like the derived ones.
+fn eui64_from_uuid(uuid: &[u8; 16]) -> [u8; 8] {
+    let mut seed = b"nvpool-eui64:".to_vec();
+    seed.extend_from_slice(uuid);
+    let mut e = fnv(&seed).to_le_bytes();
+    e[0] = 0x02;
+    e
 }
 
 fn serial_for(identity: &[u8; 16], nqn: &str) -> String {

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod nodes;
+
 use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};

@@ -46,6 +46,8 @@ pub fn subsystem(nqn: &str, hosts: &[&str], namespaces: &[(u32, &str)]) -> Subsy
         allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
         allow_any_host: hosts.is_empty(),
         serial: None,
+        model: None,
+        ana: None,
         namespaces: namespaces
             .iter()
             .map(|&(nsid, backend)| NamespaceConfig {

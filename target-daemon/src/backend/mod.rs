@@ -1,28 +1,40 @@
 //! Namespace backends: where a namespace's bytes live.
 //!
-//! One narrow trait, [`Backend`], and three implementations: [`FileBackend`]
+//! One narrow trait, [`Backend`], and four implementations: [`FileBackend`]
 //! (a block device or regular file, or an extent of one, opened with
 //! O_DIRECT when the filesystem allows it), [`RamBackend`] (tests and
-//! benchmarks) and [`FaultBackend`] (wraps another and injects latency, EIO
-//! and torn writes for tests).
+//! benchmarks), [`FaultBackend`] (wraps another and injects latency, EIO
+//! and torn writes for tests) and [`VolumeBackend`] (a pooled volume, run
+//! by the initiator's volume engine inside the target).
 //!
-//! The reactor drives file backends through its own io_uring: a backend that
-//! returns [`UringTarget`] from [`Backend::uring_target`] hands the reactor a
-//! file descriptor and the byte offset of the namespace within that file.
-//! Every backend also implements the synchronous calls, used where io_uring
-//! is unavailable and by backends that have no file descriptor.
+//! The reactor runs a backend's I/O in one of three ways:
+//!
+//! - *io_uring*: a backend that returns [`UringTarget`] from
+//!   [`Backend::uring_target`] hands the reactor a file descriptor and the
+//!   byte offset of the namespace within that file;
+//! - *asynchronous*: a backend whose [`Backend::is_async`] is true takes
+//!   each operation through [`Backend::submit`] and completes it on threads
+//!   of its own, through the reactor's [`CompletionSink`] (async_io.rs);
+//! - *synchronous*: otherwise, on the reactor thread. Every backend
+//!   implements the synchronous calls, used where io_uring is unavailable,
+//!   by backends that have no file descriptor, and off the reactor (the
+//!   flush at shutdown).
 //!
 //! Offsets and lengths given to a backend are namespace-relative and already
 //! range-checked by the caller; a backend asserts them, it does not
 //! re-validate them.
 
+mod async_io;
 mod fault;
 mod file;
 mod ram;
+mod volume;
 
+pub use async_io::{AsyncCompletion, AsyncDone, AsyncOp, AsyncResult, CompletionSink};
 pub use fault::{FaultBackend, FaultConfig};
 pub use file::FileBackend;
 pub use ram::RamBackend;
+pub use volume::{OpenedVolume, VolumeBackend, VolumeContext, VolumeSource};
 
 use std::io;
 use std::os::fd::RawFd;
@@ -104,12 +116,43 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn failed(&self) -> bool;
     /// Records that a write or flush issued through io_uring failed.
     fn mark_failed(&self);
+
+    /// Makes the backend ready to serve I/O (a volume namespace opens its
+    /// volume). Local backends are always ready.
+    fn activate(&self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    /// Stops serving I/O: new operations fail, operations in flight finish
+    /// first (a volume namespace then closes its volume).
+    fn deactivate(&self) {}
+
+    /// True for a backend that completes I/O on threads of its own: the
+    /// reactor then hands it every operation through [`Backend::submit`]
+    /// and never calls the synchronous methods.
+    fn is_async(&self) -> bool {
+        false
+    }
+
+    /// Starts `op`; `done` is completed exactly once, from any thread (on
+    /// this one too, at once, when the backend refuses the operation). Only
+    /// called when [`Backend::is_async`] is true. It must not block: the
+    /// caller is a reactor thread. The backend's own errors are reported
+    /// through the result; whether one makes it [`Backend::failed`] is the
+    /// backend's decision (the reactor does not mark it).
+    fn submit(&self, op: AsyncOp, done: AsyncDone) {
+        drop(op);
+        done.complete(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
+    }
 }
 
 /// A parsed backend specification, as written in configs and on the CLI:
 ///
 /// - `file:PATH[,offset=BYTES][,length=BYTES][,block_size=512|4096]`
 /// - `ram:SIZE[,block_size=…]` (SIZE like `1G`, `512M`, `4096`)
+/// - `volume:UUID,size=BYTES,block_size=512|4096`: a pooled volume, served
+///   by the volume engine inside the target once activated; size and block
+///   size are given so the namespace has its geometry while inactive
 /// - `fault:SPEC` wrapping another (faults are set by tests through the API)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendSpec {
@@ -122,6 +165,12 @@ pub enum BackendSpec {
     Ram {
         size: u64,
         block_size: Option<u32>,
+    },
+    Volume {
+        /// Lower-case, hyphenated.
+        uuid: String,
+        size: u64,
+        block_size: u32,
     },
 }
 
@@ -151,13 +200,13 @@ impl BackendSpec {
         };
         let (kind, rest) = spec
             .split_once(':')
-            .ok_or_else(|| err("expected KIND:ARGS (file:PATH or ram:SIZE)"))?;
+            .ok_or_else(|| err("expected KIND:ARGS (file:PATH, ram:SIZE or volume:UUID)"))?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or_default();
         if first.is_empty() {
-            return Err(err("missing path or size"));
+            return Err(err("missing path, size or UUID"));
         }
-        let (mut offset, mut length, mut block_size) = (0u64, None, None);
+        let (mut offset, mut length, mut block_size, mut size) = (0u64, None, None, None);
         for p in parts {
             let (k, v) = p
                 .split_once('=')
@@ -165,6 +214,7 @@ impl BackendSpec {
             match k {
                 "offset" => offset = parse_size(v).map_err(|e| err(&e))?,
                 "length" => length = Some(parse_size(v).map_err(|e| err(&e))?),
+                "size" => size = Some(parse_size(v).map_err(|e| err(&e))?),
                 "block_size" => {
                     let b: u32 = v
                         .parse()
@@ -176,6 +226,9 @@ impl BackendSpec {
                 }
                 _ => return Err(err(&format!("unknown option {k:?}"))),
             }
+        }
+        if size.is_some() && kind != "volume" {
+            return Err(err("size= is an option of volume only"));
         }
         match kind {
             "file" => Ok(BackendSpec::File {
@@ -194,12 +247,44 @@ impl BackendSpec {
                 }
                 Ok(BackendSpec::Ram { size, block_size })
             }
-            _ => Err(err("kind must be file or ram")),
+            "volume" => {
+                if offset != 0 || length.is_some() {
+                    return Err(err("volume takes only a UUID, size and block_size"));
+                }
+                let uuid = nvpool_wire::nqn::parse_uuid(first).ok_or_else(|| {
+                    err("volume needs a UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+                })?;
+                let (Some(size), Some(block_size)) = (size, block_size) else {
+                    return Err(err("volume needs size= and block_size="));
+                };
+                if size == 0 || !size.is_multiple_of(u64::from(block_size)) {
+                    return Err(err("volume size must be a positive multiple of block_size"));
+                }
+                Ok(BackendSpec::Volume {
+                    uuid: nvpool_wire::nqn::format_uuid(&uuid),
+                    size,
+                    block_size,
+                })
+            }
+            _ => Err(err("kind must be file, ram or volume")),
         }
     }
 
-    /// Opens the backend this spec names.
+    /// Opens the backend this spec names. A volume namespace needs its
+    /// target's [`VolumeContext`]: open it with [`BackendSpec::open_in`].
     pub fn open(&self) -> Result<Arc<dyn Backend>, BackendError> {
+        if let BackendSpec::Volume { uuid, .. } = self {
+            return Err(BackendError::Spec {
+                spec: format!("volume:{uuid}"),
+                reason: "a volume namespace is opened by its target".into(),
+            });
+        }
+        self.open_in(&VolumeContext::new())
+    }
+
+    /// Opens the backend this spec names; a volume namespace takes its
+    /// volume source and executor from `volumes` when it is activated.
+    pub fn open_in(&self, volumes: &Arc<VolumeContext>) -> Result<Arc<dyn Backend>, BackendError> {
         Ok(match self {
             BackendSpec::File {
                 path,
@@ -211,6 +296,16 @@ impl BackendSpec {
                 let bs = block_size.unwrap_or(512);
                 Arc::new(RamBackend::new(size / bs as u64 * bs as u64, bs))
             }
+            BackendSpec::Volume {
+                uuid,
+                size,
+                block_size,
+            } => Arc::new(VolumeBackend::new(
+                uuid.clone(),
+                *size,
+                *block_size,
+                volumes.clone(),
+            )),
         })
     }
 }
@@ -331,10 +426,36 @@ mod tests {
                 block_size: None
             }
         );
+        assert_eq!(
+            BackendSpec::parse(
+                "volume:0A0B0C0D-0000-4000-8000-00000000000F,size=1G,block_size=4096"
+            )
+            .unwrap(),
+            BackendSpec::Volume {
+                uuid: "0a0b0c0d-0000-4000-8000-00000000000f".into(),
+                size: 1 << 30,
+                block_size: 4096
+            }
+        );
+        assert!(
+            BackendSpec::parse(
+                "volume:0a0b0c0d-0000-4000-8000-00000000000f,size=1G,block_size=4096"
+            )
+            .unwrap()
+            .open()
+            .is_err(),
+            "a volume namespace is opened by its target"
+        );
         for bad in [
             "",
             "file:",
             "ram:0",
+            "ram:1G,size=1G",
+            "volume:not-a-uuid,size=1G,block_size=4096",
+            "volume:0a0b0c0d-0000-4000-8000-00000000000f,size=1G",
+            "volume:0a0b0c0d-0000-4000-8000-00000000000f,block_size=512",
+            "volume:0a0b0c0d-0000-4000-8000-00000000000f,size=1000,block_size=512",
+            "volume:0a0b0c0d-0000-4000-8000-00000000000f,size=1G,block_size=512,offset=4096",
             "disk:/x",
             "ram:1G,offset=5",
             "file:/x,block_size=1000",

@@ -1,0 +1,471 @@
+//! Programming the paths of served volumes and moving ownership between
+//! them (C19): export and unexport for a host, take-over (planned or
+//! after a failure, with fencing), reconciliation of a target's volume
+//! subsystems, and the loop that watches owners.
+//!
+//! ```text
+//! take_over(new)   old owner answers?  ── PUT …/ana inaccessible (waits for its I/O)
+//!                  record owner = new, generation + 1 (the old one gets no lease)
+//!                  unplanned: wait until the old owner's lease has run out
+//!                  detach the old owner's host NQN: its controllers on every
+//!                     backing target are gone before this returns; copies on
+//!                     targets that did not answer are marked stale
+//!                  attach the new owner's host NQN, PUT …/ana optimized
+//!                     (the target opens the volume engine), record serving
+//! ```
+//!
+//! Everything here blocks (HTTP calls with timeouts): callers run it on
+//! the blocking pool.
+
+use crate::model::{Health, TargetState, Uuid, Volume};
+use crate::paths::{cntlid_range, owner_host_nqn, volume_subsystem_nqn, Served};
+use crate::program::{self, ProgramError, TargetAdmin};
+use crate::state::{Cluster, StateError};
+use std::time::Duration;
+
+/// How often the owners of served volumes are checked.
+pub const WATCH_INTERVAL_MS: u64 = 500;
+
+/// One path of a served volume as a host sees it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct PathView {
+    pub target: String,
+    /// NVMe/TCP listener: `traddr` and `trsvcid` of `nvme connect`.
+    pub traddr: String,
+    pub trsvcid: u16,
+    /// `optimized` on the serving owner, `inaccessible` elsewhere.
+    pub ana_state: String,
+}
+
+/// A served volume: what a host needs to connect to it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct ServedView {
+    #[cfg_attr(feature = "server", schema(value_type = String))]
+    pub volume: Uuid,
+    pub subsystem_nqn: String,
+    pub hosts: Vec<String>,
+    pub paths: Vec<PathView>,
+    pub owner: Option<String>,
+    pub generation: u64,
+    pub serving: bool,
+}
+
+/// The view of `served`.
+pub fn view(cluster: &Cluster, served: &Served) -> Result<ServedView, StateError> {
+    let mut paths = Vec::new();
+    for t in &served.paths {
+        let tv = cluster.target(t)?;
+        let optimized = served.serving && served.owner.as_deref() == Some(t.as_str());
+        paths.push(PathView {
+            target: t.clone(),
+            traddr: tv.target.addr.ip().to_string(),
+            trsvcid: tv.target.addr.port(),
+            ana_state: if optimized {
+                "optimized"
+            } else {
+                "inaccessible"
+            }
+            .into(),
+        });
+    }
+    Ok(ServedView {
+        volume: served.volume,
+        subsystem_nqn: volume_subsystem_nqn(&served.volume),
+        hosts: served.hosts.clone(),
+        paths,
+        owner: served.owner.clone(),
+        generation: served.generation,
+        serving: served.serving,
+    })
+}
+
+/// The namespace backend every path of `v` opens.
+fn backend_spec(v: &Volume) -> String {
+    format!(
+        "volume:{},size={},block_size={}",
+        v.uuid,
+        v.size_bytes,
+        crate::attach::VOLUME_BLOCK_BYTES
+    )
+}
+
+/// The subsystem configuration path `index` of `served` should have,
+/// with `state` as its configured ANA state.
+fn subsystem_config(served: &Served, v: &Volume, index: usize, state: &str) -> serde_json::Value {
+    let (lo, hi) = cntlid_range(index);
+    let id = v.uuid.to_string();
+    serde_json::json!({
+        "allowed_hosts": served.hosts,
+        "allow_any_host": false,
+        // The same on every path: the host groups paths by NQN and
+        // compares serial and model.
+        "serial": id.replace('-', "").chars().take(20).collect::<String>(),
+        "model": "nvpool volume",
+        "ana": {"state": state, "cntlid_min": lo, "cntlid_max": hi, "lease": true},
+        "namespaces": [{"nsid": 1, "backend": backend_spec(v), "uuid": id}],
+    })
+}
+
+fn volume_of(cluster: &Cluster, uuid: &Uuid) -> Result<Volume, StateError> {
+    Ok(cluster.volume(uuid)?.volume)
+}
+
+/// Makes path `target` of `served` present the volume's subsystem, in
+/// `serve`'s state (optimized: the target opens the engine first).
+fn ensure_path(
+    cluster: &Cluster,
+    served: &Served,
+    v: &Volume,
+    target: &str,
+    serve: bool,
+) -> Result<(), ProgramError> {
+    let index = served
+        .path_index(target)
+        .ok_or_else(|| StateError::TargetNotFound(target.to_owned()))?;
+    let t = cluster.target(target)?.target;
+    let admin = TargetAdmin::new(&t);
+    let nqn = volume_subsystem_nqn(&served.volume);
+    let have = admin.subsystem_value(&nqn)?;
+    let current = have
+        .as_ref()
+        .and_then(|h| h.pointer("/ana/state"))
+        .and_then(|s| s.as_str())
+        .unwrap_or("inaccessible")
+        .to_owned();
+    let want = subsystem_config(served, v, index, &current);
+    if !matches_config(have.as_ref(), &want) {
+        admin.put_subsystem_value(&nqn, &want)?;
+    }
+    let state = if serve { "optimized" } else { "inaccessible" };
+    if current != state || have.is_none() {
+        admin.set_ana(&nqn, state)?;
+    }
+    if serve {
+        // Serving starts with the owner's first lease renewal: wait for it
+        // so that "serving" means hosts are answered.
+        let deadline =
+            std::time::Instant::now() + Duration::from_millis(4 * crate::paths::LEASE_RENEW_MS);
+        loop {
+            let effective = admin
+                .subsystem_value(&nqn)?
+                .and_then(|v| v.pointer("/ana/effective_state").cloned());
+            if effective.as_ref().and_then(|e| e.as_str()) == Some("optimized") {
+                break;
+            }
+            if std::time::Instant::now() >= deadline {
+                tracing::warn!(volume = %served.volume, target, ?effective,
+                    "the owner has not renewed its lease yet");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the subsystem `have` already is what `want` says (hosts, ANA
+/// range, namespace backend and id): re-putting is harmless, but checking
+/// first keeps reconciliation quiet.
+fn matches_config(have: Option<&serde_json::Value>, want: &serde_json::Value) -> bool {
+    let Some(h) = have else {
+        return false;
+    };
+    let mut hosts: Vec<&str> = h
+        .get("allowed_hosts")
+        .and_then(|a| a.as_array())
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    hosts.sort_unstable();
+    let want_hosts: Vec<&str> = want["allowed_hosts"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    let ns = h
+        .get("namespaces")
+        .and_then(|n| n.as_array())
+        .and_then(|n| n.first());
+    hosts == want_hosts
+        && h.pointer("/ana/cntlid_min") == want.pointer("/ana/cntlid_min")
+        && h.pointer("/ana/cntlid_max") == want.pointer("/ana/cntlid_max")
+        && ns.and_then(|n| n.get("backend")) == want.pointer("/namespaces/0/backend")
+}
+
+/// Exports `volume` to `host`: records it, programs every path (a path
+/// that cannot be reached is left to reconciliation), and makes sure an
+/// owner serves.
+pub fn export(
+    cluster: &Cluster,
+    volume: &Uuid,
+    host: &str,
+    paths: usize,
+) -> Result<(ServedView, bool), ProgramError> {
+    let before = cluster.served(volume)?;
+    let created = before
+        .as_ref()
+        .is_none_or(|(s, _)| !s.hosts.iter().any(|h| h == host));
+    let served = cluster.add_served_host(volume, host, paths)?;
+    let v = volume_of(cluster, volume)?;
+    for t in &served.paths {
+        let serve = served.serving && served.owner.as_deref() == Some(t.as_str());
+        if let Err(e) = ensure_path(cluster, &served, &v, t, serve) {
+            tracing::warn!(%volume, target = %t, error = %e, "export: a path is not programmed yet");
+        }
+    }
+    let served = match (&served.owner, served.serving) {
+        (Some(_), true) => served,
+        _ => {
+            let new = pick_owner(cluster, &served, None).ok_or_else(|| {
+                StateError::Invalid(crate::model::ModelError::Invalid(
+                    "no path of the volume is online".into(),
+                ))
+            })?;
+            take_over(cluster, volume, &new)?
+        }
+    };
+    Ok((view(cluster, &served)?, created))
+}
+
+/// Stops exporting `volume` to `host`; the last host gone, the volume's
+/// subsystem is removed from every path and its owner detached.
+pub fn unexport(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<(), ProgramError> {
+    let Some(served) = cluster.remove_served_host(volume, host)? else {
+        return Err(StateError::NotAttached {
+            volume: *volume,
+            host: host.to_owned(),
+        }
+        .into());
+    };
+    let nqn = volume_subsystem_nqn(volume);
+    if !served.hosts.is_empty() {
+        for t in &served.paths {
+            let tv = cluster.target(t)?;
+            if let Err(e) = TargetAdmin::new(&tv.target).disallow_host(&nqn, host) {
+                tracing::warn!(%volume, target = %t, error = %e,
+                    "unexport: left to reconciliation");
+            }
+        }
+        return Ok(());
+    }
+    if let Some(owner) = &served.owner {
+        if let Ok(tv) = cluster.target(owner) {
+            let _ = TargetAdmin::new(&tv.target).set_ana(&nqn, "inaccessible");
+        }
+        let h = owner_host_nqn(volume, owner);
+        match program::detach_reporting(cluster, volume, &h, true) {
+            Ok(_) | Err(ProgramError::State(StateError::NotAttached { .. })) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    for t in &served.paths {
+        if let Ok(tv) = cluster.target(t) {
+            if let Err(e) = TargetAdmin::new(&tv.target).delete_subsystem(&nqn) {
+                tracing::warn!(%volume, target = %t, error = %e,
+                    "unexport: left to reconciliation");
+            }
+        }
+    }
+    cluster.delete_served(volume)?;
+    tracing::info!(%volume, "volume no longer served");
+    Ok(())
+}
+
+/// A path to own `served`: online, not draining, not `avoid`; the
+/// current owner if it qualifies, else the first in path order.
+fn pick_owner(cluster: &Cluster, served: &Served, avoid: Option<&str>) -> Option<String> {
+    let ok = |t: &str| {
+        Some(t) != avoid
+            && cluster.target(t).is_ok_and(|tv| {
+                tv.health == Health::Online && tv.target.state != TargetState::Draining
+            })
+    };
+    served
+        .owner
+        .iter()
+        .chain(served.paths.iter())
+        .find(|t| ok(t))
+        .cloned()
+}
+
+/// Makes `new` the owner of `volume`, fencing the old owner first (module
+/// docs). Returns the record as it ends.
+pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, ProgramError> {
+    let (served, _) = cluster
+        .served(volume)?
+        .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
+    let nqn = volume_subsystem_nqn(volume);
+    let mut served = served;
+    if served.owner.as_deref() != Some(new) {
+        let old = served.owner.clone();
+        // Planned when the old owner answers: it stops taking I/O and
+        // waits for what it has in flight before answering.
+        let planned = match &old {
+            None => true,
+            Some(o) => cluster
+                .target(o)
+                .map_err(ProgramError::from)
+                .and_then(|tv| TargetAdmin::new(&tv.target).set_ana(&nqn, "inaccessible"))
+                .inspect_err(|e| {
+                    tracing::warn!(%volume, old = %o, error = %e,
+                        "the owner does not answer: taking over after its lease");
+                })
+                .is_ok(),
+        };
+        let generation = served.generation;
+        served = cluster
+            .update_served(volume, generation, |s| {
+                s.owner = Some(new.to_owned());
+                s.generation += 1;
+                s.serving = false;
+            })?
+            .ok_or_else(|| {
+                StateError::Invalid(crate::model::ModelError::Invalid(
+                    "the owner changed meanwhile; retry".into(),
+                ))
+            })?;
+        if let Some(o) = &old {
+            if !planned {
+                // Its lease (counted from its own request) ends before ours.
+                while !cluster.lease_expired(o) {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+            fence(cluster, volume, o)?;
+        }
+        tracing::info!(%volume, old = ?old, new, planned, generation = served.generation,
+            "served volume has a new owner");
+    }
+    let h = owner_host_nqn(volume, new);
+    program::attach(cluster, volume, &h)?;
+    let v = volume_of(cluster, volume)?;
+    ensure_path(cluster, &served, &v, new, true)?;
+    let generation = served.generation;
+    Ok(cluster
+        .update_served(volume, generation, |s| s.serving = true)?
+        .unwrap_or(served))
+}
+
+/// Takes the old owner's access to the volume's extents away: its host
+/// NQN is detached, which removes its subsystem (and kills its
+/// controllers) on every backing target. Copies on targets that did not
+/// answer may still take a late write from it, so they are marked stale
+/// (unless one is the last copy in sync of its row: then nothing could
+/// be read instead anyway, and it stays as it is).
+fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<(), ProgramError> {
+    let h = owner_host_nqn(volume, old);
+    let unreached = match program::detach_reporting(cluster, volume, &h, true) {
+        Ok(t) => t,
+        Err(ProgramError::State(StateError::NotAttached { .. })) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    if unreached.is_empty() {
+        return Ok(());
+    }
+    let v = volume_of(cluster, volume)?;
+    for (i, e) in v.extents.iter().enumerate() {
+        if unreached.contains(&e.target) {
+            match cluster.mark_stale(volume, i as u32) {
+                Ok(()) => {
+                    tracing::warn!(%volume, extent = i, target = %e.target,
+                        "copy marked stale: its target could not be fenced");
+                }
+                Err(StateError::LastInSyncCopy { .. }) => {
+                    tracing::warn!(%volume, extent = i, target = %e.target,
+                        "last copy in sync of its row could not be fenced; left as is");
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One round of the owner watch: a volume whose owner is draining, gone
+/// from its paths or past its lease gets a new owner; one whose owner was
+/// not made to serve (an earlier step failed) is retried.
+pub fn watch_once(cluster: &Cluster) -> Result<(), StateError> {
+    for served in cluster.served_all()? {
+        if served.hosts.is_empty() {
+            continue;
+        }
+        let volume = served.volume;
+        let Some(owner) = served.owner.clone() else {
+            if let Some(new) = pick_owner(cluster, &served, None) {
+                if let Err(e) = take_over(cluster, &volume, &new) {
+                    tracing::warn!(%volume, error = %e, "choosing an owner failed; will retry");
+                }
+            }
+            continue;
+        };
+        let state = cluster.target(&owner).ok();
+        let draining = state
+            .as_ref()
+            .is_none_or(|tv| tv.target.state == TargetState::Draining);
+        let dead = cluster.lease_expired(&owner)
+            && state
+                .as_ref()
+                .is_none_or(|tv| tv.health == Health::Offline || served.serving);
+        let replace = draining || dead || served.path_index(&owner).is_none();
+        let next = if replace {
+            pick_owner(cluster, &served, Some(&owner))
+        } else if !served.serving {
+            Some(owner.clone())
+        } else {
+            None
+        };
+        if let Some(new) = next {
+            if let Err(e) = take_over(cluster, &volume, &new) {
+                tracing::warn!(%volume, owner = %owner, new = %new, error = %e,
+                    "moving the served volume failed; will retry");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes `target`'s volume subsystems what the served records say, and
+/// removes the ones no record names (reconciliation, C14).
+pub fn reconcile_target(cluster: &Cluster, target: &str) -> Result<usize, ProgramError> {
+    let t = cluster.target(target)?.target;
+    let admin = TargetAdmin::new(&t);
+    let mut changed = 0;
+    let all = cluster.served_all()?;
+    for nqn in admin.subsystem_nqns()? {
+        let Some(v) = crate::paths::volume_of_subsystem(&nqn) else {
+            continue;
+        };
+        let wanted = all
+            .iter()
+            .any(|s| s.volume == v && s.path_index(target).is_some());
+        if !wanted {
+            admin.delete_subsystem(&nqn)?;
+            changed += 1;
+        }
+    }
+    for served in all.iter().filter(|s| s.path_index(target).is_some()) {
+        if served.hosts.is_empty() {
+            continue;
+        }
+        let v = volume_of(cluster, &served.volume)?;
+        let serve = served.serving && served.owner.as_deref() == Some(target);
+        ensure_path(cluster, served, &v, target, serve)?;
+    }
+    Ok(changed)
+}
+
+/// Runs [`watch_once`] every [`WATCH_INTERVAL_MS`] until the process ends.
+pub async fn watch_loop(cluster: std::sync::Arc<Cluster>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(WATCH_INTERVAL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let c = cluster.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = watch_once(&c) {
+                tracing::warn!(error = %e, "watching served volumes failed");
+            }
+        })
+        .await;
+    }
+}

@@ -1,0 +1,218 @@
+//! Real targets for the control plane's integration tests: `nvpool-target`
+//! daemons in process on loopback, each with one file device, registered
+//! with a control plane served by [`super::serve`], and helpers to create,
+//! attach and detach volumes and to reach them as a host.
+
+use super::{serve, Server, ADMIN, MIB};
+use nvpool_control::api::AuthConfig;
+use nvpool_initiator::ConnectParams;
+use nvpool_target::daemon::{Running, StartOptions};
+use nvpool_target::target::Target;
+use serde_json::{json, Value};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
+pub const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-0000-4000-8000-000000000002";
+/// Device size: 16 extents of 1 MiB.
+pub const DEVICE_BYTES: u64 = 16 * MIB;
+
+/// One target daemon with one file device.
+pub struct Node {
+    pub id: String,
+    pub running: Option<Running>,
+    pub target: Arc<Target>,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub device: PathBuf,
+    pub state_dir: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+pub fn start_running(target: Arc<Target>, listen: SocketAddr, admin: SocketAddr) -> Running {
+    let opts = StartOptions {
+        listeners: vec![listen],
+        reactors: 1,
+        io_uring: false,
+        admin_listen: Some(admin),
+    };
+    // A port a previous daemon just left may take a moment to free up.
+    for _ in 0..100 {
+        match Running::start(target.clone(), &opts) {
+            Ok(r) => return r,
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    panic!("target does not start on {listen}");
+}
+
+impl Node {
+    pub fn start(i: usize) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let device = dir.path().join("d0.img");
+        std::fs::File::create(&device)
+            .unwrap()
+            .set_len(DEVICE_BYTES)
+            .unwrap();
+        let state_dir = dir.path().join("state");
+        std::fs::create_dir_all(&state_dir).unwrap();
+        let target = Target::new(Some(state_dir.clone())).unwrap();
+        let running = start_running(
+            target.clone(),
+            "127.0.0.1:0".parse().unwrap(),
+            "127.0.0.1:0".parse().unwrap(),
+        );
+        let addr = running.listen_addrs()[0];
+        let admin = running.admin_addr().unwrap();
+        Node {
+            id: format!("t{i}"),
+            running: Some(running),
+            target,
+            addr,
+            admin,
+            device,
+            state_dir,
+            _dir: dir,
+        }
+    }
+
+    pub fn registration(&self, rack: &str) -> Value {
+        json!({
+            "id": self.id,
+            "name": self.id,
+            "addr": self.addr.to_string(),
+            "admin_addr": self.admin.to_string(),
+            "labels": {"rack": rack},
+            "devices": [{
+                "id": "d0",
+                "backend": format!("file:{}", self.device.display()),
+                "capacity_bytes": DEVICE_BYTES,
+            }],
+        })
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(r) = self.running.take() {
+            r.shutdown();
+        }
+    }
+
+    /// Starts again on the same ports from the saved state (what a restart
+    /// of the daemon does).
+    pub fn restart(&mut self) {
+        self.stop();
+        self.target = Target::new(Some(self.state_dir.clone())).unwrap();
+        if let Some(cfg) = nvpool_target::config::Config::load_state(&self.state_dir).unwrap() {
+            self.target.apply_config(&cfg).unwrap();
+        }
+        self.running = Some(start_running(self.target.clone(), self.addr, self.admin));
+    }
+
+    /// Subsystems under the nvpool host prefix: NQN → (allowed hosts, NSIDs).
+    pub fn host_subsystems(&self) -> Vec<(String, Vec<String>, Vec<u32>)> {
+        self.target
+            .subsystems()
+            .values()
+            .filter(|s| s.nqn.starts_with("nqn.2026-11.io.nvpool:host:"))
+            .map(|s| {
+                (
+                    s.nqn.clone(),
+                    s.hosts.iter().cloned().collect(),
+                    s.namespaces.keys().copied().collect(),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+pub struct Cluster {
+    pub server: Server,
+    pub nodes: Vec<Node>,
+}
+
+pub fn cluster(n: usize) -> Cluster {
+    let server = serve(AuthConfig {
+        admin_token: Some(ADMIN.into()),
+        target_token: None,
+    });
+    let nodes: Vec<Node> = (0..n).map(Node::start).collect();
+    for (i, node) in nodes.iter().enumerate() {
+        let r = server.admin(
+            "POST",
+            "/v1/targets",
+            Some(node.registration(&format!("r{i}"))),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    // Registration reconciles in the background; let that settle so it
+    // does not race with the test's own checks.
+    std::thread::sleep(Duration::from_millis(200));
+    Cluster { server, nodes }
+}
+
+pub fn uuid(n: u8) -> String {
+    format!("{n:08x}-0000-4000-8000-000000000000")
+}
+
+pub fn create(s: &Server, n: u8, size: u64, layout: Value) -> String {
+    let id = uuid(n);
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{id}"),
+        Some(json!({"name": format!("vol{n}"), "size_bytes": size, "layout": layout})),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    id
+}
+
+pub fn enc(host: &str) -> String {
+    host.replace(':', "%3A")
+}
+
+pub fn attach(s: &Server, vol: &str, host: &str) -> super::Reply {
+    s.admin(
+        "PUT",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(host)),
+        None,
+    )
+}
+
+pub fn detach(s: &Server, vol: &str, host: &str, force: bool) -> super::Reply {
+    let q = if force { "?force=true" } else { "" };
+    s.admin(
+        "DELETE",
+        &format!("/v1/volumes/{vol}/attachments/{}{q}", enc(host)),
+        None,
+    )
+}
+
+pub fn node_of<'a>(c: &'a Cluster, target: &str) -> &'a Node {
+    c.nodes.iter().find(|n| n.id == target).unwrap()
+}
+
+pub fn params(addr: SocketAddr, subnqn: &str, host: &str) -> ConnectParams {
+    let mut p = ConnectParams::new(addr, subnqn);
+    p.hostnqn = host.to_owned();
+    p.io_queues = 1;
+    p.queue_depth = 16;
+    p.ctrl_loss_timeout = Duration::from_secs(2);
+    p.connect_timeout = Duration::from_secs(5);
+    p
+}
+
+pub fn read_file_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let mut f = std::fs::File::open(path).unwrap();
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    let mut buf = vec![0; len];
+    f.read_exact(&mut buf).unwrap();
+    buf
+}
