@@ -23,8 +23,8 @@
 
 use crate::client::Client;
 use anyhow::{bail, Context};
-use nvpool_control::plan::ConnectionPlan;
 use nvpool_control::Uuid;
+use nvpool_initiator::follow::{self, AttachmentView, Watcher};
 use nvpool_initiator::volume::{Volume, VolumeOptions};
 use nvpool_initiator::BlockDev;
 use serde::{Deserialize, Serialize};
@@ -37,8 +37,6 @@ use std::time::{Duration, Instant};
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long `detach` waits for the server to flush and exit.
 const STOP_TIMEOUT: Duration = Duration::from_secs(60);
-/// Retry interval of failure reports to an unreachable control plane.
-const REPORT_RETRY: Duration = Duration::from_secs(2);
 
 /// Block-device front-ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -52,6 +50,10 @@ pub enum Frontend {
     Nbd,
     /// A file in a FUSE mount behind a loop device (direct I/O): /dev/loopN.
     Fuse,
+    /// Served by targets, connected by this host's kernel NVMe/TCP driver
+    /// with native multipath (module nvme-tcp): /dev/nvmeXnY. No nvpool
+    /// process stays on the host.
+    Nvme,
 }
 
 /// Where records, logs and mountpoints of attached volumes live:
@@ -164,6 +166,10 @@ pub fn frontend_choice(f: Frontend) -> anyhow::Result<Frontend> {
             Ok(Frontend::Ublk)
         }
         Frontend::Fuse => Ok(Frontend::Fuse),
+        Frontend::Nvme => {
+            crate::nvmef::available()?;
+            Ok(Frontend::Nvme)
+        }
     }
 }
 
@@ -285,6 +291,7 @@ fn frontend_name(f: Frontend) -> &'static str {
         Frontend::Ublk => "ublk",
         Frontend::Nbd => "kernel nbd",
         Frontend::Fuse => "FUSE + loop",
+        Frontend::Nvme => "kernel NVMe/TCP",
     }
 }
 
@@ -367,7 +374,7 @@ pub fn cleanup_leftovers(r: &Record) {
                 }
             }
         }
-        Frontend::Auto => {}
+        Frontend::Auto | Frontend::Nvme => {}
     }
     let _ = std::fs::remove_file(record_path(&r.uuid));
 }
@@ -413,13 +420,6 @@ pub fn serve(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> an
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct AttachmentView {
-    plan: ConnectionPlan,
-    #[serde(flatten)]
-    copies: crate::resync::CopyView,
-}
-
 enum Presented {
     Fuse(nvpool_initiator::frontend::fuse::FuseLoop),
     Nbd(nvpool_initiator::frontend::nbd::kernel::KernelNbd),
@@ -428,10 +428,7 @@ enum Presented {
 }
 
 fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> anyhow::Result<()> {
-    let path = format!(
-        "/v1/volumes/{uuid}/attachments/{}",
-        crate::client::segment(host)
-    );
+    let path = follow::attachment_path(uuid, host);
     let view: serde_json::Value = client.get(&path)?;
     let view: AttachmentView =
         serde_json::from_value(view).context("the control plane's attachment")?;
@@ -442,48 +439,32 @@ fn serve_inner(client: &Client, uuid: &Uuid, host: &str, frontend: Frontend) -> 
 
     // Failed copies are reported to the control plane from a thread of
     // their own: the data path never waits on it.
-    let (fail_tx, fail_rx) = std::sync::mpsc::sync_channel::<usize>(1024);
+    let (on_failed, reporter) = follow::spawn_failure_reporter(client.clone(), uuid, host)
+        .context("starting the failure reporter")?;
     let opts = VolumeOptions {
         failed_extents: view.copies.stale_at_open(),
         syncing_extents: view.copies.syncing_at_open(),
         moving: view.copies.moving_at_open(),
-        on_extent_failed: Some(Arc::new(move |f| {
-            tracing::warn!(extent = f.index, target = %f.target, error = %f.error,
-                lost = f.member_lost, "extent copy failed; serving from the others");
-            let _ = fail_tx.try_send(f.index);
-        })),
+        on_extent_failed: Some(on_failed),
         ..VolumeOptions::default()
-    };
-    let reporter = {
-        let client = client.clone();
-        let path = format!("{path}/failed-extents");
-        std::thread::Builder::new()
-            .name("nvpool-report".into())
-            .spawn(move || report_failures(&client, &path, &fail_rx))
-            .context("starting the failure reporter")?
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).context("connecting the volume")?);
     let dev: Arc<dyn BlockDev> = volume.clone();
 
     // Copy changes (resync) are followed from a thread of their own.
     let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = Arc::new(crate::resync::Watcher::new(
-        client,
+    let watcher = Arc::new(Watcher::new(
+        client.clone(),
         uuid,
         host,
         volume.clone(),
-        crate::resync::new_session(),
+        follow::new_session(),
         watch_stop.clone(),
     ));
     watcher.register(view.copies.revision);
-    {
-        let w = watcher.clone();
-        let first = view.copies.clone();
-        std::thread::Builder::new()
-            .name("nvpool-watch".into())
-            .spawn(move || w.run(first))
-            .context("starting the copy watcher")?;
-    }
+    watcher
+        .spawn(view.copies.clone())
+        .context("starting the copy watcher")?;
 
     let run = run_dir();
     let presented = match frontend {
@@ -623,42 +604,5 @@ fn quiet_stdout() {
         use std::os::fd::AsRawFd;
         // SAFETY: dup2 onto fd 1 with a valid descriptor.
         unsafe { libc::dup2(null.as_raw_fd(), 1) };
-    }
-}
-
-/// Sends failed extents to the control plane, retrying until it answers.
-fn report_failures(client: &Client, path: &str, rx: &std::sync::mpsc::Receiver<usize>) {
-    let mut pending: Vec<u32> = Vec::new();
-    loop {
-        let wait = if pending.is_empty() {
-            Duration::from_secs(3600)
-        } else {
-            REPORT_RETRY
-        };
-        match rx.recv_timeout(wait) {
-            Ok(i) => pending.push(i as u32),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) if pending.is_empty() => return,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {}
-        }
-        while let Ok(i) = rx.try_recv() {
-            pending.push(i as u32);
-        }
-        if pending.is_empty() {
-            continue;
-        }
-        pending.sort_unstable();
-        pending.dedup();
-        let body = serde_json::json!({ "failed_extents": pending });
-        match client.put::<_, serde_json::Value>(path, &body) {
-            Ok(_) => {
-                tracing::info!(extents = ?pending, "failed extents reported to the control plane");
-                pending.clear();
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "reporting failed extents failed; retrying");
-                std::thread::sleep(REPORT_RETRY);
-            }
-        }
     }
 }

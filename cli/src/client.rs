@@ -5,7 +5,11 @@
 //! back as one [`ClientError`] whose `Display` is the one line the command
 //! prints: the control plane's own `message` for an API error, or "cannot
 //! reach the control plane at URL: …" when no HTTP answer arrived.
+//!
+//! It is also how a serving process follows its volume's copies: it
+//! implements [`ControlPlane`] for `nvpool_initiator::follow`.
 
+use nvpool_initiator::follow::ControlPlane;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -134,19 +138,7 @@ pub fn read_token(path: &Path) -> Result<String, ClientError> {
     Ok(t.to_owned())
 }
 
-/// Percent-encodes one path segment: everything but RFC 3986 unreserved
-/// characters (host NQNs hold `:`, which must not reach the path raw).
-pub fn segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
+pub use nvpool_initiator::follow::segment;
 
 /// The control plane at one endpoint.
 #[derive(Debug, Clone)]
@@ -219,6 +211,33 @@ impl Client {
         let mut resp = self.answer(r)?;
         let _ = resp.body_mut().read_to_vec();
         Ok(())
+    }
+
+    /// Any HTTP answer's status and body (read up to
+    /// [`RESPONSE_BYTES_MAX`]; a body that cannot be read is empty, as
+    /// error bodies are read here); no answer is the error, in words.
+    fn raw(
+        &self,
+        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<(u16, Vec<u8>), String> {
+        let mut resp = r.map_err(|source| {
+            let e = ClientError::Unreachable {
+                url: self.base.clone(),
+                source,
+            };
+            match std::error::Error::source(&e) {
+                Some(why) => format!("{e}: {why}"),
+                None => e.to_string(),
+            }
+        })?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(RESPONSE_BYTES_MAX)
+            .read_to_vec()
+            .unwrap_or_default();
+        Ok((status, body))
     }
 
     fn url(&self, path: &str) -> String {
@@ -296,6 +315,26 @@ impl Client {
     }
 }
 
+/// The copy follower's calls: reads open, with their own timeout (a
+/// long-poll); PUTs with the admin token.
+impl ControlPlane for Client {
+    fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String> {
+        let r = self
+            .agent
+            .get(self.url(path))
+            .config()
+            .timeout_global(Some(timeout))
+            .build()
+            .call();
+        self.raw(r)
+    }
+
+    fn put_json(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<u8>), String> {
+        let r = self.auth(self.agent.put(self.url(path))).send_json(body);
+        self.raw(r)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,14 +346,5 @@ mod tests {
         for bad in ["https://cp", "cp:4430", "http://", "http://u@cp", "ftp://x"] {
             assert!(parse_endpoint(bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn segments_are_percent_encoded() {
-        assert_eq!(
-            segment("nqn.2014-08.org.nvmexpress:uuid:ab"),
-            "nqn.2014-08.org.nvmexpress%3Auuid%3Aab"
-        );
-        assert_eq!(segment("a b/c"), "a%20b%2Fc");
     }
 }

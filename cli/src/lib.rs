@@ -14,7 +14,7 @@ pub mod client;
 pub mod cluster;
 pub mod dataset;
 pub mod discover;
-pub mod resync;
+pub mod nvmef;
 pub mod size;
 pub mod verify;
 pub mod volume;

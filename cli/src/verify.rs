@@ -15,13 +15,13 @@
 //! over all copies) so that client I/O keeps its bandwidth.
 
 use crate::client::{segment, Client};
-use crate::resync::CopyView;
 use anyhow::Context;
-use nvpool_control::plan::{ConnectionPlan, RESYNC_REGION_BYTES};
+use nvpool_control::plan::RESYNC_REGION_BYTES;
 use nvpool_control::resync::VERIFIER_NQN_PREFIX;
 use nvpool_control::Uuid;
 use nvpool_initiator::admin::{ConnectParams, Controller};
 use nvpool_initiator::device::{block_on, Device};
+use nvpool_initiator::follow::{new_session, AttachmentView};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -77,16 +77,9 @@ pub struct Report {
     pub differences: Vec<Difference>,
 }
 
-#[derive(Debug, Deserialize)]
-struct AttachmentView {
-    plan: ConnectionPlan,
-    #[serde(flatten)]
-    copies: CopyView,
-}
-
 /// A fresh verifier host NQN.
 fn verifier_nqn() -> String {
-    format!("{VERIFIER_NQN_PREFIX}{:016x}", crate::resync::new_session())
+    format!("{VERIFIER_NQN_PREFIX}{:016x}", new_session())
 }
 
 /// Takes the verifier's attachment back when verification ends, however.

@@ -9,6 +9,7 @@
 use crate::attach::{self, Frontend};
 use crate::client::{segment, Client, ClientError};
 use crate::cluster::{age, print_fields, print_json, table, typed, Connection, OutputArgs};
+use crate::nvmef;
 use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
@@ -293,6 +294,28 @@ pub enum VolumeCmd {
         /// (for another host, or an initiator of your own).
         #[arg(long)]
         plan_only: bool,
+    },
+    /// Serve a volume to a stock Linux host through targets: the host's
+    /// NQN may then connect with `nvme connect` to every path (printed),
+    /// and the kernel's native multipath fails over between them. Nothing
+    /// of nvpool runs on that host.
+    Export {
+        /// Volume name or UUID.
+        volume: String,
+        /// The host that will connect (its /etc/nvme/hostnqn).
+        #[arg(long)]
+        host_nqn: String,
+        /// Targets presenting the volume when it is first exported (1-8).
+        #[arg(long, default_value_t = 2)]
+        paths: usize,
+    },
+    /// Stop serving a volume to a host (it sees its paths go).
+    Unexport {
+        /// Volume name or UUID.
+        volume: String,
+        /// The host.
+        #[arg(long)]
+        host_nqn: String,
     },
     /// Serve an attached volume in the foreground (what attach starts in
     /// the background).
@@ -788,6 +811,9 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let c = conn.client(true)?;
             let (uuid, v) = resolve(&c, &volume)?;
             let progress = std::io::stderr().is_terminal();
+            if frontend == Frontend::Nvme && !plan_only {
+                return attach_nvme(&c, fmt, &uuid, &v, &volume, &host, progress);
+            }
             if progress {
                 let n = v["extents"].as_array().map_or(0, Vec::len);
                 eprintln!("attaching {volume} to {host}: exporting {n} extents…");
@@ -838,6 +864,58 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 served.device.display().to_string(),
             )
         }
+        VolumeCmd::Export {
+            volume,
+            host_nqn,
+            paths,
+        } => {
+            if !(1..=nvpool_control::paths::PATHS_MAX).contains(&paths) {
+                return Err(Usage(format!(
+                    "--paths must be between 1 and {}",
+                    nvpool_control::paths::PATHS_MAX
+                ))
+                .into());
+            }
+            let c = conn.client(true)?;
+            let (uuid, v) = resolve(&c, &volume)?;
+            let (status, out): (u16, Value) = c.put(
+                &export_path(&uuid, &host_nqn),
+                &serde_json::json!({ "paths": paths }),
+            )?;
+            let view: nvmef::ServedView = typed("served volume", &out)?;
+            let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            let cmds = nvmef::commands(&view, &host_nqn);
+            let mut text = format!(
+                "volume {name} {} to {host_nqn} as {} ({} paths; owner {})\n\non the host:\n",
+                if status == 201 {
+                    "exported"
+                } else {
+                    "already exported"
+                },
+                view.subsystem_nqn,
+                view.paths.len(),
+                view.owner.as_deref().unwrap_or("none yet"),
+            );
+            for c in &cmds {
+                text.push_str(&format!("  {c}\n"));
+            }
+            text.push_str("then: nvme list-subsys (one path optimized, the others inaccessible)");
+            let mut json = out.clone();
+            json["commands"] = serde_json::json!(cmds);
+            done(fmt, json, text)
+        }
+        VolumeCmd::Unexport { volume, host_nqn } => {
+            let c = conn.client(true)?;
+            let (uuid, v) = resolve(&c, &volume)?;
+            c.delete(&export_path(&uuid, &host_nqn))?;
+            let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            done(
+                fmt,
+                serde_json::json!({ "volume": uuid, "name": name, "host_nqn": host_nqn,
+                    "unexported": true }),
+                format!("volume {name} no longer exported to {host_nqn}"),
+            )
+        }
         VolumeCmd::Serve {
             uuid,
             host_nqn,
@@ -854,6 +932,9 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let host = host_nqn(h)?;
             let c = conn.client(true)?;
             let (uuid, v) = resolve(&c, &volume)?;
+            if let Some(out) = detach_nvme(&c, &uuid, &v, &volume, &host, force)? {
+                return done(fmt, out.0, out.1);
+            }
             // The local block device first (flushes); then the targets.
             let local = attach::stop_server(&uuid, force)?;
             let q = if force { "?force=true" } else { "" };
@@ -876,6 +957,87 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             )
         }
     }
+}
+
+fn export_path(uuid: &Uuid, host: &str) -> String {
+    format!("/v1/volumes/{uuid}/exports/{}", segment(host))
+}
+
+/// `attach --frontend nvme`: the targets serve the volume to this host,
+/// whose kernel connects every path.
+fn attach_nvme(
+    c: &Client,
+    fmt: Format,
+    uuid: &Uuid,
+    v: &Value,
+    volume: &str,
+    host: &str,
+    progress: bool,
+) -> anyhow::Result<()> {
+    if progress {
+        eprintln!("serving {volume} to {host} through its targets…");
+    }
+    let (status, out): (u16, Value) = c.put_empty(&export_path(uuid, host))?;
+    let view: nvmef::ServedView = typed("served volume", &out)?;
+    let device = match nvmef::connect(&view, host) {
+        Ok(d) => d,
+        Err(e) => {
+            // Take back an export this call made: nothing half-done.
+            if status == 201 {
+                let _ = c.delete(&export_path(uuid, host));
+            }
+            return Err(e);
+        }
+    };
+    let name = v["name"].as_str().unwrap_or(volume).to_owned();
+    done(
+        fmt,
+        serde_json::json!({
+            "volume": uuid, "name": name, "host_nqn": host, "device": device,
+            "frontend": Frontend::Nvme, "subsystem_nqn": view.subsystem_nqn,
+            "paths": out["paths"], "already_attached": status != 201,
+        }),
+        device.display().to_string(),
+    )
+}
+
+/// `detach` of a volume this host connected with `--frontend nvme`: its
+/// controllers are disconnected, then the export is removed. `None` when
+/// this host has no such connection (another front-end, or none).
+fn detach_nvme(
+    c: &Client,
+    uuid: &Uuid,
+    v: &Value,
+    volume: &str,
+    host: &str,
+    force: bool,
+) -> anyhow::Result<Option<(Value, String)>> {
+    let nqn = format!("{}{uuid}", nvpool_control::paths::VOLUME_SUBSYSTEM_PREFIX);
+    let Some(device) = nvmef::device_of(&nqn) else {
+        return Ok(None);
+    };
+    if let Some(at) = attach::mounted_at(&device) {
+        if !force {
+            anyhow::bail!(
+                "{} is mounted at {at}; unmount it first (or detach --force)",
+                device.display()
+            );
+        }
+    }
+    let n = nvmef::disconnect(&nqn)?;
+    match c.delete(&export_path(uuid, host)) {
+        Err(e) if e.status() == Some(404) => {}
+        r => r?,
+    }
+    let name = v["name"].as_str().unwrap_or(volume).to_owned();
+    Ok(Some((
+        serde_json::json!({ "volume": uuid, "name": name, "host_nqn": host,
+            "detached": true, "device": device, "paths_disconnected": n }),
+        format!(
+            "volume {name} detached ({} removed, {n} paths disconnected)",
+            device.display()
+        ),
+    )))
 }
 
 /// Adds what to do when the control plane refuses because the volume is

@@ -24,6 +24,8 @@ fn subsystem(nqn: &str, hosts: &[&str], backend: &str) -> SubsystemConfig {
         allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
         allow_any_host: hosts.is_empty(),
         serial: None,
+        model: None,
+        ana: None,
         namespaces: vec![NamespaceConfig {
             nsid: 1,
             backend: backend.to_owned(),

@@ -6,11 +6,10 @@
 #![allow(dead_code)]
 
 use nvpool_cli::client::Client;
-use nvpool_cli::resync::{new_session, CopyView, Watcher};
 use nvpool_control::api::{ApiServer, AuthConfig};
-use nvpool_control::plan::ConnectionPlan;
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
+use nvpool_initiator::follow::{new_session, AttachmentView, Watcher};
 use nvpool_initiator::volume::{Volume, VolumeOptions};
 use nvpool_target::{Running, StartOptions, Target};
 use serde_json::json;
@@ -148,13 +147,6 @@ impl Tgt {
     }
 }
 
-#[derive(serde::Deserialize)]
-struct AttachmentView {
-    plan: ConnectionPlan,
-    #[serde(flatten)]
-    copies: CopyView,
-}
-
 /// A volume attached to `HOST` and served as `nvpool volume serve` does:
 /// the engine opened from the attachment (stale, syncing and moving copies
 /// as listed) and the copy watcher running until `stop` is set.
@@ -184,7 +176,7 @@ pub fn serve(client: &Client, uuid: &str, stop: &Arc<AtomicBool>) -> Served {
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).unwrap());
     let watcher = Watcher::new(
-        client,
+        client.clone(),
         &uuid.parse().unwrap(),
         HOST,
         volume.clone(),

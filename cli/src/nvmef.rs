@@ -1,0 +1,235 @@
+//! `--frontend nvme`: the volume is served by targets (an ANA subsystem
+//! with a path per target, C19) and this host's own kernel NVMe/TCP
+//! driver connects to every path, as `nvme connect` does: one line of
+//! options written to `/dev/nvme-fabrics` per path. With native multipath
+//! (`nvme_core.multipath=Y`, the default) the kernel shows one
+//! `/dev/nvmeXnY` for all paths and fails over between them by ANA state.
+//! No nvpool process stays on the host.
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const FABRICS: &str = "/dev/nvme-fabrics";
+const SUBSYSTEMS: &str = "/sys/class/nvme-subsystem";
+const CONTROLLERS: &str = "/sys/class/nvme";
+/// How long attach waits for the kernel to show the namespace.
+const DEVICE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Seconds between reconnect attempts to a path that went away (the
+/// kernel's default is 10): a path back from a restart is used sooner.
+const RECONNECT_DELAY_S: u32 = 2;
+
+/// One path of a served volume, as `GET /v1/volumes/{uuid}/exports` has it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PathView {
+    pub target: String,
+    pub traddr: String,
+    pub trsvcid: u16,
+    pub ana_state: String,
+}
+
+/// A served volume, as the export calls answer.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ServedView {
+    pub subsystem_nqn: String,
+    pub paths: Vec<PathView>,
+    #[serde(default)]
+    pub owner: Option<String>,
+}
+
+/// Whether this host can connect NVMe/TCP paths itself.
+pub fn available() -> anyhow::Result<()> {
+    if !Path::new(FABRICS).exists() {
+        bail!("{FABRICS} is missing: load the kernel's NVMe/TCP host (modprobe nvme-tcp)");
+    }
+    Ok(())
+}
+
+/// The commands a host runs to connect to `v` itself.
+pub fn commands(v: &ServedView, host: &str) -> Vec<String> {
+    let mut out = vec!["modprobe nvme-tcp".to_owned()];
+    if let Some(p) = v.paths.first() {
+        out.push(format!(
+            "nvme discover -t tcp -a {} -s {} --hostnqn {host}",
+            p.traddr, p.trsvcid
+        ));
+    }
+    for p in &v.paths {
+        out.push(format!(
+            "nvme connect -t tcp -a {} -s {} -n {} --hostnqn {host} --ctrl-loss-tmo=-1 \
+             --reconnect-delay={RECONNECT_DELAY_S}",
+            p.traddr, p.trsvcid, v.subsystem_nqn
+        ));
+    }
+    out
+}
+
+/// Connects every path of `v` not connected yet and returns the
+/// multipath block device. A path that cannot be connected is reported
+/// and skipped while another one works.
+pub fn connect(v: &ServedView, host: &str) -> anyhow::Result<PathBuf> {
+    available()?;
+    let mut connected = connected_paths(&v.subsystem_nqn);
+    let mut errors = Vec::new();
+    for p in &v.paths {
+        let addr = format!("traddr={},trsvcid={}", p.traddr, p.trsvcid);
+        if connected.iter().any(|a| a.contains(&addr)) {
+            continue;
+        }
+        let opts = format!(
+            "nqn={},transport=tcp,traddr={},trsvcid={},hostnqn={host},ctrl_loss_tmo=-1,\
+             reconnect_delay={RECONNECT_DELAY_S}",
+            v.subsystem_nqn, p.traddr, p.trsvcid
+        );
+        match fabrics_connect(&opts) {
+            Ok(answer) => {
+                tracing::info!(target = %p.target, %answer, "path connected");
+                connected.push(addr);
+            }
+            Err(e) => errors.push(format!("{}:{} ({}): {e:#}", p.traddr, p.trsvcid, p.target)),
+        }
+    }
+    if connected.is_empty() {
+        bail!("no path could be connected: {}", errors.join("; "));
+    }
+    for e in &errors {
+        eprintln!("warning: path {e}");
+    }
+    let deadline = Instant::now() + DEVICE_TIMEOUT;
+    loop {
+        if let Some(dev) = device_of(&v.subsystem_nqn) {
+            return Ok(dev);
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "connected, but no block device of {} appeared (is nvme_core.multipath off?)",
+                v.subsystem_nqn
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Writes one connect line to /dev/nvme-fabrics and returns the kernel's
+/// answer (`instance=N,cntlid=M`).
+fn fabrics_connect(opts: &str) -> anyhow::Result<String> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(FABRICS)
+        .with_context(|| format!("opening {FABRICS}"))?;
+    f.write_all(opts.as_bytes())
+        .context("the kernel refused the connection (see dmesg)")?;
+    let mut answer = String::new();
+    f.read_to_string(&mut answer)
+        .context("reading the kernel's answer")?;
+    Ok(answer.trim().to_owned())
+}
+
+/// `transport address` of every controller of subsystem `nqn`, as the
+/// kernel shows them (`traddr=…,trsvcid=…`).
+fn connected_paths(nqn: &str) -> Vec<String> {
+    controllers_of(nqn)
+        .iter()
+        .filter_map(|c| std::fs::read_to_string(c.join("address")).ok())
+        .map(|a| a.trim().to_owned())
+        .collect()
+}
+
+/// The controller directories of subsystem `nqn`.
+fn controllers_of(nqn: &str) -> Vec<PathBuf> {
+    let Ok(dir) = std::fs::read_dir(CONTROLLERS) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .map(|e| e.path())
+        .filter(|p| std::fs::read_to_string(p.join("subsysnqn")).is_ok_and(|s| s.trim() == nqn))
+        .collect()
+}
+
+/// The multipath block device of subsystem `nqn`: the `nvmeXnY` entry of
+/// its subsystem directory.
+pub fn device_of(nqn: &str) -> Option<PathBuf> {
+    let dir = std::fs::read_dir(SUBSYSTEMS).ok()?;
+    for s in dir.flatten() {
+        let p = s.path();
+        if std::fs::read_to_string(p.join("subsysnqn")).map_or(true, |n| n.trim() != nqn) {
+            continue;
+        }
+        for e in std::fs::read_dir(&p).ok()?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if is_head_name(&name) {
+                return Some(PathBuf::from("/dev").join(name));
+            }
+        }
+    }
+    None
+}
+
+/// `nvme<digits>n<digits>`: a namespace head (paths are `nvmeXcYnZ`).
+fn is_head_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("nvme") else {
+        return false;
+    };
+    let Some((a, b)) = rest.split_once('n') else {
+        return false;
+    };
+    !a.is_empty()
+        && !b.is_empty()
+        && a.bytes().all(|c| c.is_ascii_digit())
+        && b.bytes().all(|c| c.is_ascii_digit())
+}
+
+/// Disconnects every controller of subsystem `nqn`; returns how many.
+pub fn disconnect(nqn: &str) -> anyhow::Result<usize> {
+    let ctrls = controllers_of(nqn);
+    for c in &ctrls {
+        std::fs::write(c.join("delete_controller"), "1")
+            .with_context(|| format!("disconnecting {}", c.display()))?;
+    }
+    Ok(ctrls.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_names() {
+        assert!(is_head_name("nvme0n1"));
+        assert!(is_head_name("nvme12n3"));
+        assert!(!is_head_name("nvme0c1n1"));
+        assert!(!is_head_name("nvme0"));
+        assert!(!is_head_name("nvmen1"));
+        assert!(!is_head_name("ng0n1"));
+    }
+
+    #[test]
+    fn commands_name_every_path() {
+        let v = ServedView {
+            subsystem_nqn: "nqn.2026-11.io.nvpool:volume:x".into(),
+            paths: vec![
+                PathView {
+                    target: "a".into(),
+                    traddr: "10.0.0.1".into(),
+                    trsvcid: 4420,
+                    ana_state: "optimized".into(),
+                },
+                PathView {
+                    target: "b".into(),
+                    traddr: "10.0.0.2".into(),
+                    trsvcid: 4420,
+                    ana_state: "inaccessible".into(),
+                },
+            ],
+            owner: Some("a".into()),
+        };
+        let c = commands(&v, "nqn.h");
+        assert_eq!(c.len(), 4);
+        assert!(c[1].starts_with("nvme discover -t tcp -a 10.0.0.1 -s 4420"));
+        assert!(c[2].contains("-a 10.0.0.1") && c[2].contains("-n nqn.2026-11.io.nvpool:volume:x"));
+        assert!(c[3].contains("-a 10.0.0.2") && c[3].contains("--hostnqn nqn.h"));
+    }
+}
