@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# Guest test: a pooled RAID10 volume served by the targets themselves to the guest's own
+# kernel NVMe/TCP host, with native multipath (C19). One nvpool-control and five
+# nvpool-target daemons (file devices, one rack each) on the guest's loopback; the volume's
+# four extents on four of them; `nvpool volume attach --frontend nvme` exports it to this
+# host and connects both paths through /dev/nvme-fabrics.
+#   paths      two controllers of one subsystem, one path optimized, the other inaccessible;
+#              one /dev/nvmeXnY
+#   xfs        files checksummed across a remount, xfs_repair -n clean
+#   failover   fio verify=crc32c iodepth 32 on the device while the owner (the optimized
+#              path's target) is killed with SIGKILL: no I/O error, the other path becomes
+#              optimized; the killed target comes back as an inaccessible path and its
+#              copies resync; everything written reads back verified
+#   drain      the same fio while the new owner is drained: ownership moves to the other
+#              path first (planned, no I/O error) and its extent moves to the fifth target
+#   detach     `nvpool volume detach` disconnects both paths; the device goes
+#
+#   cargo build --release -p nvpool-target -p nvpool-control -p nvpool-cli
+#   scripts/vm/run-guest-test scripts/vm/guest/volume-ns-multipath.sh \
+#       --bin target/release/nvpool --bin target/release/nvpool-control \
+#       --bin target/release/nvpool-target
+#
+# vm-modules: nvme-tcp xfs
+# vm-bins: nvme fio mkfs.xfs xfs_repair blockdev jq
+# shellcheck source-path=SCRIPTDIR source=lib/common.sh
+. /nvpool/lib/common.sh
+
+WORK=/tmp/vns
+CP_PORT=4430
+TARGETS=5
+TARGET_PORT_BASE=4420
+ADMIN_PORT_BASE=4440
+DEVICE_SIZE=1G
+POOL=pool0
+# Small extents: the drain copies one of them under TCG.
+CP_ARGS=(--extent-size 128M)
+VOLUME_SIZE=256M
+VOLUME_BYTES=$((256 << 20))
+LAYOUT=(--layout raid10 --stripe-width 2 --copies 2)
+LAYOUT_TEXT="raid10 w=2 s=64K c=2"
+BLOCK_BYTES=4096
+FIO_MIB=48
+KILL_AFTER_MIB=6
+START_S=90
+STOP_S=60
+FAILOVER_S=60
+HEAL_S=300
+FIO_S=400
+LOG_TAIL_LINES=30
+HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:6e76706f-6f6c-4e00-8000-766e736d7061
+
+# shellcheck source-path=SCRIPTDIR source=lib/cluster.sh
+. /nvpool/lib/cluster.sh
+
+path_state_dump() {
+    printf -- '--- paths (port, controller state, ANA state) ---\n'
+    path_states || true
+    printf -- '--- nvme list-subsys ---\n'
+    nvme list-subsys 2>&1 || true
+}
+DIAG_HOOKS+=(path_state_dump)
+
+[[ $(cat /sys/module/nvme_core/parameters/multipath) == Y ]] ||
+    die "nvme_core.multipath is off: the kernel would not merge the paths"
+
+# path_states: one line per controller of the volume's subsystem: trsvcid, controller
+# state, ANA state of its path to namespace 1.
+path_states() {
+    local c ns st
+    for c in /sys/class/nvme/nvme*; do
+        [[ $(cat "$c/subsysnqn" 2>/dev/null) == "$SUBNQN" ]] || continue
+        st=-
+        for ns in "$c"/nvme*c*n1; do
+            [[ -e $ns/ana_state ]] && st=$(cat "$ns/ana_state")
+        done
+        printf '%s %s %s\n' "$(sed -E 's/.*trsvcid=([0-9]+).*/\1/' "$c/address")" \
+            "$(cat "$c/state")" "$st"
+    done | sort
+}
+
+# port_is PORT STATE...: that path's controller is live and its ANA state is STATE.
+port_is() {
+    path_states | awk -v p="$1" -v s="$2" '$1 == p && $2 == "live" && $3 == s { f = 1 }
+        END { exit !f }'
+}
+
+# owner: the target the control plane has serving the volume.
+owner() {
+    nvpool volume export vol --host-nqn "$HOSTNQN" -o json | jq -r 'select(.serving) | .owner'
+}
+
+port_of() {
+    echo $((TARGET_PORT_BASE + ${1#t}))
+}
+
+in_sync() {
+    nvpool volume info "$1" -o json |
+        jq -e '.status == "online" and (.failed_extents | length) == 0 and (.copy_jobs | length) == 0' \
+            >/dev/null
+}
+
+written_mib() {
+    echo $(($(awk '{ print $7 }' "/sys/block/$DEV_NAME/stat") / 2048))
+}
+
+fio_progressed() {
+    exited "$fio_pid" && die "fio ended early: $(tail -n 5 "$fio_out")"
+    [[ $(written_mib) -ge $1 ]]
+}
+
+# start_fio NAME: random 16 KiB writes with crc32c verification over FIO_MIB, iodepth 32.
+start_fio() {
+    fio_out=$WORK/fio-$1.out
+    fio --name="$1" --filename="$DEV" --ioengine=libaio --direct=1 --rw=randwrite \
+        --bs=16k --iodepth=32 --size="${FIO_MIB}M" --verify=crc32c --verify_fatal=1 \
+        --do_verify=1 --verify_state_save=0 >"$fio_out" 2>&1 &
+    fio_pid=$!
+}
+
+# end_fio WHAT: fio must end with no error.
+end_fio() {
+    local rc=0
+    wait_until "$FIO_S" "fio to finish ($1)" exited "$fio_pid"
+    wait "$fio_pid" || rc=$?
+    if [[ $rc -ne 0 ]] || ! grep -q 'err= 0' "$fio_out"; then
+        tail -n "$LOG_TAIL_LINES" "$fio_out"
+        die "fio exited $rc through $DEV ($1)"
+    fi
+}
+
+cluster_up
+create_volume vol
+step_ok volume-create
+
+# ----- attach: two paths, one optimized -----
+quiet attach nvpool volume attach vol --frontend nvme
+DEV=$(tail -n 1 /tmp/out.attach)
+DEV_NAME=${DEV#/dev/}
+[[ $DEV_NAME =~ ^nvme[0-9]+n[0-9]+$ && -b $DEV ]] || die "attach printed '$DEV'"
+UUID=$(volume_field vol UUID)
+SUBNQN=nqn.2026-11.io.nvpool:volume:$UUID
+[[ $(blockdev --getsize64 "$DEV") -eq $VOLUME_BYTES ]] ||
+    die "$DEV has $(blockdev --getsize64 "$DEV") bytes, expected $VOLUME_BYTES"
+[[ $(blockdev --getss "$DEV") -eq $BLOCK_BYTES ]] || die "$DEV: $(blockdev --getss "$DEV")-byte blocks"
+OWNER=$(owner)
+[[ -n $OWNER ]] || die "no owner serves the volume"
+OTHER=$(nvpool volume export vol --host-nqn "$HOSTNQN" -o json |
+    jq -r --arg o "$OWNER" '.paths[] | select(.target != $o) | .target')
+[[ -n $OTHER ]] || die "the volume has a single path"
+wait_until 20 "the owner's path to be optimized" port_is "$(port_of "$OWNER")" optimized
+wait_until 20 "the other path to be inaccessible" port_is "$(port_of "$OTHER")" inaccessible
+[[ $(path_states | wc -l) -eq 2 ]] || die "expected 2 paths: $(path_states)"
+nvme list-subsys "$DEV" >/tmp/out.list-subsys 2>&1 || true
+printf '  %s: one subsystem, paths %s (optimized, owner) and %s (inaccessible)\n' \
+    "$DEV" "$OWNER" "$OTHER"
+step_ok paths
+
+# ----- xfs -----
+mkdir -p /mnt/vol
+quiet mkfs mkfs.xfs -f "$DEV"
+mount -t xfs "$DEV" /mnt/vol
+mkdir -p /mnt/vol/data
+write_random_files /mnt/vol/data 8 2
+umount /mnt/vol
+mount -t xfs "$DEV" /mnt/vol
+verify_random_files /mnt/vol/data
+umount /mnt/vol
+quiet xfs-repair xfs_repair -n "$DEV"
+step_ok xfs
+
+# ----- failover: the owner dies under fio -----
+start_fio failover
+wait_until "$FIO_S" "fio to write ${KILL_AFTER_MIB} MiB" fio_progressed "$KILL_AFTER_MIB"
+vi=${OWNER#t}
+killed_at=$(date +%s)
+kill -KILL "${TARGET_PIDS[vi]}"
+wait "${TARGET_PIDS[vi]}" 2>/dev/null || true
+wait_until "$FAILOVER_S" "$OTHER's path to become optimized" port_is "$(port_of "$OTHER")" optimized
+failover_s=$(($(date +%s) - killed_at))
+end_fio "owner $OWNER killed"
+[[ $(owner) == "$OTHER" ]] || die "owner is '$(owner)', expected $OTHER"
+printf '  %s killed: %s optimized %ss later; fio wrote and verified %s MiB, no I/O error\n' \
+    "$OWNER" "$OTHER" "$failover_s" "$FIO_MIB"
+step_ok failover
+
+# The killed target comes back: an inaccessible path again, and the copies it holds
+# (marked stale: it could not be fenced) are copied back while the volume is in use.
+start_target "$vi"
+wait_until "$START_S" "$OWNER to come back online" target_is "$OWNER" online
+wait_until "$FAILOVER_S" "$OWNER's path to come back inaccessible" \
+    port_is "$(port_of "$OWNER")" inaccessible
+wait_until "$HEAL_S" "the volume to heal" in_sync vol
+quiet verify-after-heal fio --name=failover --filename="$DEV" --ioengine=libaio --direct=1 \
+    --rw=randread --bs=16k --iodepth=32 --size="${FIO_MIB}M" --verify=crc32c \
+    --verify_fatal=1 --verify_only --verify_state_save=0
+printf '  %s back as an inaccessible path; copies resynced; %s MiB verified again\n' \
+    "$OWNER" "$FIO_MIB"
+step_ok target-back-healed
+
+# ----- drain: ownership moves first, without an I/O error -----
+start_fio drain
+wait_until "$FIO_S" "fio to write ${KILL_AFTER_MIB} MiB" fio_progressed "$((KILL_AFTER_MIB * 2))"
+quiet drain nvpool target drain "$OTHER" --wait
+wait_until "$FAILOVER_S" "$OWNER's path to become optimized" port_is "$(port_of "$OWNER")" optimized
+end_fio "owner $OTHER drained"
+[[ $(owner) == "$OWNER" ]] || die "owner is '$(owner)' after the drain, expected $OWNER"
+extent_targets vol | grep -qx "$OTHER" && die "$OTHER still holds an extent after the drain"
+printf '  %s drained: %s optimized, extents on %s; fio verified, no I/O error\n' \
+    "$OTHER" "$OWNER" "$(extent_targets vol | tr '\n' ' ')"
+step_ok drain
+
+# ----- detach -----
+quiet detach nvpool volume detach vol
+wait_until 20 "$DEV to go" test ! -e "$DEV"
+[[ -z $(path_states) ]] || die "paths left after detach: $(path_states)"
+step_ok detach
+
+for ((i = 0; i < TARGETS; i++)); do
+    stop_daemon "${TARGET_PIDS[i]}" "nvpool-target t$i"
+done
+stop_daemon "$cp_pid" nvpool-control
+step_ok cluster-stop
