@@ -28,14 +28,20 @@ pub enum Rw {
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     /// Target address.
-    #[arg(short = 'a', long = "traddr")]
-    pub addr: String,
+    #[arg(short = 'a', long = "traddr", required_unless_present = "volume")]
+    pub addr: Option<String>,
     /// Target port.
     #[arg(short = 's', long = "trsvcid", default_value_t = 4420)]
     pub port: u16,
     /// Subsystem NQN.
-    #[arg(short = 'n', long = "nqn")]
-    pub nqn: String,
+    #[arg(short = 'n', long = "nqn", required_unless_present = "volume")]
+    pub nqn: Option<String>,
+    /// Instead of one namespace: a pooled volume (name or UUID) through the
+    /// client-side volume engine in this process (attached to the host NQN
+    /// for the run, like `volume attach` does; detached after unless it was
+    /// attached before). Random reads and writes only, no --verify.
+    #[arg(long, conflicts_with_all = ["addr", "nqn", "verify", "hdr_digest", "data_digest"])]
+    pub volume: Option<String>,
     /// Namespace ID.
     #[arg(long, default_value_t = 1)]
     pub nsid: u32,
@@ -95,12 +101,28 @@ struct JobResult {
     first_error: Option<String>,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
-    let addr = crate::resolve(&a.addr, a.port)?;
+/// CPU time (user + system) this process has used so far.
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct it is given and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     if a.bs == 0 || !a.bs.is_multiple_of(512) {
         bail!("--bs must be a multiple of 512");
     }
-    let mut p = ConnectParams::new(addr, &a.nqn);
+    if let Some(v) = a.volume.clone() {
+        return run_volume(conn, &a, &v);
+    }
+    let (Some(target), Some(nqn)) = (a.addr.clone(), a.nqn.clone()) else {
+        bail!("give --traddr and --nqn, or --volume");
+    };
+    let addr = crate::resolve(&target, a.port)?;
+    let mut p = ConnectParams::new(addr, &nqn);
     if let Some(h) = &a.hostnqn {
         p.hostid = h
             .rsplit_once(":uuid:")
@@ -114,8 +136,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     p.io_queues = a.jobs;
     p.queue_depth = a.iodepth.max(2);
-    let ctrl =
-        Controller::connect(p).with_context(|| format!("connecting to {} at {addr}", a.nqn))?;
+    let ctrl = Controller::connect(p).with_context(|| format!("connecting to {nqn} at {addr}"))?;
     let ns = ctrl.namespace(a.nsid)?;
     let bsz = ns.block_size as u64;
     if !a.bs.is_multiple_of(bsz) {
@@ -160,6 +181,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         queues.push(q);
     }
     let start = Instant::now();
+    let cpu0 = cpu_time();
     let deadline = start + a.runtime;
     let per_job = units / a.jobs as u64;
     let results: Vec<anyhow::Result<JobResult>> = std::thread::scope(|s| {
@@ -196,12 +218,55 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         failed += r.failed;
         first_error = first_error.or(r.first_error);
     }
+    let cpu = cpu_time().saturating_sub(cpu0);
     drop(ctrl);
-    let secs = timed_end.duration_since(start).as_secs_f64().max(1e-3);
+    report(
+        &a,
+        &format!("{nqn} nsid {} ({addr})", a.nsid),
+        Totals {
+            secs: timed_end.duration_since(start).as_secs_f64().max(1e-3),
+            hist,
+            ops,
+            bytes,
+            errors,
+            checked,
+            failed,
+            first_error,
+            cpu,
+        },
+    )
+}
+
+/// What a run did, for [`report`].
+struct Totals {
+    secs: f64,
+    hist: Histogram<u64>,
+    ops: u64,
+    bytes: u64,
+    errors: u64,
+    checked: u64,
+    failed: u64,
+    first_error: Option<String>,
+    /// CPU time of this process during the timed phase (and verify).
+    cpu: Duration,
+}
+
+fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
+    let Totals {
+        secs,
+        hist,
+        ops,
+        bytes,
+        errors,
+        checked,
+        failed,
+        first_error,
+        cpu,
+    } = t;
+    let cpu_us_per_io = cpu.as_secs_f64() * 1e6 / ops.max(1) as f64;
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     let out = serde_json::json!({
-        "target": format!("{addr}"),
-        "nqn": a.nqn,
+        "target": what,
         "rw": format!("{:?}", a.rw).to_lowercase(),
         "bs": a.bs,
         "iodepth": a.iodepth,
@@ -213,18 +278,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "lat_us": { "mean": hist.mean() / 1000.0, "p50": us(0.5), "p99": us(0.99), "p999": us(0.999), "max": hist.max() as f64 / 1000.0 },
         "errors": errors,
         "verify": { "checked": checked, "failed": failed },
+        "cpu_us_per_io": cpu_us_per_io,
     });
     match a.output {
         Format::Json => println!("{}", serde_json::to_string_pretty(&out)?),
         Format::Table => {
             println!(
-                "{} bs={} iodepth={} jobs={} on {} nsid {} ({addr})",
+                "{} bs={} iodepth={} jobs={} on {what}",
                 out["rw"].as_str().unwrap_or_default(),
                 a.bs,
                 a.iodepth,
                 a.jobs,
-                a.nqn,
-                a.nsid
             );
             println!(
                 "  IOPS {:.0}, {:.1} MB/s, {ops} I/Os in {secs:.2} s, {errors} errors",
@@ -239,6 +303,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 us(0.999),
                 hist.max() as f64 / 1000.0
             );
+            println!("  host CPU: {cpu_us_per_io:.1} µs per I/O");
             if a.verify {
                 println!("  verify: {checked} blocks checked, {failed} failed");
             }
@@ -526,4 +591,128 @@ mod tests {
         assert_eq!(check(&[0u8; 4096], 5, None), Ok(false));
         assert!(check(&[0u8; 4096], 5, Some(1)).is_err());
     }
+}
+
+/// `--volume`: the same random load through the client-side volume engine
+/// in this process: `jobs` executor threads, `jobs × iodepth` tasks each
+/// keeping one request in flight.
+fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyhow::Result<()> {
+    use nvpool_initiator::follow;
+    use nvpool_initiator::{Volume, VolumeOptions};
+    use std::sync::{Arc, Mutex};
+    if a.verify || matches!(a.rw, Rw::Read | Rw::Write) {
+        bail!("--volume runs randread, randwrite or randrw");
+    }
+    let c = conn.client(true)?;
+    let (uuid, _) = crate::volume::resolve(&c, volume)?;
+    let host = crate::volume::host_nqn(a.hostnqn.clone())?;
+    let path = follow::attachment_path(&uuid, &host);
+    let (status, _): (u16, serde_json::Value) = c.put_empty(&path)?;
+    let detach = |c: &crate::client::Client| {
+        if status == 201 {
+            let _ = c.delete(&path);
+        }
+    };
+    let view = match follow::read_attachment(&c, &uuid, &host) {
+        Ok(v) => v,
+        Err(e) => {
+            detach(&c);
+            bail!("reading the attachment: {e}");
+        }
+    };
+    let opts = VolumeOptions {
+        queues_per_controller: a.jobs,
+        queue_depth: a.iodepth.max(2),
+        failed_extents: view.copies.stale_at_open(),
+        syncing_extents: view.copies.syncing_at_open(),
+        moving: view.copies.moving_at_open(),
+        ..VolumeOptions::default()
+    };
+    let vol = match Volume::open(&view.plan, opts) {
+        Ok(v) => Arc::new(v),
+        Err(e) => {
+            detach(&c);
+            bail!("opening volume {volume}: {e}");
+        }
+    };
+    let size = a.size.unwrap_or(vol.size()).min(vol.size());
+    let units = size / a.bs;
+    let tasks = a.jobs as usize * a.iodepth as usize;
+    let ex = nvpool_initiator::exec::Executor::new("bench", a.jobs as usize, tasks, false)?;
+    let results: Arc<Mutex<Vec<(Histogram<u64>, u64, u64, Option<String>)>>> = Arc::default();
+    let start = Instant::now();
+    let cpu0 = cpu_time();
+    let deadline = start + a.runtime;
+    let seed = if a.seed != 0 {
+        a.seed
+    } else {
+        start.elapsed().as_nanos() as u64 | 1
+    };
+    for t in 0..tasks {
+        let (vol, results) = (vol.clone(), results.clone());
+        let (bs, rw, mix) = (a.bs, a.rw, a.rwmixread as u64);
+        ex.spawn(async move {
+            let mut rng = Rng((seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
+                .expect("valid histogram bounds");
+            let (mut ops, mut errors, mut first) = (0u64, 0u64, None);
+            let mut buf = vec![0x5a; bs as usize];
+            while Instant::now() < deadline {
+                let off = rng.next() % units * bs;
+                let write = match rw {
+                    Rw::Randwrite => true,
+                    Rw::Randrw => rng.next() % 100 >= mix,
+                    _ => false,
+                };
+                let t0 = Instant::now();
+                let (r, b) = if write {
+                    vol.write(off, buf, false).await
+                } else {
+                    vol.read(off, buf).await
+                };
+                buf = b;
+                hist.saturating_record(t0.elapsed().as_nanos() as u64);
+                ops += 1;
+                if let Err(e) = r {
+                    errors += 1;
+                    first.get_or_insert(format!("offset {off}: {e}"));
+                }
+            }
+            results
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((hist, ops, errors, first));
+        });
+    }
+    drop(ex);
+    let cpu = cpu_time().saturating_sub(cpu0);
+    let secs = start.elapsed().as_secs_f64().max(1e-3);
+    let mut hist =
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
+    let (mut ops, mut errors, mut first_error) = (0, 0, None);
+    for (h, o, e, f) in results.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        hist.add(&h).expect("same bounds");
+        ops += o;
+        errors += e;
+        first_error = first_error.or(f);
+    }
+    if let Ok(v) = Arc::try_unwrap(vol) {
+        let _ = v.close();
+    }
+    detach(&c);
+    report(
+        a,
+        &format!("volume {volume} ({uuid}) through the client-side engine"),
+        Totals {
+            secs,
+            hist,
+            ops,
+            bytes: ops * a.bs,
+            errors,
+            checked: 0,
+            failed: 0,
+            first_error,
+            cpu,
+        },
+    )
 }

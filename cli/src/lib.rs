@@ -127,7 +127,7 @@ pub fn main() -> ExitCode {
     };
     let r = match cli.cmd {
         Command::Discover(a) => discover::run(a),
-        Command::Bench(a) => bench::run(a),
+        Command::Bench(a) => bench::run(&conn, a),
         Command::Target(a) => cluster::run_target(&conn, a),
         Command::Pool(a) => cluster::run_pool(&conn, a),
         Command::Volume(a) => volume::run(&conn, a),

@@ -7,6 +7,7 @@
 //! No nvpool process stays on the host.
 
 use anyhow::{bail, Context};
+use nvpool_initiator::hostnqn::format_uuid;
 use serde::Deserialize;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -79,9 +80,12 @@ pub fn connect(v: &ServedView, host: &str) -> anyhow::Result<PathBuf> {
             continue;
         }
         let opts = format!(
-            "nqn={},transport=tcp,traddr={},trsvcid={},hostnqn={host},ctrl_loss_tmo=-1,\
-             reconnect_delay={RECONNECT_DELAY_S}",
-            v.subsystem_nqn, p.traddr, p.trsvcid
+            "nqn={},transport=tcp,traddr={},trsvcid={},hostnqn={host},hostid={},\
+             ctrl_loss_tmo=-1,reconnect_delay={RECONNECT_DELAY_S}",
+            v.subsystem_nqn,
+            p.traddr,
+            p.trsvcid,
+            host_id(host)
         );
         match fabrics_connect(&opts) {
             Ok(answer) => {
@@ -110,6 +114,39 @@ pub fn connect(v: &ServedView, host: &str) -> anyhow::Result<PathBuf> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The host ID to connect with: the kernel refuses a host NQN whose host
+/// ID another NQN already uses, so it must belong to this NQN: the UUID
+/// of a `…:uuid:` NQN, else /etc/nvme/hostid when the NQN is the one in
+/// /etc/nvme/hostnqn, else one derived from the NQN.
+fn host_id(host: &str) -> String {
+    if let Some(u) = host
+        .rsplit_once(":uuid:")
+        .and_then(|(_, u)| nvpool_initiator::hostnqn::parse_uuid(u))
+    {
+        return format_uuid(&u);
+    }
+    let own = std::fs::read_to_string("/etc/nvme/hostnqn").unwrap_or_default();
+    if own.trim() == host {
+        if let Ok(id) = std::fs::read_to_string("/etc/nvme/hostid") {
+            return id.trim().to_owned();
+        }
+    }
+    let mut b = [0u8; 16];
+    for (i, seed) in [0xcbf2_9ce4_8422_2325u64, 0x1000_0000_01b3]
+        .iter()
+        .enumerate()
+    {
+        let mut h = *seed;
+        for c in host.bytes() {
+            h = (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
+        }
+        b[i * 8..i * 8 + 8].copy_from_slice(&h.to_le_bytes());
+    }
+    b[6] = (b[6] & 0x0F) | 0x40;
+    b[8] = (b[8] & 0x3F) | 0x80;
+    format_uuid(&b)
 }
 
 /// Writes one connect line to /dev/nvme-fabrics and returns the kernel's
@@ -204,6 +241,18 @@ mod tests {
         assert!(!is_head_name("nvme0"));
         assert!(!is_head_name("nvmen1"));
         assert!(!is_head_name("ng0n1"));
+    }
+
+    #[test]
+    fn host_ids_belong_to_their_nqn() {
+        assert_eq!(
+            host_id("nqn.2014-08.org.nvmexpress:uuid:6e76706f-6f6c-4e00-8000-766e736d7061"),
+            "6e76706f-6f6c-4e00-8000-766e736d7061"
+        );
+        let a = host_id("nqn.2026-11.example:host-a");
+        assert_eq!(a.len(), 36);
+        assert_ne!(a, host_id("nqn.2026-11.example:host-b"));
+        assert_eq!(a, host_id("nqn.2026-11.example:host-a"));
     }
 
     #[test]

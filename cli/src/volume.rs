@@ -423,7 +423,7 @@ pub fn layout_text(l: &LayoutBody) -> String {
 }
 
 /// The volume a name or UUID stands for, as the control plane sent it.
-fn resolve(c: &Client, volume: &str) -> anyhow::Result<(Uuid, Value)> {
+pub(crate) fn resolve(c: &Client, volume: &str) -> anyhow::Result<(Uuid, Value)> {
     if let Ok(uuid) = volume.parse::<Uuid>() {
         let v: Value = c.get(&format!("/v1/volumes/{uuid}"))?;
         return Ok((uuid, v));
@@ -559,7 +559,7 @@ fn print_plan(a: &AttachmentOut) {
 
 /// `--host-nqn`, else this host's NQN. Attach and detach must name the same
 /// host every time, so a generated NQN will not do.
-fn host_nqn(given: Option<String>) -> anyhow::Result<String> {
+pub(crate) fn host_nqn(given: Option<String>) -> anyhow::Result<String> {
     if let Some(h) = given {
         if !h.starts_with("nqn.") {
             return Err(Usage(format!("--host-nqn {h:?} is not an NQN (nqn.…)")).into());

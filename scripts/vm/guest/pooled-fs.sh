@@ -56,6 +56,7 @@ LOG_TAIL_LINES=20
 
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:6e76706f-6f6c-4e00-8000-706f6f6c6673
 
+ROW_TARGETS=4
 CP_ARGS=()
 # shellcheck source-path=SCRIPTDIR source=lib/cluster.sh
 . /nvpool/lib/cluster.sh

@@ -32,10 +32,11 @@ TARGET_PORT_BASE=4420
 ADMIN_PORT_BASE=4440
 DEVICE_SIZE=1G
 POOL=pool0
-# Small extents: the drain copies one of them under TCG.
-CP_ARGS=(--extent-size 128M)
-VOLUME_SIZE=256M
-VOLUME_BYTES=$((256 << 20))
+# Small extents (xfs needs 300 MiB): the drain copies two of them under TCG.
+ROW_TARGETS=4
+CP_ARGS=(--extent-size $((128 << 20)))
+VOLUME_SIZE=512M
+VOLUME_BYTES=$((512 << 20))
 LAYOUT=(--layout raid10 --stripe-width 2 --copies 2)
 LAYOUT_TEXT="raid10 w=2 s=64K c=2"
 BLOCK_BYTES=4096
@@ -48,6 +49,7 @@ HEAL_S=300
 FIO_S=400
 LOG_TAIL_LINES=30
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:6e76706f-6f6c-4e00-8000-766e736d7061
+SUBNQN=
 
 # shellcheck source-path=SCRIPTDIR source=lib/cluster.sh
 . /nvpool/lib/cluster.sh
