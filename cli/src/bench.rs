@@ -575,23 +575,8 @@ fn verify_all(
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn verify_blocks_detect_damage() {
-        let mut b = vec![0u8; 4096];
-        fill(&mut b, 77, 0xABCD);
-        assert_eq!(check(&b, 77, Some(0xABCD)), Ok(true));
-        assert!(check(&b, 78, None).is_err(), "wrong LBA");
-        assert!(check(&b, 77, Some(0xABCE)).is_err(), "stale seed");
-        b[100] ^= 1;
-        assert!(check(&b, 77, None).is_err(), "flipped bit");
-        assert_eq!(check(&[0u8; 4096], 5, None), Ok(false));
-        assert!(check(&[0u8; 4096], 5, Some(1)).is_err());
-    }
-}
+/// One `--volume` task's latencies, I/Os, errors and first error.
+type TaskResult = (Histogram<u64>, u64, u64, Option<String>);
 
 /// `--volume`: the same random load through the client-side volume engine
 /// in this process: `jobs` executor threads, `jobs × iodepth` tasks each
@@ -639,7 +624,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
     let units = size / a.bs;
     let tasks = a.jobs as usize * a.iodepth as usize;
     let ex = nvpool_initiator::exec::Executor::new("bench", a.jobs as usize, tasks, false)?;
-    let results: Arc<Mutex<Vec<(Histogram<u64>, u64, u64, Option<String>)>>> = Arc::default();
+    let results: Arc<Mutex<Vec<TaskResult>>> = Arc::default();
     let start = Instant::now();
     let cpu0 = cpu_time();
     let deadline = start + a.runtime;
@@ -715,4 +700,22 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
             cpu,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_blocks_detect_damage() {
+        let mut b = vec![0u8; 4096];
+        fill(&mut b, 77, 0xABCD);
+        assert_eq!(check(&b, 77, Some(0xABCD)), Ok(true));
+        assert!(check(&b, 78, None).is_err(), "wrong LBA");
+        assert!(check(&b, 77, Some(0xABCE)).is_err(), "stale seed");
+        b[100] ^= 1;
+        assert!(check(&b, 77, None).is_err(), "flipped bit");
+        assert_eq!(check(&[0u8; 4096], 5, None), Ok(false));
+        assert!(check(&[0u8; 4096], 5, Some(1)).is_err());
+    }
 }
