@@ -267,6 +267,8 @@ fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     let out = serde_json::json!({
         "target": what,
+        "nqn": a.nqn,
+        "volume": a.volume,
         "rw": format!("{:?}", a.rw).to_lowercase(),
         "bs": a.bs,
         "iodepth": a.iodepth,

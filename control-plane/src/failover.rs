@@ -299,9 +299,12 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
     if served.owner.as_deref() != Some(new) {
         let old = served.owner.clone();
         // Planned when the old owner answers: it stops taking I/O and
-        // waits for what it has in flight before answering.
+        // waits for what it has in flight before answering. One whose lease
+        // ran out serves nothing and did not even renew: not asked (a
+        // frozen process would hold the call for its whole timeout).
         let planned = match &old {
             None => true,
+            Some(o) if cluster.lease_expired(o) => false,
             Some(o) => cluster
                 .target(o)
                 .map_err(ProgramError::from)

@@ -161,16 +161,15 @@ impl TargetAdmin {
     }
 
     fn subsystem(&self, nqn: &str) -> Result<Option<SubsystemState>, ProgramError> {
-        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
-        let r = self.agent.get(url).call();
-        match self.check("reading a subsystem", r)? {
-            Some(mut r) => r
-                .body_mut()
-                .read_json()
-                .map(Some)
-                .map_err(|e| self.unreachable(e)),
-            None => Ok(None),
-        }
+        self.subsystem_value(nqn)?
+            .map(|v| {
+                serde_json::from_value(v).map_err(|e| ProgramError::Refused {
+                    target: self.target.clone(),
+                    what: format!("reading subsystem {nqn}"),
+                    message: format!("unexpected answer: {e}"),
+                })
+            })
+            .transpose()
     }
 
     fn create_subsystem(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {

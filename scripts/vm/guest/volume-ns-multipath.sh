@@ -11,8 +11,11 @@
 #              path's target) is killed with SIGKILL: no I/O error, the other path becomes
 #              optimized; the killed target comes back as an inaccessible path and its
 #              copies resync; everything written reads back verified
-#   drain      the same fio while the new owner is drained: ownership moves to the other
-#              path first (planned, no I/O error) and its extent moves to the fifth target
+#   fence      the new owner frozen with SIGSTOP: the first path serves again after the
+#              lease; the same block written through it; thawed, the old owner's writes
+#              fail (ANA inaccessible) and the block reads back as the new owner wrote it
+#   drain      the same fio while the owner is drained: ownership moves to the other
+#              path first (planned, no I/O error) and its extents move to the fifth target
 #   detach     `nvpool volume detach` disconnects both paths; the device goes
 #
 #   cargo build --release -p nvpool-target -p nvpool-control -p nvpool-cli
@@ -21,7 +24,7 @@
 #       --bin target/release/nvpool-target
 #
 # vm-modules: nvme-tcp xfs
-# vm-bins: nvme fio mkfs.xfs xfs_repair blockdev jq
+# vm-bins: nvme fio mkfs.xfs xfs_repair blockdev jq cmp
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 . /nvpool/lib/common.sh
 
@@ -199,16 +202,50 @@ printf '  %s back as an inaccessible path; copies resynced; %s MiB verified agai
     "$OWNER" "$FIO_MIB"
 step_ok target-back-healed
 
+# ----- fencing: the owner frozen (SIGSTOP), then thawed -----
+# OTHER owns the volume now. A block written through the device reaches it; then it is
+# frozen, as a partitioned server would be: the control plane waits out its lease,
+# fences it and makes OWNER serve; the host writes the same block again through OWNER.
+# Thawed, the old owner believes nothing it believed: every write it is sent fails with
+# a path error (its lease ran out), and the block reads back as the new owner wrote it.
+oi=${OTHER#t}
+dd if=/dev/urandom of="$WORK/a.bin" bs=64k count=1 2>/dev/null
+dd if=/dev/urandom of="$WORK/b.bin" bs=64k count=1 2>/dev/null
+dd if="$WORK/a.bin" of="$DEV" bs=64k seek=100 oflag=direct conv=notrunc 2>/dev/null
+kill -STOP "${TARGET_PIDS[oi]}"
+stopped_at=$(date +%s)
+wait_until "$FAILOVER_S" "$OWNER's path to become optimized" port_is "$(port_of "$OWNER")" optimized
+fence_s=$(($(date +%s) - stopped_at))
+dd if="$WORK/b.bin" of="$DEV" bs=64k seek=100 oflag=direct conv=notrunc 2>/dev/null
+kill -CONT "${TARGET_PIDS[oi]}"
+if nvpool bench -a 127.0.0.1 -s "$(port_of "$OTHER")" -n "$SUBNQN" -q "$HOSTNQN" --rw write \
+    --bs 4k --iodepth 1 --runtime 1s --size 1M >/tmp/out.rogue 2>&1; then
+    die "the thawed old owner completed writes: $(tail -n 3 /tmp/out.rogue)"
+fi
+grep -q 'ANA inaccessible' /tmp/out.rogue ||
+    die "the thawed old owner failed writes for another reason: $(tail -n 3 /tmp/out.rogue)"
+dd if="$DEV" of="$WORK/r.bin" bs=64k skip=100 count=1 iflag=direct 2>/dev/null
+cmp -s "$WORK/b.bin" "$WORK/r.bin" || die "the block does not read back as the new owner wrote it"
+[[ $(owner) == "$OWNER" ]] || die "owner is '$(owner)' after the freeze, expected $OWNER"
+wait_until "$FAILOVER_S" "$OTHER's path to come back inaccessible" \
+    port_is "$(port_of "$OTHER")" inaccessible
+wait_until "$HEAL_S" "the volume to heal" in_sync vol
+printf '  %s frozen: %s optimized %ss later; thawed, its writes fail (ANA inaccessible),\n' \
+    "$OTHER" "$OWNER" "$fence_s"
+printf '  the block reads back as written through %s; %s back as a standby, copies resynced\n' \
+    "$OWNER" "$OTHER"
+step_ok fence
+
 # ----- drain: ownership moves first, without an I/O error -----
 start_fio drain
 wait_until "$FIO_S" "fio to write ${KILL_AFTER_MIB} MiB" fio_progressed "$((KILL_AFTER_MIB * 2))"
-quiet drain nvpool target drain "$OTHER" --wait
-wait_until "$FAILOVER_S" "$OWNER's path to become optimized" port_is "$(port_of "$OWNER")" optimized
-end_fio "owner $OTHER drained"
-[[ $(owner) == "$OWNER" ]] || die "owner is '$(owner)' after the drain, expected $OWNER"
-extent_targets vol | grep -qx "$OTHER" && die "$OTHER still holds an extent after the drain"
+quiet drain nvpool target drain "$OWNER" --wait
+wait_until "$FAILOVER_S" "$OTHER's path to become optimized" port_is "$(port_of "$OTHER")" optimized
+end_fio "owner $OWNER drained"
+[[ $(owner) == "$OTHER" ]] || die "owner is '$(owner)' after the drain, expected $OTHER"
+extent_targets vol | grep -qx "$OWNER" && die "$OWNER still holds an extent after the drain"
 printf '  %s drained: %s optimized, extents on %s; fio verified, no I/O error\n' \
-    "$OTHER" "$OWNER" "$(extent_targets vol | tr '\n' ' ')"
+    "$OWNER" "$OTHER" "$(extent_targets vol | tr '\n' ' ')"
 step_ok drain
 
 # ----- detach -----
