@@ -459,13 +459,35 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
         ("Created", age(x.created_ms)),
         (
             "Attached to",
-            if x.attachments.is_empty() {
-                "-".into()
-            } else {
-                x.attachments.join(", ")
+            // The owners of a served volume are targets, shown below.
+            match x
+                .attachments
+                .iter()
+                .filter(|h| nvpool_control::paths::parse_owner_host(h).is_none())
+                .cloned()
+                .collect::<Vec<_>>()
+            {
+                h if h.is_empty() => "-".into(),
+                h => h.join(", "),
             },
         ),
     ]);
+    if let Ok(s) = serde_json::from_value::<nvmef::ServedView>(v["served"].clone()) {
+        let paths: Vec<String> = s
+            .paths
+            .iter()
+            .map(|p| format!("{} {}:{} {}", p.target, p.traddr, p.trsvcid, p.ana_state))
+            .collect();
+        let hosts: Vec<&str> = v["served"]["hosts"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|h| h.as_str()).collect())
+            .unwrap_or_default();
+        print_fields(&[
+            ("Served as", s.subsystem_nqn.clone()),
+            ("Served to", hosts.join(", ")),
+            ("Paths", paths.join("; ")),
+        ]);
+    }
     println!();
     let mut t = table(&[
         "ROW", "MEMBER", "COPY", "TARGET", "DEVICE", "OFFSET", "LENGTH", "STATE",
@@ -668,7 +690,12 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             Ok(())
         }
         VolumeCmd::Info { volume } => {
-            let (_, v) = resolve(&conn.client(false)?, &volume)?;
+            let c = conn.client(false)?;
+            let (uuid, mut v) = resolve(&c, &volume)?;
+            // Served by its targets to stock hosts (404: it is not).
+            if let Ok(served) = c.get::<Value>(&format!("/v1/volumes/{uuid}/exports")) {
+                v["served"] = served;
+            }
             print_volume(&v, fmt)
         }
         VolumeCmd::Verify { volume, rate } => {

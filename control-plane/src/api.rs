@@ -1357,6 +1357,13 @@ async fn delete_volume(
     let force = force_of(query)?;
     api.program(move |c| {
         if force {
+            // Hosts the targets serve it to first: that also detaches the
+            // owner.
+            if let Some((served, _)) = c.served(&uuid)? {
+                for h in &served.hosts {
+                    crate::failover::unexport(c, &uuid, h)?;
+                }
+            }
             for a in c.volume_attachments(&uuid)? {
                 program::detach(c, &uuid, &a.host_nqn, true)?;
             }

@@ -271,13 +271,14 @@ pub fn unexport(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<(), Prog
     Ok(())
 }
 
-/// A path to own `served`: online, not draining, not `avoid`; the
-/// current owner if it qualifies, else the first in path order.
+/// A path to own `served`: online, active (a cordoned or draining target
+/// hands its volumes over before maintenance), not `avoid`; the current
+/// owner if it qualifies, else the first in path order.
 fn pick_owner(cluster: &Cluster, served: &Served, avoid: Option<&str>) -> Option<String> {
     let ok = |t: &str| {
         Some(t) != avoid
             && cluster.target(t).is_ok_and(|tv| {
-                tv.health == Health::Online && tv.target.state != TargetState::Draining
+                tv.health == Health::Online && tv.target.state == TargetState::Active
             })
     };
     served
@@ -384,8 +385,8 @@ fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<(), ProgramError
     Ok(())
 }
 
-/// One round of the owner watch: a volume whose owner is draining, gone
-/// from its paths or past its lease gets a new owner; one whose owner was
+/// One round of the owner watch: a volume whose owner is cordoned or
+/// draining, gone from its paths or past its lease gets a new owner; one whose owner was
 /// not made to serve (an earlier step failed) is retried.
 pub fn watch_once(cluster: &Cluster) -> Result<(), StateError> {
     for served in cluster.served_all()? {
@@ -402,14 +403,14 @@ pub fn watch_once(cluster: &Cluster) -> Result<(), StateError> {
             continue;
         };
         let state = cluster.target(&owner).ok();
-        let draining = state
+        let leaving = state
             .as_ref()
-            .is_none_or(|tv| tv.target.state == TargetState::Draining);
+            .is_none_or(|tv| tv.target.state != TargetState::Active);
         let dead = cluster.lease_expired(&owner)
             && state
                 .as_ref()
                 .is_none_or(|tv| tv.health == Health::Offline || served.serving);
-        let replace = draining || dead || served.path_index(&owner).is_none();
+        let replace = leaving || dead || served.path_index(&owner).is_none();
         let next = if replace {
             pick_owner(cluster, &served, Some(&owner))
         } else if !served.serving {
@@ -450,7 +451,11 @@ pub fn reconcile_target(cluster: &Cluster, target: &str) -> Result<usize, Progra
         if served.hosts.is_empty() {
             continue;
         }
-        let v = volume_of(cluster, &served.volume)?;
+        let v = match volume_of(cluster, &served.volume) {
+            Ok(v) => v,
+            Err(StateError::VolumeNotFound(_)) => continue,
+            Err(e) => return Err(e.into()),
+        };
         let serve = served.serving && served.owner.as_deref() == Some(target);
         ensure_path(cluster, served, &v, target, serve)?;
     }

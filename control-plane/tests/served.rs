@@ -167,6 +167,16 @@ fn the_owner_serves_and_the_other_path_refuses_with_a_path_error() {
 
 #[test]
 fn a_drained_owner_hands_over_without_losing_a_write() {
+    hand_over_when_the_owner_is("draining");
+}
+
+/// Before maintenance (an upgrade): cordoning the owner moves its volumes.
+#[test]
+fn a_cordoned_owner_hands_over_without_losing_a_write() {
+    hand_over_when_the_owner_is("cordoned");
+}
+
+fn hand_over_when_the_owner_is(state: &str) {
     let s = served_cluster();
     let (vol, owner, other) = served_volume(&s);
     let (_c1, dev) = connect(node_of(&s.c, &owner), &vol);
@@ -175,7 +185,7 @@ fn a_drained_owner_hands_over_without_losing_a_write() {
     let r = s.c.server.admin(
         "PUT",
         &format!("/v1/targets/{owner}/state"),
-        Some(json!({"state": "draining"})),
+        Some(json!({ "state": state })),
     );
     assert_eq!(r.status, 200, "{}", r.body);
     failover::watch_once(&s.c.server.cluster).unwrap();
@@ -259,6 +269,22 @@ fn a_cut_off_owner_is_fenced_and_its_writes_fail() {
     write(&dev2, 0, &second).unwrap();
     assert!(is_path_error(&write(&dev, 0, &first)));
     assert_eq!(read(&dev2, 0, second.len()).unwrap(), second);
+}
+
+#[test]
+fn a_served_volume_is_deleted_only_by_force_which_unexports_it() {
+    let s = served_cluster();
+    let (vol, _, _) = served_volume(&s);
+    let srv = &s.c.server;
+    let r = srv.admin("DELETE", &format!("/v1/volumes/{vol}"), None);
+    assert_eq!(r.status, 409, "{}", r.body);
+    let r = srv.admin("DELETE", &format!("/v1/volumes/{vol}?force=true"), None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    let uuid: Uuid = vol.parse().unwrap();
+    assert!(srv.cluster.served(&uuid).unwrap().is_none());
+    for n in &s.c.nodes {
+        assert!(n.target.subsystem(&volume_subsystem_nqn(&uuid)).is_none());
+    }
 }
 
 #[test]

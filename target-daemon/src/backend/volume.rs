@@ -615,7 +615,7 @@ mod tests {
         assert_eq!(out.len(), 5, "every operation completed at once");
         for c in &out {
             let e = c.result.as_ref().expect_err("inactive");
-            assert_eq!(e.raw_os_error(), Some(libc::EIO));
+            assert_eq!(e.raw_os_error(), Some(libc::ENOTCONN));
         }
         assert!(!b.failed(), "inactive is not failed");
         assert_eq!(b.in_flight(), 0);
