@@ -1312,7 +1312,7 @@ async fn get_volume(
     Ok(Json(out))
 }
 
-#[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, security(("admin_token" = [])), responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, security(("admin_token" = [])), responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink, or the volume is served to hosts by its targets (unexport first)", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn resize_volume(
     State(api): State<Api>,
     headers: HeaderMap,
@@ -1323,6 +1323,17 @@ async fn resize_volume(
     let uuid = parse_uuid(&uuid)?;
     let out = api
         .program(move |c| {
+            // The paths of a served volume present a namespace of a fixed
+            // size; growing it under them is not built yet.
+            if let Some((s, _)) = c.served(&uuid)? {
+                if !s.hosts.is_empty() {
+                    return Err(StateError::Attached {
+                        volume: uuid,
+                        hosts: s.hosts,
+                    }
+                    .into());
+                }
+            }
             c.resize_volume(&uuid, body.size_bytes)?;
             // Hosts that have it attached get the new extents exported
             // too; a target that fails here is caught up by reconciliation.

@@ -278,6 +278,12 @@ fn a_served_volume_is_deleted_only_by_force_which_unexports_it() {
     let srv = &s.c.server;
     let r = srv.admin("DELETE", &format!("/v1/volumes/{vol}"), None);
     assert_eq!(r.status, 409, "{}", r.body);
+    let r = srv.admin(
+        "POST",
+        &format!("/v1/volumes/{vol}/resize"),
+        Some(json!({"size_bytes": 4 * MIB})),
+    );
+    assert_eq!(r.status, 409, "growing a served volume: {}", r.body);
     let r = srv.admin("DELETE", &format!("/v1/volumes/{vol}?force=true"), None);
     assert_eq!(r.status, 204, "{}", r.body);
     let uuid: Uuid = vol.parse().unwrap();

@@ -287,6 +287,14 @@ impl Target {
             base.listeners.clone_from(&cfg.listeners);
         }
         for s in &cfg.subsystems {
+            // A leased path serves only once its owner's control plane says
+            // so again (it reconciles a target that registers): start it
+            // inaccessible instead of opening its volumes without a lease.
+            let mut s = s.clone();
+            if let Some(a) = s.ana.as_mut().filter(|a| a.lease && a.state.is_serving()) {
+                a.state = AnaState::Inaccessible;
+            }
+            let s = &s;
             match self.put_subsystem(s) {
                 // A path that cannot serve now (its backends do not
                 // activate: the pool is unreachable) still starts, as an
@@ -301,6 +309,11 @@ impl Target {
                         a.state = AnaState::Inaccessible;
                     }
                     self.put_subsystem(&fallback)?;
+                }
+                // Without ANA there is no state to fall back to: the daemon
+                // starts without this subsystem rather than not at all.
+                Err(TargetError::Unavailable(why)) => {
+                    tracing::error!(nqn = %s.nqn, %why, "cannot serve: subsystem left out");
                 }
                 r => r?,
             }

@@ -727,6 +727,22 @@ fn ana_state_is_saved_and_ids_survive_a_restart() {
 
     let err = t.set_ana_state("nqn.2026-11.io.nvpool:absent", AnaState::Optimized);
     assert!(err.is_err());
+
+    // A leased path saved serving restarts inaccessible: it serves again
+    // only when its control plane says so.
+    t.set_ana_state(SUBNQN, AnaState::Optimized)
+        .expect("set state");
+    let saved = Config::load_state(dir.path())
+        .expect("state loads")
+        .expect("state saved");
+    drop(t);
+    let t = Target::new(Some(dir.path().to_owned())).expect("restarted");
+    t.apply_config(&saved).expect("apply");
+    let s = t.subsystem(SUBNQN).expect("subsystem");
+    assert_eq!(
+        s.ana.as_ref().expect("ana").config.state,
+        AnaState::Inaccessible
+    );
 }
 
 #[test]
