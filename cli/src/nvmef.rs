@@ -69,7 +69,7 @@ pub fn commands(v: &ServedView, host: &str) -> Vec<String> {
 
 /// Connects every path of `v` not connected yet and returns the
 /// multipath block device. A path that cannot be connected is reported
-/// and skipped while another one works.
+/// and left out while another one works.
 pub fn connect(v: &ServedView, host: &str) -> anyhow::Result<PathBuf> {
     available()?;
     let mut connected = connected_paths(&v.subsystem_nqn);
