@@ -400,25 +400,39 @@ impl Reactor {
         ring.reap(&mut done);
         let now = self.target.now_ms();
         for &(ud, res) in &done {
-            let (ci, slot) = split_user_data(ud);
-            let ci = ci as usize;
-            let ring = self.ring.as_mut();
-            let Some(Some(c)) = self.conns.get_mut(ci) else {
-                unreachable!("completion for connection {ci} that no longer exists");
-            };
-            let mut ex = Exec {
-                ring,
-                sink: &self.sink,
-                conn: ci as u32,
-                now_ms: now,
-            };
-            c.q.on_completion(slot, res, &mut c.tx, &mut ex);
-            if c.zombie && c.q.inflight == 0 {
-                self.conns[ci] = None;
-                self.free.push(ci);
-            }
+            self.complete(ud, now, |q, slot, tx, ex| {
+                q.on_completion(slot, res, tx, ex)
+            });
         }
         self.completions = done;
+    }
+
+    /// Hands one backend completion (`user_data` names the connection and
+    /// slot) to its queue, and frees a zombie connection whose last
+    /// operation this was.
+    fn complete(
+        &mut self,
+        user_data: u64,
+        now_ms: u64,
+        f: impl FnOnce(&mut Queue, u16, &mut Tx, &mut Exec<'_>),
+    ) {
+        let (ci, slot) = split_user_data(user_data);
+        let ci = ci as usize;
+        let ring = self.ring.as_mut();
+        let Some(Some(c)) = self.conns.get_mut(ci) else {
+            unreachable!("completion for connection {ci} that no longer exists");
+        };
+        let mut ex = Exec {
+            ring,
+            sink: &self.sink,
+            conn: ci as u32,
+            now_ms,
+        };
+        f(&mut c.q, slot, &mut c.tx, &mut ex);
+        if c.zombie && c.q.inflight == 0 {
+            self.conns[ci] = None;
+            self.free.push(ci);
+        }
     }
 
     /// Runs every completion asynchronous backends left in the sink.
@@ -431,24 +445,10 @@ impl Reactor {
         }
         let now = self.target.now_ms();
         for c in done.drain(..) {
-            let (ci, slot) = split_user_data(c.user_data);
-            let ci = ci as usize;
-            let ring = self.ring.as_mut();
-            let Some(Some(conn)) = self.conns.get_mut(ci) else {
-                unreachable!("completion for connection {ci} that no longer exists");
-            };
-            let mut ex = Exec {
-                ring,
-                sink: &self.sink,
-                conn: ci as u32,
-                now_ms: now,
-            };
-            conn.q
-                .on_async_completion(slot, c.result, &mut conn.tx, &mut ex);
-            if conn.zombie && conn.q.inflight == 0 {
-                self.conns[ci] = None;
-                self.free.push(ci);
-            }
+            let result = c.result;
+            self.complete(c.user_data, now, |q, slot, tx, ex| {
+                q.on_async_completion(slot, result, tx, ex)
+            });
         }
         self.async_completions = done;
     }

@@ -118,27 +118,6 @@ fn log_state(a: &mut Conn) -> AnaState {
     log.groups[0].state
 }
 
-fn send_aer(c: &mut Conn) {
-    let mut s = Sqe::new(admin::ASYNC_EVENT_REQUEST, AER_CID);
-    s.set_sgl(NULL_SGL);
-    let dg = c.dg;
-    c.send_raw(&capsule_pdu(&s, &[], dg));
-}
-
-/// The held AER's completion, which must come within `within`.
-#[track_caller]
-fn expect_aer(c: &mut Conn, within: Duration) -> u32 {
-    c.sock.set_read_timeout(Some(within)).expect("timeout");
-    let p = c
-        .recv_pdu()
-        .unwrap_or_else(|e| panic!("no asynchronous event within {within:?}: {e}"));
-    c.sock.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
-    let q = p.cqe();
-    assert_eq!(q.cid, AER_CID);
-    assert!(q.status.is_success(), "{}", q.status);
-    q.dw0
-}
-
 /// An admin queue with ANA change notices enabled.
 #[track_caller]
 fn notified_controller(d: &Daemon, nqn: &str) -> (Conn, Conn) {
@@ -398,18 +377,18 @@ fn ana_change_notice_once_until_the_log_is_read() {
         .dw0,
         AEC_NS_ATTR | AEC_ANA_CHANGE
     );
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     assert!(
         a.quiet_for(Duration::from_millis(200)),
         "the AER completes only on an event"
     );
 
     set_state(&d, SUBNQN, "inaccessible");
-    assert_eq!(expect_aer(&mut a, NOTICE_WITHIN), AEN_ANA_CHANGED);
+    assert_eq!(expect_aer(&mut a, AER_CID, NOTICE_WITHIN), AEN_ANA_CHANGED);
 
     // Another change before the host read the log: no second notice, not
     // even after a read that retains the event (RAE 1).
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     set_state(&d, SUBNQN, "change");
     assert!(
         a.quiet_for(Duration::from_millis(300)),
@@ -426,23 +405,23 @@ fn ana_change_notice_once_until_the_log_is_read() {
     let log = read_ana_log(&mut a, false);
     assert_eq!(log.groups[0].state, AnaState::NonOptimized);
     set_state(&d, SUBNQN, "optimized");
-    assert_eq!(expect_aer(&mut a, NOTICE_WITHIN), AEN_ANA_CHANGED);
+    assert_eq!(expect_aer(&mut a, AER_CID, NOTICE_WITHIN), AEN_ANA_CHANGED);
     assert_eq!(
         read_ana_log(&mut a, false).groups[0].state,
         AnaState::Optimized
     );
 
     // Setting the state it already has is no change.
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     set_state(&d, SUBNQN, "optimized");
     assert!(a.quiet_for(Duration::from_millis(300)));
 
     // A controller that did not enable the notice gets none.
     let (mut other, _q2) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_B);
     other.set_features(FID_ASYNC_EVENT_CONFIG, AEC_NS_ATTR).ok();
-    send_aer(&mut other);
+    send_aer(&mut other, AER_CID);
     set_state(&d, SUBNQN, "inaccessible");
-    assert_eq!(expect_aer(&mut a, NOTICE_WITHIN), AEN_ANA_CHANGED);
+    assert_eq!(expect_aer(&mut a, AER_CID, NOTICE_WITHIN), AEN_ANA_CHANGED);
     assert!(other.quiet_for(Duration::from_millis(300)));
 }
 
@@ -523,14 +502,14 @@ fn a_lease_gates_the_serving_state() {
     assert_eq!(v["ana"]["lease_remaining_ms"], 0);
 
     // A renewal makes it serve, and tells the host.
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     let body = format!(
         r#"{{"nqns": ["{SUBNQN}", "{OTHER_NQN}", "nqn.2026-11.io.nvpool:nope"], "valid_ms": 3000}}"#
     );
     let r = http(d.api, "POST", "/v1/leases", Some(&body));
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["renewed"], 1, "only lease-gated subsystems count");
-    assert_eq!(expect_aer(&mut a, NOTICE_WITHIN), AEN_ANA_CHANGED);
+    assert_eq!(expect_aer(&mut a, AER_CID, NOTICE_WITHIN), AEN_ANA_CHANGED);
     every_io(&mut q, None);
     assert_eq!(
         read_ana_log(&mut a, false).groups[0].state,
@@ -544,9 +523,9 @@ fn a_lease_gates_the_serving_state() {
     assert!(left > 0 && left <= 3000, "{left}");
 
     // Left to expire: inaccessible again, and the host hears of it.
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     wait_for_read_status(&mut q, Status::ANA_INACCESSIBLE, Duration::from_secs(15));
-    assert_eq!(expect_aer(&mut a, NOTICE_WITHIN), AEN_ANA_CHANGED);
+    assert_eq!(expect_aer(&mut a, AER_CID, NOTICE_WITHIN), AEN_ANA_CHANGED);
     assert_eq!(
         read_ana_log(&mut a, false).groups[0].state,
         AnaState::Inaccessible

@@ -6,34 +6,11 @@ mod common;
 
 use common::*;
 use nvpool_wire::log::{AEN_DISCOVERY_CHANGED, AEN_NS_CHANGED};
-use nvpool_wire::sqe::admin;
-use nvpool_wire::{Sqe, Status, DISCOVERY_NQN};
+use nvpool_wire::{Status, DISCOVERY_NQN};
 use std::time::Duration;
 
 const AER_CID: u16 = 31;
 const FID_ASYNC_EVENT_CONFIG: u8 = 0x0B;
-
-/// Sends an AER with the CID the Linux host uses; it stays outstanding.
-fn send_aer(c: &mut Conn) {
-    let mut s = Sqe::new(admin::ASYNC_EVENT_REQUEST, AER_CID);
-    s.set_sgl(NULL_SGL);
-    let dg = c.dg;
-    c.send_raw(&capsule_pdu(&s, &[], dg));
-}
-
-/// The AER completion, which must come within `within`.
-#[track_caller]
-fn expect_aer(c: &mut Conn, within: Duration) -> u32 {
-    c.sock.set_read_timeout(Some(within)).expect("timeout");
-    let p = c
-        .recv_pdu()
-        .unwrap_or_else(|e| panic!("no asynchronous event within {within:?}: {e}"));
-    c.sock.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
-    let q = p.cqe();
-    assert_eq!(q.cid, AER_CID);
-    assert!(q.status.is_success(), "{}", q.status);
-    q.dw0
-}
 
 #[test]
 fn namespace_changes_complete_the_aer() {
@@ -46,7 +23,7 @@ fn namespace_changes_complete_the_aer() {
         "OAES advertises namespace attribute notices"
     );
     a.set_features(FID_ASYNC_EVENT_CONFIG, 1 << 8).ok();
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     assert!(
         a.quiet_for(Duration::from_millis(200)),
         "the AER completes only on an event"
@@ -59,7 +36,10 @@ fn namespace_changes_complete_the_aer() {
         Some(r#"{"backend": "ram:1M"}"#),
     );
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(expect_aer(&mut a, Duration::from_secs(2)), AEN_NS_CHANGED);
+    assert_eq!(
+        expect_aer(&mut a, AER_CID, Duration::from_secs(2)),
+        AEN_NS_CHANGED
+    );
     // Changed Namespace List, read and cleared (RAE 0).
     let mut s = nvpool_wire::log::GetLogPage {
         lid: 0x04,
@@ -75,9 +55,12 @@ fn namespace_changes_complete_the_aer() {
     assert_eq!(a.active_namespaces(0), vec![1, 2]);
 
     // The next change completes the next AER.
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     d.target.remove_namespace(SUBNQN, 2).expect("remove");
-    assert_eq!(expect_aer(&mut a, Duration::from_secs(2)), AEN_NS_CHANGED);
+    assert_eq!(
+        expect_aer(&mut a, AER_CID, Duration::from_secs(2)),
+        AEN_NS_CHANGED
+    );
     assert_eq!(a.active_namespaces(0), vec![1]);
 }
 
@@ -87,10 +70,10 @@ fn aer_limit() {
     let mut a = admin_session(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
     let aerl = a.identify_controller().aerl as usize;
     for _ in 0..=aerl {
-        send_aer(&mut a);
+        send_aer(&mut a, AER_CID);
     }
     assert!(a.quiet_for(Duration::from_millis(100)));
-    send_aer(&mut a);
+    send_aer(&mut a, AER_CID);
     let q = a.recv_pdu().expect("answer to the extra AER").cqe();
     assert_eq!(
         (q.status.sct, q.status.sc),
@@ -115,12 +98,12 @@ fn discovery_log_changes_complete_the_aer() {
         "OAES advertises discovery log change notices"
     );
     c.set_features(FID_ASYNC_EVENT_CONFIG, 1 << 31).ok();
-    send_aer(&mut c);
+    send_aer(&mut c, AER_CID);
     d.target
         .put_subsystem(&subsystem(OTHER_NQN, &[HOST_A], &[(1, RAM_SPEC)]))
         .expect("new subsystem");
     assert_eq!(
-        expect_aer(&mut c, Duration::from_secs(2)),
+        expect_aer(&mut c, AER_CID, Duration::from_secs(2)),
         AEN_DISCOVERY_CHANGED
     );
 }

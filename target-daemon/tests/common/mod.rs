@@ -1070,3 +1070,27 @@ fn dechunk(mut s: &str) -> String {
         s = &rest[n + 2..];
     }
 }
+
+/// Sends an Asynchronous Event Request with `cid`; it stays outstanding
+/// until the target has an event.
+pub fn send_aer(c: &mut Conn, cid: u16) {
+    let mut s = Sqe::new(admin::ASYNC_EVENT_REQUEST, cid);
+    s.set_sgl(NULL_SGL);
+    let dg = c.dg;
+    c.send_raw(&capsule_pdu(&s, &[], dg));
+}
+
+/// The completion of the outstanding AER `cid`, which must come within
+/// `within`; returns its DW0 (the event).
+#[track_caller]
+pub fn expect_aer(c: &mut Conn, cid: u16, within: Duration) -> u32 {
+    c.sock.set_read_timeout(Some(within)).expect("timeout");
+    let p = c
+        .recv_pdu()
+        .unwrap_or_else(|e| panic!("no asynchronous event within {within:?}: {e}"));
+    c.sock.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
+    let q = p.cqe();
+    assert_eq!(q.cid, cid);
+    assert!(q.status.is_success(), "{}", q.status);
+    q.dw0
+}
