@@ -297,6 +297,7 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
         .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
     let nqn = volume_subsystem_nqn(volume);
     let mut served = served;
+    let mut unreached = Vec::new();
     if served.owner.as_deref() != Some(new) {
         let old = served.owner.clone();
         // Planned when the old owner answers: it stops taking I/O and
@@ -335,13 +336,13 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
-            fence(cluster, volume, o)?;
+            unreached = fence(cluster, volume, o)?;
         }
         tracing::info!(%volume, old = ?old, new, planned, generation = served.generation,
             "served volume has a new owner");
     }
     let h = owner_host_nqn(volume, new);
-    program::attach(cluster, volume, &h)?;
+    program::attach_skipping(cluster, volume, &h, &unreached)?;
     let v = volume_of(cluster, volume)?;
     ensure_path(cluster, &served, &v, new, true)?;
     let generation = served.generation;
@@ -350,13 +351,14 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
         .unwrap_or(served))
 }
 
-/// Takes the old owner's access to the volume's extents away: its host
+/// Takes the old owner's access to the volume's extents away (returns the
+/// targets that did not answer): its host
 /// NQN is detached, which removes its subsystem (and kills its
 /// controllers) on every backing target. Copies on targets that did not
 /// answer may still take a late write from it, so they are marked stale
 /// (unless one is the last copy in sync of its row: then nothing could
 /// be read instead anyway, and it stays as it is).
-fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<(), ProgramError> {
+fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<Vec<String>, ProgramError> {
     let h = owner_host_nqn(volume, old);
     let unreached = match program::detach_reporting(cluster, volume, &h, true) {
         Ok(t) => t,
@@ -364,7 +366,7 @@ fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<(), ProgramError
         Err(e) => return Err(e),
     };
     if unreached.is_empty() {
-        return Ok(());
+        return Ok(unreached);
     }
     let v = volume_of(cluster, volume)?;
     for (i, e) in v.extents.iter().enumerate() {
@@ -382,7 +384,7 @@ fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<(), ProgramError
             }
         }
     }
-    Ok(())
+    Ok(unreached)
 }
 
 /// One round of the owner watch: a volume whose owner is cordoned or

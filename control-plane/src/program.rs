@@ -512,10 +512,31 @@ fn exports_by_target(
 /// involved, and returns the connection plan. If any target fails, what
 /// this call added is taken back everywhere and the error is returned.
 pub fn attach(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<Attached, ProgramError> {
+    attach_skipping(cluster, volume, host, &[])
+}
+
+/// [`attach`], not calling the targets in `unreachable` (known not to
+/// answer: a take-over's fence just failed on them) — if they hold only
+/// stale copies, as after that fence, the attach goes on without waiting
+/// for their timeouts, and reconciliation exports their namespaces later.
+pub fn attach_skipping(
+    cluster: &Cluster,
+    volume: &Uuid,
+    host: &str,
+    unreachable: &[String],
+) -> Result<Attached, ProgramError> {
     validate_host_nqn(host).map_err(StateError::from)?;
     let start = cluster.begin_attach(volume, host)?;
     let work = exports_by_target(cluster, &start.volume, &start.attachment)?;
     let results = on_targets(work, |t, xs| {
+        if unreachable.contains(&t.id) {
+            let r = Err(ProgramError::Unreachable {
+                target: t.id.clone(),
+                addr: t.admin_addr,
+                message: "did not answer the fence just before".into(),
+            });
+            return (r, Added::default());
+        }
         let admin = TargetAdmin::new(t);
         let mut added = Added::default();
         let r = ensure_exports(&admin, t, host, xs, &mut added);
