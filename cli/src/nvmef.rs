@@ -7,7 +7,7 @@
 //! No nvpool process stays on the host.
 
 use anyhow::{bail, Context};
-use nvpool_initiator::hostnqn::format_uuid;
+use nvpool_initiator::hostnqn::{format_uuid, host_id_of, HOSTID_PATH, HOSTNQN_PATH};
 use serde::Deserialize;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -117,36 +117,17 @@ pub fn connect(v: &ServedView, host: &str) -> anyhow::Result<PathBuf> {
 }
 
 /// The host ID to connect with: the kernel refuses a host NQN whose host
-/// ID another NQN already uses, so it must belong to this NQN: the UUID
-/// of a `…:uuid:` NQN, else /etc/nvme/hostid when the NQN is the one in
-/// /etc/nvme/hostnqn, else one derived from the NQN.
+/// ID another NQN already uses, so it must belong to this NQN:
+/// /etc/nvme/hostid when the NQN is the one in /etc/nvme/hostnqn (what
+/// nvme-cli would send), else [`host_id_of`] the NQN.
 fn host_id(host: &str) -> String {
-    if let Some(u) = host
-        .rsplit_once(":uuid:")
-        .and_then(|(_, u)| nvpool_initiator::hostnqn::parse_uuid(u))
-    {
-        return format_uuid(&u);
-    }
-    let own = std::fs::read_to_string("/etc/nvme/hostnqn").unwrap_or_default();
-    if own.trim() == host {
-        if let Ok(id) = std::fs::read_to_string("/etc/nvme/hostid") {
+    let own = std::fs::read_to_string(HOSTNQN_PATH).unwrap_or_default();
+    if own.trim() == host && !host.contains(":uuid:") {
+        if let Ok(id) = std::fs::read_to_string(HOSTID_PATH) {
             return id.trim().to_owned();
         }
     }
-    let mut b = [0u8; 16];
-    for (i, seed) in [0xcbf2_9ce4_8422_2325u64, 0x1000_0000_01b3]
-        .iter()
-        .enumerate()
-    {
-        let mut h = *seed;
-        for c in host.bytes() {
-            h = (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
-        }
-        b[i * 8..i * 8 + 8].copy_from_slice(&h.to_le_bytes());
-    }
-    b[6] = (b[6] & 0x0F) | 0x40;
-    b[8] = (b[8] & 0x3F) | 0x80;
-    format_uuid(&b)
+    format_uuid(&host_id_of(host))
 }
 
 /// Writes one connect line to /dev/nvme-fabrics and returns the kernel's

@@ -32,6 +32,32 @@ pub fn host_identity() -> (String, [u8; 16]) {
 
 pub use nvpool_wire::nqn::{format_uuid, parse_uuid, uuid_nqn};
 
+/// The host ID that belongs to host NQN `nqn`: the UUID of a `…:uuid:`
+/// NQN, else one derived from the NQN (stable, and different for
+/// different NQNs). The Linux host refuses an NQN whose host ID another
+/// NQN already uses, and several host NQNs may connect from one machine
+/// (the owners of served volumes, say), so the ID must follow the NQN.
+pub fn host_id_of(nqn: &str) -> [u8; 16] {
+    if let Some(u) = nqn.rsplit_once(":uuid:").and_then(|(_, u)| parse_uuid(u)) {
+        return u;
+    }
+    // FNV-1a, twice with different offsets, shaped as a version-4 UUID.
+    let mut b = [0u8; 16];
+    for (i, seed) in [0xcbf2_9ce4_8422_2325u64, 0x8422_2325_cbf2_9ce4]
+        .iter()
+        .enumerate()
+    {
+        let mut h = *seed;
+        for c in nqn.bytes() {
+            h = (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
+        }
+        b[i * 8..i * 8 + 8].copy_from_slice(&h.to_le_bytes());
+    }
+    b[6] = (b[6] & 0x0F) | 0x40;
+    b[8] = (b[8] & 0x3F) | 0x80;
+    b
+}
+
 pub fn random_uuid() -> [u8; 16] {
     let mut b = [0u8; 16];
     // SAFETY: getrandom writes at most b.len() bytes into b.
@@ -53,5 +79,15 @@ mod tests {
         assert!(n.starts_with("nqn.2014-08.org.nvmexpress:uuid:"));
         assert_eq!(parse_uuid(n.rsplit_once(":uuid:").unwrap().1), Some(u));
         assert_eq!(u[6] >> 4, 4, "version 4");
+    }
+
+    #[test]
+    fn host_ids_follow_their_nqn() {
+        let u = random_uuid();
+        assert_eq!(host_id_of(&uuid_nqn(&u)), u);
+        let a = host_id_of("nqn.2026-11.io.nvpool:owner:v:t0");
+        assert_eq!(a, host_id_of("nqn.2026-11.io.nvpool:owner:v:t0"));
+        assert_ne!(a, host_id_of("nqn.2026-11.io.nvpool:owner:v:t1"));
+        assert_eq!(a[6] >> 4, 4, "version 4");
     }
 }

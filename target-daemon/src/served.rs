@@ -45,25 +45,6 @@ impl ControlPlaneSource {
     }
 }
 
-/// A host ID for the owner's connections: the same for every connect of
-/// one (volume, target), different across them.
-fn host_id_of(host_nqn: &str) -> [u8; 16] {
-    // FNV-1a, twice with different seeds: stable and well spread.
-    let mut out = [0u8; 16];
-    for (half, seed) in [0xcbf2_9ce4_8422_2325u64, 0x8422_2325_cbf2_9ce4]
-        .iter()
-        .enumerate()
-    {
-        let mut h = *seed;
-        for b in host_nqn.bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        out[half * 8..half * 8 + 8].copy_from_slice(&h.to_le_bytes());
-    }
-    out
-}
-
 /// What keeps an opened volume current: the copy-following thread. Its
 /// drop stops it and hands over the missed-regions record.
 struct Session {
@@ -99,7 +80,7 @@ impl VolumeSource for ControlPlaneSource {
             syncing_extents: view.copies.syncing_at_open(),
             moving: view.copies.moving_at_open(),
             on_extent_failed: Some(on_failed),
-            host_id: Some(host_id_of(&host)),
+            host_id: Some(nvpool_initiator::hostnqn::host_id_of(&host)),
             ..VolumeOptions::default()
         };
         let vol = Arc::new(
@@ -205,18 +186,5 @@ fn renew_loop(client: &Client, target: &Target, stop: &mpsc::Receiver<()>) {
             Err(RecvTimeoutError::Timeout) => {}
             Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_ids_differ_per_owner() {
-        let a = host_id_of("nqn.2026-11.io.nvpool:owner:v:t0");
-        let b = host_id_of("nqn.2026-11.io.nvpool:owner:v:t1");
-        assert_ne!(a, b);
-        assert_eq!(a, host_id_of("nqn.2026-11.io.nvpool:owner:v:t0"));
     }
 }
