@@ -101,16 +101,6 @@ struct JobResult {
     first_error: Option<String>,
 }
 
-/// CPU time (user + system) this process has used so far.
-fn cpu_time() -> Duration {
-    // SAFETY: getrusage fills the struct it is given and reads nothing else.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; RUSAGE_SELF is always valid.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    tv(ru.ru_utime) + tv(ru.ru_stime)
-}
-
 pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     if a.bs == 0 || !a.bs.is_multiple_of(512) {
         bail!("--bs must be a multiple of 512");
@@ -181,7 +171,7 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
         queues.push(q);
     }
     let start = Instant::now();
-    let cpu0 = cpu_time();
+    let cpu0 = crate::dataset::cpu_seconds();
     let deadline = start + a.runtime;
     let per_job = units / a.jobs as u64;
     let results: Vec<anyhow::Result<JobResult>> = std::thread::scope(|s| {
@@ -218,7 +208,7 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
         failed += r.failed;
         first_error = first_error.or(r.first_error);
     }
-    let cpu = cpu_time().saturating_sub(cpu0);
+    let cpu = crate::dataset::cpu_seconds() - cpu0;
     drop(ctrl);
     report(
         &a,
@@ -247,8 +237,8 @@ struct Totals {
     checked: u64,
     failed: u64,
     first_error: Option<String>,
-    /// CPU time of this process during the timed phase (and verify).
-    cpu: Duration,
+    /// CPU seconds of this process during the timed phase (and verify).
+    cpu: f64,
 }
 
 fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
@@ -263,7 +253,7 @@ fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
         first_error,
         cpu,
     } = t;
-    let cpu_us_per_io = cpu.as_secs_f64() * 1e6 / ops.max(1) as f64;
+    let cpu_us_per_io = cpu * 1e6 / ops.max(1) as f64;
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     let out = serde_json::json!({
         "target": what,
@@ -628,7 +618,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
     let ex = nvpool_initiator::exec::Executor::new("bench", a.jobs as usize, tasks, false)?;
     let results: Arc<Mutex<Vec<TaskResult>>> = Arc::default();
     let start = Instant::now();
-    let cpu0 = cpu_time();
+    let cpu0 = crate::dataset::cpu_seconds();
     let deadline = start + a.runtime;
     let seed = if a.seed != 0 {
         a.seed
@@ -672,7 +662,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
         });
     }
     drop(ex);
-    let cpu = cpu_time().saturating_sub(cpu0);
+    let cpu = crate::dataset::cpu_seconds() - cpu0;
     let secs = start.elapsed().as_secs_f64().max(1e-3);
     let mut hist =
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");

@@ -361,7 +361,7 @@ fn epoch(a: EpochArgs) -> anyhow::Result<()> {
 }
 
 /// CPU time (user + system) this process has used so far, in seconds.
-fn cpu_seconds() -> f64 {
+pub(crate) fn cpu_seconds() -> f64 {
     // SAFETY: getrusage fills the zeroed struct it is given and nothing else.
     let u = unsafe {
         let mut u: libc::rusage = std::mem::zeroed();
