@@ -362,13 +362,7 @@ impl Cluster {
             .filter(|t| {
                 t.health(now, self.config().heartbeat_timeout_ms) == crate::model::Health::Online
             })
-            .map(|t| {
-                let domain = match t.labels.get(label) {
-                    Some(d) => format!("{label}={d}"),
-                    None => format!("target={}", t.id),
-                };
-                (t, domain)
-            })
+            .map(|t| (t, crate::placement::target_domain(t, label)))
             .collect();
         candidates.sort_by(|(a, _), (b, _)| {
             let key = |t: &crate::model::Target| {

@@ -106,11 +106,16 @@ fn pool_scope(pool: &Option<String>) -> String {
 /// on its target, else the target itself (an unlabelled target is its own
 /// domain).
 pub fn failure_domain(target: &Target, device: &Device, label: &str) -> String {
-    match device
-        .labels
-        .get(label)
-        .or_else(|| target.labels.get(label))
-    {
+    match device.labels.get(label) {
+        Some(value) => format!("{label}={value}"),
+        None => target_domain(target, label),
+    }
+}
+
+/// The failure domain of a target as a whole (its `label`, else the
+/// target itself): where a served volume's paths are spread.
+pub fn target_domain(target: &Target, label: &str) -> String {
+    match target.labels.get(label) {
         Some(value) => format!("{label}={value}"),
         None => format!("target={}", target.id),
     }
