@@ -220,16 +220,15 @@ impl TargetAdmin {
     /// state waits on the target for the I/O in flight, so this call gets
     /// a longer timeout.
     pub(crate) fn set_ana(&self, nqn: &str, state: &str) -> Result<(), ProgramError> {
-        let config = ureq::Agent::config_builder()
+        let url = self.url(&format!("/v1/subsystems/{}/ana", segment(nqn)));
+        let r = self
+            .agent
+            .put(url)
+            .config()
             .timeout_global(Some(Duration::from_millis(
                 crate::limits::ANA_CHANGE_TIMEOUT_MS,
             )))
-            .http_status_as_error(false)
-            .build();
-        let agent = ureq::Agent::new_with_config(config);
-        let url = self.url(&format!("/v1/subsystems/{}/ana", segment(nqn)));
-        let r = agent
-            .put(url)
+            .build()
             .send_json(serde_json::json!({ "state": state }));
         match self.check(&format!("ANA state {state} of {nqn}"), r)? {
             Some(_) => Ok(()),
