@@ -342,7 +342,7 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
             "served volume has a new owner");
     }
     let h = owner_host_nqn(volume, new);
-    program::attach_skipping(cluster, volume, &h, &unreached)?;
+    program::attach_avoiding(cluster, volume, &h, &unreached)?;
     let v = volume_of(cluster, volume)?;
     ensure_path(cluster, &served, &v, new, true)?;
     let generation = served.generation;

@@ -511,14 +511,14 @@ fn exports_by_target(
 /// involved, and returns the connection plan. If any target fails, what
 /// this call added is taken back everywhere and the error is returned.
 pub fn attach(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<Attached, ProgramError> {
-    attach_skipping(cluster, volume, host, &[])
+    attach_avoiding(cluster, volume, host, &[])
 }
 
 /// [`attach`], not calling the targets in `unreachable` (known not to
 /// answer: a take-over's fence just failed on them) — if they hold only
 /// stale copies, as after that fence, the attach goes on without waiting
 /// for their timeouts, and reconciliation exports their namespaces later.
-pub fn attach_skipping(
+pub fn attach_avoiding(
     cluster: &Cluster,
     volume: &Uuid,
     host: &str,

@@ -62,6 +62,13 @@ fn view(c: &Cluster, vol: &str) -> Value {
     r.json()
 }
 
+/// `GET /v1/volumes/{vol}`.
+fn volume_info(c: &Cluster, vol: &str) -> Value {
+    c.server
+        .call("GET", &format!("/v1/volumes/{vol}"), None, None)
+        .json()
+}
+
 fn connect(n: &Node, vol: &str) -> (Arc<Controller>, Device) {
     let uuid: Uuid = vol.parse().unwrap();
     let ctrl = Controller::connect(params(n.addr, &volume_subsystem_nqn(&uuid), HOST_A)).unwrap();
@@ -193,10 +200,7 @@ fn hand_over_when_the_owner_is(state: &str) {
     assert_eq!(v["owner"], other.as_str(), "{v}");
     assert_eq!(v["serving"], true, "{v}");
     // Planned: every copy was fenced cleanly, none is stale.
-    let info =
-        s.c.server
-            .call("GET", &format!("/v1/volumes/{vol}"), None, None)
-            .json();
+    let info = volume_info(&s.c, &vol);
     assert_eq!(info["failed_extents"], json!([]), "{info}");
     // The old owner answers with a path error; the new one has the data.
     assert!(is_path_error(&write(&dev, 0, &data)));
@@ -238,10 +242,7 @@ fn a_cut_off_owner_is_fenced_and_its_writes_fail() {
     assert_eq!(v["owner"], other.as_str(), "{v}");
     assert_eq!(v["serving"], true, "{v}");
     // The copies on the owner could not be fenced: stale, never read.
-    let info =
-        s.c.server
-            .call("GET", &format!("/v1/volumes/{vol}"), None, None)
-            .json();
+    let info = volume_info(&s.c, &vol);
     let extents = info["extents"].as_array().unwrap();
     let on_owner: Vec<u64> = (0..extents.len() as u64)
         .filter(|&i| extents[i as usize]["target"] == owner.as_str())
