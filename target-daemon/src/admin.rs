@@ -407,7 +407,7 @@ fn discovery_log(cx: &AdminCtx<'_>, out: &mut Vec<u8>) {
             trsvcid: addr.port().to_string(),
             subnqn: nqn.to_owned(),
             traddr: ip.to_string(),
-            sectype: 0,
+            tsas: [0; 3],
         }
     };
     let mut entries = Vec::new();

@@ -25,6 +25,7 @@ pub mod identify;
 pub mod le;
 pub mod log;
 pub mod nqn;
+pub mod rdma;
 pub mod sqe;
 pub mod status;
 pub mod tcp;

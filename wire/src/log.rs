@@ -98,8 +98,9 @@ pub struct DiscoveryEntry {
     pub trsvcid: String,
     pub subnqn: String,
     pub traddr: String,
-    /// TCP security type (TSAS byte 0).
-    pub sectype: u8,
+    /// The first TSAS bytes: on TCP the security type (byte 0); on RDMA
+    /// QP type, provider type and connection management ([`crate::rdma::tsas`]).
+    pub tsas: [u8; 3],
 }
 
 impl DiscoveryEntry {
@@ -116,7 +117,7 @@ impl DiscoveryEntry {
         put_str_padded(&mut out[32..64], &self.trsvcid, b' ');
         put_str_padded(&mut out[256..511], &self.subnqn, 0);
         put_str_padded(&mut out[512..767], &self.traddr, 0);
-        out[768] = self.sectype;
+        out[768..771].copy_from_slice(&self.tsas);
     }
 
     pub fn decode(b: &[u8]) -> Result<DiscoveryEntry, WireError> {
@@ -142,7 +143,7 @@ impl DiscoveryEntry {
             // `encode` always writes; read the same 255-byte window.
             subnqn: s(256..511, "SUBNQN")?,
             traddr: s(512..767, "TRADDR")?,
-            sectype: b[768],
+            tsas: [b[768], b[769], b[770]],
         })
     }
 }
@@ -510,7 +511,7 @@ mod tests {
             trsvcid: "4420".into(),
             subnqn: "nqn.2026-11.io.nvpool:a".into(),
             traddr: "127.0.0.1".into(),
-            sectype: 0,
+            tsas: [0; 3],
         }
     }
 

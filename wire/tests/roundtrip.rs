@@ -269,14 +269,14 @@ fn discovery_entry_value() -> impl Strategy<Value = DiscoveryEntry> {
         (any::<u8>(), any::<u8>(), any::<u8>(), any::<u8>()),
         (any::<u16>(), any::<u16>(), any::<u16>()),
         (field_string(32), field_string(255), field_string(255)),
-        any::<u8>(),
+        any::<[u8; 3]>(),
     )
         .prop_map(
             |(
                 (trtype, adrfam, subtype, treq),
                 (portid, cntlid, asqsz),
                 (trsvcid, subnqn, traddr),
-                sectype,
+                tsas,
             )| DiscoveryEntry {
                 trtype,
                 adrfam,
@@ -288,7 +288,7 @@ fn discovery_entry_value() -> impl Strategy<Value = DiscoveryEntry> {
                 trsvcid,
                 subnqn,
                 traddr,
-                sectype,
+                tsas,
             },
         )
 }

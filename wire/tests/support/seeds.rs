@@ -708,7 +708,7 @@ fn entry() -> DiscoveryEntry {
         trsvcid: "4420".into(),
         subnqn: SUBNQN.into(),
         traddr: "192.0.2.10".into(),
-        sectype: 0,
+        tsas: [0; 3],
     }
 }
 
