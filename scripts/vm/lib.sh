@@ -32,6 +32,13 @@ VM_BASE_MODULES=(configfs crc32c_generic)
 # Every guest gets these host programs: bash runs the tests, kmod's modprobe reads
 # .ko.xz files and serves the kernel's request_module() calls.
 VM_BASE_BINS=(bash kmod)
+# Soft-RoCE for "# vm-rdma: yes" tests: rxe and the userspace verbs/CM device nodes; the
+# tools pull libibverbs.so.1 and librdmacm.so.1 in through ldd (nvpool dlopens them), the
+# provider directory and its driver files are what libibverbs loads for an rxe device.
+VM_RDMA_MODULES=(rdma_rxe ib_uverbs rdma_ucm crc32_generic nvme-rdma nvmet-rdma)
+VM_RDMA_BINS=(ip rdma ibv_devinfo rping)
+VM_RDMA_FILES=(/usr/lib/x86_64-linux-gnu/libibverbs:/usr/lib/x86_64-linux-gnu/libibverbs
+    /etc/libibverbs.d:/etc/libibverbs.d)
 # Where programs given by name are looked up on the host (root's PATH on Debian).
 VM_HOST_PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
