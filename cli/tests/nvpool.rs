@@ -55,6 +55,7 @@ impl Tgt {
             target,
             &StartOptions {
                 listeners: vec!["127.0.0.1:0".parse().expect("addr")],
+                rdma_listeners: vec![],
                 reactors: 2,
                 io_uring: true,
                 admin_listen: None,
@@ -373,6 +374,7 @@ fn bench_verify_with_overlapping_writes_on_a_file() {
         target,
         &StartOptions {
             listeners: vec!["127.0.0.1:0".parse().expect("addr")],
+            rdma_listeners: vec![],
             reactors: 2,
             io_uring: true,
             admin_listen: None,

@@ -3,6 +3,7 @@
 //! host-to-controller data, and writes controller-to-host data into the
 //! command's buffer.
 
+use crate::config::Transport;
 use crate::controller::Controller;
 use crate::limits;
 use crate::target::{Subsystem, Target};
@@ -11,6 +12,7 @@ use nvpool_wire::identify::{
     self, cns, cntrltype, IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN,
 };
 use nvpool_wire::log::{self, lid, AnaGroup, AnaLog, AnaState, DiscoveryEntry, GetLogPage};
+use nvpool_wire::rdma;
 use nvpool_wire::sqe::admin as op;
 use nvpool_wire::{Sqe, Status};
 use std::net::SocketAddr;
@@ -251,7 +253,12 @@ pub fn identify_controller(ctrl: &Controller, subsys: &Subsystem) -> IdentifyCon
         elpe: (limits::ERROR_LOG_ENTRIES - 1) as u8,
         sqes: 0x66,
         cqes: 0x44,
-        sgls: 0x0010_0001,
+        sgls: match ctrl.transport {
+            // Bit 20: in-capsule data at offsets; bits 1:0 = 01b: SGLs.
+            Transport::Tcp => 0x0010_0001,
+            // Bit 2: keyed SGL data blocks (the RDMA host requires it).
+            Transport::Rdma => 0x0010_0005,
+        },
         subnqn: subsys.nqn.clone(),
         msdbd: 1,
         ..Default::default()
@@ -369,30 +376,36 @@ fn get_log_page(cx: &AdminCtx<'_>, sqe: &Sqe, buf: &mut [u8], scratch: &mut Vec<
 
 /// Builds the discovery log this host may see: the discovery subsystem on
 /// every listener, then each NVM subsystem the host may access on every
-/// I/O listener (every listener not on the discovery port 8009, unless
-/// that is the only one).
+/// I/O listener (every TCP listener not on the discovery port 8009, unless
+/// that is the only one; every RDMA listener, whose port serves both).
 fn discovery_log(cx: &AdminCtx<'_>, out: &mut Vec<u8>) {
-    let listeners = cx.target.listeners();
-    let io_listeners: Vec<SocketAddr> = {
-        let v: Vec<_> = listeners
-            .iter()
-            .copied()
-            .filter(|a| a.port() != 8009)
-            .collect();
+    let tcp = cx.target.listeners();
+    let tcp_io: Vec<SocketAddr> = {
+        let v: Vec<_> = tcp.iter().copied().filter(|a| a.port() != 8009).collect();
         if v.is_empty() {
-            listeners.clone()
+            tcp.clone()
         } else {
             v
         }
     };
-    let entry = |addr: &SocketAddr, subtype, nqn: &str, portid: usize| {
+    let listeners: Vec<(Transport, SocketAddr)> = tcp
+        .iter()
+        .map(|&a| (Transport::Tcp, a))
+        .chain(
+            cx.target
+                .rdma_listeners()
+                .into_iter()
+                .map(|a| (Transport::Rdma, a)),
+        )
+        .collect();
+    let entry = |(t, addr): &(Transport, SocketAddr), subtype, nqn: &str, portid: usize| {
         let ip = if addr.ip().is_unspecified() {
             cx.local.ip()
         } else {
             addr.ip()
         };
         DiscoveryEntry {
-            trtype: log::trtype::TCP,
+            trtype: t.trtype(),
             adrfam: if ip.is_ipv4() {
                 log::adrfam::IPV4
             } else {
@@ -407,13 +420,20 @@ fn discovery_log(cx: &AdminCtx<'_>, out: &mut Vec<u8>) {
             trsvcid: addr.port().to_string(),
             subnqn: nqn.to_owned(),
             traddr: ip.to_string(),
-            tsas: [0; 3],
+            tsas: match t {
+                Transport::Tcp => [0; 3],
+                Transport::Rdma => [
+                    rdma::tsas::QPTYPE_CONNECTED,
+                    rdma::tsas::PRTYPE_NOT_SPECIFIED,
+                    rdma::tsas::CMS_RDMA_CM,
+                ],
+            },
         }
     };
     let mut entries = Vec::new();
-    for (i, a) in listeners.iter().enumerate() {
+    for (i, l) in listeners.iter().enumerate() {
         entries.push(entry(
-            a,
+            l,
             log::subtype::CURRENT_DISCOVERY,
             nvpool_wire::DISCOVERY_NQN,
             i,
@@ -425,9 +445,11 @@ fn discovery_log(cx: &AdminCtx<'_>, out: &mut Vec<u8>) {
         .values()
         .filter(|s| s.host_allowed(&cx.ctrl.hostnqn))
     {
-        for a in &io_listeners {
-            let i = listeners.iter().position(|x| x == a).unwrap_or(0);
-            entries.push(entry(a, log::subtype::NVM, &s.nqn, i));
+        for (i, l) in listeners.iter().enumerate() {
+            if l.0 == Transport::Tcp && !tcp_io.contains(&l.1) {
+                continue;
+            }
+            entries.push(entry(l, log::subtype::NVM, &s.nqn, i));
         }
     }
     log::encode_discovery_log(cx.target.discovery_genctr(), &entries, out);

@@ -42,6 +42,76 @@ pub struct Config {
 #[serde(deny_unknown_fields)]
 pub struct ListenerConfig {
     pub addr: SocketAddr,
+    /// `tcp` (the default) or `rdma`.
+    #[serde(default, skip_serializing_if = "Transport::is_tcp")]
+    pub transport: Transport,
+}
+
+/// The NVMe-oF transport of a listener (and of the associations made
+/// through it).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    #[default]
+    Tcp,
+    Rdma,
+}
+
+impl Transport {
+    pub fn is_tcp(&self) -> bool {
+        *self == Transport::Tcp
+    }
+
+    /// The discovery log's TRTYPE.
+    pub fn trtype(self) -> u8 {
+        match self {
+            Transport::Tcp => nvpool_wire::log::trtype::TCP,
+            Transport::Rdma => nvpool_wire::log::trtype::RDMA,
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        })
+    }
+}
+
+/// A listen address as the command line and the admin API take it:
+/// `ADDR:PORT` or `tcp:ADDR:PORT` for NVMe/TCP, `rdma:ADDR:PORT` for
+/// NVMe/RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Listen {
+    pub transport: Transport,
+    pub addr: SocketAddr,
+}
+
+impl std::str::FromStr for Listen {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Listen, String> {
+        let (transport, rest) = match s.split_once(':') {
+            Some(("tcp", r)) => (Transport::Tcp, r),
+            Some(("rdma", r)) => (Transport::Rdma, r),
+            _ => (Transport::Tcp, s),
+        };
+        let addr = rest
+            .parse()
+            .map_err(|_| format!("{s:?}: expected [tcp:|rdma:]ADDR:PORT"))?;
+        Ok(Listen { transport, addr })
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.transport {
+            Transport::Tcp => write!(f, "{}", self.addr),
+            Transport::Rdma => write!(f, "rdma:{}", self.addr),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -42,6 +42,8 @@ pub struct Controller {
     pub hostnqn: String,
     pub hostid: [u8; 16],
     pub discovery: bool,
+    /// The transport of the association (every queue of it uses this one).
+    pub transport: crate::config::Transport,
     pub subsys_nqn: String,
     subsys: ArcSwap<Subsystem>,
     kato_ms: AtomicU32,
@@ -76,6 +78,7 @@ impl Controller {
         hostid: [u8; 16],
         kato_ms: u32,
         discovery: bool,
+        transport: crate::config::Transport,
         target: TargetRef,
         now_ms: u64,
     ) -> Controller {
@@ -84,6 +87,7 @@ impl Controller {
             hostnqn,
             hostid,
             discovery,
+            transport,
             subsys_nqn: subsys.nqn.clone(),
             subsys: ArcSwap::new(subsys),
             kato_ms: AtomicU32::new(kato_ms),

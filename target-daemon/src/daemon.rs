@@ -25,7 +25,10 @@ use std::time::Duration;
 /// How the data path runs.
 #[derive(Debug, Clone)]
 pub struct StartOptions {
+    /// NVMe/TCP listeners.
     pub listeners: Vec<SocketAddr>,
+    /// NVMe/RDMA listeners (RDMA CM).
+    pub rdma_listeners: Vec<SocketAddr>,
     /// Reactor threads; 0 = one per core.
     pub reactors: usize,
     /// Drive file backends through io_uring (when the kernel has it).
@@ -85,6 +88,7 @@ pub struct Running {
     reactors: Vec<JoinHandle<()>>,
     handles: Vec<ReactorHandle>,
     acceptor: Option<JoinHandle<()>>,
+    rdma_listener: Option<JoinHandle<()>>,
     control: ListenerControl,
     api: Option<api::ApiServer>,
 }
@@ -128,7 +132,7 @@ impl Running {
             next_token: 1,
             reactors: handles.clone(),
             next_reactor: 0,
-            live,
+            live: live.clone(),
             target: target.clone(),
             ctl: ctl_rx,
         };
@@ -137,6 +141,19 @@ impl Running {
                 .with_context(|| format!("cannot listen on {a}"))?;
         }
         acc.publish();
+        if opts.rdma_listeners.is_empty() {
+            if let Err(why) = nvpool_rdma::available() {
+                tracing::info!(
+                    "NVMe/RDMA unavailable on this machine ({why}); serving NVMe/TCP only"
+                );
+            }
+        }
+        let rdma_listener = crate::rdma::start_listener(
+            target.clone(),
+            &opts.rdma_listeners,
+            handles.clone(),
+            live,
+        )?;
         let acceptor = std::thread::Builder::new()
             .name("nvpool-acceptor".into())
             .spawn(move || acc.run())?;
@@ -147,12 +164,13 @@ impl Running {
             ),
             None => None,
         };
-        tracing::info!(reactors = n, io_uring = use_uring, listeners = ?target.listeners(), "nvpool-target ready");
+        tracing::info!(reactors = n, io_uring = use_uring, listeners = ?target.listeners(), rdma_listeners = ?target.rdma_listeners(), "nvpool-target ready");
         Ok(Running {
             target,
             reactors,
             handles,
             acceptor: Some(acceptor),
+            rdma_listener,
             control,
             api,
         })
@@ -177,6 +195,9 @@ impl Running {
         self.target.begin_shutdown();
         let _ = self.control.waker.wake();
         if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        if let Some(a) = self.rdma_listener.take() {
             let _ = a.join();
         }
         for h in &self.handles {
@@ -344,9 +365,9 @@ pub struct Cli {
     /// Directory for the saved running configuration and target identity.
     #[arg(long, env = "NVPOOL_TARGET_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
-    /// NVMe/TCP listen address (repeatable). Default 127.0.0.1:4420 and the discovery port 127.0.0.1:8009.
-    #[arg(short, long = "listen", value_name = "ADDR:PORT")]
-    pub listen: Vec<SocketAddr>,
+    /// Listen address (repeatable): ADDR:PORT for NVMe/TCP, rdma:ADDR:PORT for NVMe/RDMA (port 4420 by convention). Default 127.0.0.1:4420 and the discovery port 127.0.0.1:8009.
+    #[arg(short, long = "listen", value_name = "[rdma:]ADDR:PORT")]
+    pub listen: Vec<crate::config::Listen>,
     /// Admin API address (HTTP+JSON), or "off".
     #[arg(long, value_name = "ADDR:PORT|off")]
     pub admin_listen: Option<String>,
@@ -461,13 +482,17 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
         cfg.listeners = cli
             .listen
             .iter()
-            .map(|&addr| crate::config::ListenerConfig { addr })
+            .map(|l| crate::config::ListenerConfig {
+                addr: l.addr,
+                transport: l.transport,
+            })
             .collect();
     } else if cfg.listeners.is_empty() {
         cfg.listeners = [DEFAULT_LISTEN, DEFAULT_DISCOVERY_LISTEN]
             .iter()
             .map(|a| crate::config::ListenerConfig {
                 addr: a.parse().expect("valid default"),
+                transport: crate::config::Transport::Tcp,
             })
             .collect();
     }
@@ -498,8 +523,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
     let target = Target::new(state_dir.clone())?;
     target.apply_config(&cfg)?;
+    let of = |t: crate::config::Transport| -> Vec<SocketAddr> {
+        cfg.listeners
+            .iter()
+            .filter(|l| l.transport == t)
+            .map(|l| l.addr)
+            .collect()
+    };
     let opts = StartOptions {
-        listeners: cfg.listeners.iter().map(|l| l.addr).collect(),
+        listeners: of(crate::config::Transport::Tcp),
+        rdma_listeners: of(crate::config::Transport::Rdma),
         reactors: cfg.reactors.unwrap_or(0),
         io_uring: !cli.no_io_uring,
         admin_listen: cfg.admin_listen,
@@ -514,7 +547,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let registrar = match registration {
         Some(settings) => {
-            let configured: Vec<SocketAddr> = cfg.listeners.iter().map(|l| l.addr).collect();
+            let configured = of(crate::config::Transport::Tcp);
             let started = settings
                 .finish(
                     &configured,

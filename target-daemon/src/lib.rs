@@ -21,6 +21,7 @@ pub mod copier;
 pub mod daemon;
 pub mod limits;
 pub mod queue;
+pub mod rdma;
 pub mod reactor;
 pub mod register;
 pub mod ring;

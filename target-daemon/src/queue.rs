@@ -1,6 +1,17 @@
-//! One NVMe/TCP queue: the protocol state machine of one TCP connection.
+//! One NVMe queue: the protocol state machine of one TCP connection or one
+//! RDMA queue pair.
 //!
-//! The reactor feeds complete PDUs in (`on_pdu`), hands backend completions
+//! The NVMe logic (slots, admission, execution, completion, Connect, AER,
+//! keep-alive) is one core for both transports. What differs is only how a
+//! command arrives, how its host data is fetched and how data and response
+//! go back: on TCP a PDU stream (ICReq, CapsuleCmd, R2T/H2CData, C2HData,
+//! CapsuleResp, C2HTermReq); on RDMA one receive per capsule
+//! (`on_rdma_capsule`), an RDMA READ per host write (`RdmaWork::Fetch`,
+//! then `on_rdma_fetched`), an RDMA WRITE of read data and a SEND of the
+//! response (`RdmaWork::Deliver`, `RdmaWork::Respond`), which the reactor
+//! posts from [`Tx::rdma`].
+//!
+//! On TCP the reactor feeds complete PDUs in (`on_pdu`), hands backend completions
 //! back (`on_completion`), and ticks the queue for keep-alive and async
 //! events. Everything the queue answers goes into its [`Tx`] buffer, which
 //! the reactor writes to the socket once per loop iteration (batching every
@@ -28,13 +39,16 @@
 
 use crate::admin::{self, AdminCtx, Reply};
 use crate::backend::{AlignedBuf, AsyncDone, AsyncOp, AsyncResult, CompletionSink};
+use crate::config::Transport;
 use crate::controller::Controller;
 use crate::limits;
 use crate::ring::Ring;
 use crate::target::{Namespace, Subsystem, Target};
+use crate::tx::RdmaWork;
 use io_uring::{opcode, types};
 use nvpool_wire::fabrics::{connect_off, fctype, ConnectCmd, ConnectData, CONNECT_DATA_LEN};
 use nvpool_wire::log::ErrorEntry;
+use nvpool_wire::rdma::{self as wrdma, KeyedSgl};
 use nvpool_wire::sqe::{admin as aop, nvm, sgl_id, Direction};
 use nvpool_wire::tcp::{
     self, fes, flags, CommonHeader, DataHeader, Digests, IcReq, IcResp, PduType, R2t, TermReq,
@@ -114,6 +128,8 @@ struct Slot {
     /// Bytes of the range a Write Zeroes command covers.
     span: u64,
     fua: bool,
+    /// NVMe/RDMA: the host memory a keyed SGL names.
+    keyed: Option<KeyedSgl>,
 }
 
 impl Slot {
@@ -131,6 +147,7 @@ impl Slot {
             done: 0,
             span: 0,
             fua: false,
+            keyed: None,
         }
     }
 
@@ -167,6 +184,10 @@ pub struct Queue {
     target: Arc<Target>,
     pub local: SocketAddr,
     pub peer: SocketAddr,
+    transport: Transport,
+    /// NVMe/RDMA: the QID the RDMA CM connect request named (the Connect
+    /// command must name the same).
+    cm_qid: Option<u16>,
     ic_done: bool,
     draining: bool,
     closed: bool,
@@ -199,6 +220,8 @@ impl Queue {
             target,
             local,
             peer,
+            transport: Transport::Tcp,
+            cm_qid: None,
             ic_done: false,
             draining: false,
             closed: false,
@@ -221,8 +244,37 @@ impl Queue {
         }
     }
 
+    /// A queue on an RDMA queue pair whose connect request named `cm_qid`.
+    pub fn new_rdma(
+        target: Arc<Target>,
+        local: SocketAddr,
+        peer: SocketAddr,
+        now_ms: u64,
+        cm_qid: u16,
+    ) -> Queue {
+        Queue {
+            transport: Transport::Rdma,
+            cm_qid: Some(cm_qid),
+            // No ICReq exchange on RDMA.
+            ic_done: true,
+            ..Queue::new(target, local, peer, now_ms)
+        }
+    }
+
     pub fn qid(&self) -> Option<u16> {
         self.qid
+    }
+
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// A slot's data buffer (address, capacity), for the RDMA transport to
+    /// register. It stays valid until the slot's buffer grows.
+    pub fn slot_buffer(&mut self, slot: u16) -> (*mut u8, usize) {
+        let b = &mut self.slots[slot as usize].buf;
+        let cap = b.capacity();
+        (b.as_mut_slice(cap).as_mut_ptr(), cap)
     }
 
     pub fn controller(&self) -> Option<&Arc<Controller>> {
@@ -298,10 +350,23 @@ impl Queue {
     }
 
     fn inline_max(&self) -> usize {
+        if self.transport == Transport::Rdma {
+            // Capsules on the admin queue are 64 bytes; an I/O queue's
+            // receive buffers hold IOCCSZ (the I/O Connect may come in them).
+            return match self.cm_qid {
+                Some(q) if q > 0 => limits::IO_INLINE_DATA_BYTES,
+                _ => 0,
+            };
+        }
         match self.qid {
             Some(q) if q > 0 => limits::IO_INLINE_DATA_BYTES,
             _ => limits::ADMIN_INLINE_DATA_BYTES,
         }
+    }
+
+    /// Bytes of a received RDMA capsule this queue's receive buffers hold.
+    pub fn rdma_capsule_max(&self) -> usize {
+        64 + self.inline_max()
     }
 
     /// Handles one complete PDU (`pdu.len()` == PLEN, header already checked).
@@ -322,6 +387,13 @@ impl Queue {
 
     fn terminate(&mut self, f: Fatal, pdu: &[u8], tx: &mut Tx) {
         tracing::debug!(peer = %self.peer, fes = f.fes, fei = f.fei, why = f.why, "terminating connection");
+        if self.transport == Transport::Rdma {
+            // No termination PDU on RDMA: the queue pair is disconnected.
+            self.draining = true;
+            self.close_requested = true;
+            self.terminated = true;
+            return;
+        }
         let hlen = pdu
             .get(2)
             .map_or(8, |&h| h as usize)
@@ -455,6 +527,69 @@ impl Queue {
         } else {
             Some(self.pdu_data(ch, pdu)?)
         };
+        self.accept_command(sqe, icd, tx, ex)
+    }
+
+    /// NVMe/RDMA: one received command capsule (the SQE, then in-capsule
+    /// data if any). Err: the queue pair must be torn down.
+    pub fn on_rdma_capsule(
+        &mut self,
+        cap: &[u8],
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) -> Result<(), Fatal> {
+        let r = self.rdma_capsule(cap, tx, ex);
+        if let Err(f) = r {
+            self.terminate(f, cap, tx);
+        }
+        r
+    }
+
+    fn rdma_capsule(&mut self, cap: &[u8], tx: &mut Tx, ex: &mut Exec<'_>) -> Result<(), Fatal> {
+        let Some(sqe) = cap.get(..64).and_then(Sqe::from_slice) else {
+            return Err(fatal(
+                fes::INVALID_HEADER_FIELD,
+                0,
+                "capsule shorter than an SQE",
+            ));
+        };
+        let icd = match sqe.sgl() {
+            sgl if sgl.id == sgl_id::IN_CAPSULE => {
+                // ICDOFF is 0: the offset counts from the end of the SQE.
+                let data = &cap[64..];
+                let start = (sgl.addr as usize).min(data.len());
+                let end = start.saturating_add(sgl.len as usize).min(data.len());
+                Some((&data[start..end], true))
+            }
+            _ => None,
+        };
+        self.accept_command(sqe, icd, tx, ex)
+    }
+
+    /// NVMe/RDMA: the RDMA READ of slot `slot`'s host data completed.
+    pub fn on_rdma_fetched(&mut self, slot: u16, tx: &mut Tx, ex: &mut Exec<'_>) {
+        let si = slot as usize;
+        if self.closed {
+            return;
+        }
+        let s = &mut self.slots[si];
+        assert_eq!(
+            s.state,
+            SlotState::AwaitData,
+            "RDMA READ for a slot not waiting"
+        );
+        s.got = s.len;
+        self.execute(si, tx, ex);
+    }
+
+    /// A command capsule, whichever transport brought it.
+    fn accept_command(
+        &mut self,
+        sqe: Sqe,
+        icd: Option<(&[u8], bool)>,
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) -> Result<(), Fatal> {
         if self.draining {
             return Ok(());
         }
@@ -487,6 +622,7 @@ impl Queue {
             s.off = 0;
             s.span = 0;
             s.fua = false;
+            s.keyed = None;
         }
         if let Err(st) = self.admit(si, icd) {
             self.finish(si, Reply::status(st), tx, ex.now_ms);
@@ -508,6 +644,16 @@ impl Queue {
                     return Ok(());
                 }
                 self.execute(si, tx, ex);
+            }
+            (Direction::HostToController, None) if slot.len > 0 && slot.keyed.is_some() => {
+                let k = slot.keyed.expect("keyed SGL");
+                slot.state = SlotState::AwaitData;
+                tx.rdma.push(RdmaWork::Fetch {
+                    slot: si as u16,
+                    len: slot.len as u32,
+                    raddr: k.addr,
+                    rkey: k.key,
+                });
             }
             (Direction::HostToController, None) if slot.len > 0 && sgl.id == sgl_id::TRANSPORT => {
                 slot.state = SlotState::AwaitData;
@@ -534,10 +680,25 @@ impl Queue {
             return Err(Status::INVALID_FIELD);
         }
         let sgl = sqe.sgl();
-        let len = sgl.len as usize;
+        let len = self.sgl_len(&sqe);
         let dir = sqe.direction();
-        if len > 0 && sgl.id != sgl_id::IN_CAPSULE && sgl.id != sgl_id::TRANSPORT {
-            return Err(Status::SGL_TYPE_INVALID);
+        match self.transport {
+            Transport::Tcp => {
+                if len > 0 && sgl.id != sgl_id::IN_CAPSULE && sgl.id != sgl_id::TRANSPORT {
+                    return Err(Status::SGL_TYPE_INVALID);
+                }
+            }
+            Transport::Rdma => match KeyedSgl::of(&sqe) {
+                Some(_) if !wrdma::keyed_subtype_ok(sgl.id) => return Err(Status::INVALID_FIELD),
+                Some(k) => self.slots[si].keyed = Some(k),
+                None if sgl.id == sgl_id::IN_CAPSULE => {
+                    if self.inline_max() == 0 && len > 0 {
+                        // No in-capsule data on the admin queue.
+                        return Err(Status::SGL_OFFSET_INVALID);
+                    }
+                }
+                None => return Err(Status::SGL_TYPE_INVALID),
+            },
         }
         match icd {
             Some((data, _)) => {
@@ -556,6 +717,9 @@ impl Queue {
             }
             None => {}
         }
+        if len > 0 && self.slots[si].keyed.is_some() && dir == Direction::None {
+            return Err(Status::INVALID_FIELD);
+        }
         if self.qid.is_some_and(|q| q > 0) {
             self.plan_io(si)?;
         } else if len > limits::CMD_BUF_BYTES_MAX {
@@ -568,14 +732,22 @@ impl Queue {
         Ok(())
     }
 
+    /// The data length descriptor 1 names: 24 bits in a keyed descriptor.
+    fn sgl_len(&self, sqe: &Sqe) -> usize {
+        match (self.transport, KeyedSgl::of(sqe)) {
+            (Transport::Rdma, Some(k)) => k.len as usize,
+            _ => sqe.sgl().len as usize,
+        }
+    }
+
     fn plan_io(&mut self, si: usize) -> Result<(), Status> {
+        let sgl_len = self.sgl_len(&self.slots[si].sqe);
         let ctrl = self.ctrl.as_ref().expect("I/O queue has a controller");
         if !ctrl.is_ready() {
             return Err(Status::COMMAND_SEQUENCE_ERROR);
         }
         let slot = &mut self.slots[si];
         let sqe = slot.sqe;
-        let sgl_len = sqe.sgl().len as usize;
         let kind = match sqe.opcode() {
             nvm::READ => IoKind::Read,
             nvm::WRITE => IoKind::Write,
@@ -1006,6 +1178,10 @@ impl Queue {
             self.release(si);
             return;
         }
+        if self.transport == Transport::Rdma {
+            self.finish_rdma(si, reply, tx);
+            return;
+        }
         let slot = &self.slots[si];
         let cid = slot.sqe.cid();
         let mut resp_needed = true;
@@ -1053,6 +1229,49 @@ impl Queue {
         }
     }
 
+    /// NVMe/RDMA: an RDMA WRITE of the read data (if any), then the SEND of
+    /// the response, which invalidates the host's key when it asked for
+    /// that. A slot whose data is written stays in `Sending` until the
+    /// SEND completes (RC executes in order, so the WRITE is done then).
+    fn finish_rdma(&mut self, si: usize, reply: Reply, tx: &mut Tx) {
+        let slot = &self.slots[si];
+        let keyed = slot.keyed;
+        let cqe = Cqe {
+            dw0: reply.dw0,
+            dw1: reply.dw1,
+            sqhd: self.sq_head,
+            sqid: self.qid.unwrap_or(0),
+            cid: slot.sqe.cid(),
+            status: reply.status,
+        };
+        let mut release = None;
+        if reply.status.is_success() && reply.data_len > 0 {
+            if let Some(k) = keyed {
+                tx.rdma.push(RdmaWork::Deliver {
+                    slot: si as u16,
+                    len: reply.data_len as u32,
+                    raddr: k.addr,
+                    rkey: k.key,
+                });
+                release = Some(si as u16);
+            }
+        }
+        tx.rdma.push(RdmaWork::Respond {
+            cqe: cqe_bytes(&cqe),
+            invalidate: keyed.filter(|k| k.invalidate && k.len > 0).map(|k| k.key),
+            release,
+        });
+        if !reply.status.is_success() {
+            self.record_error(si, reply.status);
+        }
+        if release.is_some() {
+            self.slots[si].state = SlotState::Sending;
+            self.slots[si].ns = None;
+        } else {
+            self.release(si);
+        }
+    }
+
     /// Frees slots whose data the transmit queue has written.
     pub fn reclaim(&mut self, tx: &mut Tx) {
         for i in 0..tx.released.len() {
@@ -1071,6 +1290,14 @@ impl Queue {
     }
 
     fn put_resp(&self, tx: &mut Tx, cqe: Cqe) {
+        if self.transport == Transport::Rdma {
+            tx.rdma.push(RdmaWork::Respond {
+                cqe: cqe_bytes(&cqe),
+                invalidate: None,
+                release: None,
+            });
+            return;
+        }
         let mut out = [0u8; tcp::CAPSULE_RESP_HLEN + tcp::DIGEST_LEN];
         let n = tcp::encode_capsule_resp(&cqe, self.dg, &mut out);
         tx.put(&out[..n]);
@@ -1141,6 +1368,10 @@ impl Queue {
             Err(_) => return invalid(true, connect_off::SUBNQN),
         };
         let entries = cmd.sqsize as u32 + 1;
+        if self.cm_qid.is_some_and(|q| q != cmd.qid) {
+            // The queue pair was set up for another queue.
+            return invalid(false, 42);
+        }
         if cmd.qid == 0 {
             if cmd.sqsize == 0 || entries > limits::ADMIN_QUEUE_ENTRIES_MAX as u32 {
                 return invalid(false, 44);
@@ -1170,6 +1401,7 @@ impl Queue {
                 data.hostid,
                 cmd.kato_ms,
                 discovery,
+                self.transport,
             ) else {
                 return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
             };
@@ -1188,6 +1420,9 @@ impl Queue {
         }
         if ctrl.hostnqn != data.hostnqn {
             return invalid(true, connect_off::HOSTNQN);
+        }
+        if ctrl.transport != self.transport {
+            return invalid(true, connect_off::CNTLID);
         }
         let max_qid = match ctrl.io_queues_granted() {
             0 => limits::IO_QUEUES_PER_CTRL_MAX,
@@ -1295,6 +1530,12 @@ impl Queue {
             }
         }
     }
+}
+
+fn cqe_bytes(c: &Cqe) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    c.encode(&mut b);
+    b
 }
 
 fn submit(ring: &mut Ring, slot: &mut Slot, t: crate::backend::UringTarget, ud: u64) {
@@ -1445,7 +1686,14 @@ mod tests {
                 )
                 .unwrap();
             let ctrl = target
-                .create_controller(target.subsystem(NQN).unwrap(), HOST, [7; 16], 0, false)
+                .create_controller(
+                    target.subsystem(NQN).unwrap(),
+                    HOST,
+                    [7; 16],
+                    0,
+                    false,
+                    Transport::Tcp,
+                )
                 .unwrap();
             ctrl.write_cc(cc::LINUX_ENABLE, 0);
             let addr = "127.0.0.1:4420".parse().unwrap();

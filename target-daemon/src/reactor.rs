@@ -1,6 +1,14 @@
 //! Reactor threads: each owns a set of connections, an epoll instance (via
 //! mio) for their sockets, and an io_uring for their backend I/O.
 //!
+//! A connection is a TCP socket or an RDMA queue pair (rdma.rs); both feed
+//! the same [`Queue`]. An RDMA connection puts two descriptors in the epoll
+//! set: its completion channel (a CQ with new completions) and its CM event
+//! channel (DISCONNECTED). Its completions are polled with a bounded budget
+//! and then the CQ is armed again, so an idle connection costs nothing; a
+//! connection that used its whole budget is polled again next iteration
+//! without waiting.
+//!
 //! One loop iteration: wait for socket readiness or ring completions (at most
 //! one tick), read every readable socket until it would block and run every
 //! complete PDU, reap completions, submit new ring work once, then write each
@@ -20,6 +28,7 @@
 use crate::backend::{AsyncCompletion, CompletionSink};
 use crate::limits;
 use crate::queue::{split_user_data, Exec, Queue, Tx};
+use crate::rdma::{RdmaIncoming, RdmaLink};
 use crate::ring::Ring;
 use crate::target::Target;
 use mio::net::TcpStream;
@@ -39,22 +48,47 @@ const FIRST_CONN: usize = 2;
 /// New connections waiting for a reactor to adopt them.
 const HANDOFF_QUEUE_LEN: usize = 256;
 
-/// The acceptor's handle on one reactor.
+/// A connection handed to a reactor.
+#[derive(Debug)]
+enum Incoming {
+    Tcp(std::net::TcpStream),
+    Rdma(RdmaIncoming),
+}
+
+/// The acceptors' handle on one reactor.
 #[derive(Debug, Clone)]
 pub struct ReactorHandle {
-    tx: SyncSender<std::net::TcpStream>,
+    tx: SyncSender<Incoming>,
     waker: Arc<Waker>,
 }
 
 impl ReactorHandle {
     /// Hands a connection over. Err(stream) when the reactor is saturated.
     pub fn adopt(&self, s: std::net::TcpStream) -> Result<(), std::net::TcpStream> {
-        match self.tx.try_send(s) {
+        match self.tx.try_send(Incoming::Tcp(s)) {
             Ok(()) => {
                 let _ = self.waker.wake();
                 Ok(())
             }
-            Err(TrySendError::Full(s) | TrySendError::Disconnected(s)) => Err(s),
+            Err(
+                TrySendError::Full(Incoming::Tcp(s)) | TrySendError::Disconnected(Incoming::Tcp(s)),
+            ) => Err(s),
+            Err(_) => unreachable!("a TCP connection comes back as one"),
+        }
+    }
+
+    /// Hands an accepted RDMA queue pair over. Err when saturated.
+    pub fn adopt_rdma(&self, c: RdmaIncoming) -> Result<(), RdmaIncoming> {
+        match self.tx.try_send(Incoming::Rdma(c)) {
+            Ok(()) => {
+                let _ = self.waker.wake();
+                Ok(())
+            }
+            Err(
+                TrySendError::Full(Incoming::Rdma(c))
+                | TrySendError::Disconnected(Incoming::Rdma(c)),
+            ) => Err(c),
+            Err(_) => unreachable!("an RDMA connection comes back as one"),
         }
     }
 
@@ -80,26 +114,54 @@ impl Rx {
     }
 }
 
-struct Conn {
+struct TcpLink {
     sock: TcpStream,
     rx: Rx,
+    /// Reading paused until the transmit backlog drains.
+    read_paused: bool,
+    want_write: bool,
+}
+
+enum Link {
+    Tcp(TcpLink),
+    Rdma(Box<RdmaLink>),
+    /// Closed: the socket or queue pair is gone.
+    Gone,
+}
+
+struct Conn {
+    link: Link,
     tx: Tx,
     q: Queue,
     /// No more reading: the queue ended or the peer closed.
     read_done: bool,
-    /// Reading paused until the transmit backlog drains.
-    read_paused: bool,
-    want_write: bool,
     /// Socket closed; the entry lives on until in-flight backend work
     /// (ring or asynchronous) completes.
     zombie: bool,
+}
+
+impl Conn {
+    fn read_paused(&self) -> bool {
+        matches!(&self.link, Link::Tcp(t) if t.read_paused)
+    }
+
+    /// Something for flush() to do.
+    fn has_output(&self) -> bool {
+        self.tx.backlog() > 0 || !self.tx.rdma.is_empty()
+    }
+}
+
+/// Tokens: two per connection, its socket or completion channel first,
+/// then (RDMA) its CM event channel.
+fn conn_token(i: usize, cm: bool) -> Token {
+    Token(FIRST_CONN + 2 * i + cm as usize)
 }
 
 pub struct Reactor {
     id: usize,
     target: Arc<Target>,
     poll: Poll,
-    incoming: Receiver<std::net::TcpStream>,
+    incoming: Receiver<Incoming>,
     ring: Option<Ring>,
     ring_efd: Option<OwnedFd>,
     conns: Vec<Option<Conn>>,
@@ -111,6 +173,8 @@ pub struct Reactor {
     async_completions: Vec<AsyncCompletion>,
     /// Connections that may have parked commands.
     parked: Vec<usize>,
+    /// RDMA connections that used their poll budget: polled again at once.
+    rdma_again: Vec<usize>,
 }
 
 impl std::fmt::Debug for Reactor {
@@ -168,6 +232,7 @@ impl Reactor {
             sink,
             async_completions: Vec::with_capacity(256),
             parked: Vec::new(),
+            rdma_again: Vec::new(),
         };
         Ok((r, ReactorHandle { tx, waker }))
     }
@@ -178,7 +243,9 @@ impl Reactor {
         let mut next_tick = 0;
         let mut drain_deadline: Option<u64> = None;
         loop {
-            let timeout = if !self.parked.is_empty() {
+            let timeout = if !self.rdma_again.is_empty() {
+                0
+            } else if !self.parked.is_empty() {
                 limits::PARKED_RETRY_MS
             } else if self.ring.as_ref().is_some_and(|r| r.busy()) {
                 limits::TICK_MS.min(10)
@@ -199,7 +266,11 @@ impl Reactor {
                     WAKER => self.adopt_new(),
                     RING => self.clear_eventfd(),
                     Token(t) => {
-                        let i = t - FIRST_CONN;
+                        let (i, cm) = ((t - FIRST_CONN) / 2, (t - FIRST_CONN) % 2 == 1);
+                        if cm {
+                            self.rdma_cm(i);
+                            continue;
+                        }
                         if ev.is_writable() {
                             self.flush(i);
                         }
@@ -208,6 +279,9 @@ impl Reactor {
                         }
                     }
                 }
+            }
+            for i in std::mem::take(&mut self.rdma_again) {
+                self.read(i);
             }
             self.reap();
             self.reap_async();
@@ -253,11 +327,79 @@ impl Reactor {
     }
 
     fn adopt_new(&mut self) {
-        while let Ok(s) = self.incoming.try_recv() {
-            if let Err(e) = self.add(s) {
+        while let Ok(inc) = self.incoming.try_recv() {
+            let r = match inc {
+                Incoming::Tcp(s) => self.add(s),
+                Incoming::Rdma(c) => self.add_rdma(c),
+            };
+            if let Err(e) = r {
                 tracing::warn!(reactor = self.id, error = %e, "could not adopt a connection");
                 self.live.fetch_sub(1, Ordering::AcqRel);
             }
+        }
+    }
+
+    fn slot(&mut self) -> usize {
+        self.free.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        })
+    }
+
+    fn add_rdma(&mut self, RdmaIncoming(link): RdmaIncoming) -> io::Result<()> {
+        let i = self.slot();
+        let reg = self.poll.registry();
+        let comp = link.comp_fd();
+        let r = reg
+            .register(
+                &mut SourceFd(&comp),
+                conn_token(i, false),
+                Interest::READABLE,
+            )
+            .and_then(|()| match link.cm_fd() {
+                Some(fd) => {
+                    reg.register(&mut SourceFd(&fd), conn_token(i, true), Interest::READABLE)
+                }
+                None => Ok(()),
+            });
+        if let Err(e) = r {
+            let _ = reg.deregister(&mut SourceFd(&comp));
+            self.free.push(i);
+            link.disconnect();
+            return Err(e);
+        }
+        tracing::debug!(reactor = self.id, peer = %link.peer, cm_qid = link.cm_qid, "RDMA connection adopted");
+        let q = Queue::new_rdma(
+            self.target.clone(),
+            link.local,
+            link.peer,
+            self.target.now_ms(),
+            link.cm_qid,
+        );
+        self.conns[i] = Some(Conn {
+            link: Link::Rdma(link),
+            tx: Tx::default(),
+            q,
+            read_done: false,
+            zombie: false,
+        });
+        // Capsules may have arrived before the reactor got the connection.
+        self.read(i);
+        Ok(())
+    }
+
+    /// The CM event channel of an RDMA connection is readable.
+    fn rdma_cm(&mut self, i: usize) {
+        let gone = match self.conns.get_mut(i) {
+            Some(Some(Conn {
+                link: Link::Rdma(l),
+                zombie: false,
+                ..
+            })) => l.cm_events(),
+            _ => false,
+        };
+        if gone {
+            self.close(i);
         }
     }
 
@@ -267,27 +409,31 @@ impl Reactor {
         let local = s.local_addr()?;
         let peer = s.peer_addr()?;
         let mut sock = TcpStream::from_std(s);
-        let i = self.free.pop().unwrap_or_else(|| {
-            self.conns.push(None);
-            self.conns.len() - 1
-        });
-        self.poll
-            .registry()
-            .register(&mut sock, Token(i + FIRST_CONN), Interest::READABLE)?;
+        let i = self.slot();
+        if let Err(e) =
+            self.poll
+                .registry()
+                .register(&mut sock, conn_token(i, false), Interest::READABLE)
+        {
+            self.free.push(i);
+            return Err(e);
+        }
         tracing::debug!(reactor = self.id, %peer, "connection adopted");
         let q = Queue::new(self.target.clone(), local, peer, self.target.now_ms());
         self.conns[i] = Some(Conn {
-            sock,
-            rx: Rx {
-                buf: vec![0u8; limits::RX_BUF_BYTES].into_boxed_slice(),
-                start: 0,
-                end: 0,
-            },
+            link: Link::Tcp(TcpLink {
+                sock,
+                rx: Rx {
+                    buf: vec![0u8; limits::RX_BUF_BYTES].into_boxed_slice(),
+                    start: 0,
+                    end: 0,
+                },
+                read_paused: false,
+                want_write: false,
+            }),
             tx: Tx::default(),
             q,
             read_done: false,
-            read_paused: false,
-            want_write: false,
             zombie: false,
         });
         // Data may already be waiting (edge-triggered readiness).
@@ -320,33 +466,46 @@ impl Reactor {
             now_ms: now,
         };
         let mut peer_closed = false;
-        loop {
-            if c.tx.backlog() > limits::TX_HIGH_WATER_BYTES {
-                c.read_paused = true;
-                break;
-            }
-            if c.rx.end == c.rx.buf.len() {
-                c.rx.compact();
-            }
-            match c.sock.read(&mut c.rx.buf[c.rx.end..]) {
-                Ok(0) => {
-                    peer_closed = true;
+        match &mut c.link {
+            Link::Tcp(t) => loop {
+                if c.tx.backlog() > limits::TX_HIGH_WATER_BYTES {
+                    t.read_paused = true;
                     break;
                 }
-                Ok(n) => {
-                    c.rx.end += n;
-                    if !run_pdus(c, &mut ex) {
+                if t.rx.end == t.rx.buf.len() {
+                    t.rx.compact();
+                }
+                match t.sock.read(&mut t.rx.buf[t.rx.end..]) {
+                    Ok(0) => {
+                        peer_closed = true;
+                        break;
+                    }
+                    Ok(n) => {
+                        t.rx.end += n;
+                        if !run_pdus(t, &mut c.q, &mut c.tx, &mut c.read_done, &mut ex) {
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        tracing::debug!(peer = %c.q.peer, error = %e, "socket read failed");
+                        peer_closed = true;
                         break;
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    tracing::debug!(peer = %c.q.peer, error = %e, "socket read failed");
-                    peer_closed = true;
-                    break;
+            },
+            Link::Rdma(l) => {
+                if l.poll(&mut c.q, &mut c.tx, &mut ex) && !self.rdma_again.contains(&i) {
+                    self.rdma_again.push(i);
                 }
+                c.q.reclaim(&mut c.tx);
+                if c.q.terminated() {
+                    c.read_done = true;
+                }
+                peer_closed = l.failed;
             }
+            Link::Gone => {}
         }
         let parked = c.q.has_parked();
         if peer_closed {
@@ -469,7 +628,7 @@ impl Reactor {
 
     fn flush_all(&mut self) {
         for i in 0..self.conns.len() {
-            if matches!(&self.conns[i], Some(c) if !c.zombie && (c.tx.backlog() > 0 || c.q.wants_close() || c.read_paused))
+            if matches!(&self.conns[i], Some(c) if !c.zombie && (c.has_output() || c.q.wants_close() || c.read_paused()))
             {
                 self.flush(i);
             }
@@ -485,9 +644,23 @@ impl Reactor {
         if c.zombie {
             return;
         }
+        if let Link::Rdma(l) = &mut c.link {
+            let ok = l.post(&mut c.q, &mut c.tx);
+            c.q.reclaim(&mut c.tx);
+            // Responses are out once posted; a graceful close waits for the
+            // slots whose data is still being written.
+            let done = c.q.terminated() || (c.q.wants_close() && !c.q.busy());
+            if !ok || done {
+                self.close(i);
+            }
+            return;
+        }
+        let Link::Tcp(t) = &mut c.link else {
+            return;
+        };
         let mut failed = false;
         while c.tx.backlog() > 0 {
-            match c.tx.write_to(&mut c.sock) {
+            match c.tx.write_to(&mut t.sock) {
                 Ok(0) => {
                     failed = true;
                     break;
@@ -503,7 +676,7 @@ impl Reactor {
         }
         c.q.reclaim(&mut c.tx);
         let want_write = c.tx.backlog() > 0;
-        if want_write != c.want_write {
+        if want_write != t.want_write {
             let interest = if want_write {
                 Interest::READABLE | Interest::WRITABLE
             } else {
@@ -512,16 +685,16 @@ impl Reactor {
             let _ = self
                 .poll
                 .registry()
-                .reregister(&mut c.sock, Token(i + FIRST_CONN), interest);
-            c.want_write = want_write;
+                .reregister(&mut t.sock, conn_token(i, false), interest);
+            t.want_write = want_write;
         }
         let done = c.tx.backlog() == 0 && (c.q.terminated() || (c.q.wants_close() && !c.q.busy()));
         if failed || done {
             self.close(i);
             return;
         }
-        if c.read_paused && c.tx.backlog() <= limits::TX_HIGH_WATER_BYTES / 2 {
-            c.read_paused = false;
+        if t.read_paused && c.tx.backlog() <= limits::TX_HIGH_WATER_BYTES / 2 {
+            t.read_paused = false;
             self.read(i);
         }
     }
@@ -533,18 +706,39 @@ impl Reactor {
         if c.zombie {
             return;
         }
-        // Best effort: whatever responses are ready still go out.
-        while c.tx.backlog() > 0 {
-            match c.tx.write_to(&mut c.sock) {
-                Ok(n) if n > 0 => {}
-                _ => break,
+        match std::mem::replace(&mut c.link, Link::Gone) {
+            Link::Tcp(mut t) => {
+                // Best effort: whatever responses are ready still go out.
+                while c.tx.backlog() > 0 {
+                    match c.tx.write_to(&mut t.sock) {
+                        Ok(n) if n > 0 => {}
+                        _ => break,
+                    }
+                }
+                let _ = self.poll.registry().deregister(&mut t.sock);
+                let _ = t.sock.shutdown(std::net::Shutdown::Both);
             }
+            Link::Rdma(mut l) => {
+                if !l.failed {
+                    let _ = l.post(&mut c.q, &mut c.tx);
+                }
+                let reg = self.poll.registry();
+                let _ = reg.deregister(&mut SourceFd(&l.comp_fd()));
+                if let Some(fd) = l.cm_fd() {
+                    let _ = reg.deregister(&mut SourceFd(&fd));
+                }
+                l.disconnect();
+                // Dropping the link destroys the queue pair: nothing more
+                // is read from or written to the slots' buffers after this.
+                drop(l);
+                self.rdma_again.retain(|&x| x != i);
+            }
+            Link::Gone => {}
         }
+        c.tx.rdma.clear();
         c.tx.abandon();
         c.q.reclaim(&mut c.tx);
         c.q.close();
-        let _ = self.poll.registry().deregister(&mut c.sock);
-        let _ = c.sock.shutdown(std::net::Shutdown::Both);
         c.zombie = true;
         self.live.fetch_sub(1, Ordering::AcqRel);
         tracing::debug!(peer = %c.q.peer, qid = ?c.q.qid(), "connection closed");
@@ -556,38 +750,45 @@ impl Reactor {
 }
 
 /// Runs every complete PDU in the receive buffer. False: stop reading.
-fn run_pdus(c: &mut Conn, ex: &mut Exec<'_>) -> bool {
+fn run_pdus(
+    t: &mut TcpLink,
+    q: &mut Queue,
+    tx: &mut Tx,
+    read_done: &mut bool,
+    ex: &mut Exec<'_>,
+) -> bool {
+    let rx = &mut t.rx;
     loop {
-        let avail = c.rx.end - c.rx.start;
+        let avail = rx.end - rx.start;
         if avail < nvpool_wire::tcp::CH_LEN {
             break;
         }
-        let hdr = &c.rx.buf[c.rx.start..c.rx.start + nvpool_wire::tcp::CH_LEN];
-        let plen = match c.q.check_header(hdr) {
+        let hdr = &rx.buf[rx.start..rx.start + nvpool_wire::tcp::CH_LEN];
+        let plen = match q.check_header(hdr) {
             Ok(p) => p,
             Err(f) => {
-                let hdr = c.rx.buf[c.rx.start..c.rx.end].to_vec();
-                c.q.fail(f, &hdr, &mut c.tx);
-                c.read_done = true;
+                let hdr = rx.buf[rx.start..rx.end].to_vec();
+                q.fail(f, &hdr, tx);
+                *read_done = true;
                 return false;
             }
         };
         if avail < plen {
-            if c.rx.start + plen > c.rx.buf.len() {
-                c.rx.compact();
+            if rx.start + plen > rx.buf.len() {
+                rx.compact();
             }
             break;
         }
-        let (s, e) = (c.rx.start, c.rx.start + plen);
-        c.rx.start = e;
-        if c.q.on_pdu(&c.rx.buf[s..e], &mut c.tx, ex).is_err() || c.q.terminated() {
-            c.read_done = true;
+        let (s, e) = (rx.start, rx.start + plen);
+        rx.start = e;
+        if q.on_pdu(&rx.buf[s..e], tx, ex).is_err() || q.terminated() {
+            *read_done = true;
             return false;
         }
     }
-    if c.rx.start == c.rx.end {
-        c.rx.start = 0;
-        c.rx.end = 0;
+    if rx.start == rx.end {
+        rx.start = 0;
+        rx.end = 0;
     }
     true
 }

@@ -227,6 +227,7 @@ pub struct Target {
     write_lock: Mutex<()>,
     controllers: Mutex<Controllers>,
     listeners: Mutex<Vec<SocketAddr>>,
+    rdma_listeners: Mutex<Vec<SocketAddr>>,
     genctr: AtomicU64,
     shutting_down: AtomicBool,
     epoch: Instant,
@@ -265,6 +266,7 @@ impl Target {
                 next_id: 1,
             }),
             listeners: Mutex::new(Vec::new()),
+            rdma_listeners: Mutex::new(Vec::new()),
             genctr: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             epoch: Instant::now(),
@@ -345,6 +347,16 @@ impl Target {
 
     pub fn listeners(&self) -> Vec<SocketAddr> {
         lock(&self.listeners).clone()
+    }
+
+    /// The NVMe/RDMA listeners (set by the RDMA CM listener thread).
+    pub fn set_rdma_listeners(&self, addrs: Vec<SocketAddr>) {
+        *lock(&self.rdma_listeners) = addrs;
+        self.discovery_changed();
+    }
+
+    pub fn rdma_listeners(&self) -> Vec<SocketAddr> {
+        lock(&self.rdma_listeners).clone()
     }
 
     pub fn begin_shutdown(&self) {
@@ -844,6 +856,7 @@ impl Target {
         hostid: [u8; 16],
         kato_ms: u32,
         discovery: bool,
+        transport: crate::config::Transport,
     ) -> Option<Arc<Controller>> {
         let mut cs = lock(&self.controllers);
         cs.by_id.retain(|_, c| !c.is_dead());
@@ -880,6 +893,7 @@ impl Target {
             hostid,
             kato_ms,
             discovery,
+            transport,
             Arc::downgrade(self),
             self.now_ms(),
         ));

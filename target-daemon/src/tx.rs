@@ -20,8 +20,37 @@ enum Seg {
     Slot { addr: usize, len: usize, slot: u16 },
 }
 
+/// NVMe/RDMA work a queue asks its transport to post, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaWork {
+    /// RDMA READ of a host write's data into slot `slot`'s buffer; the
+    /// queue hears back through `Queue::on_rdma_fetched`.
+    Fetch {
+        slot: u16,
+        len: u32,
+        raddr: u64,
+        rkey: u32,
+    },
+    /// RDMA WRITE of the first `len` bytes of slot `slot`'s buffer.
+    Deliver {
+        slot: u16,
+        len: u32,
+        raddr: u64,
+        rkey: u32,
+    },
+    /// SEND of a response capsule (with Invalidate of `invalidate`); once it
+    /// completes, `release` goes to [`Tx::released`].
+    Respond {
+        cqe: [u8; 16],
+        invalidate: Option<u32>,
+        release: Option<u16>,
+    },
+}
+
 #[derive(Debug, Default)]
 pub struct Tx {
+    /// NVMe/RDMA: work to post (the byte queue stays empty).
+    pub rdma: Vec<RdmaWork>,
     bytes: Vec<u8>,
     segs: VecDeque<Seg>,
     /// Bytes of the front segment already written.

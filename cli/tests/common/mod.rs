@@ -118,6 +118,7 @@ impl Tgt {
             self.target.clone(),
             &StartOptions {
                 listeners: vec![self.addr],
+                rdma_listeners: vec![],
                 reactors: 1,
                 io_uring: false,
                 admin_listen: Some(self.admin),

@@ -35,6 +35,7 @@ pub struct Node {
 pub fn start_running(target: Arc<Target>, listen: SocketAddr, admin: SocketAddr) -> Running {
     let opts = StartOptions {
         listeners: vec![listen],
+        rdma_listeners: vec![],
         reactors: 1,
         io_uring: false,
         admin_listen: Some(admin),

@@ -87,6 +87,7 @@ impl Tgt {
         }
         let opts = StartOptions {
             listeners: vec![addr],
+            rdma_listeners: vec![],
             reactors: 2,
             io_uring: true,
             admin_listen: None,

@@ -94,6 +94,7 @@ impl Daemon {
         }
         let opts = StartOptions {
             listeners: vec!["127.0.0.1:0".parse().expect("addr")],
+            rdma_listeners: vec![],
             reactors: 2,
             io_uring: true,
             admin_listen: Some("127.0.0.1:0".parse().expect("addr")),
