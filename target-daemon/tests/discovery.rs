@@ -80,7 +80,7 @@ fn discovery_log_lists_what_the_host_may_see() {
     assert_eq!(e.trsvcid, port);
     assert_eq!(e.traddr, "127.0.0.1");
     assert_eq!(e.cntlid, 0xFFFF);
-    assert_eq!(e.sectype, 0);
+    assert_eq!(e.tsas, [0; 3]);
     assert!(
         !entries.iter().any(|e| e.subnqn == OTHER_NQN),
         "B's subsystem leaked to A: {entries:#?}"
