@@ -194,14 +194,24 @@ pub struct rdma_event_channel {
     pub fd: c_int,
 }
 
-/// `struct rdma_cm_id` up to `qp`.
+/// `struct rdma_cm_id` up to the route's addresses (`rdma_get_local_addr`
+/// and `rdma_get_peer_addr` are inline functions reading them).
 #[repr(C)]
-#[derive(Debug)]
 pub struct rdma_cm_id {
     pub verbs: *mut ibv_context,
     pub channel: *mut rdma_event_channel,
     pub context: *mut c_void,
     pub qp: *mut ibv_qp,
+    /// `route.addr.src_addr` (a sockaddr_storage-sized union).
+    pub src_addr: libc::sockaddr_storage,
+    /// `route.addr.dst_addr`.
+    pub dst_addr: libc::sockaddr_storage,
+}
+
+impl std::fmt::Debug for rdma_cm_id {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("rdma_cm_id").field("qp", &self.qp).finish()
+    }
 }
 
 #[repr(C)]
@@ -308,8 +318,6 @@ pub struct Lib {
     pub rdma_create_qp:
         unsafe extern "C" fn(*mut rdma_cm_id, *mut c_void, *mut ibv_qp_init_attr) -> c_int,
     pub rdma_destroy_qp: unsafe extern "C" fn(*mut rdma_cm_id),
-    pub rdma_get_local_addr: unsafe extern "C" fn(*mut rdma_cm_id) -> *mut libc::sockaddr,
-    pub rdma_get_peer_addr: unsafe extern "C" fn(*mut rdma_cm_id) -> *mut libc::sockaddr,
     pub rdma_migrate_id: unsafe extern "C" fn(*mut rdma_cm_id, *mut rdma_event_channel) -> c_int,
     pub rdma_event_str: unsafe extern "C" fn(c_uint) -> *const c_char,
 }
@@ -393,8 +401,6 @@ fn load() -> Result<Lib, Unavailable> {
         rdma_ack_cm_event: f!(c, rdma_ack_cm_event),
         rdma_create_qp: f!(c, rdma_create_qp),
         rdma_destroy_qp: f!(c, rdma_destroy_qp),
-        rdma_get_local_addr: f!(c, rdma_get_local_addr),
-        rdma_get_peer_addr: f!(c, rdma_get_peer_addr),
         rdma_migrate_id: f!(c, rdma_migrate_id),
         rdma_event_str: f!(c, rdma_event_str),
     })

@@ -343,15 +343,13 @@ impl CmId {
     }
 
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        let lib = l().ok()?;
-        // SAFETY: raw is live; the returned pointer is inside the id.
-        unsafe { socket_addr_from((lib.rdma_get_local_addr)(self.raw)) }
+        // SAFETY: raw is live; the route's source address is inside the id.
+        unsafe { socket_addr_from(ptr::addr_of!((*self.raw).src_addr).cast()) }
     }
 
     pub fn peer_addr(&self) -> Option<SocketAddr> {
-        let lib = l().ok()?;
-        // SAFETY: as above.
-        unsafe { socket_addr_from((lib.rdma_get_peer_addr)(self.raw)) }
+        // SAFETY: as above, the destination address.
+        unsafe { socket_addr_from(ptr::addr_of!((*self.raw).dst_addr).cast()) }
     }
 
     /// Starts an orderly disconnect (the QP goes to error, posted work
@@ -785,5 +783,30 @@ impl Drop for Endpoint {
                 (lib.ibv_dealloc_pd)(self.pd);
             }
         }
+    }
+}
+
+impl Endpoint {
+    /// Like [`Endpoint::take_comp_events`], and says how many events it
+    /// took: each one means the CQ fired and is no longer armed.
+    pub fn take_comp_events_counted(&mut self) -> u32 {
+        let Ok(lib) = l() else { return 0 };
+        let mut n = 0;
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut cx = ptr::null_mut();
+            // SAFETY: comp is live and non-blocking.
+            if unsafe { (lib.ibv_get_cq_event)(self.comp, &mut cq, &mut cx) } != 0 {
+                break;
+            }
+            self.unacked += 1;
+            n += 1;
+        }
+        if self.unacked >= 64 {
+            // SAFETY: cq is live; acknowledging events we took.
+            unsafe { (lib.ibv_ack_cq_events)(self.cq, self.unacked) };
+            self.unacked = 0;
+        }
+        n
     }
 }

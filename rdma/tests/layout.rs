@@ -30,6 +30,7 @@ int main(void) {
     S(ibv_device_attr); O(ibv_device_attr, max_qp_wr); O(ibv_device_attr, max_sge);
     O(ibv_device_attr, max_qp_rd_atom); O(ibv_device_attr, max_qp_init_rd_atom);
     O(rdma_cm_id, verbs); O(rdma_cm_id, channel); O(rdma_cm_id, context); O(rdma_cm_id, qp);
+    O(rdma_cm_id, route.addr.src_addr); O(rdma_cm_id, route.addr.dst_addr);
     S(rdma_cm_event); O(rdma_cm_event, event); O(rdma_cm_event, status); O(rdma_cm_event, param);
     S(rdma_conn_param); O(rdma_conn_param, private_data_len); O(rdma_conn_param, responder_resources);
     O(rdma_conn_param, initiator_depth); O(rdma_conn_param, rnr_retry_count); O(rdma_conn_param, qp_num);
@@ -189,6 +190,8 @@ fn ffi_layouts_match_the_system_headers() {
     check("rdma_cm_id.channel", offset_of!(rdma_cm_id, channel));
     check("rdma_cm_id.context", offset_of!(rdma_cm_id, context));
     check("rdma_cm_id.qp", offset_of!(rdma_cm_id, qp));
+    check("rdma_cm_id.route.addr.src_addr", offset_of!(rdma_cm_id, src_addr));
+    check("rdma_cm_id.route.addr.dst_addr", offset_of!(rdma_cm_id, dst_addr));
     check("rdma_cm_event", size_of::<rdma_cm_event>());
     check("rdma_cm_event.event", offset_of!(rdma_cm_event, event));
     check("rdma_cm_event.status", offset_of!(rdma_cm_event, status));
@@ -269,5 +272,16 @@ fn without_rdma_in_the_kernel_availability_says_why() {
     match nvpool_rdma::available() {
         Ok(()) => assert!(std::path::Path::new("/dev/infiniband/rdma_cm").exists()),
         Err(why) => assert!(!why.is_empty()),
+    }
+}
+
+#[test]
+fn every_symbol_resolves_in_the_installed_libraries() {
+    // Functions that are inline in the headers (rdma_get_local_addr, the
+    // provider calls) must not be looked up: loading would fail here.
+    match nvpool_rdma::ffi::lib() {
+        Ok(_) => {}
+        Err(why) if why.contains("not found") => skip_or_fail(why),
+        Err(why) => panic!("the RDMA libraries load but lack a symbol: {why}"),
     }
 }

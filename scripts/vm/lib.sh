@@ -35,7 +35,7 @@ VM_BASE_BINS=(bash kmod)
 # Soft-RoCE for "# vm-rdma: yes" tests: rxe and the userspace verbs/CM device nodes; the
 # tools pull libibverbs.so.1 and librdmacm.so.1 in through ldd (nvpool dlopens them), the
 # provider directory and its driver files are what libibverbs loads for an rxe device.
-VM_RDMA_MODULES=(rdma_rxe ib_uverbs rdma_ucm crc32_generic nvme-rdma nvmet-rdma)
+VM_RDMA_MODULES=(dummy rdma_rxe ib_uverbs rdma_ucm crc32_generic nvme-rdma nvmet-rdma)
 VM_RDMA_BINS=(ip rdma ibv_devinfo rping)
 VM_RDMA_FILES=(/usr/lib/x86_64-linux-gnu/libibverbs:/usr/lib/x86_64-linux-gnu/libibverbs
     /etc/libibverbs.d:/etc/libibverbs.d)

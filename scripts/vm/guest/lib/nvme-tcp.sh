@@ -4,10 +4,15 @@
 # on loopback: the kernel's nvmet (kernel-nvmet-smoke.sh) or ours (nvme-tcp-target.sh).
 # Running one suite against both tells a bug in our target from a bug in the test.
 #
+# Over RDMA too (nvme-rdma-target.sh): NVME_TRANSPORT=rdma connects with -t rdma, checks
+# the discovery log says trtype rdma, and skips the data digests NVMe/RDMA does not have.
+#
 # Needs common.sh and these variables:
 #   NVME_ADDR NVME_IO_PORT NVME_DISC_PORT  where the target listens
 #   NVME_NQN NVME_NSID                     the subsystem and the namespace to use (>=1 GiB)
 #   NVME_HOSTNQN NVME_BAD_HOSTNQN          an allowed host NQN and a refused one
+
+NVME_TRANSPORT=${NVME_TRANSPORT:-tcp}
 
 # Idle time for the keep-alive check: seven times the kernel's default 5 s KATO.
 KEEPALIVE_IDLE_S=35
@@ -67,7 +72,7 @@ connect() {
     shift
     nvme_no_ctrl || die "$name: a controller for $NVME_NQN is already connected"
     host_opts "$NVME_HOSTNQN"
-    quiet "connect-$name" nvme connect -t tcp -a "$NVME_ADDR" -s "$NVME_IO_PORT" \
+    quiet "connect-$name" nvme connect -t "$NVME_TRANSPORT" -a "$NVME_ADDR" -s "$NVME_IO_PORT" \
         -n "$NVME_NQN" "${HOST_OPTS[@]}" "$@"
     wait_until "$DEVICE_SETTLE_S" "namespace $NVME_NSID block device" nvme_has_dev
     DEV=$(nvme_ns_dev "$NVME_NQN" "$NVME_NSID")
@@ -94,11 +99,15 @@ disconnect() {
 
 suite_discover() {
     host_opts "$NVME_HOSTNQN"
-    quiet discover nvme discover -t tcp -a "$NVME_ADDR" -s "$NVME_DISC_PORT" \
+    quiet discover nvme discover -t "$NVME_TRANSPORT" -a "$NVME_ADDR" -s "$NVME_DISC_PORT" \
         "${HOST_OPTS[@]}"
     grep -Eq "^subnqn: +$NVME_NQN\$" /tmp/out.discover || {
         cat /tmp/out.discover
         die "discovery log on port $NVME_DISC_PORT does not list $NVME_NQN"
+    }
+    grep -Eq "^trtype: +$NVME_TRANSPORT\$" /tmp/out.discover || {
+        cat /tmp/out.discover
+        die "discovery log entries are not of transport $NVME_TRANSPORT"
     }
     nvme_no_ctrl || die "discovery left a controller behind"
     step_ok discover
@@ -122,8 +131,12 @@ suite_xfs() {
 }
 
 suite_ext4_digests() {
-    connect digests -g -G
-    step_ok connect-digests
+    if [[ $NVME_TRANSPORT == tcp ]]; then
+        connect digests -g -G
+        step_ok connect-digests
+    else
+        connect ext4
+    fi
     quiet mkfs-ext4 mkfs.ext4 -F "$DEV"
     mkdir -p /mnt/ext4
     mount -t ext4 "$DEV" /mnt/ext4
@@ -134,8 +147,8 @@ suite_ext4_digests() {
     quiet e2fsck e2fsck -fn "$DEV"
     step_ok ext4
     # Raw device last: it overwrites the filesystem just checked.
-    fio_verify raw-digests --rw=randwrite --size=16M --filename="$DEV"
-    step_ok raw-fio-digests
+    fio_verify "raw-$NVME_TRANSPORT" --rw=randwrite --size=16M --filename="$DEV"
+    step_ok "raw-fio-$NVME_TRANSPORT"
     disconnect
 }
 
@@ -155,7 +168,7 @@ suite_multiqueue() {
 suite_denied_host() {
     local rc=0
     host_opts "$NVME_BAD_HOSTNQN"
-    nvme connect -t tcp -a "$NVME_ADDR" -s "$NVME_IO_PORT" -n "$NVME_NQN" \
+    nvme connect -t "$NVME_TRANSPORT" -a "$NVME_ADDR" -s "$NVME_IO_PORT" -n "$NVME_NQN" \
         "${HOST_OPTS[@]}" >/tmp/out.denied 2>&1 || rc=$?
     if [[ $rc -eq 0 ]]; then
         cat /tmp/out.denied

@@ -12,7 +12,7 @@ RDMA_NETDEV=rxedummy0
 
 # Bring up $RDMA_DEV on a dummy link holding $RDMA_ADDR and wait until its port is ACTIVE.
 rdma_up() {
-    modprobe -a rdma_rxe ib_uverbs rdma_ucm
+    modprobe -a dummy rdma_rxe ib_uverbs rdma_ucm
     /usr/sbin/ip link add "$RDMA_NETDEV" type dummy
     /usr/sbin/ip addr add "$RDMA_ADDR/24" dev "$RDMA_NETDEV"
     # MTU 4200: RoCE MTU 4096 (rxe subtracts its headers from the link MTU).
