@@ -359,6 +359,15 @@ fn sym(h: *mut c_void, name: &CStr) -> Result<*mut c_void, Unavailable> {
     Ok(p)
 }
 
+/// A symbol's address as the function pointer type of its `Lib` field.
+fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: F is one of `Lib`'s `unsafe extern "C" fn` types, pointer
+    // sized (asserted), and the symbol has that C signature, as in the
+    // rdma-core headers.
+    unsafe { std::mem::transmute_copy(&p) }
+}
+
 fn load() -> Result<Lib, Unavailable> {
     let v = open(c"libibverbs.so.1")?;
     let c = open(c"librdmacm.so.1")?;
@@ -368,9 +377,7 @@ fn load() -> Result<Lib, Unavailable> {
                 $h,
                 &std::ffi::CString::new(stringify!($name)).expect("symbol name"),
             )?;
-            // SAFETY: the symbol has the C signature declared in `Lib`, as
-            // in the rdma-core headers (checked by tests/layout.rs).
-            unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+            fn_ptr(p)
         }};
     }
     Ok(Lib {

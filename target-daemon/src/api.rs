@@ -13,7 +13,7 @@
 //! | `DELETE /v1/subsystems/{nqn}/namespaces/{nsid}` | remove a namespace (hosts get a namespace-changed event) |
 //! | `PUT /v1/subsystems/{nqn}/hosts/{hostnqn}` | allow a host |
 //! | `DELETE /v1/subsystems/{nqn}/hosts/{hostnqn}` | revoke a host (its controllers are disconnected) |
-//! | `GET /v1/listeners`, `PUT/DELETE /v1/listeners/{addr}` | listeners |
+//! | `GET /v1/listeners`, `PUT/DELETE /v1/listeners/{addr}` | listeners (`rdma:ADDR:PORT` for NVMe/RDMA) |
 //! | `GET /v1/controllers` | live controllers |
 //! | `PUT /v1/copies/{id}` | arm a copy job (body: dest, source, region_bytes, rate_bytes_per_sec); same body again: its status; another body: 409 |
 //! | `POST /v1/copies/{id}/start` | start an armed job (body: regions, null = all) |
@@ -320,6 +320,7 @@ async fn target_info(State(api): State<Api>) -> impl IntoResponse {
     Json(serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "listeners": api.target.listeners(),
+        "rdma_listeners": api.target.rdma_listeners(),
         "subsystems": api.target.subsystems().values().map(|s| view(&api.target, s)).collect::<Vec<_>>(),
         "controllers": controllers(&api.target),
     }))
@@ -521,35 +522,42 @@ async fn post_leases(
     })))
 }
 
-async fn list_listeners(State(api): State<Api>) -> impl IntoResponse {
-    Json(api.target.listeners())
+/// Every listener: `ADDR:PORT` for NVMe/TCP, `rdma:ADDR:PORT` for NVMe/RDMA.
+fn all_listeners(t: &Target) -> Vec<String> {
+    let tcp = t.listeners().into_iter().map(|a| a.to_string());
+    tcp.chain(t.rdma_listeners().into_iter().map(|a| format!("rdma:{a}")))
+        .collect()
 }
 
-fn parse_addr(a: &str) -> Result<SocketAddr, ApiError> {
+async fn list_listeners(State(api): State<Api>) -> impl IntoResponse {
+    Json(all_listeners(&api.target))
+}
+
+fn parse_listen(a: &str) -> Result<crate::config::Listen, ApiError> {
     a.parse()
-        .map_err(|_| ApiError::bad_request(format!("{a:?} is not ADDR:PORT")))
+        .map_err(|_| ApiError::bad_request(format!("{a:?} is not [rdma:]ADDR:PORT")))
 }
 
 async fn put_listener(
     State(api): State<Api>,
     Path(addr): Path<String>,
-) -> Result<Json<Vec<SocketAddr>>, ApiError> {
-    let a = parse_addr(&addr)?;
+) -> Result<Json<Vec<String>>, ApiError> {
+    let a = parse_listen(&addr)?;
     let c = api.listeners.clone();
-    tokio::task::spawn_blocking(move || c.add(a))
+    tokio::task::spawn_blocking(move || c.add_listen(a))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
         .map_err(|m| ApiError::new(StatusCode::CONFLICT, "listen", m))?;
-    Ok(Json(api.target.listeners()))
+    Ok(Json(all_listeners(&api.target)))
 }
 
 async fn delete_listener(
     State(api): State<Api>,
     Path(addr): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let a = parse_addr(&addr)?;
+    let a = parse_listen(&addr)?;
     let c = api.listeners.clone();
-    tokio::task::spawn_blocking(move || c.remove(a))
+    tokio::task::spawn_blocking(move || c.remove_listen(a))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
         .map_err(|m| ApiError::new(StatusCode::NOT_FOUND, "not_found", m))?;

@@ -414,6 +414,33 @@ pub use nvpool_wire::nqn::{format_uuid, parse_uuid};
 mod tests {
     use super::*;
 
+    #[test]
+    fn listen_addresses_name_their_transport() {
+        let l: Listen = "rdma:192.0.2.10:4420".parse().unwrap();
+        assert_eq!((l.transport, l.addr.port()), (Transport::Rdma, 4420));
+        assert_eq!(l.to_string(), "rdma:192.0.2.10:4420");
+        let t: Listen = "tcp:[::1]:8009".parse().unwrap();
+        assert_eq!(
+            (t.transport, t.to_string()),
+            (Transport::Tcp, "[::1]:8009".into())
+        );
+        let plain: Listen = "127.0.0.1:4420".parse().unwrap();
+        assert_eq!(plain.transport, Transport::Tcp);
+        for bad in ["rdma:", "rdma:10.0.0.1", "ib:10.0.0.1:4420", "4420"] {
+            assert!(bad.parse::<Listen>().is_err(), "{bad}");
+        }
+        let cfg: Config = toml::from_str(
+            "[[listeners]]\naddr = \"10.0.0.1:4420\"\ntransport = \"rdma\"\n[[listeners]]\naddr = \"10.0.0.1:4420\"\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.listeners[0].transport, Transport::Rdma);
+        assert_eq!(cfg.listeners[1].transport, Transport::Tcp);
+        assert!(toml::from_str::<Config>(
+            "[[listeners]]\naddr = \"10.0.0.1:4420\"\ntransport = \"udp\"\n"
+        )
+        .is_err());
+    }
+
     const SAMPLE: &str = r#"
 state_dir = "/tmp/x"
 admin_listen = "127.0.0.1:4480"

@@ -47,6 +47,8 @@ enum AcceptorCmd {
 pub struct ListenerControl {
     tx: SyncSender<AcceptorCmdBox>,
     waker: Arc<Waker>,
+    /// The RDMA CM listener, or why RDMA is unavailable here.
+    rdma: Result<crate::rdma::RdmaControl, String>,
 }
 
 struct AcceptorCmdBox(AcceptorCmd);
@@ -63,6 +65,28 @@ impl ListenerControl {
         self.send(AcceptorCmd::Add(addr, tx))?;
         rx.recv_timeout(Duration::from_secs(5))
             .map_err(|_| "acceptor did not answer".to_string())?
+    }
+
+    /// Adds a listener of either transport.
+    pub fn add_listen(&self, l: crate::config::Listen) -> Result<SocketAddr, String> {
+        match l.transport {
+            crate::config::Transport::Tcp => self.add(l.addr),
+            crate::config::Transport::Rdma => self.rdma()?.add(l.addr),
+        }
+    }
+
+    /// Removes a listener of either transport.
+    pub fn remove_listen(&self, l: crate::config::Listen) -> Result<(), String> {
+        match l.transport {
+            crate::config::Transport::Tcp => self.remove(l.addr),
+            crate::config::Transport::Rdma => self.rdma()?.remove(l.addr),
+        }
+    }
+
+    fn rdma(&self) -> Result<&crate::rdma::RdmaControl, String> {
+        self.rdma
+            .as_ref()
+            .map_err(|why| format!("RDMA is unavailable: {why}"))
     }
 
     pub fn remove(&self, addr: SocketAddr) -> Result<(), String> {
@@ -88,7 +112,7 @@ pub struct Running {
     reactors: Vec<JoinHandle<()>>,
     handles: Vec<ReactorHandle>,
     acceptor: Option<JoinHandle<()>>,
-    rdma_listener: Option<JoinHandle<()>>,
+    rdma_listener: Option<crate::rdma::RdmaListener>,
     control: ListenerControl,
     api: Option<api::ApiServer>,
 }
@@ -125,7 +149,24 @@ impl Running {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), ACCEPT_WAKER)?);
         let (ctl_tx, ctl_rx) = mpsc::sync_channel(16);
-        let control = ListenerControl { tx: ctl_tx, waker };
+        let rdma_listener = crate::rdma::start_listener(
+            target.clone(),
+            &opts.rdma_listeners,
+            handles.clone(),
+            live.clone(),
+        )?;
+        if let Err(why) = &rdma_listener {
+            tracing::info!("NVMe/RDMA unavailable on this machine ({why}); serving NVMe/TCP only");
+        }
+        let control = ListenerControl {
+            tx: ctl_tx,
+            waker,
+            rdma: rdma_listener
+                .as_ref()
+                .map(|l| l.control.clone())
+                .map_err(Clone::clone),
+        };
+        let rdma_listener = rdma_listener.ok();
         let mut acc = Acceptor {
             poll,
             listeners: HashMap::new(),
@@ -141,19 +182,6 @@ impl Running {
                 .with_context(|| format!("cannot listen on {a}"))?;
         }
         acc.publish();
-        if opts.rdma_listeners.is_empty() {
-            if let Err(why) = nvpool_rdma::available() {
-                tracing::info!(
-                    "NVMe/RDMA unavailable on this machine ({why}); serving NVMe/TCP only"
-                );
-            }
-        }
-        let rdma_listener = crate::rdma::start_listener(
-            target.clone(),
-            &opts.rdma_listeners,
-            handles.clone(),
-            live,
-        )?;
         let acceptor = std::thread::Builder::new()
             .name("nvpool-acceptor".into())
             .spawn(move || acc.run())?;
@@ -198,7 +226,7 @@ impl Running {
             let _ = a.join();
         }
         if let Some(a) = self.rdma_listener.take() {
-            let _ = a.join();
+            a.join();
         }
         for h in &self.handles {
             h.wake();
@@ -410,6 +438,9 @@ pub struct Cli {
     /// NVMe/TCP address hosts should connect to (default: the first --listen address).
     #[arg(long, value_name = "ADDR:PORT")]
     pub advertise: Option<SocketAddr>,
+    /// NVMe/RDMA address hosts should connect to (default: the first rdma listener; one on every address takes the --advertise IP).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub advertise_rdma: Option<SocketAddr>,
     /// Log filter (RUST_LOG syntax), e.g. info or nvpool_target=debug.
     #[arg(long, default_value = "info", env = "NVPOOL_LOG")]
     pub log: String,
@@ -552,6 +583,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 .finish(
                     &configured,
                     &running.listen_addrs(),
+                    &running.target.rdma_listeners(),
                     running.admin_addr(),
                     state_dir.as_deref(),
                 )

@@ -2374,7 +2374,8 @@ mod rdma_tests {
     #[test]
     fn bad_descriptors_get_their_status_and_the_queue_lives_on() {
         let mut r = Rig::io();
-        let cases: [(&str, Box<dyn Fn(&mut Sqe)>, Status); 5] = [
+        type Case = (&'static str, Box<dyn Fn(&mut Sqe)>, Status);
+        let cases: [Case; 5] = [
             (
                 "TCP's transport SGL",
                 Box::new(|s: &mut Sqe| {

@@ -21,14 +21,18 @@ use crate::queue::{Queue, Tx};
 use crate::reactor::ReactorHandle;
 use crate::target::Target;
 use crate::tx::RdmaWork;
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token, Waker};
 use nvpool_rdma::{event, CmEvent, CmId, Endpoint, EventChannel, Mr, QpSize, SendKind, SendWr, Wc};
 use nvpool_wire::rdma::{reject, CmAccept, CmRequest};
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Work request ids: the kind in the top two bits, an index below.
 const WR_RECV: u64 = 1 << 62;
@@ -238,11 +242,7 @@ impl RdmaLink {
                 self.reads -= 1;
                 q.on_rdma_fetched(index as u16, tx, ex);
             }
-            WR_SEND => {
-                if index != NO_SLOT {
-                    tx.released.push(index as u16);
-                }
-            }
+            WR_SEND if index != NO_SLOT => tx.released.push(index as u16),
             _ => {}
         }
     }
@@ -390,70 +390,160 @@ impl RdmaLink {
 #[derive(Debug)]
 pub struct RdmaIncoming(pub Box<RdmaLink>);
 
-/// Starts the RDMA CM listener thread for `addrs`. Fails (with the reason)
-/// when RDMA is unavailable here or an address cannot be bound.
+enum Cmd {
+    Add(SocketAddr, SyncSender<Result<SocketAddr, String>>),
+    Remove(SocketAddr, SyncSender<Result<(), String>>),
+}
+
+/// Adds and removes NVMe/RDMA listeners of a running target (the admin API).
+#[derive(Clone)]
+pub struct RdmaControl {
+    tx: SyncSender<Cmd>,
+    waker: Arc<Waker>,
+}
+
+impl std::fmt::Debug for RdmaControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RdmaControl")
+    }
+}
+
+impl RdmaControl {
+    pub fn add(&self, addr: SocketAddr) -> Result<SocketAddr, String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Cmd::Add(addr, tx))?;
+        rx.recv_timeout(Duration::from_secs(5))
+            .map_err(|_| "RDMA listener did not answer".to_string())?
+    }
+
+    pub fn remove(&self, addr: SocketAddr) -> Result<(), String> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Cmd::Remove(addr, tx))?;
+        rx.recv_timeout(Duration::from_secs(5))
+            .map_err(|_| "RDMA listener did not answer".to_string())?
+    }
+
+    fn send(&self, c: Cmd) -> Result<(), String> {
+        self.tx
+            .try_send(c)
+            .map_err(|_| "RDMA listener busy or gone".to_string())?;
+        let _ = self.waker.wake();
+        Ok(())
+    }
+}
+
+/// The running RDMA CM listener thread.
+#[derive(Debug)]
+pub struct RdmaListener {
+    pub control: RdmaControl,
+    thread: JoinHandle<()>,
+}
+
+impl RdmaListener {
+    /// Waits for the thread (it ends when the target shuts down).
+    pub fn join(self) {
+        let _ = self.control.waker.wake();
+        let _ = self.thread.join();
+    }
+}
+
+/// Starts the RDMA CM listener thread, bound to `addrs`. With RDMA
+/// unavailable here: an error naming why if `addrs` asks for listeners,
+/// else `None` (and the reason, for the start-up log).
 pub fn start_listener(
     target: Arc<Target>,
     addrs: &[SocketAddr],
     reactors: Vec<ReactorHandle>,
     live: Arc<AtomicUsize>,
-) -> anyhow::Result<Option<JoinHandle<()>>> {
-    if addrs.is_empty() {
-        return Ok(None);
+) -> anyhow::Result<Result<RdmaListener, String>> {
+    if let Err(why) = nvpool_rdma::available() {
+        if let Some(a) = addrs.first() {
+            anyhow::bail!("cannot listen on rdma:{a}: RDMA is unavailable: {why}");
+        }
+        return Ok(Err(why));
     }
-    nvpool_rdma::available().map_err(|why| {
-        anyhow::anyhow!("cannot listen for NVMe/RDMA: RDMA is unavailable: {why}")
-    })?;
+    let poll = Poll::new()?;
+    let waker = Arc::new(Waker::new(poll.registry(), WAKE)?);
     let ch = EventChannel::new()?;
-    let mut ids = Vec::new();
-    let mut bound = Vec::new();
-    for &a in addrs {
-        let id = CmId::new(&ch)?;
-        id.bind(a)
-            .and_then(|()| id.listen(LISTEN_BACKLOG))
-            .map_err(|e| anyhow::anyhow!("cannot listen on rdma:{a}: {e}"))?;
-        let b = id.local_addr().unwrap_or(a);
-        tracing::info!(addr = %b, "listening for NVMe/RDMA");
-        bound.push(b);
-        ids.push(id);
-    }
-    target.set_rdma_listeners(bound);
-    let l = Listener {
+    poll.registry()
+        .register(&mut SourceFd(&ch.fd()), CM, Interest::READABLE)?;
+    let (tx, cmds) = mpsc::sync_channel(16);
+    let mut l = Listener {
         target,
-        _ids: ids,
+        ids: Vec::new(),
         ch,
+        poll,
+        cmds,
         reactors,
         next: 0,
         live,
     };
-    Ok(Some(
-        std::thread::Builder::new()
-            .name("nvpool-rdma-cm".into())
-            .spawn(move || l.run())?,
-    ))
+    for &a in addrs {
+        l.bind(a)
+            .map_err(|e| anyhow::anyhow!("cannot listen on rdma:{a}: {e}"))?;
+    }
+    l.publish();
+    let thread = std::thread::Builder::new()
+        .name("nvpool-rdma-cm".into())
+        .spawn(move || l.run())?;
+    Ok(Ok(RdmaListener {
+        control: RdmaControl { tx, waker },
+        thread,
+    }))
 }
+
+const WAKE: Token = Token(0);
+const CM: Token = Token(1);
 
 struct Listener {
     target: Arc<Target>,
-    /// The listening ids, kept alive; before their channel, so they are
-    /// destroyed first.
-    _ids: Vec<CmId>,
+    /// The listening ids and their bound addresses; before their channel,
+    /// so they are destroyed first.
+    ids: Vec<(SocketAddr, CmId)>,
     ch: EventChannel,
+    poll: Poll,
+    cmds: Receiver<Cmd>,
     reactors: Vec<ReactorHandle>,
     next: usize,
     live: Arc<AtomicUsize>,
 }
 
 impl Listener {
+    fn bind(&mut self, a: SocketAddr) -> io::Result<SocketAddr> {
+        let id = CmId::new(&self.ch)?;
+        id.bind(a)?;
+        id.listen(LISTEN_BACKLOG)?;
+        let b = id.local_addr().unwrap_or(a);
+        if self.ids.iter().any(|(x, _)| *x == b) {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                "already listening there",
+            ));
+        }
+        tracing::info!(addr = %b, "listening for NVMe/RDMA");
+        self.ids.push((b, id));
+        Ok(b)
+    }
+
+    fn publish(&self) {
+        let mut v: Vec<SocketAddr> = self.ids.iter().map(|(a, _)| *a).collect();
+        v.sort();
+        self.target.set_rdma_listeners(v);
+    }
+
     fn run(mut self) {
+        let mut events = Events::with_capacity(8);
         while !self.target.shutting_down() {
-            let mut pfd = libc::pollfd {
-                fd: self.ch.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd for the call's duration.
-            unsafe { libc::poll(&mut pfd, 1, 500) };
+            if let Err(e) = self
+                .poll
+                .poll(&mut events, Some(Duration::from_millis(500)))
+            {
+                if e.kind() != io::ErrorKind::Interrupted {
+                    tracing::error!(error = %e, "RDMA listener poll failed");
+                }
+                continue;
+            }
+            self.commands();
             loop {
                 match self.ch.next() {
                     Ok(Some(ev)) => self.on_event(ev),
@@ -462,6 +552,34 @@ impl Listener {
                         tracing::warn!(error = %e, "RDMA CM event channel failed");
                         break;
                     }
+                }
+            }
+        }
+    }
+
+    fn commands(&mut self) {
+        while let Ok(c) = self.cmds.try_recv() {
+            match c {
+                Cmd::Add(a, reply) => {
+                    let r = self
+                        .bind(a)
+                        .map_err(|e| format!("cannot listen on rdma:{a}: {e}"));
+                    self.publish();
+                    let _ = reply.send(r);
+                }
+                Cmd::Remove(a, reply) => {
+                    let r = match self.ids.iter().position(|(x, _)| *x == a) {
+                        Some(i) => {
+                            // Destroying the id stops listening; accepted
+                            // connections have ids of their own.
+                            self.ids.remove(i);
+                            tracing::info!(addr = %a, "RDMA listener removed");
+                            Ok(())
+                        }
+                        None => Err(format!("not listening on rdma:{a}")),
+                    };
+                    self.publish();
+                    let _ = reply.send(r);
                 }
             }
         }

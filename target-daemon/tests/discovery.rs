@@ -189,3 +189,30 @@ fn wildcard_listener_is_advertised_with_a_real_address() {
         "{entries:#?}"
     );
 }
+
+/// NVMe/RDMA listeners go through the same endpoint as `rdma:ADDR:PORT`.
+/// Where RDMA is unavailable (this host: no RDMA in the kernel) adding one
+/// is refused with the reason and nothing changes; a malformed one is a 400.
+#[test]
+fn rdma_listeners_through_the_admin_api() {
+    let d = Daemon::start(&[subsystem(SUBNQN, &[HOST_A], &[(1, RAM_SPEC)])]);
+    let before = http(d.api, "GET", "/v1/listeners", None);
+    assert_eq!(before.status, 200, "{}", before.body);
+    let r = http(d.api, "PUT", "/v1/listeners/rdma:127.0.0.1:4421", None);
+    match nvpool_rdma::available() {
+        Err(why) => {
+            assert_eq!(r.status, 409, "{}", r.body);
+            assert!(r.body.contains("RDMA is unavailable"), "{}", r.body);
+            assert!(r.body.contains(&why), "the reason is given: {}", r.body);
+            let after = http(d.api, "GET", "/v1/listeners", None);
+            assert_eq!(after.body, before.body);
+        }
+        // RDMA CM cannot bind the loopback address to a device.
+        Ok(()) => assert_eq!(r.status, 409, "{}", r.body),
+    }
+    let r = http(d.api, "PUT", "/v1/listeners/infiniband:127.0.0.1:1", None);
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("[rdma:]ADDR:PORT"), "{}", r.body);
+    let r = http(d.api, "DELETE", "/v1/listeners/rdma:127.0.0.1:4421", None);
+    assert_eq!(r.status, 404, "{}", r.body);
+}
