@@ -72,6 +72,9 @@ pub struct TargetOut {
     pub name: String,
     pub addr: String,
     pub admin_addr: String,
+    /// NVMe/RDMA listener; absent: NVMe/TCP only (or an older control plane).
+    #[serde(default)]
+    pub rdma_addr: Option<String>,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     pub health: String,
@@ -254,6 +257,37 @@ fn wait_drained(c: &Client, id: &str) -> anyhow::Result<()> {
     }
 }
 
+/// `nvpool target ls`: an RDMA column only when some target has an
+/// NVMe/RDMA listener.
+fn targets_table(targets: &[TargetOut]) -> Table {
+    let rdma = targets.iter().any(|x| x.rdma_addr.is_some());
+    let mut header = vec!["ID", "NAME", "ADDR"];
+    if rdma {
+        header.push("RDMA");
+    }
+    header.extend([
+        "HEALTH", "STATE", "DEVICES", "SIZE", "USED", "FREE", "LABELS",
+    ]);
+    let mut t = table(&header);
+    for x in targets {
+        let mut row = vec![x.id.clone(), x.name.clone(), x.addr.clone()];
+        if rdma {
+            row.push(x.rdma_addr.clone().unwrap_or_else(|| "-".into()));
+        }
+        row.extend([
+            x.health.clone(),
+            state_text(x),
+            x.devices.len().to_string(),
+            format_iec(x.capacity.total_bytes),
+            format_iec(x.capacity.used_bytes),
+            format_iec(x.capacity.free_bytes),
+            labels(&x.labels),
+        ]);
+        t.add_row(row);
+    }
+    t
+}
+
 pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
     let c = conn.client(false)?;
     let fmt = a.out.output;
@@ -264,25 +298,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                 return print_json(&v);
             }
             let targets: Vec<TargetOut> = typed("/v1/targets", &v)?;
-            let mut t = table(&[
-                "ID", "NAME", "ADDR", "HEALTH", "STATE", "DEVICES", "SIZE", "USED", "FREE",
-                "LABELS",
-            ]);
-            for x in &targets {
-                t.add_row([
-                    x.id.clone(),
-                    x.name.clone(),
-                    x.addr.clone(),
-                    x.health.clone(),
-                    state_text(x),
-                    x.devices.len().to_string(),
-                    format_iec(x.capacity.total_bytes),
-                    format_iec(x.capacity.used_bytes),
-                    format_iec(x.capacity.free_bytes),
-                    labels(&x.labels),
-                ]);
-            }
-            println!("{t}");
+            println!("{}", targets_table(&targets));
         }
         TargetCmd::Info { id } => {
             let path = format!("/v1/targets/{}", segment(&id));
@@ -295,6 +311,10 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                 ("ID", x.id.clone()),
                 ("Name", x.name.clone()),
                 ("Address", x.addr.clone()),
+                (
+                    "RDMA address",
+                    x.rdma_addr.clone().unwrap_or_else(|| "-".into()),
+                ),
                 ("Admin address", x.admin_addr.clone()),
                 ("Health", x.health.clone()),
                 ("State", state_text(&x)),
@@ -604,6 +624,38 @@ mod tests {
         for bad in ["t1", "/d0", "t1/", "t1/d0/x"] {
             assert!(parse_device_ref(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn target_table_shows_rdma_only_when_some_target_has_it() {
+        let target = |id: &str, rdma: Option<&str>| -> TargetOut {
+            serde_json::from_value(serde_json::json!({
+                "id": id, "name": id, "addr": "10.0.0.1:4420", "admin_addr": "10.0.0.1:4480",
+                "rdma_addr": rdma, "health": "online", "state": "active",
+                "registered_ms": 0, "last_heartbeat_ms": 0,
+                "capacity": {"total_bytes": 0, "used_bytes": 0, "free_bytes": 0},
+                "devices": [],
+            }))
+            .unwrap()
+        };
+        let lines = |t: Table| -> Vec<Vec<String>> {
+            t.to_string()
+                .lines()
+                .map(|l| l.split_whitespace().map(str::to_owned).collect())
+                .collect()
+        };
+        let tcp = lines(targets_table(&[target("t0", None)]));
+        assert_eq!(tcp[0][..4], ["ID", "NAME", "ADDR", "HEALTH"]);
+        let mixed = lines(targets_table(&[
+            target("t0", None),
+            target("t1", Some("10.0.0.1:4421")),
+        ]));
+        assert_eq!(mixed[0][..5], ["ID", "NAME", "ADDR", "RDMA", "HEALTH"]);
+        assert_eq!(mixed[1][..5], ["t0", "t0", "10.0.0.1:4420", "-", "online"]);
+        assert_eq!(
+            mixed[2][..5],
+            ["t1", "t1", "10.0.0.1:4420", "10.0.0.1:4421", "online"]
+        );
     }
 
     #[test]

@@ -592,6 +592,12 @@ pub struct RegisterTargetBody {
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
     pub devices: Vec<DeviceBody>,
+    /// NVMe/RDMA listener, `host:port`, when the target has one: hosts
+    /// that can use RDMA connect there instead of `addr`. A specific IP
+    /// and a port other than 0.
+    #[serde(default)]
+    #[schema(value_type = Option<String>, example = "10.0.0.1:4420")]
+    pub rdma_addr: Option<SocketAddr>,
 }
 
 /// A device with its usage.
@@ -636,6 +642,9 @@ pub struct TargetOut {
     pub addr: SocketAddr,
     #[schema(value_type = String)]
     pub admin_addr: SocketAddr,
+    /// NVMe/RDMA listener; `null`: NVMe/TCP only.
+    #[schema(value_type = Option<String>)]
+    pub rdma_addr: Option<SocketAddr>,
     pub labels: BTreeMap<String, String>,
     /// `online` or `offline`, from the age of the last heartbeat.
     #[schema(value_type = String)]
@@ -683,6 +692,7 @@ fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
         name: t.name.clone(),
         addr: t.addr,
         admin_addr: t.admin_addr,
+        rdma_addr: t.rdma_addr,
         labels: t.labels.clone(),
         health: v.health,
         state: t.state,
@@ -1102,6 +1112,7 @@ async fn register_target(
         name: body.name,
         addr: body.addr,
         admin_addr: body.admin_addr,
+        rdma_addr: body.rdma_addr,
         labels: body.labels,
         devices: body
             .devices

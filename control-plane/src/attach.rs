@@ -74,6 +74,8 @@ pub struct Attachment {
     pub failed_extents: Vec<u32>,
 }
 
+impl crate::model::Stored for Attachment {}
+
 /// The copies of a volume that missed writes, whichever host found them: a
 /// property of the volume, not of one attachment, so it outlives detach and
 /// every later attach (by any host) is told never to read them. Kept until
@@ -85,6 +87,8 @@ pub struct FailedCopies {
     pub extents: Vec<u32>,
 }
 
+impl crate::model::Stored for FailedCopies {}
+
 /// Per-host record; its version guards NSID allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostRecord {
@@ -92,6 +96,8 @@ pub struct HostRecord {
     /// Bumped by every attach and detach of the host.
     pub changes: u64,
 }
+
+impl crate::model::Stored for HostRecord {}
 
 /// One namespace a target exports (or should, or may still).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -123,6 +129,8 @@ pub struct StaleExports {
     pub target: String,
     pub exports: Vec<Export>,
 }
+
+impl crate::model::Stored for StaleExports {}
 
 /// The subsystem through which `host_nqn` reaches its volumes on every
 /// target: a prefix and the first 128 bits of SHA-256 of the host NQN, so
@@ -711,6 +719,7 @@ impl Cluster {
             extents.push(PlanExtent {
                 target: e.target.clone(),
                 addr: t.value.addr,
+                rdma_addr: t.value.rdma_addr,
                 subsystem_nqn: host_subsystem_nqn(&a.host_nqn),
                 nsid,
                 device: e.device.clone(),
@@ -799,6 +808,59 @@ mod tests {
         assert!(a.starts_with(HOST_SUBSYSTEM_PREFIX));
         assert_eq!(a.len(), HOST_SUBSYSTEM_PREFIX.len() + 32);
         assert_eq!(a, host_subsystem_nqn("nqn.2014-08.org.nvmexpress:uuid:1"));
+    }
+
+    #[test]
+    fn plans_carry_each_targets_rdma_listener() {
+        use crate::model::{Layout, VolumeSpec};
+        use crate::moves::tests::{cluster, register, register_rdma};
+        let e = crate::limits::EXTENT_BYTES_MIN;
+        let (c, _) = cluster(e);
+        let rdma: std::net::SocketAddr = "[fd00::1]:4420".parse().unwrap();
+        register(&c, 0, 4 * e);
+        register_rdma(&c, 1, 4 * e, Some(rdma));
+        let uuid = Uuid([7; 16]);
+        c.create_volume(&VolumeSpec {
+            uuid,
+            name: "v".into(),
+            size_bytes: e,
+            layout: Layout::Raid1 { copies: 2 },
+            pool: None,
+        })
+        .unwrap();
+        let host = "nqn.2014-08.org.nvmexpress:uuid:host-1";
+        let start = c.begin_attach(&uuid, host).unwrap();
+        let plan = c.plan(&start.volume, &start.attachment).unwrap();
+        plan.validate().unwrap();
+        let by_target = |t: &str| plan.extents.iter().find(|x| x.target == t).unwrap();
+        assert_eq!(by_target("t0").rdma_addr, None);
+        assert_eq!(by_target("t1").rdma_addr, Some(rdma));
+        assert_eq!(by_target("t1").addr, "127.0.0.1:4421".parse().unwrap());
+
+        // JSON: the field only when there is one; plans without it (from
+        // older control planes) still parse.
+        let json = serde_json::to_value(&plan).unwrap();
+        for x in json["extents"].as_array().unwrap() {
+            match x["target"].as_str().unwrap() {
+                "t0" => assert!(x.get("rdma_addr").is_none(), "{x}"),
+                _ => assert_eq!(x["rdma_addr"], "[fd00::1]:4420"),
+            }
+        }
+        let back: ConnectionPlan = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, plan);
+        let mut old = json.clone();
+        for x in old["extents"].as_array_mut().unwrap() {
+            x.as_object_mut().unwrap().remove("rdma_addr");
+        }
+        let old: ConnectionPlan = serde_json::from_value(old).unwrap();
+        assert!(old.extents.iter().all(|x| x.rdma_addr.is_none()));
+        old.validate().unwrap();
+
+        // A plan naming a wildcard RDMA address is refused by hosts.
+        let mut bad = plan.clone();
+        bad.extents[0].rdma_addr = Some("0.0.0.0:4420".parse().unwrap());
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("rdma_addr"), "{err}");
     }
 
     #[test]

@@ -34,6 +34,14 @@ pub struct PathView {
     /// NVMe/TCP listener: `traddr` and `trsvcid` of `nvme connect`.
     pub traddr: String,
     pub trsvcid: u16,
+    /// The target's NVMe/RDMA listener, when it has one (`nvme connect
+    /// -t rdma -a RDMA_TRADDR -s RDMA_TRSVCID`, same subsystem); absent
+    /// for NVMe/TCP-only targets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rdma_traddr: Option<String>,
+    /// Its port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rdma_trsvcid: Option<u16>,
     /// `optimized` on the serving owner, `inaccessible` elsewhere.
     pub ana_state: String,
 }
@@ -62,6 +70,8 @@ pub fn view(cluster: &Cluster, served: &Served) -> Result<ServedView, StateError
             target: t.clone(),
             traddr: tv.target.addr.ip().to_string(),
             trsvcid: tv.target.addr.port(),
+            rdma_traddr: tv.target.rdma_addr.map(|a| a.ip().to_string()),
+            rdma_trsvcid: tv.target.rdma_addr.map(|a| a.port()),
             ana_state: if optimized {
                 "optimized"
             } else {
@@ -477,5 +487,51 @@ pub async fn watch_loop(cluster: std::sync::Arc<Cluster>) {
             }
         })
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Layout, VolumeSpec};
+    use crate::moves::tests::{cluster, register, register_rdma};
+
+    #[test]
+    fn paths_show_the_rdma_listener_of_targets_that_have_one() {
+        let e = crate::limits::EXTENT_BYTES_MIN;
+        let (c, _) = cluster(e);
+        register(&c, 0, 4 * e);
+        register_rdma(&c, 1, 4 * e, Some("10.1.0.1:4421".parse().unwrap()));
+        let uuid = Uuid([5; 16]);
+        c.create_volume(&VolumeSpec {
+            uuid,
+            name: "v".into(),
+            size_bytes: e,
+            layout: Layout::Concat,
+            pool: None,
+        })
+        .unwrap();
+        let host = "nqn.2014-08.org.nvmexpress:uuid:host-1";
+        let served = c.add_served_host(&uuid, host, 2).unwrap();
+        let v = view(&c, &served).unwrap();
+        assert_eq!(v.paths.len(), 2);
+        let json = serde_json::to_value(&v).unwrap();
+        for p in json["paths"].as_array().unwrap() {
+            if p["target"] == "t1" {
+                assert_eq!(
+                    (&p["rdma_traddr"], &p["rdma_trsvcid"]),
+                    (&"10.1.0.1".into(), &4421.into())
+                );
+                assert_eq!(
+                    (&p["traddr"], &p["trsvcid"]),
+                    (&"127.0.0.1".into(), &4421.into())
+                );
+            } else {
+                assert!(
+                    p.get("rdma_traddr").is_none() && p.get("rdma_trsvcid").is_none(),
+                    "{p}"
+                );
+            }
+        }
     }
 }

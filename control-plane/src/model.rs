@@ -7,6 +7,21 @@
 //! [`FORMAT`] and `decode` keeps a path for every older format it still
 //! reads. The same types derive JSON-friendly serde (snake_case enums, UUIDs
 //! as strings) for the REST API.
+//!
+//! Every stored type implements [`Stored`] (`encode` and `decode` accept
+//! nothing else), whose `decode_older` reads the formats before the current
+//! one. Its default says "this layout has not changed since format
+//! [`FORMAT_MIN`]"; a type whose layout changed overrides it with the old
+//! layout and a conversion:
+//!
+//! | format | change |
+//! |---|---|
+//! | 1 | first |
+//! | 2 | [`Target`] gains `rdma_addr` (read from format 1 as `None`) |
+//!
+//! Values are always written in the current format, so once a build writes
+//! format 2 an older build can no longer read what it wrote: upgrade, do
+//! not downgrade.
 
 use crate::limits::{
     BACKEND_SPEC_BYTES_MAX, BLOCK_BYTES, COPIES_MAX, COPIES_MIN, DEVICES_PER_TARGET_MAX,
@@ -21,8 +36,10 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
 
-/// Format byte in front of every stored value.
-pub const FORMAT: u8 = 1;
+/// Format byte in front of every value written (see the table above).
+pub const FORMAT: u8 = 2;
+/// The oldest format `decode` still reads.
+pub const FORMAT_MIN: u8 = 1;
 
 /// Why an object is invalid or does not decode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -44,12 +61,51 @@ pub enum ModelError {
     Inconsistent { uuid: Uuid, reason: String },
     #[error("cannot decode {what}: {message}")]
     Decode { what: &'static str, message: String },
-    #[error("{what} is stored in format {found}; this build reads format {FORMAT}")]
+    #[error(
+        "{what} is stored in format {found}; this build reads formats {FORMAT_MIN} to {FORMAT}"
+    )]
     UnknownFormat { what: &'static str, found: u8 },
 }
 
-/// Encodes a value for the store.
-pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+/// A type kept in the store, `[format, postcard…]`.
+///
+/// Implementing it is a promise about formats: the current layout is the
+/// one `FORMAT` writes, and `decode_older` reads every format from
+/// [`FORMAT_MIN`] up to (not including) [`FORMAT`].
+pub trait Stored: Serialize + DeserializeOwned {
+    /// Decodes the postcard body of a value written in `format`
+    /// (`FORMAT_MIN <= format < FORMAT`), returning the bytes after it.
+    /// The default is for layouts unchanged since format 1: the body reads
+    /// as the current layout.
+    fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(Self, &[u8])> {
+        debug_assert!((FORMAT_MIN..FORMAT).contains(&format));
+        postcard::take_from_bytes(body)
+    }
+}
+
+/// The allocation epoch.
+impl Stored for u64 {}
+/// Volume-name index entries.
+impl Stored for Uuid {}
+impl Stored for Pool {}
+impl Stored for Volume {}
+
+impl Stored for Target {
+    fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(Target, &[u8])> {
+        match format {
+            1 => {
+                let (old, rest) = postcard::take_from_bytes::<TargetV1>(body)?;
+                Ok((old.into(), rest))
+            }
+            // Formats after 1 have Target's current layout (a later change
+            // to Target adds a frozen `TargetV2` arm here).
+            _ => postcard::take_from_bytes(body),
+        }
+    }
+}
+
+/// Encodes a value for the store, in the current format.
+pub fn encode<T: Stored>(value: &T) -> Vec<u8> {
     let mut out = vec![FORMAT];
     // postcard fails only for types it cannot represent (maps with
     // non-serialisable keys, `deserialize_any`); ours are plain structs.
@@ -57,29 +113,29 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     out
 }
 
-/// Decodes a stored value; `what` names it in errors ("volume", "target").
-pub fn decode<T: DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T, ModelError> {
-    match bytes.split_first() {
-        Some((&FORMAT, body)) => {
-            let (value, rest) =
-                postcard::take_from_bytes(body).map_err(|e| ModelError::Decode {
-                    what,
-                    message: e.to_string(),
-                })?;
-            if !rest.is_empty() {
-                return Err(ModelError::Decode {
-                    what,
-                    message: format!("{} trailing bytes", rest.len()),
-                });
-            }
-            Ok(value)
-        }
-        Some((&found, _)) => Err(ModelError::UnknownFormat { what, found }),
-        None => Err(ModelError::Decode {
+/// Decodes a stored value of any format this build reads; `what` names it
+/// in errors ("volume", "target").
+pub fn decode<T: Stored>(what: &'static str, bytes: &[u8]) -> Result<T, ModelError> {
+    let (&format, body) = bytes.split_first().ok_or_else(|| ModelError::Decode {
+        what,
+        message: "empty value".into(),
+    })?;
+    let decoded = match format {
+        FORMAT => postcard::take_from_bytes(body),
+        f if (FORMAT_MIN..FORMAT).contains(&f) => T::decode_older(f, body),
+        found => return Err(ModelError::UnknownFormat { what, found }),
+    };
+    let (value, rest) = decoded.map_err(|e| ModelError::Decode {
+        what,
+        message: e.to_string(),
+    })?;
+    if !rest.is_empty() {
+        return Err(ModelError::Decode {
             what,
-            message: "empty value".into(),
-        }),
+            message: format!("{} trailing bytes", rest.len()),
+        });
     }
+    Ok(value)
 }
 
 /// Checks an identifier: target, device and pool IDs and volume names
@@ -126,6 +182,18 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ModelErr
                 "label {k}={v:?}: values are 0..={LABEL_BYTES_MAX} bytes of A-Z a-z 0-9 . _ -"
             )));
         }
+    }
+    Ok(())
+}
+
+/// Checks an address hosts are told to connect to: a wildcard IP or port
+/// 0 is where something listens, not where anyone can connect.
+pub fn validate_connect_addr(field: &str, addr: SocketAddr) -> Result<(), ModelError> {
+    if addr.ip().is_unspecified() || addr.port() == 0 {
+        return Err(ModelError::Invalid(format!(
+            "{field} {addr} is not an address hosts can connect to (needs a specific IP \
+             and a port other than 0)"
+        )));
     }
     Ok(())
 }
@@ -254,6 +322,40 @@ pub struct Target {
     /// Wall-clock time of the last heartbeat (ms since the Unix epoch).
     pub last_heartbeat_ms: u64,
     pub state: TargetState,
+    /// The NVMe/RDMA listener hosts may connect to instead of `addr`;
+    /// `None`: NVMe/TCP only. Last, since format 2.
+    pub rdma_addr: Option<SocketAddr>,
+}
+
+/// [`Target`] as format 1 stored it: no `rdma_addr`. Frozen: never edit.
+#[derive(Deserialize)]
+struct TargetV1 {
+    id: String,
+    name: String,
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    labels: BTreeMap<String, String>,
+    devices: Vec<Device>,
+    registered_ms: u64,
+    last_heartbeat_ms: u64,
+    state: TargetState,
+}
+
+impl From<TargetV1> for Target {
+    fn from(t: TargetV1) -> Target {
+        Target {
+            id: t.id,
+            name: t.name,
+            addr: t.addr,
+            admin_addr: t.admin_addr,
+            labels: t.labels,
+            devices: t.devices,
+            registered_ms: t.registered_ms,
+            last_heartbeat_ms: t.last_heartbeat_ms,
+            state: t.state,
+            rdma_addr: None,
+        }
+    }
 }
 
 impl Target {
@@ -275,6 +377,9 @@ impl Target {
         validate_id("target id", &self.id, ID_BYTES_MAX)?;
         validate_id("target name", &self.name, NAME_BYTES_MAX)?;
         validate_labels(&self.labels)?;
+        if let Some(a) = self.rdma_addr {
+            validate_connect_addr("rdma_addr", a)?;
+        }
         if self.devices.len() > DEVICES_PER_TARGET_MAX {
             return Err(ModelError::Invalid(format!(
                 "target {}: {} devices, at most {DEVICES_PER_TARGET_MAX}",
@@ -920,6 +1025,155 @@ mod tests {
         let json = serde_json::to_value(&v).unwrap();
         assert_eq!(json["layout"]["raid1"]["copies"], 2);
         assert_eq!(json["uuid"], uuid(1).to_string());
+    }
+
+    fn target(rdma_addr: Option<SocketAddr>) -> Target {
+        Target {
+            id: "t1".into(),
+            name: "node-1".into(),
+            addr: "10.0.0.1:4420".parse().unwrap(),
+            admin_addr: "[fd00::1]:7001".parse().unwrap(),
+            labels: [("rack".to_string(), "r1".to_string())].into(),
+            devices: vec![Device {
+                id: "nvme0".into(),
+                backend: "file:/dev/nvme0n1".into(),
+                capacity_bytes: 1 << 40,
+                labels: BTreeMap::new(),
+            }],
+            registered_ms: 1_700_000_000_000,
+            last_heartbeat_ms: 1_700_000_005_000,
+            state: TargetState::Cordoned,
+            rdma_addr,
+        }
+    }
+
+    /// `target(None)` as a format-1 build stored it (captured from that
+    /// build; never regenerate).
+    const TARGET_FORMAT_1: &[u8] = &[
+        1, 2, 116, 49, 6, 110, 111, 100, 101, 45, 49, 0, 10, 0, 0, 1, 196, 34, 1, 253, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 217, 54, 1, 4, 114, 97, 99, 107, 2, 114, 49, 1, 5, 110,
+        118, 109, 101, 48, 17, 102, 105, 108, 101, 58, 47, 100, 101, 118, 47, 110, 118, 109, 101,
+        48, 110, 49, 128, 128, 128, 128, 128, 32, 0, 128, 208, 149, 255, 188, 49, 136, 247, 149,
+        255, 188, 49, 1,
+    ];
+
+    #[test]
+    fn format_1_target_records_still_decode() {
+        // The format-1 layout, declared independently of `TargetV1`.
+        #[derive(Serialize)]
+        struct Format1Target {
+            id: String,
+            name: String,
+            addr: SocketAddr,
+            admin_addr: SocketAddr,
+            labels: BTreeMap<String, String>,
+            devices: Vec<Device>,
+            registered_ms: u64,
+            last_heartbeat_ms: u64,
+            state: TargetState,
+        }
+        let t = target(None);
+        let old = Format1Target {
+            id: t.id.clone(),
+            name: t.name.clone(),
+            addr: t.addr,
+            admin_addr: t.admin_addr,
+            labels: t.labels.clone(),
+            devices: t.devices.clone(),
+            registered_ms: t.registered_ms,
+            last_heartbeat_ms: t.last_heartbeat_ms,
+            state: t.state,
+        };
+        let mut bytes = vec![1];
+        bytes.extend(postcard::to_allocvec(&old).unwrap());
+        assert_eq!(bytes, TARGET_FORMAT_1, "the fixture is the format-1 layout");
+        assert_eq!(decode::<Target>("target", TARGET_FORMAT_1), Ok(t.clone()));
+
+        // Written again, it is format 2, and only format 2.
+        let now = encode(&t);
+        assert_eq!(now[0], 2);
+        assert_eq!(&now[1..now.len() - 1], &TARGET_FORMAT_1[1..]);
+        assert_eq!(now.last(), Some(&0), "rdma_addr None, appended");
+        let mut mislabelled = now.clone();
+        mislabelled[0] = 1;
+        assert!(
+            matches!(
+                decode::<Target>("target", &mislabelled),
+                Err(ModelError::Decode { .. })
+            ),
+            "a format-2 body is not a format-1 target"
+        );
+        assert!(decode::<Target>("target", &TARGET_FORMAT_1[..20]).is_err());
+    }
+
+    #[test]
+    fn unchanged_types_read_format_1_as_is() {
+        let v = mirror(2);
+        let mut old = encode(&v);
+        old[0] = 1;
+        assert_eq!(decode::<Volume>("volume", &old), Ok(v));
+        let mut epoch = encode(&7u64);
+        epoch[0] = 1;
+        assert_eq!(decode::<u64>("allocation epoch", &epoch), Ok(7));
+    }
+
+    #[test]
+    fn unknown_formats_fail() {
+        for stored in [encode(&target(None)), TARGET_FORMAT_1.to_vec()] {
+            for found in [0, FORMAT + 1, u8::MAX] {
+                let mut b = stored.clone();
+                b[0] = found;
+                assert_eq!(
+                    decode::<Target>("target", &b),
+                    Err(ModelError::UnknownFormat {
+                        what: "target",
+                        found
+                    })
+                );
+            }
+        }
+        let e = ModelError::UnknownFormat {
+            what: "target",
+            found: 3,
+        };
+        assert_eq!(
+            e.to_string(),
+            "target is stored in format 3; this build reads formats 1 to 2"
+        );
+    }
+
+    #[test]
+    fn targets_round_trip_with_and_without_rdma() {
+        for rdma in [
+            None,
+            Some("10.0.0.1:4420".parse().unwrap()),
+            Some("[fd00::7]:4421".parse().unwrap()),
+        ] {
+            let t = target(rdma);
+            t.validate().unwrap();
+            let bytes = encode(&t);
+            assert_eq!(bytes[0], FORMAT);
+            assert_eq!(decode::<Target>("target", &bytes), Ok(t.clone()));
+            let mut trailing = bytes.clone();
+            trailing.push(0);
+            assert!(decode::<Target>("target", &trailing).is_err());
+            let json = serde_json::to_value(&t).unwrap();
+            assert_eq!(
+                json["rdma_addr"],
+                rdma.map_or(serde_json::Value::Null, |a| a.to_string().into())
+            );
+        }
+    }
+
+    #[test]
+    fn rdma_addr_must_be_connectable() {
+        for bad in ["0.0.0.0:4420", "[::]:4420", "10.0.0.1:0"] {
+            let e = target(Some(bad.parse().unwrap())).validate().unwrap_err();
+            assert!(
+                matches!(&e, ModelError::Invalid(m) if m.contains("rdma_addr")),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub struct RebalanceRequest {
     pub requested_ms: u64,
 }
 
+impl crate::model::Stored for RebalanceRequest {}
+
 impl Snapshot {
     /// Whether copy `c` of `v` is in sync and its target online.
     fn readable(
@@ -304,6 +306,16 @@ pub(crate) mod tests {
 
     /// Registers target `t{i}` with one device `d0` of `capacity_bytes`.
     pub(crate) fn register(c: &Cluster, i: u32, capacity_bytes: u64) {
+        register_rdma(c, i, capacity_bytes, None);
+    }
+
+    /// `register`, with an NVMe/RDMA listener.
+    pub(crate) fn register_rdma(
+        c: &Cluster,
+        i: u32,
+        capacity_bytes: u64,
+        rdma_addr: Option<std::net::SocketAddr>,
+    ) {
         c.register_target(&TargetRegistration {
             id: format!("t{i}"),
             name: format!("t{i}"),
@@ -316,6 +328,7 @@ pub(crate) mod tests {
                 capacity_bytes,
                 labels: BTreeMap::new(),
             }],
+            rdma_addr,
         })
         .unwrap();
     }
@@ -421,6 +434,25 @@ pub(crate) mod tests {
         c.clear_stale_exports("t0", version).unwrap();
         c.remove_target("t0", false).unwrap();
         assert!(c.check().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_move_tells_hosts_the_destinations_rdma_listener() {
+        let (c, _, v) = fixture();
+        let rdma: std::net::SocketAddr = "10.9.0.2:4421".parse().unwrap();
+        register_rdma(&c, 2, 8 * E, Some(rdma));
+        c.register_session(&v, H1, 1, 0).unwrap();
+        c.set_target_state("t0", TargetState::Draining).unwrap();
+        let cand = c.move_candidates(600_000, 0).unwrap()[0].clone();
+        let job = c.create_job(&cand).unwrap().unwrap();
+        assert!(c.job_mirroring(&v, job.id).unwrap());
+        let seen = c.host_copies(&v, H1).unwrap();
+        let m = seen.moving.iter().find(|m| m.job == job.id).unwrap();
+        assert_eq!(
+            (m.dest.target.as_str(), m.dest.rdma_addr),
+            ("t2", Some(rdma))
+        );
+        assert_eq!(m.dest.addr, "127.0.0.1:4422".parse().unwrap(), "TCP stays");
     }
 
     #[test]

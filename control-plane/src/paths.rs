@@ -105,6 +105,8 @@ pub struct Served {
     pub serving: bool,
 }
 
+impl crate::model::Stored for Served {}
+
 impl Served {
     pub fn path_index(&self, target: &str) -> Option<usize> {
         self.paths.iter().position(|p| p == target)

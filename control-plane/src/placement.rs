@@ -764,6 +764,7 @@ mod tests {
             registered_ms: 0,
             last_heartbeat_ms: 0,
             state: crate::model::TargetState::Active,
+            rdma_addr: None,
         };
         let mut d = Device {
             id: "d".into(),

@@ -108,6 +108,16 @@ pub struct PlanExtent {
     /// The target's NVMe/TCP listener.
     #[cfg_attr(feature = "server", schema(value_type = String, example = "10.0.0.1:4420"))]
     pub addr: SocketAddr,
+    /// The target's NVMe/RDMA listener, when it has one: the same
+    /// subsystem and namespace are reachable there, and a host that can
+    /// use RDMA may connect to it instead of `addr`. Absent in plans of
+    /// control planes that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "server",
+        schema(value_type = Option<String>, example = "10.0.0.1:4420")
+    )]
+    pub rdma_addr: Option<SocketAddr>,
     /// The host's subsystem on that target.
     pub subsystem_nqn: String,
     /// The namespace holding this extent (the whole namespace).
@@ -159,8 +169,8 @@ impl ConnectionPlan {
 
     /// Checks a plan received over the network before a host acts on it:
     /// the layout and size are valid, the extents are exactly the ones the
-    /// geometry needs in canonical order, each of the extent size, and no
-    /// two extents share a namespace.
+    /// geometry needs in canonical order, each of the extent size, no two
+    /// extents share a namespace, and RDMA addresses can be connected to.
     pub fn validate(&self) -> Result<(), ModelError> {
         let layout = self.layout();
         crate::model::validate_extent_bytes(self.extent_bytes)?;
@@ -207,6 +217,12 @@ impl ConnectionPlan {
                             e.length,
                             e.nsid
                         )));
+                    }
+                    if let Some(a) = e.rdma_addr {
+                        crate::model::validate_connect_addr(
+                            &format!("plan extent {} rdma_addr", i - 1),
+                            a,
+                        )?;
                     }
                     if !seen.insert((e.addr, e.subsystem_nqn.as_str(), e.nsid)) {
                         return Err(ModelError::Invalid(format!(

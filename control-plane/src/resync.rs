@@ -231,6 +231,8 @@ pub struct CopyState {
     pub next_job: u64,
 }
 
+impl crate::model::Stored for CopyState {}
+
 impl CopyState {
     pub fn new(volume: Uuid) -> CopyState {
         CopyState {
@@ -572,6 +574,7 @@ impl Cluster {
                 dest: PlanExtent {
                     target: d.target.clone(),
                     addr: t.value.addr,
+                    rdma_addr: t.value.rdma_addr,
                     subsystem_nqn: crate::attach::host_subsystem_nqn(host),
                     nsid,
                     device: d.device.clone(),

@@ -202,6 +202,9 @@ pub struct TargetRegistration {
     pub admin_addr: SocketAddr,
     pub labels: BTreeMap<String, String>,
     pub devices: Vec<Device>,
+    /// The NVMe/RDMA listener hosts may use instead of `addr`.
+    #[serde(default)]
+    pub rdma_addr: Option<SocketAddr>,
 }
 
 /// A stored value and its version.
@@ -363,7 +366,7 @@ fn backoff(n: u32) {
     std::thread::sleep(std::time::Duration::from_micros(jitter));
 }
 
-fn decode_at<T: serde::de::DeserializeOwned>(
+fn decode_at<T: crate::model::Stored>(
     what: &'static str,
     key: &str,
     bytes: &[u8],
@@ -652,6 +655,7 @@ impl Cluster {
                 registered_ms: existing.map_or(now, |e| e.value.registered_ms),
                 last_heartbeat_ms: now,
                 state: existing.map_or(TargetState::Active, |e| e.value.state),
+                rdma_addr: reg.rdma_addr,
             };
             target.validate()?;
             if existing.is_none() && s.targets.len() >= TARGETS_MAX {
@@ -1349,6 +1353,7 @@ mod tests {
                     labels: BTreeMap::new(),
                 })
                 .collect(),
+            rdma_addr: None,
         }
     }
 

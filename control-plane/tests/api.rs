@@ -142,6 +142,105 @@ fn targets_register_list_and_expire() {
 }
 
 #[test]
+fn targets_register_an_rdma_listener() {
+    let s = serve(tokens());
+    let mut reg = registration(1, "r0", 1, 8);
+    reg["rdma_addr"] = json!("10.0.0.1:4421");
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg.clone()));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["rdma_addr"], "10.0.0.1:4421");
+    let r = s.call(
+        "POST",
+        "/v1/targets",
+        Some(TARGET),
+        Some(registration(2, "r1", 1, 8)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["rdma_addr"], Value::Null, "TCP only");
+    let list = s.call("GET", "/v1/targets", None, None).json();
+    let rdma: Vec<&Value> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| &t["rdma_addr"])
+        .collect();
+    assert_eq!(rdma, [&json!("10.0.0.1:4421"), &Value::Null]);
+    let t = s.call("GET", "/v1/targets/t1", None, None).json();
+    assert_eq!(t["rdma_addr"], "10.0.0.1:4421");
+
+    // Addresses nobody can connect to, or no address: 400, and the
+    // stored registration is unchanged.
+    for bad in [
+        json!("0.0.0.0:4420"),
+        json!("[::]:4420"),
+        json!("10.0.0.1:0"),
+        json!("10.0.0.1"),
+        json!("rdma:10.0.0.1:4420"),
+        json!(4420),
+    ] {
+        let mut b = reg.clone();
+        b["rdma_addr"] = bad.clone();
+        let r = s.call("POST", "/v1/targets", Some(TARGET), Some(b));
+        s.expect_error(&r, 400, "invalid");
+        assert!(
+            r.json()["message"].as_str().unwrap().contains("rdma_addr"),
+            "{bad}: {}",
+            r.body
+        );
+    }
+    let t = s.call("GET", "/v1/targets/t1", None, None).json();
+    assert_eq!(t["rdma_addr"], "10.0.0.1:4421");
+
+    // Re-registering without it: the target no longer offers RDMA.
+    let r = s.call(
+        "POST",
+        "/v1/targets",
+        Some(TARGET),
+        Some(registration(1, "r0", 1, 8)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["rdma_addr"], Value::Null);
+}
+
+/// What `nvpool-target` sends reaches the target record.
+#[test]
+fn a_target_daemon_registers_its_rdma_listener() {
+    use nvpool_target::register::ControlPlaneUrl;
+    use nvpool_target::{Registrar, RegistrationConfig};
+    let s = serve(tokens());
+    let url = ControlPlaneUrl::parse(&format!("http://{}", s.addr)).unwrap();
+    let register = |id: &str, rdma: Option<&str>| {
+        let mut rc = RegistrationConfig::new(
+            url.clone(),
+            id.into(),
+            id.into(),
+            "10.0.0.7:4420".parse().unwrap(),
+            "10.0.0.7:4480".parse().unwrap(),
+        );
+        rc.token = Some(TARGET.into());
+        rc.rdma_addr = rdma.map(|a| a.parse().unwrap());
+        let r = Registrar::start(rc).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while r.status().registrations == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{id} did not register: {:?}",
+                r.status()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        r.stop();
+        s.call("GET", &format!("/v1/targets/{id}"), None, None)
+            .json()
+    };
+    assert_eq!(
+        register("t7", Some("10.0.0.7:4421"))["rdma_addr"],
+        "10.0.0.7:4421"
+    );
+    assert_eq!(register("t8", None)["rdma_addr"], Value::Null);
+}
+
+#[test]
 fn every_layout_and_idempotent_create() {
     let s = serve(tokens());
     cluster_of_four(&s);

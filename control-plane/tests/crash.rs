@@ -74,6 +74,7 @@ fn registration(i: usize) -> TargetRegistration {
                 labels: BTreeMap::new(),
             })
             .collect(),
+        rdma_addr: None,
     }
 }
 

@@ -106,6 +106,7 @@ fn registration(i: usize, plan: &TargetPlan) -> TargetRegistration {
                 labels: BTreeMap::new(),
             })
             .collect(),
+        rdma_addr: None,
     }
 }
 

@@ -810,6 +810,7 @@ mod tests {
         PlanExtent {
             target: target.into(),
             addr: "127.0.0.1:4420".parse().unwrap(),
+            rdma_addr: None,
             subsystem_nqn: format!("nqn.2026-11.io.nvpool:{target}"),
             nsid: 1,
             device: "d0".into(),

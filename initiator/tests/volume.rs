@@ -666,6 +666,7 @@ fn volumes_sharing_connections_share_one_controller_per_target() {
             PlanExtent {
                 target: format!("target-{row}"),
                 addr: t.addr,
+                rdma_addr: None,
                 subsystem_nqn: host_subsystem(),
                 nsid,
                 device: "ram".into(),

@@ -583,6 +583,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 .finish(
                     &configured,
                     &running.listen_addrs(),
+                    &running.target.rdma_listeners(),
                     running.admin_addr(),
                     state_dir.as_deref(),
                 )

@@ -216,6 +216,9 @@ pub struct RegistrationConfig {
     pub addr: SocketAddr,
     /// The admin API the control plane programs.
     pub admin_addr: SocketAddr,
+    /// The NVMe/RDMA address hosts may connect to instead of `addr`;
+    /// `None`: this target serves NVMe/TCP only.
+    pub rdma_addr: Option<SocketAddr>,
     pub labels: BTreeMap<String, String>,
     pub devices: Vec<DeviceOffer>,
     /// Between heartbeats (tests shorten it).
@@ -243,6 +246,7 @@ impl RegistrationConfig {
             name,
             addr,
             admin_addr,
+            rdma_addr: None,
             labels: BTreeMap::new(),
             devices: Vec::new(),
             heartbeat_interval: Duration::from_millis(HEARTBEAT_INTERVAL_MS),
@@ -263,6 +267,7 @@ pub struct Settings {
     target_id: Option<String>,
     name: Option<String>,
     advertise: Option<SocketAddr>,
+    advertise_rdma: Option<SocketAddr>,
     labels: BTreeMap<String, String>,
     devices: Vec<DeviceOffer>,
 }
@@ -346,18 +351,22 @@ impl Settings {
             target_id: cli.target_id.clone(),
             name: cli.name.clone(),
             advertise: cli.advertise,
+            advertise_rdma: cli.advertise_rdma,
             labels,
             devices,
         }))
     }
 
     /// The full registration once the daemon runs. `configured` are the
-    /// listen addresses as given (the first is advertised unless
-    /// `--advertise` says otherwise), `bound` the ones actually bound.
+    /// NVMe/TCP listen addresses as given (the first is advertised unless
+    /// `--advertise` says otherwise), `bound` the ones actually bound, and
+    /// `rdma_bound` the bound NVMe/RDMA listeners (the first is advertised
+    /// unless `--advertise-rdma` says otherwise).
     pub fn finish(
         self,
         configured: &[SocketAddr],
         bound: &[SocketAddr],
+        rdma_bound: &[SocketAddr],
         admin: Option<SocketAddr>,
         state_dir: Option<&Path>,
     ) -> Result<RegistrationConfig, RegisterError> {
@@ -376,6 +385,7 @@ impl Settings {
                 "cannot advertise {addr} to hosts; give --advertise ADDR:PORT"
             )));
         }
+        let rdma_addr = rdma_advertised(self.advertise_rdma, rdma_bound, addr)?;
         let mut admin_addr =
             admin.ok_or_else(|| usage("--control-plane needs the admin API".into()))?;
         if admin_addr.ip().is_unspecified() {
@@ -404,10 +414,44 @@ impl Settings {
             admin_addr,
         );
         cfg.token = self.token;
+        cfg.rdma_addr = rdma_addr;
         cfg.labels = labels;
         cfg.devices = self.devices;
         Ok(cfg)
     }
+}
+
+/// The NVMe/RDMA address to advertise: `--advertise-rdma`, else the first
+/// bound RDMA listener, where one listening on every address takes the IP
+/// hosts reach the NVMe/TCP listener at (`tcp`). None without RDMA.
+fn rdma_advertised(
+    given: Option<SocketAddr>,
+    rdma_bound: &[SocketAddr],
+    tcp: SocketAddr,
+) -> Result<Option<SocketAddr>, RegisterError> {
+    let addr = match (given, rdma_bound.first()) {
+        (Some(a), Some(_)) => a,
+        (Some(a), None) => {
+            return Err(RegisterError::Usage(format!(
+                "--advertise-rdma {a}: this target has no NVMe/RDMA listener \
+                 (--listen rdma:ADDR:PORT)"
+            )));
+        }
+        (None, Some(&b)) => {
+            let mut a = b;
+            if a.ip().is_unspecified() {
+                a.set_ip(tcp.ip());
+            }
+            a
+        }
+        (None, None) => return Ok(None),
+    };
+    if addr.ip().is_unspecified() || addr.port() == 0 {
+        return Err(RegisterError::Usage(format!(
+            "cannot advertise NVMe/RDMA at {addr} to hosts; give --advertise-rdma ADDR:PORT"
+        )));
+    }
+    Ok(Some(addr))
 }
 
 /// A configured `ADDR:0` means "any port": find the port it was bound on.
@@ -567,6 +611,10 @@ struct RegisterBody<'a> {
     name: &'a str,
     addr: SocketAddr,
     admin_addr: SocketAddr,
+    /// Left out when absent, so a TCP-only target still registers with a
+    /// control plane that predates the field (it refuses unknown fields).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rdma_addr: Option<SocketAddr>,
     labels: &'a BTreeMap<String, String>,
     devices: &'a [DeviceOffer],
 }
@@ -642,6 +690,7 @@ impl Client {
             name: &c.name,
             addr: c.addr,
             admin_addr: c.admin_addr,
+            rdma_addr: c.rdma_addr,
             labels: &c.labels,
             devices: &c.devices,
         };
@@ -789,7 +838,7 @@ impl Registrar {
         let status = Arc::new(Mutex::new(RegistrationStatus::default()));
         let shared = status.clone();
         tracing::info!(control_plane = %cfg.control_plane, target_id = %cfg.target_id,
-            addr = %cfg.addr, admin = %cfg.admin_addr, devices = cfg.devices.len(),
+            addr = %cfg.addr, rdma = ?cfg.rdma_addr, admin = %cfg.admin_addr, devices = cfg.devices.len(),
             "registering with the control plane");
         let thread = std::thread::Builder::new()
             .name("nvpool-register".into())
@@ -992,6 +1041,64 @@ mod tests {
         ];
         assert_eq!(resolve_port(c[0], &c, &b), b[1]);
         assert_eq!(resolve_port(c[1], &c, &b), c[1]);
+    }
+
+    #[test]
+    fn rdma_address_advertised() {
+        let tcp: SocketAddr = "10.0.0.5:4420".parse().unwrap();
+        let a = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        assert_eq!(rdma_advertised(None, &[], tcp).unwrap(), None);
+        assert_eq!(
+            rdma_advertised(None, &[a("192.168.7.5:4421"), a("0.0.0.0:4422")], tcp).unwrap(),
+            Some(a("192.168.7.5:4421")),
+            "the first listener, as bound"
+        );
+        assert_eq!(
+            rdma_advertised(None, &[a("0.0.0.0:4421")], tcp).unwrap(),
+            Some(a("10.0.0.5:4421")),
+            "a wildcard listener takes the advertised TCP address's IP"
+        );
+        assert_eq!(
+            rdma_advertised(None, &[a("[::]:4421")], tcp).unwrap(),
+            Some(a("10.0.0.5:4421"))
+        );
+        assert_eq!(
+            rdma_advertised(Some(a("172.16.0.5:4420")), &[a("0.0.0.0:4421")], tcp).unwrap(),
+            Some(a("172.16.0.5:4420")),
+            "--advertise-rdma wins"
+        );
+        for (given, bound) in [
+            (Some(a("172.16.0.5:4420")), vec![]),
+            (Some(a("0.0.0.0:4420")), vec![a("0.0.0.0:4421")]),
+            (Some(a("172.16.0.5:0")), vec![a("0.0.0.0:4421")]),
+        ] {
+            let e = rdma_advertised(given, &bound, tcp).unwrap_err();
+            assert!(
+                matches!(&e, RegisterError::Usage(m) if m.contains("RDMA")),
+                "{given:?} {bound:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn register_body_carries_rdma_only_when_present() {
+        let body = |rdma_addr| {
+            serde_json::to_value(RegisterBody {
+                id: "t",
+                name: "t",
+                addr: "10.0.0.5:4420".parse().unwrap(),
+                admin_addr: "10.0.0.5:4480".parse().unwrap(),
+                rdma_addr,
+                labels: &BTreeMap::new(),
+                devices: &[],
+            })
+            .unwrap()
+        };
+        assert!(body(None).get("rdma_addr").is_none());
+        assert_eq!(
+            body(Some("10.0.0.5:4421".parse().unwrap()))["rdma_addr"],
+            "10.0.0.5:4421"
+        );
     }
 
     #[test]

@@ -125,6 +125,7 @@ fn cluster(layout: LayoutBody, size: u64, uuid: u8) -> Cluster {
         plan.extents.push(PlanExtent {
             target: format!("backing-{t}"),
             addr: backing[t].addr,
+            rdma_addr: None,
             subsystem_nqn: BACKING_NQN.into(),
             nsid,
             device: backing[t].path.display().to_string(),

@@ -82,6 +82,7 @@ pub fn setup(n: usize, layout: LayoutBody, size: u64, extent_bytes: u64, ns_spec
         plan.extents.push(PlanExtent {
             target: format!("target-{t}"),
             addr: targets[t].addr,
+            rdma_addr: None,
             subsystem_nqn: nqn.clone(),
             nsid,
             device: "ram".into(),
