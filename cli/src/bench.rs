@@ -1,8 +1,8 @@
 //! `nvpool bench`: a fio-like load generator on the userspace initiator.
 //!
-//! Each job is a thread that owns one I/O queue (its own TCP connection) and
-//! keeps `iodepth` commands in flight, timing each from submission to
-//! completion into an HDR histogram. With `--verify` every written block
+//! Each job is a thread that owns one I/O queue (its own TCP connection or
+//! RDMA queue pair, `-t`) and keeps `iodepth` commands in flight, timing
+//! each from submission to completion into an HDR histogram. With `--verify` every written block
 //! carries a self-describing header (magic, LBA, seed, CRC32C) and a
 //! seed-derived fill, reads are checked against what this run wrote, and
 //! every block written is read back and checked at the end.
@@ -27,6 +27,9 @@ pub enum Rw {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
+    /// Transport (rdma: no digests, no --volume).
+    #[arg(short = 't', long = "transport", value_enum, default_value_t = crate::TransportArg::Tcp)]
+    pub transport: crate::TransportArg,
     /// Target address.
     #[arg(short = 'a', long = "traddr", required_unless_present = "volume")]
     pub addr: Option<String>,
@@ -105,6 +108,13 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     if a.bs == 0 || !a.bs.is_multiple_of(512) {
         bail!("--bs must be a multiple of 512");
     }
+    let rdma = a.transport == crate::TransportArg::Rdma;
+    if rdma && (a.volume.is_some() || a.hdr_digest || a.data_digest) {
+        return Err(crate::Usage(
+            "-t rdma works on --traddr/--nqn without digests (RDMA has none)".into(),
+        )
+        .into());
+    }
     if let Some(v) = a.volume.clone() {
         return run_volume(conn, &a, &v);
     }
@@ -113,6 +123,7 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     };
     let addr = crate::resolve(&target, a.port)?;
     let mut p = ConnectParams::new(addr, &nqn);
+    p.transport = a.transport.into();
     if let Some(h) = &a.hostnqn {
         p.hostid = h
             .rsplit_once(":uuid:")
@@ -212,7 +223,11 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     drop(ctrl);
     report(
         &a,
-        &format!("{nqn} nsid {} ({addr})", a.nsid),
+        &format!(
+            "{nqn} nsid {} ({addr}, {})",
+            a.nsid,
+            nvpool_initiator::Transport::from(a.transport)
+        ),
         Totals {
             secs: timed_end.duration_since(start).as_secs_f64().max(1e-3),
             hist,

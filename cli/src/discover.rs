@@ -7,12 +7,15 @@ use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// Transport.
+    #[arg(short = 't', long = "transport", value_enum, default_value_t = crate::TransportArg::Tcp)]
+    pub transport: crate::TransportArg,
     /// Discovery controller address.
     #[arg(short = 'a', long = "traddr")]
     pub addr: String,
-    /// Discovery controller port.
-    #[arg(short = 's', long = "trsvcid", default_value_t = 8009)]
-    pub port: u16,
+    /// Discovery controller port (default 8009 for tcp, 4420 for rdma).
+    #[arg(short = 's', long = "trsvcid")]
+    pub port: Option<u16>,
     /// Host NQN (default /etc/nvme/hostnqn, else a generated one).
     #[arg(short = 'q', long)]
     pub hostnqn: Option<String>,
@@ -21,7 +24,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let addr = crate::resolve(&a.addr, a.port)?;
+    let transport = nvpool_initiator::Transport::from(a.transport);
+    let addr = crate::resolve(&a.addr, a.port.unwrap_or(transport.discovery_port()))?;
     let (mut hostnqn, mut hostid) = nvpool_initiator::hostnqn::host_identity();
     if let Some(h) = a.hostnqn {
         hostid = h
@@ -30,8 +34,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .unwrap_or(hostid);
         hostnqn = h;
     }
-    let entries =
-        nvpool_initiator::discover::discover(addr, &hostnqn, hostid, Duration::from_secs(10))?;
+    let entries = nvpool_initiator::discover::discover_over(
+        transport,
+        addr,
+        &hostnqn,
+        hostid,
+        Duration::from_secs(10),
+    )?;
     match a.output {
         Format::Json => println!(
             "{}",
@@ -62,7 +71,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     treq(e.treq),
                 ]);
             }
-            println!("Discovery log from {addr}: {} records", entries.len());
+            println!(
+                "Discovery log from {addr} ({transport}): {} records",
+                entries.len()
+            );
             println!("{t}");
         }
     }

@@ -1,7 +1,7 @@
 //! The `nvpool` command line.
 //!
 //! ```text
-//!   discover, bench ── NVMe/TCP straight to a target (nvpool-initiator)
+//!   discover, bench ── NVMe/TCP or NVMe/RDMA straight to a target (nvpool-initiator)
 //!   target, pool, volume ── REST to the control plane (client.rs; cluster.rs, volume.rs)
 //! ```
 //!
@@ -49,7 +49,7 @@ pub struct Cli {
 pub enum Command {
     /// List the subsystems a discovery controller offers this host (like `nvme discover`).
     Discover(discover::Args),
-    /// Load an NVMe/TCP namespace like fio does and report IOPS, bandwidth and latency.
+    /// Load an NVMe/TCP or NVMe/RDMA namespace like fio does and report IOPS, bandwidth and latency.
     Bench(bench::Args),
     /// Storage targets registered with the control plane.
     Target(cluster::TargetArgs),
@@ -72,6 +72,23 @@ pub struct Usage(pub String);
 pub enum Format {
     Table,
     Json,
+}
+
+/// The fabric `discover` and `bench` use (`-t`, as in `nvme discover`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    #[default]
+    Tcp,
+    Rdma,
+}
+
+impl From<TransportArg> for nvpool_initiator::Transport {
+    fn from(t: TransportArg) -> Self {
+        match t {
+            TransportArg::Tcp => nvpool_initiator::Transport::Tcp,
+            TransportArg::Rdma => nvpool_initiator::Transport::Rdma,
+        }
+    }
 }
 
 /// Resolves `ADDR` and `PORT` into a socket address.

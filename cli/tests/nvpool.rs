@@ -457,6 +457,30 @@ fn usage_errors_exit_2_with_one_line() {
         ],
         &["discover"],
         &["discover", "-a", "127.0.0.1", "-o", "xml"],
+        &["discover", "-t", "fc", "-a", "127.0.0.1"],
+        &[
+            "bench",
+            "-t",
+            "ib",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            SUBNQN,
+            "--rw",
+            "read",
+        ],
+        &[
+            "bench",
+            "-t",
+            "rdma",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            SUBNQN,
+            "--rw",
+            "read",
+            "-G",
+        ],
     ];
     for args in cases {
         let r = nvpool(args);
@@ -504,6 +528,37 @@ fn missing_argument_error_names_the_argument() {
     let r = nvpool(&["bench", "-a", "127.0.0.1", "--rw", "read"]);
     let line = r.expect_one_line_error(2);
     assert!(line.contains("--nqn"), "{line}");
+}
+
+/// Without RDMA on this machine, `-t rdma` fails in one line saying why
+/// (what `nvpool_rdma::available` says), never with a panic. With RDMA, a
+/// loopback address has no RDMA device: still one line, exit 1.
+#[test]
+fn rdma_where_there_is_none_fails_in_one_line() {
+    let why = nvpool_rdma::available().err();
+    for args in [
+        &["discover", "-t", "rdma", "-a", "127.0.0.1"][..],
+        &[
+            "bench",
+            "-t",
+            "rdma",
+            "-a",
+            "127.0.0.1",
+            "-n",
+            SUBNQN,
+            "--rw",
+            "read",
+            "--runtime",
+            "200ms",
+        ][..],
+    ] {
+        let r = nvpool(args);
+        let line = r.expect_one_line_error(1);
+        if let Some(why) = &why {
+            assert!(line.contains("RDMA unavailable"), "{args:?}: {line}");
+            assert!(line.contains(why.as_str()), "{args:?}: {line}");
+        }
+    }
 }
 
 #[test]

@@ -1,11 +1,13 @@
 //! Interoperability check of the userspace initiator against a real NVMe/TCP
-//! target, written for the Linux kernel's nvmet-tcp
-//! (`scripts/vm/guest/initiator-vs-kernel.sh` runs it in a QEMU guest).
+//! or NVMe/RDMA target, written for the Linux kernel's nvmet-tcp and
+//! nvmet-rdma (`scripts/vm/guest/initiator-vs-kernel.sh` and
+//! `initiator-vs-kernel-rdma.sh` run it in a QEMU guest).
 //!
 //! ```text
 //! cargo build --release -p nvpool-initiator --example interop
-//! interop --addr 127.0.0.1:4420 --nqn NQN [--hostnqn H] [--nsid 1] [--digests]
-//!         [--idle SECS] [--expect-blip] [--expect-loss] [--timeout SECS]
+//! interop --addr 127.0.0.1:4420 --nqn NQN [--transport tcp|rdma] [--hostnqn H]
+//!         [--nsid 1] [--digests] [--idle SECS] [--expect-blip] [--expect-loss]
+//!         [--timeout SECS]
 //! ```
 //!
 //! Prints one line per step, `STEP <name> ok (<secs>s) <details>`, or
@@ -28,6 +30,7 @@
 
 use nvpool_initiator::{
     Completion, ConnectParams, Controller, Error, IoError, IoQueue, NamespaceInfo, Op, Request,
+    Transport,
 };
 use nvpool_wire::tcp::Digests;
 use std::error::Error as StdError;
@@ -82,6 +85,7 @@ type Res<T> = Result<T, String>;
 #[derive(Debug)]
 struct Args {
     addr: SocketAddr,
+    transport: Transport,
     nqn: String,
     hostnqn: Option<String>,
     nsid: u32,
@@ -92,12 +96,14 @@ struct Args {
     timeout: Duration,
 }
 
-const USAGE: &str = "usage: interop --addr IP:PORT --nqn NQN [--hostnqn NQN] [--nsid N] \
+const USAGE: &str = "usage: interop --addr IP:PORT --nqn NQN [--transport tcp|rdma] \
+                     [--hostnqn NQN] [--nsid N] \
                      [--digests] [--idle SECS] [--expect-blip] [--expect-loss] \
                      [--timeout SECS]";
 
 fn parse_args() -> Res<Args> {
     let mut addr = None;
+    let mut transport = Transport::Tcp;
     let mut nqn = None;
     let mut hostnqn = None;
     let mut nsid = 1u32;
@@ -115,6 +121,13 @@ fn parse_args() -> Res<Args> {
                 addr = Some(v.parse().map_err(|e| format!("--addr {v}: {e}"))?);
             }
             "--nqn" => nqn = Some(value()?),
+            "--transport" => {
+                transport = match value()?.as_str() {
+                    "tcp" => Transport::Tcp,
+                    "rdma" => Transport::Rdma,
+                    v => return Err(format!("--transport {v}: tcp or rdma")),
+                }
+            }
             "--hostnqn" => hostnqn = Some(value()?),
             "--nsid" => {
                 let v = value()?;
@@ -139,8 +152,12 @@ fn parse_args() -> Res<Args> {
             _ => return Err(format!("unknown argument {a}")),
         }
     }
+    if digests && transport == Transport::Rdma {
+        return Err("--digests is NVMe/TCP only".into());
+    }
     Ok(Args {
         addr: addr.ok_or("--addr is required")?,
+        transport,
         nqn: nqn.ok_or("--nqn is required")?,
         hostnqn,
         nsid,
@@ -401,6 +418,7 @@ fn run(a: &Args) -> Result<(), Failed> {
 
     let ctrl = step("connect", || {
         let mut p = ConnectParams::new(a.addr, &a.nqn);
+        p.transport = a.transport;
         if let Some(h) = &a.hostnqn {
             p.hostid = h
                 .rsplit_once(":uuid:")
@@ -416,7 +434,7 @@ fn run(a: &Args) -> Result<(), Failed> {
         let id = &c.identify;
         let d = format!(
             "cntlid {} mdts {} nn {} maxcmd {} mqes {} ioccsz {} (in-capsule {} B) \
-             max-transfer {} B io-queues {} digests {} model '{}' fw '{}'",
+             max-transfer {} B io-queues {} transport {} digests {} model '{}' fw '{}'",
             id.cntlid,
             id.mdts,
             id.nn,
@@ -426,6 +444,7 @@ fn run(a: &Args) -> Result<(), Failed> {
             c.inline_data_max(),
             c.max_transfer(),
             c.io_queue_count(),
+            a.transport,
             if a.digests { "hdr+data" } else { "off" },
             id.model.trim(),
             id.firmware.trim(),

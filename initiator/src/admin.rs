@@ -1,14 +1,16 @@
 //! The controller: admin queue, connect and enable sequence, Identify,
 //! features, keep-alive, and reconnection shared by its I/O queues.
 
-use crate::conn::{Conn, Pdu, MAX_TRANSFER_BYTES};
+use crate::conn::{Pdu, MAX_TRANSFER_BYTES};
 use crate::error::Error;
+use crate::link::Link;
+use crate::rdma::Data;
 use nvpool_wire::fabrics::{cc, csts, fctype, prop, Cap, ConnectCmd, ConnectData, PropertyCmd};
 use nvpool_wire::identify::{self, cns, IdentifyController, IdentifyNamespace, NsId};
 use nvpool_wire::log::GetLogPage;
-use nvpool_wire::sqe::{admin as aop, sgl_id};
+use nvpool_wire::sqe::admin as aop;
 use nvpool_wire::tcp::Digests;
-use nvpool_wire::{Cqe, Sgl, Sqe, Status};
+use nvpool_wire::{Cqe, Sqe, Status};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -23,11 +25,51 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
 const RECONNECT_BACKOFF_MAX: u32 = 8;
 /// Largest admin data transfer the host reads in one command.
 const ADMIN_CHUNK_BYTES: usize = 4096;
+/// Largest data of one admin command (Identify and log page chunks are
+/// 4 KiB, Connect data 1 KiB): the RDMA admin queue's one data buffer.
+const ADMIN_DATA_BYTES_MAX: usize = 4096;
+const _: () = assert!(ADMIN_CHUNK_BYTES <= ADMIN_DATA_BYTES_MAX);
+/// Registered data buffers of one RDMA I/O queue (one per command slot, of
+/// the maximum transfer each) stay within this; deeper queues of large
+/// transfers get fewer entries. 64 MiB: 64 commands of 1 MiB.
+pub const RDMA_QUEUE_BUFFER_BYTES_MAX: usize = 64 << 20;
+const _: () = assert!(RDMA_QUEUE_BUFFER_BYTES_MAX >= 2 * MAX_TRANSFER_BYTES);
+
+/// The fabric a controller is reached over.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// NVMe/TCP.
+    #[default]
+    Tcp,
+    /// NVMe/RDMA (RoCE, iWARP or InfiniBand through RDMA CM).
+    Rdma,
+}
+
+impl Transport {
+    /// The conventional port of a discovery controller on this transport.
+    pub fn discovery_port(self) -> u16 {
+        match self {
+            Transport::Tcp => 8009,
+            Transport::Rdma => nvpool_wire::rdma::DEFAULT_PORT,
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        })
+    }
+}
 
 /// How to reach and use one controller.
 #[derive(Debug, Clone)]
 pub struct ConnectParams {
     pub addr: SocketAddr,
+    /// TCP (default) or RDMA.
+    pub transport: Transport,
     pub subnqn: String,
     pub hostnqn: String,
     pub hostid: [u8; 16],
@@ -43,7 +85,8 @@ pub struct ConnectParams {
     /// Wait before the second reconnect attempt; it doubles after each
     /// failure, up to `RECONNECT_BACKOFF_MAX` times this value.
     pub reconnect_delay: Duration,
-    /// TCP connect and ICResp timeout.
+    /// Connection setup timeout (TCP connect and ICResp; RDMA address and
+    /// route resolution and CM connect).
     pub connect_timeout: Duration,
 }
 
@@ -54,6 +97,7 @@ impl ConnectParams {
         let (hostnqn, hostid) = crate::hostnqn::host_identity();
         ConnectParams {
             addr,
+            transport: Transport::Tcp,
             subnqn: subnqn.to_owned(),
             hostnqn,
             hostid,
@@ -89,7 +133,7 @@ impl NamespaceInfo {
 /// One admin queue connection.
 #[derive(Debug)]
 pub(crate) struct AdminQueue {
-    conn: Conn,
+    conn: Link,
     next_cid: u16,
 }
 
@@ -99,8 +143,10 @@ impl AdminQueue {
         cntlid: u16,
         qid: u16,
         entries: u16,
-    ) -> Result<(Conn, u16), Error> {
-        let mut conn = Conn::connect(p.addr, p.digests, p.connect_timeout)?;
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<(Link, u16), Error> {
+        let mut conn = Link::connect(p, qid, entries, cntlid, slots, slot_bytes)?;
         let kato_ms = if qid == 0 {
             p.kato.as_millis().min(u32::MAX as u128) as u32
         } else {
@@ -137,30 +183,24 @@ impl AdminQueue {
         let cid = self.next_cid;
         self.next_cid = (self.next_cid + 1) % (ADMIN_QUEUE_ENTRIES - 1);
         sqe.set_cid(cid);
-        let addr = self.conn.addr.to_string();
-        if !out.is_empty() {
-            sqe.set_sgl(Sgl {
-                addr: 0,
-                len: out.len() as u32,
-                id: sgl_id::IN_CAPSULE,
-            });
-            self.conn.queue_capsule(&sqe, out);
-        } else {
-            if in_len > 0 {
-                sqe.set_sgl(Sgl {
-                    addr: 0,
-                    len: in_len as u32,
-                    id: sgl_id::TRANSPORT,
-                });
-            } else if sqe.sgl().id == 0 {
-                sqe.set_sgl(Sgl {
-                    addr: 0,
-                    len: 0,
-                    id: sgl_id::TRANSPORT,
-                });
-            }
-            self.conn.queue_capsule(&sqe, &[]);
+        let addr = self.conn.addr().to_string();
+        let len = out.len().max(in_len);
+        if len > self.conn.max_data() {
+            return Err(Error::Invalid(format!(
+                "{what}: {len} bytes of data exceed the queue's limit of {}",
+                self.conn.max_data()
+            )));
         }
+        let data = if !out.is_empty() {
+            Data::Out(out)
+        } else if in_len > 0 {
+            Data::In(in_len)
+        } else {
+            Data::None
+        };
+        // Admin data travels in the capsule on TCP, never on RDMA (the
+        // controller's admin receive buffers hold a bare SQE).
+        self.conn.command(sqe, 0, data, usize::MAX);
         let deadline = Instant::now() + ADMIN_TIMEOUT;
         let mut data = Vec::with_capacity(in_len);
         loop {
@@ -180,6 +220,12 @@ impl AdminQueue {
                                 what,
                                 status: cqe.status,
                             });
+                        }
+                        if in_len > 0 {
+                            let mut placed = vec![0; in_len];
+                            if self.conn.placed(0, &mut placed).is_some() {
+                                data = placed;
+                            }
                         }
                         return Ok((cqe, data));
                     }
@@ -286,7 +332,8 @@ impl Controller {
         p: &ConnectParams,
     ) -> Result<(AdminQueue, u16, Cap, IdentifyController, u16), Error> {
         let addr = p.addr.to_string();
-        let (conn, cntlid) = AdminQueue::connect(p, 0xFFFF, 0, ADMIN_QUEUE_ENTRIES)?;
+        let (conn, cntlid) =
+            AdminQueue::connect(p, 0xFFFF, 0, ADMIN_QUEUE_ENTRIES, 1, ADMIN_DATA_BYTES_MAX)?;
         let mut q = AdminQueue { conn, next_cid: 1 };
         let cap = Cap::from_u64(prop_get(&mut q, prop::CAP, true)?);
         prop_set(&mut q, prop::CC, cc::LINUX_ENABLE & !cc::EN)?;
@@ -359,6 +406,10 @@ impl Controller {
             .min(self.cap.mqes.saturating_add(1));
         if self.identify.maxcmd > 0 {
             e = e.min(self.identify.maxcmd);
+        }
+        if self.params.transport == Transport::Rdma {
+            let slots = RDMA_QUEUE_BUFFER_BYTES_MAX / self.max_transfer().max(ADMIN_DATA_BYTES_MAX);
+            e = e.min(slots.min(u16::MAX as usize - 1) as u16 + 1);
         }
         e.max(2)
     }
@@ -612,8 +663,17 @@ impl Controller {
         crate::queue::IoQueue::connect(self.clone(), qid)
     }
 
-    pub(crate) fn connect_io(&self, qid: u16, cntlid: u16, entries: u16) -> Result<Conn, Error> {
-        AdminQueue::connect(&self.params, cntlid, qid, entries).map(|(c, _)| c)
+    pub(crate) fn connect_io(&self, qid: u16, cntlid: u16, entries: u16) -> Result<Link, Error> {
+        let slot_bytes = self.max_transfer().max(ADMIN_DATA_BYTES_MAX);
+        AdminQueue::connect(
+            &self.params,
+            cntlid,
+            qid,
+            entries,
+            entries as usize - 1,
+            slot_bytes,
+        )
+        .map(|(c, _)| c)
     }
 }
 

@@ -1,6 +1,6 @@
 //! Discovery: read a discovery controller's log of subsystems.
 
-use crate::admin::{ConnectParams, Controller};
+use crate::admin::{ConnectParams, Controller, Transport};
 use crate::error::Error;
 use nvpool_wire::log::{
     self, decode_discovery_header, DiscoveryEntry, DISC_ENTRY_LEN, DISC_HEADER_LEN,
@@ -17,7 +17,19 @@ pub fn discover(
     hostid: [u8; 16],
     timeout: Duration,
 ) -> Result<Vec<DiscoveryEntry>, Error> {
+    discover_over(Transport::Tcp, addr, hostnqn, hostid, timeout)
+}
+
+/// [`discover`] over `transport`.
+pub fn discover_over(
+    transport: Transport,
+    addr: SocketAddr,
+    hostnqn: &str,
+    hostid: [u8; 16],
+    timeout: Duration,
+) -> Result<Vec<DiscoveryEntry>, Error> {
     let mut p = ConnectParams::new(addr, nvpool_wire::DISCOVERY_NQN);
+    p.transport = transport;
     p.hostnqn = hostnqn.to_owned();
     p.hostid = hostid;
     p.kato = Duration::ZERO;

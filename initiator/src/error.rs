@@ -37,6 +37,10 @@ pub enum Error {
     },
     #[error("{0}")]
     Invalid(String),
+    /// RDMA was asked for and this machine cannot do it (libraries, kernel
+    /// support); the text says why.
+    #[error("RDMA unavailable: {0}")]
+    RdmaUnavailable(String),
 }
 
 impl Error {

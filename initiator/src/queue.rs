@@ -1,10 +1,13 @@
-//! An I/O queue: one TCP connection, owned by one thread.
+//! An I/O queue: one connection (TCP or an RDMA queue pair, see
+//! `link.rs`), owned by one thread.
 
 use crate::admin::Controller;
-use crate::conn::{Conn, Pdu};
+use crate::conn::Pdu;
 use crate::error::{Error, IoError};
-use nvpool_wire::sqe::{nvm, sgl_id};
-use nvpool_wire::{Sgl, Sqe, Status};
+use crate::link::Link;
+use crate::rdma::Data;
+use nvpool_wire::sqe::nvm;
+use nvpool_wire::{Sqe, Status};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -72,7 +75,7 @@ const DIGEST_RETRIES: u8 = 3;
 #[derive(Debug)]
 pub struct IoQueue {
     ctrl: Arc<Controller>,
-    conn: Conn,
+    conn: Link,
     qid: u16,
     generation: u64,
     slots: Vec<Slot>,
@@ -227,7 +230,7 @@ impl IoQueue {
         let cid = si | s.gen << SLOT_BITS;
         let req = s.req.as_ref().expect("slot in use has a request");
         let mut sqe;
-        let mut icd: &[u8] = &[];
+        let data;
         match req.op {
             Op::Read | Op::Write => {
                 sqe = Sqe::new(
@@ -244,28 +247,15 @@ impl IoQueue {
                     sqe.set_cdw(12, sqe.cdw(12) | 1 << 30);
                 }
                 let len = req.blocks as usize * bs;
-                if req.op == Op::Write && len <= self.inline_max {
-                    sqe.set_sgl(Sgl {
-                        addr: 0,
-                        len: len as u32,
-                        id: sgl_id::IN_CAPSULE,
-                    });
-                    icd = &req.buf[..len];
+                data = if req.op == Op::Write {
+                    Data::Out(&req.buf[..len])
                 } else {
-                    sqe.set_sgl(Sgl {
-                        addr: 0,
-                        len: len as u32,
-                        id: sgl_id::TRANSPORT,
-                    });
-                }
+                    Data::In(len)
+                };
             }
             Op::Flush => {
                 sqe = Sqe::new(nvm::FLUSH, cid);
-                sqe.set_sgl(Sgl {
-                    addr: 0,
-                    len: 0,
-                    id: sgl_id::TRANSPORT,
-                });
+                data = Data::None;
             }
             Op::WriteZeroes { deallocate } => {
                 sqe = Sqe::new(nvm::WRITE_ZEROES, cid);
@@ -274,11 +264,7 @@ impl IoQueue {
                 if deallocate {
                     sqe.set_cdw(12, sqe.cdw(12) | 1 << 25);
                 }
-                sqe.set_sgl(Sgl {
-                    addr: 0,
-                    len: 0,
-                    id: sgl_id::TRANSPORT,
-                });
+                data = Data::None;
             }
             Op::Deallocate => {
                 sqe = Sqe::new(nvm::DATASET_MANAGEMENT, cid);
@@ -287,25 +273,11 @@ impl IoQueue {
                 self.dsm.fill(0);
                 self.dsm[4..8].copy_from_slice(&req.blocks.to_le_bytes());
                 self.dsm[8..16].copy_from_slice(&req.lba.to_le_bytes());
-                let len = self.dsm.len();
-                if len <= self.inline_max {
-                    sqe.set_sgl(Sgl {
-                        addr: 0,
-                        len: len as u32,
-                        id: sgl_id::IN_CAPSULE,
-                    });
-                    icd = &self.dsm;
-                } else {
-                    sqe.set_sgl(Sgl {
-                        addr: 0,
-                        len: len as u32,
-                        id: sgl_id::TRANSPORT,
-                    });
-                }
+                data = Data::Out(&self.dsm);
             }
         }
         sqe.set_nsid(req.nsid);
-        self.conn.queue_capsule(&sqe, icd);
+        self.conn.command(sqe, si as usize, data, self.inline_max);
     }
 
     /// Sends queued commands and collects completions into `out`, waiting up
@@ -367,7 +339,7 @@ impl IoQueue {
         match self.slots.get(si) {
             Some(s) if s.state == SlotState::Sent && s.gen == cid >> SLOT_BITS => Ok(si),
             _ => Err(Error::Protocol {
-                addr: self.conn.addr.to_string(),
+                addr: self.conn.addr().to_string(),
                 what: format!("{what} for unknown command id {cid:#x}"),
             }),
         }
@@ -377,6 +349,14 @@ impl IoQueue {
         match pdu {
             Pdu::Resp(cqe) => {
                 let si = self.slot_for(cqe.cid, "completion")?;
+                let s = &mut self.slots[si];
+                let req = s.req.as_mut().expect("sent slot has a request");
+                if cqe.status.is_success() && req.op == Op::Read {
+                    let len = req.blocks as usize * self.block_size as usize;
+                    if let Some(n) = self.conn.placed(si, &mut req.buf[..len]) {
+                        s.got = n;
+                    }
+                }
                 let s = &self.slots[si];
                 let req = s.req.as_ref().expect("sent slot has a request");
                 if cqe.status.is_success()
@@ -384,7 +364,7 @@ impl IoQueue {
                     && s.got != req.blocks as usize * self.block_size as usize
                 {
                     return Err(Error::Protocol {
-                        addr: self.conn.addr.to_string(),
+                        addr: self.conn.addr().to_string(),
                         what: "read completed with short data".into(),
                     });
                 }
@@ -422,7 +402,7 @@ impl IoQueue {
                 let len = req.blocks as usize * self.block_size as usize;
                 if range.len() != hdr.datal as usize || s.got + range.len() > len {
                     return Err(Error::Protocol {
-                        addr: self.conn.addr.to_string(),
+                        addr: self.conn.addr().to_string(),
                         what: "C2HData outside the read".into(),
                     });
                 }
@@ -432,14 +412,14 @@ impl IoQueue {
                     // Damaged data: the connection is suspect; reconnecting
                     // reissues the read.
                     return Err(Error::Protocol {
-                        addr: self.conn.addr.to_string(),
+                        addr: self.conn.addr().to_string(),
                         what: "data digest mismatch".into(),
                     });
                 }
                 if flags & nvpool_wire::tcp::flags::SUCCESS != 0 {
                     if s.got != len {
                         return Err(Error::Protocol {
-                            addr: self.conn.addr.to_string(),
+                            addr: self.conn.addr().to_string(),
                             what: "SUCCESS with short data".into(),
                         });
                     }
@@ -461,7 +441,7 @@ impl IoQueue {
                 let end = r.r2to as usize + r.r2tl as usize;
                 if end > len {
                     return Err(Error::Protocol {
-                        addr: self.conn.addr.to_string(),
+                        addr: self.conn.addr().to_string(),
                         what: "R2T beyond the command's data".into(),
                     });
                 }
@@ -478,7 +458,7 @@ impl IoQueue {
             }
             Pdu::Term(t) => {
                 return Err(Error::Terminated {
-                    addr: self.conn.addr.to_string(),
+                    addr: self.conn.addr().to_string(),
                     fes: t.fes,
                 })
             }
@@ -495,7 +475,7 @@ impl IoQueue {
         let len = req.blocks as usize * self.block_size as usize;
         if req.op != Op::Read || hdr.datao as usize != s.got || s.got + hdr.datal as usize > len {
             return Err(Error::Protocol {
-                addr: self.conn.addr.to_string(),
+                addr: self.conn.addr().to_string(),
                 what: "C2HData outside the read".into(),
             });
         }
@@ -521,7 +501,7 @@ impl IoQueue {
         if d.flags & nvpool_wire::tcp::flags::SUCCESS != 0 {
             if s.got != req.blocks as usize * self.block_size as usize {
                 return Err(Error::Protocol {
-                    addr: self.conn.addr.to_string(),
+                    addr: self.conn.addr().to_string(),
                     what: "SUCCESS with short data".into(),
                 });
             }

@@ -255,6 +255,9 @@ pub struct VolumeOptions {
     /// failed, its leaving copy (written only; opened if it can be, else
     /// done without).
     pub moving: Vec<MovingCopy>,
+    /// Reach a target over NVMe/RDMA when the plan gives it an RDMA
+    /// address and this host can do RDMA; false: NVMe/TCP always.
+    pub prefer_rdma: bool,
 }
 
 impl Default for VolumeOptions {
@@ -273,6 +276,7 @@ impl Default for VolumeOptions {
             failed_extents: Vec::new(),
             syncing_extents: Vec::new(),
             moving: Vec::new(),
+            prefer_rdma: true,
         }
     }
 }
@@ -637,6 +641,7 @@ pub struct Volume {
     queues: u16,
     align: u64,
     connections: Option<Arc<Connections>>,
+    prefer_rdma: bool,
 }
 
 impl fmt::Debug for Volume {
@@ -744,12 +749,15 @@ impl Volume {
         // Controllers in order of first use; each with the namespaces it
         // serves (indices into `wanted`).
         let mut keys: Vec<(SocketAddr, &str)> = Vec::new();
+        let mut rdma: Vec<bool> = Vec::new();
         let mut index: HashMap<(SocketAddr, &str), usize> = HashMap::new();
         let mut served: Vec<Vec<usize>> = Vec::new();
         for (w, &(_, e, _)) in wanted.iter().enumerate() {
-            let key = (e.addr, e.subsystem_nqn.as_str());
+            let (addr, over_rdma) = route(e, opts.prefer_rdma);
+            let key = (addr, e.subsystem_nqn.as_str());
             let ci = *index.entry(key).or_insert_with(|| {
                 keys.push(key);
+                rdma.push(over_rdma);
                 served.push(Vec::new());
                 keys.len() - 1
             });
@@ -771,6 +779,7 @@ impl Volume {
         });
         let base = ConnectParams {
             addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            transport: crate::admin::Transport::Tcp,
             subnqn: String::new(),
             hostnqn: plan.host_nqn.clone(),
             hostid,
@@ -791,10 +800,11 @@ impl Volume {
             let threads: Vec<_> = keys
                 .iter()
                 .zip(&served)
-                .map(|(&(addr, nqn), mine)| {
+                .zip(&rdma)
+                .map(|((&(addr, nqn), mine), &over_rdma)| {
                     let reach = match shared.and_then(|c| c.get(&key(addr, nqn))) {
                         Some(io) => Reach::Shared(io),
-                        None => Reach::Connect(controller_params(&base, addr, nqn)),
+                        None => Reach::Connect(controller_params(&base, (addr, over_rdma), nqn)),
                     };
                     let mine: Vec<(usize, &PlanExtent)> =
                         mine.iter().map(|&w| (wanted[w].0, wanted[w].1)).collect();
@@ -872,6 +882,7 @@ impl Volume {
             queues,
             align,
             connections: opts.connections,
+            prefer_rdma: opts.prefer_rdma,
         };
         for (i, dev) in incoming {
             let dest = &moving[i].expect("an incoming copy is a move's").dest;
@@ -888,7 +899,7 @@ impl Volume {
             .filter(|m| m.switched && !failed(&m.extent))
         {
             let old = &plan.extents[m.extent];
-            let key = (old.addr, old.subsystem_nqn.as_str());
+            let key = (route(old, opts.prefer_rdma).0, old.subsystem_nqn.as_str());
             let r = if unreachable.contains(&key) {
                 Err(Error::Invalid(
                     "its controller could not be connected".into(),
@@ -1154,17 +1165,18 @@ impl Volume {
     fn connect_copy(&self, index: usize, e: &PlanExtent) -> Result<Device, Error> {
         let shared = self.connections.as_deref();
         let _one_open = shared.map(|c| lock(&c.opening));
-        let key = (e.addr, e.subsystem_nqn.clone(), self.plan.host_nqn.clone());
+        let at = route(e, self.prefer_rdma);
+        let key = (at.0, e.subsystem_nqn.clone(), self.plan.host_nqn.clone());
         let mine = lock(&self.ios)
             .iter()
             .find(|io| {
                 let c = io.controller();
-                c.addr() == e.addr && c.params.subnqn == e.subsystem_nqn && !io.is_lost()
+                c.addr() == at.0 && c.params.subnqn == e.subsystem_nqn && !io.is_lost()
             })
             .cloned();
         let reach = match mine.or_else(|| shared.and_then(|c| c.get(&key))) {
             Some(io) => Reach::Shared(io),
-            None => Reach::Connect(controller_params(&self.params, e.addr, &e.subsystem_nqn)),
+            None => Reach::Connect(controller_params(&self.params, at, &e.subsystem_nqn)),
         };
         let bytes = self.plan.extent_bytes;
         let mut c = connect_one(bytes, reach, &[(index, e)], self.align, self.queues)?;
@@ -1627,12 +1639,35 @@ impl Volume {
     }
 }
 
-/// `base` for the controller at `addr` serving `subnqn`.
-fn controller_params(base: &ConnectParams, addr: SocketAddr, subnqn: &str) -> ConnectParams {
+/// `base` for the controller serving `subnqn` at `addr` (over RDMA when
+/// `rdma`, see [`route`]).
+fn controller_params(
+    base: &ConnectParams,
+    (addr, rdma): (SocketAddr, bool),
+    subnqn: &str,
+) -> ConnectParams {
     ConnectParams {
         addr,
+        transport: if rdma {
+            crate::admin::Transport::Rdma
+        } else {
+            crate::admin::Transport::Tcp
+        },
         subnqn: subnqn.to_owned(),
         ..base.clone()
+    }
+}
+
+/// Where to reach an extent's controller, and whether over RDMA: the
+/// target's NVMe/RDMA address when the plan has one, RDMA is preferred and
+/// this host can do RDMA; else its NVMe/TCP address.
+fn route(e: &PlanExtent, prefer_rdma: bool) -> (SocketAddr, bool) {
+    static RDMA_HERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    match e.rdma_addr {
+        Some(a) if prefer_rdma && *RDMA_HERE.get_or_init(|| nvpool_rdma::available().is_ok()) => {
+            (a, true)
+        }
+        _ => (e.addr, false),
     }
 }
 
@@ -1670,6 +1705,25 @@ fn connect_one(
     queues: u16,
 ) -> Result<Connected, Error> {
     let (ctrl, shared) = match reach {
+        Reach::Connect(params) if params.transport == crate::admin::Transport::Rdma => {
+            // The target offers RDMA, but this host may not reach it that
+            // way (another fabric, no route): NVMe/TCP still works.
+            let tcp = mine.first().map(|(_, e)| e.addr);
+            match (Controller::connect(params.clone()), tcp) {
+                (Ok(c), _) => (c, None),
+                (Err(e), Some(tcp)) => {
+                    tracing::warn!(addr = %params.addr, subsystem = %params.subnqn, error = %e,
+                        "cannot reach the target over NVMe/RDMA; using NVMe/TCP");
+                    let p = ConnectParams {
+                        addr: tcp,
+                        transport: crate::admin::Transport::Tcp,
+                        ..params
+                    };
+                    (Controller::connect(p)?, None)
+                }
+                (Err(e), None) => return Err(e),
+            }
+        }
         Reach::Connect(params) => (Controller::connect(params)?, None),
         Reach::Shared(io) => (io.controller().clone(), Some(io)),
     };

@@ -190,8 +190,14 @@ fn ffi_layouts_match_the_system_headers() {
     check("rdma_cm_id.channel", offset_of!(rdma_cm_id, channel));
     check("rdma_cm_id.context", offset_of!(rdma_cm_id, context));
     check("rdma_cm_id.qp", offset_of!(rdma_cm_id, qp));
-    check("rdma_cm_id.route.addr.src_addr", offset_of!(rdma_cm_id, src_addr));
-    check("rdma_cm_id.route.addr.dst_addr", offset_of!(rdma_cm_id, dst_addr));
+    check(
+        "rdma_cm_id.route.addr.src_addr",
+        offset_of!(rdma_cm_id, src_addr),
+    );
+    check(
+        "rdma_cm_id.route.addr.dst_addr",
+        offset_of!(rdma_cm_id, dst_addr),
+    );
     check("rdma_cm_event", size_of::<rdma_cm_event>());
     check("rdma_cm_event.event", offset_of!(rdma_cm_event, event));
     check("rdma_cm_event.status", offset_of!(rdma_cm_event, status));
