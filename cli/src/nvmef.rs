@@ -1,6 +1,8 @@
 //! `--frontend nvme`: the volume is served by targets (an ANA subsystem
-//! with a path per target, C19) and this host's own kernel NVMe/TCP
-//! driver connects to every path, as `nvme connect` does: one line of
+//! with a path per target, C19) and this host's own kernel NVMe driver
+//! connects to every path, as `nvme connect` does, over NVMe/RDMA when the
+//! path's target listens for it and this host has an RDMA device, else
+//! over NVMe/TCP: one line of
 //! options written to `/dev/nvme-fabrics` per path. With native multipath
 //! (`nvme_core.multipath=Y`, the default) the kernel shows one
 //! `/dev/nvmeXnY` for all paths and fails over between them by ANA state.
@@ -29,6 +31,27 @@ pub struct PathView {
     pub traddr: String,
     pub trsvcid: u16,
     pub ana_state: String,
+    /// The target's NVMe/RDMA listener, when it has one.
+    #[serde(default)]
+    pub rdma_traddr: Option<String>,
+    #[serde(default)]
+    pub rdma_trsvcid: Option<u16>,
+}
+
+impl PathView {
+    /// (transport, traddr, trsvcid) to connect this path with: NVMe/RDMA
+    /// when the target offers it and `rdma_here`, else NVMe/TCP.
+    fn route(&self, rdma_here: bool) -> (&'static str, &str, u16) {
+        match (&self.rdma_traddr, self.rdma_trsvcid) {
+            (Some(a), Some(p)) if rdma_here => ("rdma", a, p),
+            _ => ("tcp", &self.traddr, self.trsvcid),
+        }
+    }
+}
+
+/// Whether this host has an RDMA device (the kernel's nvme-rdma needs one).
+fn rdma_here() -> bool {
+    std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
 }
 
 /// A served volume, as the export calls answer.
@@ -48,9 +71,13 @@ pub fn available() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The commands a host runs to connect to `v` itself.
+/// The commands a host runs to connect to `v` itself; then, when every
+/// path's target listens for NVMe/RDMA too, the same over RDMA as a
+/// commented alternative.
 pub fn commands(v: &ServedView, host: &str) -> Vec<String> {
     let mut out = vec!["modprobe nvme-tcp".to_owned()];
+    let rdma = !v.paths.is_empty() && v.paths.iter().all(|p| p.route(true).0 == "rdma");
+    let tail = rdma_commands(v, host);
     if let Some(p) = v.paths.first() {
         out.push(format!(
             "nvme discover -t tcp -a {} -s {} --hostnqn {host}",
@@ -64,6 +91,25 @@ pub fn commands(v: &ServedView, host: &str) -> Vec<String> {
             p.traddr, p.trsvcid, v.subsystem_nqn
         ));
     }
+    if rdma {
+        out.extend(tail);
+    }
+    out
+}
+
+fn rdma_commands(v: &ServedView, host: &str) -> Vec<String> {
+    let mut out = vec![
+        "# or over NVMe/RDMA (hosts with an RDMA NIC):".to_owned(),
+        "modprobe nvme-rdma".to_owned(),
+    ];
+    for p in &v.paths {
+        let (_, a, port) = p.route(true);
+        out.push(format!(
+            "nvme connect -t rdma -a {a} -s {port} -n {} --hostnqn {host} --ctrl-loss-tmo=-1 \
+             --reconnect-delay={RECONNECT_DELAY_S}",
+            v.subsystem_nqn
+        ));
+    }
     out
 }
 
@@ -74,25 +120,28 @@ pub fn connect(v: &ServedView, host: &str) -> anyhow::Result<PathBuf> {
     available()?;
     let mut connected = connected_paths(&v.subsystem_nqn);
     let mut errors = Vec::new();
+    let rdma = rdma_here();
     for p in &v.paths {
-        let addr = format!("traddr={},trsvcid={}", p.traddr, p.trsvcid);
+        let (transport, traddr, trsvcid) = p.route(rdma);
+        let addr = format!("traddr={traddr},trsvcid={trsvcid}");
         if connected.iter().any(|a| a.contains(&addr)) {
             continue;
         }
         let opts = format!(
-            "nqn={},transport=tcp,traddr={},trsvcid={},hostnqn={host},hostid={},\
-             ctrl_loss_tmo=-1,reconnect_delay={RECONNECT_DELAY_S}",
+            "nqn={},transport={transport},traddr={traddr},trsvcid={trsvcid},hostnqn={host},\
+             hostid={},ctrl_loss_tmo=-1,reconnect_delay={RECONNECT_DELAY_S}",
             v.subsystem_nqn,
-            p.traddr,
-            p.trsvcid,
             host_id(host)
         );
         match fabrics_connect(&opts) {
             Ok(answer) => {
-                tracing::info!(target = %p.target, %answer, "path connected");
+                tracing::info!(target = %p.target, transport, %answer, "path connected");
                 connected.push(addr);
             }
-            Err(e) => errors.push(format!("{}:{} ({}): {e:#}", p.traddr, p.trsvcid, p.target)),
+            Err(e) => errors.push(format!(
+                "{transport} {traddr}:{trsvcid} ({}): {e:#}",
+                p.target
+            )),
         }
     }
     if connected.is_empty() {
@@ -246,12 +295,16 @@ mod tests {
                     traddr: "10.0.0.1".into(),
                     trsvcid: 4420,
                     ana_state: "optimized".into(),
+                    rdma_traddr: None,
+                    rdma_trsvcid: None,
                 },
                 PathView {
                     target: "b".into(),
                     traddr: "10.0.0.2".into(),
                     trsvcid: 4420,
                     ana_state: "inaccessible".into(),
+                    rdma_traddr: None,
+                    rdma_trsvcid: None,
                 },
             ],
             owner: Some("a".into()),
@@ -261,5 +314,22 @@ mod tests {
         assert!(c[1].starts_with("nvme discover -t tcp -a 10.0.0.1 -s 4420"));
         assert!(c[2].contains("-a 10.0.0.1") && c[2].contains("-n nqn.2026-11.io.nvpool:volume:x"));
         assert!(c[3].contains("-a 10.0.0.2") && c[3].contains("--hostnqn nqn.h"));
+
+        // Targets that listen for NVMe/RDMA too: the same over RDMA after.
+        let mut r = v.clone();
+        for (p, a) in r.paths.iter_mut().zip(["192.0.2.1", "192.0.2.2"]) {
+            p.rdma_traddr = Some(a.into());
+            p.rdma_trsvcid = Some(4421);
+        }
+        let c = commands(&r, "nqn.h");
+        assert_eq!(c.len(), 8, "{c:#?}");
+        assert_eq!(c[4], "# or over NVMe/RDMA (hosts with an RDMA NIC):");
+        assert_eq!(c[5], "modprobe nvme-rdma");
+        assert!(c[6].starts_with(
+            "nvme connect -t rdma -a 192.0.2.1 -s 4421 -n nqn.2026-11.io.nvpool:volume:x"
+        ));
+        assert!(c[7].contains("-a 192.0.2.2 -s 4421"));
+        assert_eq!(r.paths[0].route(false), ("tcp", "10.0.0.1", 4420));
+        assert_eq!(r.paths[0].route(true), ("rdma", "192.0.2.1", 4421));
     }
 }
