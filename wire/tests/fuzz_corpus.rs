@@ -119,6 +119,7 @@ replay_tests!(
     error_entry,
     status,
     ana_log,
+    rdma_cm_request,
 );
 
 #[test]

@@ -740,6 +740,7 @@ never_panic_tests!(
     error_entry,
     status,
     ana_log,
+    rdma_cm_request,
 );
 
 #[test]

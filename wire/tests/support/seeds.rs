@@ -51,7 +51,7 @@ type MakeSeeds = fn(&mut Seeds);
 
 /// Every seed, grouped by target in the order of `nvpool_wire::fuzz::TARGETS`.
 pub fn all() -> Vec<Seed> {
-    let makers: [(&'static str, MakeSeeds); 22] = [
+    let makers: [(&'static str, MakeSeeds); 23] = [
         ("common_header", common_header),
         ("ic_req", ic_req),
         ("ic_resp", ic_resp),
@@ -74,6 +74,7 @@ pub fn all() -> Vec<Seed> {
         ("error_entry", error_entry),
         ("status", status),
         ("ana_log", ana_log),
+        ("rdma_cm_request", rdma_cm_request),
     ];
     let mut s = Seeds {
         target: "",
@@ -843,4 +844,35 @@ fn ana_log(s: &mut Seeds) {
     s.add("numanagd-max", b);
     s.add("truncated-47", &good[..47]);
     s.add("truncated-15", &good[..15]);
+}
+
+fn rdma_cm_request(s: &mut Seeds) {
+    use nvpool_wire::rdma::CmRequest;
+    let admin = CmRequest {
+        recfmt: 0,
+        qid: 0,
+        hrqsize: 32,
+        hsqsize: 31,
+        cntlid: 0,
+    };
+    let io = CmRequest {
+        qid: 1,
+        hrqsize: 128,
+        hsqsize: 127,
+        cntlid: 1,
+        ..admin
+    };
+    // As the CM delivers them over RoCE: 56 bytes, zero padded.
+    let mut padded = io.encode().to_vec();
+    padded.resize(56, 0);
+    s.add("linux-admin", admin.encode());
+    s.add("linux-io-roce-padded", padded);
+    let mut bad = admin.encode();
+    bad[0] = 1;
+    s.add("recfmt-1", bad);
+    s.add("short-31", &admin.encode()[..31]);
+    // Bytes 0..16 double as a keyed SGL descriptor (0x4F, 4 KiB, a key).
+    let mut keyed = [0u8; 32];
+    keyed[8..16].copy_from_slice(&[0x00, 0x10, 0x00, 0xef, 0xbe, 0xad, 0xde, 0x4f]);
+    s.add("keyed-invalidate", keyed);
 }
