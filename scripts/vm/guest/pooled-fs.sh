@@ -16,14 +16,30 @@
 # The serve_blockdev tests (ublk-fs.sh, nbd-fs.sh) cover one namespace per front-end;
 # this one covers the control plane, placement and the volume engine behind them.
 #
+# With --env POOLED_TRANSPORT=rdma the targets also listen for NVMe/RDMA on soft-RoCE
+# (rxe on a dummy link) and register that address; the volume engine then reaches every
+# extent over RDMA (checked: the serving process holds RDMA queue pairs, no TCP
+# connection to a target port). That run covers the ublk volume only.
+#
 #   cargo build --release -p nvpool-target -p nvpool-control -p nvpool-cli
 #   scripts/vm/run-guest-test scripts/vm/guest/pooled-fs.sh --bin target/release/nvpool \
 #       --bin target/release/nvpool-control --bin target/release/nvpool-target
 #
+# vm-rdma: yes
 # vm-modules: ublk_drv nbd ext4
-# vm-bins: fio mkfs.ext4 e2fsck blockdev jq
+# vm-bins: fio mkfs.ext4 e2fsck blockdev jq ss
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 . /nvpool/lib/common.sh
+# shellcheck source=lib/rdma.sh
+. /nvpool/lib/rdma.sh
+
+POOLED_TRANSPORT=${POOLED_TRANSPORT:-tcp}
+if [[ $POOLED_TRANSPORT == rdma ]]; then
+    rdma_up
+    # cluster.sh: every target also listens for NVMe/RDMA there.
+    CLUSTER_RDMA_ADDR=$RDMA_ADDR
+    step_ok rxe-up
+fi
 
 WORK=/tmp/pooled
 CP_PORT=4430
@@ -284,7 +300,33 @@ stop_cluster() {
     step_ok cluster-stop
 }
 
+# rdma_in_use: the serving process reaches its extents over NVMe/RDMA only: there are
+# host-side RDMA queue pairs (the targets' are made by their nvpool-rdma-cm threads; the
+# host's by connect threads that have ended, so they show no command) and no TCP
+# connection from the serving process to a target.
+rdma_in_use() {
+    local qps tcp
+    qps=$(rdma resource show qp 2>/dev/null | grep 'type RC' | grep -vc 'comm nvpool-rdma-cm' || true)
+    # Target ports are TARGET_PORT_BASE.. (4420..4423); 4430 is the control plane.
+    tcp=$(ss -tnp 2>/dev/null | grep '"nvpool",' | awk '$5 ~ /:442[0-9]$/' | wc -l)
+    [[ $qps -ge 2 ]] || die "the serving process holds $qps RDMA queue pairs: $(rdma resource show qp 2>&1 | head -n 20)"
+    [[ $tcp -eq 0 ]] || die "the serving process has $tcp TCP connections to targets: $(ss -tnp | grep nvpool)"
+    printf '  volume served over NVMe/RDMA: %s host queue pairs, no TCP connection to a target\n' "$qps"
+}
+
 cluster_up
+if [[ $POOLED_TRANSPORT == rdma ]]; then
+    create_volume r10-ublk
+    step_ok volume-create
+    attach r10-ublk ublk
+    rdma_in_use
+    detach r10-ublk ublk
+    step_ok rdma-paths
+    round_trip r10-ublk ublk
+    degraded r10-ublk ublk 4
+    stop_cluster
+    exit 0
+fi
 create_volume r10-ublk
 create_volume r10-nbd
 step_ok volume-create

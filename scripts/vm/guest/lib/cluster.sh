@@ -5,7 +5,8 @@
 # plane's view. The sourcing script sets WORK, CP_PORT, TARGETS, TARGET_PORT_BASE,
 # ADMIN_PORT_BASE, DEVICE_SIZE, POOL, START_S, STOP_S, LOG_TAIL_LINES and HOSTNQN, and
 # CP_ARGS (extra nvpool-control flags, may be empty) and ROW_TARGETS (extents per
-# row of the volumes it creates).
+# row of the volumes it creates); CLUSTER_RDMA_ADDR (optional) makes every target also
+# listen for NVMe/RDMA on that address (lib/rdma.sh), on its TCP port number.
 
 export NVPOOL_ENDPOINT=http://127.0.0.1:$CP_PORT
 export NVPOOL_RUN_DIR=$WORK/run
@@ -62,7 +63,10 @@ start_target() {
     local i=$1
     mkdir -p "$WORK/t$i"
     [[ -f $WORK/t$i.img ]] || truncate -s "$DEVICE_SIZE" "$WORK/t$i.img"
-    nvpool-target --state-dir "$WORK/t$i" --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" \
+    local rdma=()
+    [[ -z ${CLUSTER_RDMA_ADDR:-} ]] ||
+        rdma=(--listen "rdma:$CLUSTER_RDMA_ADDR:$((TARGET_PORT_BASE + i))")
+    nvpool-target --state-dir "$WORK/t$i" --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" "${rdma[@]}" \
         --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
         --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \
         --label "rack=r$i" --device "d0=file:$WORK/t$i.img" --reactors 1 --log warn \
@@ -70,8 +74,15 @@ start_target() {
     TARGET_PIDS[i]=$!
 }
 
+# target_health: "ID HEALTH" per target, from `nvpool target ls` (found by its header:
+# an RDMA column appears when a target has an RDMA address).
+target_health() {
+    nvpool target ls 2>/dev/null | awk 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == "HEALTH") h = i; next }
+        h { print $1, $h }'
+}
+
 online_targets() {
-    nvpool target ls 2>/dev/null | awk '$4 == "online"' | wc -l
+    target_health | awk '$2 == "online"' | wc -l
 }
 
 all_targets_online() {
@@ -80,7 +91,7 @@ all_targets_online() {
 
 # target_is ID HEALTH: the control plane's view of a target (online, offline).
 target_is() {
-    [[ $(nvpool target ls 2>/dev/null | awk -v t="$1" '$1 == t { print $4 }') == "$2" ]]
+    [[ $(target_health | awk -v t="$1" '$1 == t { print $2 }') == "$2" ]]
 }
 
 cluster_up() {
