@@ -18,15 +18,31 @@
 #              path first (planned, no I/O error) and its extents move to the fifth target
 #   detach     `nvpool volume detach` disconnects both paths; the device goes
 #
+# With --env VNS_TRANSPORT=rdma the targets also listen for NVMe/RDMA on soft-RoCE (rxe
+# on a dummy link): attach connects both kernel paths over NVMe/RDMA and the owner's
+# volume engine reaches the extents over RDMA (no TCP connection between targets
+# before the failover); paths, xfs, failover and the healed return run, fence and drain
+# are the TCP run's.
+#
 #   cargo build --release -p nvpool-target -p nvpool-control -p nvpool-cli
 #   scripts/vm/run-guest-test scripts/vm/guest/volume-ns-multipath.sh \
 #       --bin target/release/nvpool --bin target/release/nvpool-control \
 #       --bin target/release/nvpool-target
 #
+# vm-rdma: yes
 # vm-modules: nvme-tcp xfs
-# vm-bins: nvme fio mkfs.xfs xfs_repair blockdev jq cmp
+# vm-bins: nvme fio mkfs.xfs xfs_repair blockdev jq cmp ss
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 . /nvpool/lib/common.sh
+# shellcheck source=lib/rdma.sh
+. /nvpool/lib/rdma.sh
+
+VNS_TRANSPORT=${VNS_TRANSPORT:-tcp}
+if [[ $VNS_TRANSPORT == rdma ]]; then
+    rdma_up
+    CLUSTER_RDMA_ADDR=$RDMA_ADDR
+    step_ok rxe-up
+fi
 
 WORK=/tmp/vns
 CP_PORT=4430
@@ -160,6 +176,20 @@ printf '  %s: one subsystem, paths %s (optimized, owner) and %s (inaccessible)\n
     "$DEV" "$OWNER" "$OTHER"
 step_ok paths
 
+if [[ $VNS_TRANSPORT == rdma ]]; then
+    for c in /sys/class/nvme/nvme*; do
+        [[ $(cat "$c/subsysnqn" 2>/dev/null) == "$SUBNQN" ]] || continue
+        [[ $(cat "$c/transport") == rdma ]] || die "${c##*/} uses $(cat "$c/transport"), not rdma"
+    done
+    # The owner's engine reaches the extents on the other targets over RDMA: no target
+    # holds a TCP connection to another target's NVMe port.
+    peers=$(ss -tnp 2>/dev/null | grep nvpool-target | awk '$5 ~ /:44(2[0-9])$/' | wc -l)
+    [[ $peers -eq 0 ]] || die "targets talk NVMe/TCP to each other: $(ss -tnp | grep nvpool-target)"
+    printf '  both paths over NVMe/RDMA (%s); the owner reaches its extents over RDMA\n' \
+        "$(rdma resource show qp 2>/dev/null | grep -c 'comm nvpool-rdma-cm') target queue pairs"
+    step_ok rdma-paths
+fi
+
 # ----- xfs -----
 mkdir -p /mnt/vol
 quiet mkfs mkfs.xfs -f "$DEV"
@@ -202,6 +232,7 @@ printf '  %s back as an inaccessible path; copies resynced; %s MiB verified agai
     "$OWNER" "$FIO_MIB"
 step_ok target-back-healed
 
+if [[ $VNS_TRANSPORT == tcp ]]; then
 # ----- fencing: the owner frozen (SIGSTOP), then thawed -----
 # OTHER owns the volume now. A block written through the device reaches it; then it is
 # frozen, as a partitioned server would be: the control plane waits out its lease,
@@ -247,6 +278,7 @@ extent_targets vol | grep -qx "$OWNER" && die "$OWNER still holds an extent afte
 printf '  %s drained: %s optimized, extents on %s; fio verified, no I/O error\n' \
     "$OWNER" "$OTHER" "$(extent_targets vol | tr '\n' ' ')"
 step_ok drain
+fi
 
 # ----- detach -----
 quiet detach nvpool volume detach vol
