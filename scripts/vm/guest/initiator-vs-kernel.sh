@@ -1,33 +1,45 @@
 #!/usr/bin/env bash
-# Guest test: our userspace NVMe/TCP initiator against the Linux kernel's own target
-# (nvmet-tcp, configured through configfs, backed by a 512 MiB brd RAM disk).
+# Guest test: our userspace initiator against the Linux kernel's own target (nvmet,
+# configured through configfs, backed by a 512 MiB brd RAM disk), over NVMe/TCP on
+# loopback, or with --env NVME_TRANSPORT=rdma over NVMe/RDMA (nvmet-rdma on soft-RoCE,
+# rxe on a dummy link inside the guest).
 #
 # Runs nvpool-initiator's `interop` example (connect, Identify, write/read patterns of
 # 512 B..1 MiB at the first/middle/last LBAs, full-depth queues, Flush, Write Zeroes,
-# Deallocate, reads past the end) with digests off and on, idles past the KATO once,
-# checks the marker blocks it leaves on /dev/ram0 directly, and loads the target with
-# `nvpool bench --verify`.  Then, under running I/O, it takes the subsystem off the port
-# for 2 s (the initiator must reconnect, reissue and lose nothing) and finally for good
-# (it must fail the I/O with "controller lost" in bounded time).  dmesg must show one
-# kernel controller per connect, plus one for the reconnect: no silent reconnects.
+# Deallocate, reads past the end, an idle spell past the KATO) and, on TCP, again with
+# digests on; checks the marker blocks it leaves on /dev/ram0 directly; on RDMA lists
+# the discovery log with `nvpool discover -t rdma`; loads the target with `nvpool bench
+# --verify`.  Then, under running I/O, it takes the subsystem off the port for 2 s (the
+# initiator must reconnect, reissue and lose nothing) and finally for good (it must fail
+# the I/O with "controller lost" in bounded time).  dmesg must show one kernel
+# controller per connect, plus one for the reconnect: no silent reconnects.
 # Both programs come from the command line:
 #
 #   scripts/vm/run-guest-test scripts/vm/guest/initiator-vs-kernel.sh \
-#       --bin target/release/examples/interop --bin target/release/nvpool
+#       --bin target/release/examples/interop --bin target/release/nvpool \
+#       [--env NVME_TRANSPORT=rdma]
 #
+# vm-rdma: yes
 # vm-modules: nvmet nvmet-tcp brd
 # vm-modprobe-options: brd rd_nr=1 rd_size=524288
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 . /nvpool/lib/common.sh
+# shellcheck source-path=SCRIPTDIR source=lib/rdma.sh
+. /nvpool/lib/rdma.sh
 
-NVME_ADDR=127.0.0.1
+NVME_TRANSPORT=${NVME_TRANSPORT:-tcp}
+if [[ $NVME_TRANSPORT == rdma ]]; then
+    NVME_ADDR=$RDMA_ADDR
+else
+    NVME_ADDR=127.0.0.1
+fi
 NVME_IO_PORT=4420
 NVME_NQN=nqn.2026-11.io.nvpool:kernel-nvmet-interop
 NVME_NSID=1
 NVME_HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:11111111-2222-3333-4444-555555555555
 BACKING=/dev/ram0
 # Upper bound for one interop run (its own watchdog exits 1 after this long).
-INTEROP_TIMEOUT_S=300
+INTEROP_TIMEOUT_S=400
 # After the subsystem leaves the port, the initiator must give up within its
 # controller-loss timeout (5 s) plus slack; the guest waits this long.
 LOSS_EXIT_S=60
@@ -52,7 +64,7 @@ link_subsystem() {
 }
 
 # Unlinking the subsystem from its only port deletes its controllers there (their
-# connections close) and disables the port (new connections are refused).
+# queue pairs disconnect) and disables the port (new connections are rejected).
 unlink_subsystem() {
     rm "$port/subsystems/$NVME_NQN"
 }
@@ -70,8 +82,22 @@ expect_ctrls() {
         die "the kernel target created $n controllers so far, expected $1 (a silent reconnect?)"
 }
 
+# port_listening: the kernel target accepts connections on the port (RDMA: dmesg
+# says nvmet-rdma enabled it; there is no socket to probe).
+port_listening() {
+    if [[ $NVME_TRANSPORT == rdma ]]; then
+        dmesg | grep -q "nvmet_rdma: enabling port 1 ($NVME_ADDR:$NVME_IO_PORT)"
+    else
+        tcp_port_open "$NVME_ADDR" "$NVME_IO_PORT"
+    fi
+}
+
 setup_nvmet() {
     [[ -b $BACKING ]] || die "$BACKING missing: brd not loaded with rd_nr=1"
+    if [[ $NVME_TRANSPORT == rdma ]]; then
+        rdma_up
+        modprobe nvmet_rdma
+    fi
     local s=$nvmet/subsystems/$NVME_NQN
     mkdir "$s"
     echo 0 >"$s/attr_allow_any_host"
@@ -81,23 +107,24 @@ setup_nvmet() {
     echo -n "$BACKING" >"$s/namespaces/$NVME_NSID/device_path"
     echo 1 >"$s/namespaces/$NVME_NSID/enable"
     mkdir "$port"
-    echo tcp >"$port/addr_trtype"
+    echo "$NVME_TRANSPORT" >"$port/addr_trtype"
     echo ipv4 >"$port/addr_adrfam"
     echo "$NVME_ADDR" >"$port/addr_traddr"
     echo "$NVME_IO_PORT" >"$port/addr_trsvcid"
     link_subsystem
-    wait_until 10 "nvmet-tcp listening on $NVME_IO_PORT" tcp_port_open "$NVME_ADDR" "$NVME_IO_PORT"
-    step_ok nvmet-setup
+    wait_until 10 "nvmet-$NVME_TRANSPORT listening on $NVME_ADDR:$NVME_IO_PORT" port_listening
+    step_ok "nvmet-$NVME_TRANSPORT-setup"
 }
 
 nvmet_state() {
     echo "--- nvmet configfs ---"
     ls -l "$port/subsystems" 2>&1 || true
     ls "$nvmet/subsystems/$NVME_NQN/allowed_hosts" 2>&1 || true
+    [[ $NVME_TRANSPORT != rdma ]] || rdma link show 2>&1 || true
 }
 DIAG_HOOKS+=(nvmet_state)
 
-interop_cmd=(interop --addr "$NVME_ADDR:$NVME_IO_PORT" --nqn "$NVME_NQN"
+interop_cmd=(interop --transport "$NVME_TRANSPORT" --addr "$NVME_ADDR:$NVME_IO_PORT" --nqn "$NVME_NQN"
     --hostnqn "$NVME_HOSTNQN" --nsid "$NVME_NSID" --timeout "$INTEROP_TIMEOUT_S")
 
 # show_output FILE: the program's own STEP/FAIL lines, indented.
@@ -112,7 +139,6 @@ check_marks() {
     sync
     # nvmet writes bios to brd directly; drop any stale page cache of /dev/ram0.
     echo 3 >/proc/sys/vm/drop_caches
-    # (The guest has no /dev/fd, so no process substitution.)
     grep '^MARK ' "$file" >/tmp/marks || die "no MARK lines in $file"
     while read -r _ off text; do
         dd if="$BACKING" of=/tmp/mark.bin bs=512 skip=$((off / 512)) count=1 2>/dev/null
@@ -133,17 +159,31 @@ run_interop() {
     show_output "/tmp/interop.$name"
     [[ $rc -eq 0 ]] || die "interop $name exited $rc"
     grep -q '^STEP shutdown ok' "/tmp/interop.$name" || die "interop $name: no shutdown step"
+    grep -q "^STEP connect ok .* transport $NVME_TRANSPORT " "/tmp/interop.$name" ||
+        die "interop $name did not run over $NVME_TRANSPORT"
     check_marks "/tmp/interop.$name"
     expect_ctrls "$ctrls"
     step_ok "interop-$name"
 }
 
-# bench NAME RW CTRLS: nvpool bench --verify at QD16 on two queues for a few seconds.
+# discover: the kernel's discovery controller over RDMA lists our subsystem on this port.
+discover() {
+    quiet discover nvpool discover -t rdma -a "$RDMA_ADDR" -q "$NVME_HOSTNQN"
+    show_output /tmp/out.discover
+    grep -Eq "nvme subsystem +$NVME_NQN +rdma +$RDMA_ADDR +$NVME_IO_PORT" /tmp/out.discover ||
+        die "discovery log over RDMA lacks $NVME_NQN at rdma $RDMA_ADDR:$NVME_IO_PORT"
+    quiet discover-json nvpool discover -t rdma -a "$RDMA_ADDR" -s "$NVME_IO_PORT" \
+        -q "$NVME_HOSTNQN" -o json
+    grep -q '"trtype": "rdma"' /tmp/out.discover-json || die "JSON discovery log lacks trtype rdma"
+    step_ok discover-rdma
+}
+
+# bench NAME RW CTRLS: nvpool bench --verify at QD16 on two queues.
 bench() {
     local name=$1 rw=$2 ctrls=$3
-    quiet "bench-$name" nvpool bench -a "$NVME_ADDR" -s "$NVME_IO_PORT" -n "$NVME_NQN" \
-        -q "$NVME_HOSTNQN" --nsid "$NVME_NSID" --rw "$rw" --bs 4k --iodepth 16 --jobs 2 \
-        --runtime "$BENCH_RUNTIME" --size "$BENCH_SIZE" --verify
+    quiet "bench-$name" nvpool bench -t "$NVME_TRANSPORT" -a "$NVME_ADDR" -s "$NVME_IO_PORT" \
+        -n "$NVME_NQN" -q "$NVME_HOSTNQN" --nsid "$NVME_NSID" --rw "$rw" --bs 4k \
+        --iodepth 16 --jobs 2 --runtime "$BENCH_RUNTIME" --size "$BENCH_SIZE" --verify
     show_output "/tmp/out.bench-$name"
     expect_ctrls "$ctrls"
     step_ok "bench-$name"
@@ -203,8 +243,15 @@ run_loss() {
 
 setup_nvmet
 run_interop plain 1 --idle "$IDLE_S"
-run_interop digests 2 --digests
-bench randwrite randwrite 3
-bench randread randread 4
+if [[ $NVME_TRANSPORT == rdma ]]; then
+    # No digests on NVMe/RDMA; its discovery shares the I/O port.
+    discover
+    ctrls=1
+else
+    run_interop digests 2 --digests
+    ctrls=2
+fi
+bench randwrite randwrite $((ctrls + 1))
+bench randread randread $((ctrls + 2))
 # One controller at the start, one more for the reconnect after the blip.
-run_loss 6
+run_loss $((ctrls + 4))
