@@ -713,21 +713,7 @@ impl Endpoint {
     /// Consumes the completion channel's pending events (after its fd was
     /// readable).
     pub fn take_comp_events(&mut self) {
-        let Ok(lib) = l() else { return };
-        loop {
-            let mut cq = ptr::null_mut();
-            let mut cx = ptr::null_mut();
-            // SAFETY: comp is live and non-blocking.
-            if unsafe { (lib.ibv_get_cq_event)(self.comp, &mut cq, &mut cx) } != 0 {
-                break;
-            }
-            self.unacked += 1;
-        }
-        if self.unacked >= 64 {
-            // SAFETY: cq is live; acknowledging events we took.
-            unsafe { (lib.ibv_ack_cq_events)(self.cq, self.unacked) };
-            self.unacked = 0;
-        }
+        self.take_comp_events_counted();
     }
 
     /// Accepts a connect request with `private` data.
