@@ -240,6 +240,48 @@ fn a_target_daemon_registers_its_rdma_listener() {
     assert_eq!(register("t8", None)["rdma_addr"], Value::Null);
 }
 
+/// An RDMA listener added to (or removed from) a running target reaches
+/// its record: the registrar reads the listeners before each heartbeat and
+/// registers again when the address to advertise changes.
+#[test]
+fn a_target_registers_again_when_its_rdma_listeners_change() {
+    use nvpool_target::register::{ControlPlaneUrl, RdmaListeners};
+    use nvpool_target::{Registrar, RegistrationConfig};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    let s = serve(tokens());
+    let url = ControlPlaneUrl::parse(&format!("http://{}", s.addr)).unwrap();
+    let listeners: Arc<Mutex<Vec<std::net::SocketAddr>>> = Arc::default();
+    let mut rc = RegistrationConfig::new(
+        url,
+        "t9".into(),
+        "t9".into(),
+        "10.0.0.9:4420".parse().unwrap(),
+        "10.0.0.9:4480".parse().unwrap(),
+    );
+    rc.token = Some(TARGET.into());
+    rc.heartbeat_interval = Duration::from_millis(50);
+    let l = listeners.clone();
+    rc.rdma_listeners = Some(RdmaListeners(Arc::new(move || l.lock().unwrap().clone())));
+    let r = Registrar::start(rc).unwrap();
+    let rdma_of = || s.call("GET", "/v1/targets/t9", None, None).json()["rdma_addr"].clone();
+    let wait = |what: &str, want: Value| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rdma_of() != want {
+            assert!(Instant::now() < deadline, "{what}: {:?}", r.status());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait("registered without RDMA", Value::Null);
+    // One on every address advertises the TCP address's IP.
+    *listeners.lock().unwrap() = vec!["0.0.0.0:4421".parse().unwrap()];
+    wait("the new RDMA listener advertised", json!("10.0.0.9:4421"));
+    listeners.lock().unwrap().clear();
+    wait("the removed listener withdrawn", Value::Null);
+    assert!(r.status().registrations >= 3, "{:?}", r.status());
+    r.stop();
+}
+
 #[test]
 fn every_layout_and_idempotent_create() {
     let s = serve(tokens());

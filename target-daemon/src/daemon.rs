@@ -588,6 +588,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     state_dir.as_deref(),
                 )
                 .map_err(anyhow::Error::from)
+                .map(|mut rc| {
+                    let t = target.clone();
+                    rc.rdma_listeners = Some(crate::register::RdmaListeners(Arc::new(move || {
+                        t.rdma_listeners()
+                    })));
+                    rc
+                })
                 .and_then(|rc| {
                     // Volume namespaces open their engine as this target's
                     // owner host NQN, and owners renew their lease (C19).

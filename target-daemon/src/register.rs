@@ -219,6 +219,13 @@ pub struct RegistrationConfig {
     /// The NVMe/RDMA address hosts may connect to instead of `addr`;
     /// `None`: this target serves NVMe/TCP only.
     pub rdma_addr: Option<SocketAddr>,
+    /// Where the current NVMe/RDMA listeners are read before every
+    /// heartbeat (the daemon's, which the admin API can change): when the
+    /// address to advertise changes, the target registers again with it.
+    /// None: `rdma_addr` stays as it is.
+    pub rdma_listeners: Option<RdmaListeners>,
+    /// `--advertise-rdma`, which wins over the listeners while there is one.
+    pub advertise_rdma: Option<SocketAddr>,
     pub labels: BTreeMap<String, String>,
     pub devices: Vec<DeviceOffer>,
     /// Between heartbeats (tests shorten it).
@@ -247,6 +254,8 @@ impl RegistrationConfig {
             addr,
             admin_addr,
             rdma_addr: None,
+            rdma_listeners: None,
+            advertise_rdma: None,
             labels: BTreeMap::new(),
             devices: Vec::new(),
             heartbeat_interval: Duration::from_millis(HEARTBEAT_INTERVAL_MS),
@@ -415,9 +424,20 @@ impl Settings {
         );
         cfg.token = self.token;
         cfg.rdma_addr = rdma_addr;
+        cfg.advertise_rdma = self.advertise_rdma;
         cfg.labels = labels;
         cfg.devices = self.devices;
         Ok(cfg)
+    }
+}
+
+/// Reads a target's bound NVMe/RDMA listeners.
+#[derive(Clone)]
+pub struct RdmaListeners(pub Arc<dyn Fn() -> Vec<SocketAddr> + Send + Sync>);
+
+impl std::fmt::Debug for RdmaListeners {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RdmaListeners")
     }
 }
 
@@ -683,14 +703,15 @@ impl Client {
         })
     }
 
-    fn register(&self) -> Result<(), RegisterError> {
+    /// Registers, advertising `rdma_addr` for NVMe/RDMA.
+    fn register(&self, rdma_addr: Option<SocketAddr>) -> Result<(), RegisterError> {
         let c = &self.cfg;
         let body = RegisterBody {
             id: &c.target_id,
             name: &c.name,
             addr: c.addr,
             admin_addr: c.admin_addr,
-            rdma_addr: c.rdma_addr,
+            rdma_addr,
             labels: &c.labels,
             devices: &c.devices,
         };
@@ -902,11 +923,24 @@ fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationSta
     };
     let mut backoff = cfg.backoff_min;
     let mut registered = false;
+    let mut rdma_addr = cfg.rdma_addr;
     loop {
+        if let Some(RdmaListeners(read)) = &cfg.rdma_listeners {
+            // An RDMA listener added or removed at run time (admin API):
+            // register again so hosts learn the new address.
+            let now = rdma_advertised(cfg.advertise_rdma, &read(), cfg.addr)
+                .ok()
+                .flatten();
+            if now != rdma_addr {
+                tracing::info!(target_id = %cfg.target_id, rdma = ?now, "the NVMe/RDMA address changed; registering again");
+                rdma_addr = now;
+                registered = false;
+            }
+        }
         let result = if registered {
             client.heartbeat()
         } else {
-            client.register()
+            client.register(rdma_addr)
         };
         let wait = match result {
             Ok(()) => {
