@@ -245,20 +245,7 @@ impl Conn {
     /// Waits up to `ms` for `events` on the socket; the events that came
     /// (none after a timeout or an interrupted wait).
     fn poll_sock(&self, events: i16, ms: i32) -> Result<i16, Error> {
-        let mut pfd = libc::pollfd {
-            fd: self.sock.as_raw_fd(),
-            events,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        if unsafe { libc::poll(&mut pfd, 1, ms) } < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(self.io_err(e));
-            }
-            return Ok(0);
-        }
-        Ok(pfd.revents)
+        crate::link::poll_fd(self.sock.as_raw_fd(), events, ms).map_err(|e| self.io_err(e))
     }
 
     /// Sends what it can and waits until the socket has data (Ok(true)) or

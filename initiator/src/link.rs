@@ -171,3 +171,28 @@ fn transport_sgl(len: usize) -> Sgl {
         id: sgl_id::TRANSPORT,
     }
 }
+
+/// Waits up to `ms` for `events` on `fd` (a socket, or a link's epoll set):
+/// the events that came, none after a timeout or an interrupted wait. The
+/// one blocking wait of both transports.
+pub(crate) fn poll_fd(fd: RawFd, events: i16, ms: i32) -> std::io::Result<i16> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the duration of the call.
+    if unsafe { libc::poll(&mut pfd, 1, ms) } < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+        return Ok(0);
+    }
+    Ok(pfd.revents)
+}
+
+/// A wait's timeout in poll(2) milliseconds: at least 1, at most `i32::MAX`.
+pub(crate) fn poll_ms(d: Duration) -> i32 {
+    d.as_millis().clamp(1, i32::MAX as u128) as i32
+}

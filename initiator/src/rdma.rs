@@ -22,6 +22,7 @@
 //! event channel) is woken by the next completion or CM event.
 
 use crate::error::Error;
+use crate::link::{poll_fd, poll_ms};
 use nvpool_rdma::{event, CmId, Endpoint, EventChannel, Mr, QpSize, SendKind, SendWr, Wc};
 use nvpool_wire::rdma::{CmRequest, KeyedSgl, RESPONSE_LEN};
 use nvpool_wire::{Cqe, Sqe};
@@ -123,7 +124,7 @@ impl Layout {
 pub struct RdmaConn {
     // Dropped in this order: the registration, then the queue pair, CQ, PD
     // and CM id, then the CM channel, and only then the memory.
-    mr: Option<Mr>,
+    mr: Mr,
     ep: Endpoint,
     ch: EventChannel,
     mem: Box<[u8]>,
@@ -194,7 +195,7 @@ impl RdmaConn {
             .map_err(|e| cerr("memory registration", e))?;
         let waiter = epoll_of(&[ep.comp_fd(), ch.fd()]).map_err(|e| cerr("epoll", e))?;
         let c = RdmaConn {
-            mr: Some(mr),
+            mr,
             ep,
             ch,
             mem,
@@ -220,12 +221,8 @@ impl RdmaConn {
         Ok(c)
     }
 
-    fn mr(&self) -> &Mr {
-        self.mr.as_ref().expect("registered while connected")
-    }
-
     fn post_recv(&self, i: usize) -> io::Result<()> {
-        let mr = self.mr();
+        let mr = &self.mr;
         self.ep.post_recv(
             WR_RECV | i as u64,
             mr.addr + self.layout.recv(i) as u64,
@@ -267,7 +264,7 @@ impl RdmaConn {
             len <= self.layout.slot_bytes,
             "transfer beyond the slot buffer"
         );
-        let (base, lkey, rkey) = (self.mr().addr, self.mr().lkey, self.mr().rkey);
+        let (base, lkey, rkey) = (self.mr.addr, self.mr.lkey, self.mr.rkey);
         let at = self.layout.data(slot);
         if let Data::Out(b) = data {
             self.mem[at..at + b.len()].copy_from_slice(b);
@@ -348,28 +345,17 @@ impl RdmaConn {
 
     /// Waits up to `d` for the completion or CM channel.
     fn wait(&self, d: Duration) -> Result<(), Error> {
-        let mut pfd = libc::pollfd {
-            fd: self.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = d.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        if unsafe { libc::poll(&mut pfd, 1, ms) } < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(Error::Io {
-                    addr: self.addr.to_string(),
-                    source: e,
-                });
-            }
-        }
-        Ok(())
+        poll_fd(self.fd(), libc::POLLIN, poll_ms(d))
+            .map(drop)
+            .map_err(|source| Error::Io {
+                addr: self.addr.to_string(),
+                source,
+            })
     }
 
     /// Takes every completion, leaving the CQ empty and armed.
     fn reap(&mut self) -> Result<(), Error> {
-        if self.ep.take_comp_events_counted() > 0 {
+        if self.ep.take_comp_events() > 0 {
             self.armed = false;
         }
         let mut wcs = [Wc::default(); WC_BATCH];
@@ -467,11 +453,10 @@ impl RdmaConn {
 
 impl Drop for RdmaConn {
     fn drop(&mut self) {
-        // The queue pair goes to error and stops touching our memory; the
-        // registration goes before the endpoint (its PD), the rest by
-        // field order.
+        // The queue pair goes to error and stops touching our memory; then
+        // the fields drop in order: the registration before the endpoint
+        // (its PD), the memory last.
         self.ep.id().disconnect();
-        self.mr = None;
     }
 }
 
@@ -530,15 +515,8 @@ fn wait_event(
                 what: "RDMA connection setup",
             });
         }
-        let mut pfd = libc::pollfd {
-            fd: ch.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call; an
-        // interrupted or failed wait only means looking again.
-        unsafe { libc::poll(&mut pfd, 1, ms) };
+        // A failed wait only means looking again.
+        let _ = poll_fd(ch.fd(), libc::POLLIN, poll_ms(left));
     }
 }
 

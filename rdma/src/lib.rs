@@ -468,9 +468,24 @@ pub struct Endpoint {
     qp: *mut ibv_qp,
     /// Completion events taken and not yet acknowledged.
     unacked: u32,
+    /// The provider's data-path calls, resolved once (None until the QP
+    /// exists).
+    ops: Option<ProviderOps>,
+    /// Reused by every `post_send` (no allocation per post).
+    sges: Vec<ibv_sge>,
+    wrs: Vec<ibv_send_wr>,
     id: CmId,
     channel: Option<EventChannel>,
     pub max_init_rd_atom: u32,
+}
+
+/// The inline verbs calls of `verbs.h`: provider function pointers.
+#[derive(Debug, Clone, Copy)]
+struct ProviderOps {
+    post_send: PostSend,
+    post_recv: PostRecv,
+    poll_cq: PollCq,
+    req_notify_cq: ReqNotifyCq,
 }
 
 // SAFETY: all handles belong to this endpoint, used by one thread at a time.
@@ -494,6 +509,9 @@ impl Endpoint {
             cq: ptr::null_mut(),
             qp: ptr::null_mut(),
             unacked: 0,
+            ops: None,
+            sges: Vec::new(),
+            wrs: Vec::new(),
             id,
             channel: None,
             max_init_rd_atom: 1,
@@ -536,6 +554,23 @@ impl Endpoint {
             };
             check((lib.rdma_create_qp)(ep.id.raw, ep.pd, &mut init))?;
             ep.qp = (*ep.id.raw).qp;
+            let ops = &(*ctx).ops;
+            ep.ops = match (ops.post_send, ops.post_recv, ops.poll_cq, ops.req_notify_cq) {
+                (Some(post_send), Some(post_recv), Some(poll_cq), Some(req_notify_cq)) => {
+                    Some(ProviderOps {
+                        post_send,
+                        post_recv,
+                        poll_cq,
+                        req_notify_cq,
+                    })
+                }
+                _ => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        "the RDMA provider lacks a data-path call",
+                    ))
+                }
+            };
         }
         ep.arm()?;
         Ok(ep)
@@ -605,31 +640,31 @@ impl Endpoint {
             num_sge: 1,
         };
         let mut bad = ptr::null_mut();
-        // SAFETY: qp and its context are live; the provider's post_recv
-        // reads wr and sge during the call only.
-        check(unsafe {
-            let post = (*(*self.qp).context)
-                .ops
-                .post_recv
-                .expect("provider post_recv");
-            post(self.qp, &mut wr, &mut bad)
-        })
+        // SAFETY: qp is live; the provider's post_recv reads wr and sge
+        // during the call only.
+        check(unsafe { (self.ops()?.post_recv)(self.qp, &mut wr, &mut bad) })
+    }
+
+    fn ops(&self) -> io::Result<ProviderOps> {
+        self.ops
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no queue pair"))
     }
 
     /// Posts a chain of send-queue work requests in one call.
-    pub fn post_send(&self, wrs: &[SendWr]) -> io::Result<()> {
+    pub fn post_send(&mut self, wrs: &[SendWr]) -> io::Result<()> {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut sges: Vec<ibv_sge> = wrs
-            .iter()
-            .map(|w| ibv_sge {
-                addr: w.addr,
-                length: w.len,
-                lkey: w.lkey,
-            })
-            .collect();
-        let mut raw: Vec<ibv_send_wr> = Vec::with_capacity(wrs.len());
+        let ops = self.ops()?;
+        let sges = &mut self.sges;
+        sges.clear();
+        sges.extend(wrs.iter().map(|w| ibv_sge {
+            addr: w.addr,
+            length: w.len,
+            lkey: w.lkey,
+        }));
+        let raw = &mut self.wrs;
+        raw.clear();
         for (w, sge) in wrs.iter().zip(sges.iter_mut()) {
             let mut r = ibv_send_wr {
                 wr_id: w.wr_id,
@@ -664,24 +699,16 @@ impl Endpoint {
         }
         let mut bad = ptr::null_mut();
         // SAFETY: qp is live; the chain and its SGEs live for the call.
-        check(unsafe {
-            let post = (*(*self.qp).context)
-                .ops
-                .post_send
-                .expect("provider post_send");
-            post(self.qp, base, &mut bad)
-        })
+        check(unsafe { (ops.post_send)(self.qp, base, &mut bad) })
     }
 
     /// Takes up to `out.len()` completions.
     pub fn poll(&self, out: &mut [Wc]) -> io::Result<usize> {
         let mut raw = [ibv_wc::default(); 32];
         let want = out.len().min(raw.len());
+        let ops = self.ops()?;
         // SAFETY: cq is live; raw holds `want` entries.
-        let n = unsafe {
-            let poll = (*(*self.cq).context).ops.poll_cq.expect("provider poll_cq");
-            poll(self.cq, want as c_int, raw.as_mut_ptr())
-        };
+        let n = unsafe { (ops.poll_cq)(self.cq, want as c_int, raw.as_mut_ptr()) };
         if n < 0 {
             return Err(io::Error::other("ibv_poll_cq failed"));
         }
@@ -700,20 +727,33 @@ impl Endpoint {
     /// Asks for a completion event on the next completion. Poll again after
     /// arming: a completion that came in between raises no event.
     pub fn arm(&self) -> io::Result<()> {
+        let ops = self.ops()?;
         // SAFETY: cq is live.
-        check(unsafe {
-            let notify = (*(*self.cq).context)
-                .ops
-                .req_notify_cq
-                .expect("provider req_notify_cq");
-            notify(self.cq, 0)
-        })
+        check(unsafe { (ops.req_notify_cq)(self.cq, 0) })
     }
 
     /// Consumes the completion channel's pending events (after its fd was
-    /// readable).
-    pub fn take_comp_events(&mut self) {
-        self.take_comp_events_counted();
+    /// readable) and says how many it took: each one means the CQ fired and
+    /// is no longer armed.
+    pub fn take_comp_events(&mut self) -> u32 {
+        let Ok(lib) = l() else { return 0 };
+        let mut n = 0;
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut cx = ptr::null_mut();
+            // SAFETY: comp is live and non-blocking.
+            if unsafe { (lib.ibv_get_cq_event)(self.comp, &mut cq, &mut cx) } != 0 {
+                break;
+            }
+            self.unacked += 1;
+            n += 1;
+        }
+        if self.unacked >= 64 {
+            // SAFETY: cq is live; acknowledging events we took.
+            unsafe { (lib.ibv_ack_cq_events)(self.cq, self.unacked) };
+            self.unacked = 0;
+        }
+        n
     }
 
     /// Accepts a connect request with `private` data.
@@ -769,30 +809,5 @@ impl Drop for Endpoint {
                 (lib.ibv_dealloc_pd)(self.pd);
             }
         }
-    }
-}
-
-impl Endpoint {
-    /// Like [`Endpoint::take_comp_events`], and says how many events it
-    /// took: each one means the CQ fired and is no longer armed.
-    pub fn take_comp_events_counted(&mut self) -> u32 {
-        let Ok(lib) = l() else { return 0 };
-        let mut n = 0;
-        loop {
-            let mut cq = ptr::null_mut();
-            let mut cx = ptr::null_mut();
-            // SAFETY: comp is live and non-blocking.
-            if unsafe { (lib.ibv_get_cq_event)(self.comp, &mut cq, &mut cx) } != 0 {
-                break;
-            }
-            self.unacked += 1;
-            n += 1;
-        }
-        if self.unacked >= 64 {
-            // SAFETY: cq is live; acknowledging events we took.
-            unsafe { (lib.ibv_ack_cq_events)(self.cq, self.unacked) };
-            self.unacked = 0;
-        }
-        n
     }
 }

@@ -283,7 +283,6 @@ impl RdmaLink {
         if !self.failed && self.ep.post_send(&self.posts).is_err() {
             self.failed = true;
         }
-        self.cqes.clear();
         !self.failed
     }
 
@@ -649,20 +648,18 @@ impl Listener {
             }
         };
         self.live.fetch_add(1, Ordering::AcqRel);
-        let mut c = Some(RdmaIncoming(link));
+        let mut c = RdmaIncoming(link);
         let start = self.next;
+        self.next = (start + 1) % self.reactors.len().max(1);
         for k in 0..self.reactors.len() {
             let r = &self.reactors[(start + k) % self.reactors.len()];
-            match r.adopt_rdma(c.take().expect("connection present")) {
-                Ok(()) => break,
-                Err(back) => c = Some(back),
+            match r.adopt_rdma(c) {
+                Ok(()) => return,
+                Err(back) => c = back,
             }
         }
-        self.next = (start + 1) % self.reactors.len().max(1);
-        if let Some(RdmaIncoming(l)) = c {
-            self.live.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!(peer = %l.peer, "all reactors saturated; RDMA connection dropped");
-            l.disconnect();
-        }
+        self.live.fetch_sub(1, Ordering::AcqRel);
+        tracing::warn!(peer = %c.0.peer, "all reactors saturated; RDMA connection dropped");
+        c.0.disconnect();
     }
 }
