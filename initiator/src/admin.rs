@@ -35,8 +35,12 @@ const _: () = assert!(ADMIN_CHUNK_BYTES <= ADMIN_DATA_BYTES_MAX);
 pub const RDMA_QUEUE_BUFFER_BYTES_MAX: usize = 64 << 20;
 const _: () = assert!(RDMA_QUEUE_BUFFER_BYTES_MAX >= 2 * MAX_TRANSFER_BYTES);
 
-/// The fabric a controller is reached over.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// The fabric a controller is reached over (and, in the target's
+/// configuration, the one a listener serves).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// NVMe/TCP.
     #[default]
@@ -51,6 +55,18 @@ impl Transport {
         match self {
             Transport::Tcp => 8009,
             Transport::Rdma => nvpool_wire::rdma::DEFAULT_PORT,
+        }
+    }
+
+    pub fn is_tcp(&self) -> bool {
+        *self == Transport::Tcp
+    }
+
+    /// The discovery log's TRTYPE.
+    pub fn trtype(self) -> u8 {
+        match self {
+            Transport::Tcp => nvpool_wire::log::trtype::TCP,
+            Transport::Rdma => nvpool_wire::log::trtype::RDMA,
         }
     }
 }

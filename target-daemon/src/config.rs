@@ -48,37 +48,8 @@ pub struct ListenerConfig {
 }
 
 /// The NVMe-oF transport of a listener (and of the associations made
-/// through it).
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    #[default]
-    Tcp,
-    Rdma,
-}
-
-impl Transport {
-    pub fn is_tcp(&self) -> bool {
-        *self == Transport::Tcp
-    }
-
-    /// The discovery log's TRTYPE.
-    pub fn trtype(self) -> u8 {
-        match self {
-            Transport::Tcp => nvpool_wire::log::trtype::TCP,
-            Transport::Rdma => nvpool_wire::log::trtype::RDMA,
-        }
-    }
-}
-
-impl std::fmt::Display for Transport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Transport::Tcp => "tcp",
-            Transport::Rdma => "rdma",
-        })
-    }
-}
+/// through it): the initiator's, one definition for both sides.
+pub use nvpool_initiator::Transport;
 
 /// A listen address as the command line and the admin API take it:
 /// `ADDR:PORT` or `tcp:ADDR:PORT` for NVMe/TCP, `rdma:ADDR:PORT` for
