@@ -630,8 +630,8 @@ impl Queue {
         }
         let slot = &mut self.slots[si];
         let sgl = sqe.sgl();
-        match (sqe.direction(), icd) {
-            (Direction::HostToController, Some((data, digest_ok))) => {
+        match (sqe.direction(), icd, slot.keyed) {
+            (Direction::HostToController, Some((data, digest_ok)), _) => {
                 slot.buf.as_mut_slice(data.len()).copy_from_slice(data);
                 slot.got = data.len();
                 if !digest_ok {
@@ -645,8 +645,7 @@ impl Queue {
                 }
                 self.execute(si, tx, ex);
             }
-            (Direction::HostToController, None) if slot.len > 0 && slot.keyed.is_some() => {
-                let k = slot.keyed.expect("keyed SGL");
+            (Direction::HostToController, None, Some(k)) if slot.len > 0 => {
                 slot.state = SlotState::AwaitData;
                 tx.rdma.push(RdmaWork::Fetch {
                     slot: si as u16,
@@ -655,7 +654,9 @@ impl Queue {
                     rkey: k.key,
                 });
             }
-            (Direction::HostToController, None) if slot.len > 0 && sgl.id == sgl_id::TRANSPORT => {
+            (Direction::HostToController, None, None)
+                if slot.len > 0 && sgl.id == sgl_id::TRANSPORT =>
+            {
                 slot.state = SlotState::AwaitData;
                 let mut out = [0u8; tcp::R2T_HLEN + tcp::DIGEST_LEN];
                 let n = R2t {
@@ -1650,24 +1651,8 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("d.img");
             std::fs::write(&path, vec![0x11u8; 1 << 20]).unwrap();
-            let target = Target::new(None).unwrap();
             let extent = format!("file:{},offset={NS_BASE},length={NS_LEN}", path.display());
-            target
-                .put_subsystem(&SubsystemConfig {
-                    nqn: NQN.into(),
-                    allowed_hosts: Vec::new(),
-                    allow_any_host: true,
-                    serial: None,
-                    model: None,
-                    ana: None,
-                    namespaces: vec![NamespaceConfig {
-                        nsid: 1,
-                        backend: extent.clone(),
-                        uuid: None,
-                        read_only: false,
-                    }],
-                })
-                .unwrap();
+            let target = target_with(NQN, &extent);
             target
                 .copies()
                 .arm(
@@ -1806,7 +1791,30 @@ mod tests {
 
     /// Where the rigs' asynchronous backends complete (the tests take
     /// their completions from it themselves).
-    static SINK: std::sync::LazyLock<Arc<CompletionSink>> =
+    /// A target with subsystem `nqn` open to any host, namespace 1 on
+    /// `backend`.
+    pub(super) fn target_with(nqn: &str, backend: &str) -> Arc<Target> {
+        let target = Target::new(None).unwrap();
+        target
+            .put_subsystem(&SubsystemConfig {
+                nqn: nqn.into(),
+                allowed_hosts: Vec::new(),
+                allow_any_host: true,
+                serial: None,
+                model: None,
+                ana: None,
+                namespaces: vec![NamespaceConfig {
+                    nsid: 1,
+                    backend: backend.into(),
+                    uuid: None,
+                    read_only: false,
+                }],
+            })
+            .unwrap();
+        target
+    }
+
+    pub(super) static SINK: std::sync::LazyLock<Arc<CompletionSink>> =
         std::sync::LazyLock::new(|| CompletionSink::new(|| {}));
 
     /// An asynchronous backend that keeps every operation until the test
@@ -2133,7 +2141,6 @@ mod tests {
 #[cfg(test)]
 mod rdma_tests {
     use super::*;
-    use crate::config::{NamespaceConfig, SubsystemConfig};
     use nvpool_wire::fabrics::{cc, ConnectCmd, ConnectData};
     use nvpool_wire::Sgl;
 
@@ -2142,28 +2149,10 @@ mod rdma_tests {
     const KEY: u32 = 0x1234_5678;
     const RADDR: u64 = 0x7f00_1000;
 
-    static SINK: std::sync::LazyLock<Arc<CompletionSink>> =
-        std::sync::LazyLock::new(|| CompletionSink::new(|| {}));
+    use super::tests::SINK;
 
     fn target() -> Arc<Target> {
-        let target = Target::new(None).unwrap();
-        target
-            .put_subsystem(&SubsystemConfig {
-                nqn: NQN.into(),
-                allowed_hosts: Vec::new(),
-                allow_any_host: true,
-                serial: None,
-                model: None,
-                ana: None,
-                namespaces: vec![NamespaceConfig {
-                    nsid: 1,
-                    backend: "ram:1M".into(),
-                    uuid: None,
-                    read_only: false,
-                }],
-            })
-            .unwrap();
-        target
+        super::tests::target_with(NQN, "ram:1M")
     }
 
     struct Rig {
