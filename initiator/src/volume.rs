@@ -126,6 +126,17 @@
 //! (written, results ignored) until [`Volume::end_move`]. A group without
 //! moves costs a mutation one atomic load.
 //!
+//! **Growing** ([`Volume::grow`]): the control plane grows a volume by
+//! appending rows, leaving every existing extent where it is. What a
+//! request works on (the plan, its mapping, and per extent and group the
+//! copy state, handle, missed regions, moves and dirty flag) is one table
+//! behind one atomic pointer; a request loads it once, its only cost, and
+//! keeps it to its end. A grow connects the new extents, builds a table
+//! that shares every existing extent's and group's objects and adds the
+//! new ones, and stores it: requests issued afterwards see the new size,
+//! requests in flight finish on the old table, whose extents are the same
+//! objects, so no state change is lost between the two.
+//!
 //! **Flush** goes to the namespaces written since the previous flush
 //! (every copy, every queue), which is every namespace whose data a flush
 //! could concern, without flushing thousands of idle extents.
@@ -609,22 +620,41 @@ fn blame(e: &IoError) -> Blame {
     }
 }
 
+/// What a request works on: the plan, its mapping and the per-extent
+/// objects. Replaced whole when the volume grows ([`Volume::grow`]); a
+/// request loads it once and keeps that one to its end. The tables share
+/// the objects of the extents they have in common (`Arc`s), so a request
+/// on an older table and one on the newer see the same copy states,
+/// handles, missed regions, moves and dirty flags.
+#[derive(Debug)]
+struct Table {
+    plan: Arc<ConnectionPlan>,
+    geometry: Geometry,
+    /// One per plan extent, in plan order.
+    extents: Vec<Arc<CopyIo>>,
+    /// One per (row, member), in plan order.
+    groups: Vec<Arc<Group>>,
+}
+
+/// One extent group (row, member) besides its copies.
+#[derive(Debug, Default)]
+struct Group {
+    /// The incoming and leaving copies of its slots.
+    moves: GroupMoves,
+    /// Written since the last flush.
+    dirty: AtomicBool,
+}
+
 /// A pooled volume attached to this host; see the module docs.
 pub struct Volume {
-    plan: ConnectionPlan,
-    geometry: Geometry,
+    /// See [`Table`]; one load per request.
+    table: ArcSwap<Table>,
     copies: usize,
     /// The controllers the volume connected or shares, in order of first
     /// use (reconnected ones last). A lost one stays until no namespace
     /// handle uses it, so its worker threads are never joined from a data
     /// path thread that happened to drop the last handle.
     ios: Mutex<Vec<Arc<ControllerIo>>>,
-    /// One per plan extent, in plan order.
-    extents: Vec<CopyIo>,
-    /// Per (row, member): the incoming and leaving copies of its slots.
-    moves: Vec<GroupMoves>,
-    /// Per (row, member): written since the last flush.
-    dirty: Vec<AtomicBool>,
     /// Rotates read ties between copies.
     rr: AtomicUsize,
     on_failed: Option<ExtentFailedFn>,
@@ -634,21 +664,21 @@ pub struct Volume {
     drain: Drain,
     /// begin_sync, begin_move and switch_move calls run one at a time.
     syncing: Mutex<()>,
+    /// Grows run one at a time (each replaces the table it loaded).
+    growing: Mutex<()>,
     /// Connect parameters of every controller (address and subsystem set
-    /// per controller), I/O queues per controller and the namespace block
-    /// alignment the plan needs: for reconnecting copies.
+    /// per controller) and how namespaces are connected and checked: for
+    /// reconnecting copies and growing.
     params: ConnectParams,
-    queues: u16,
-    align: u64,
+    connect: ConnectSpec,
     connections: Option<Arc<Connections>>,
-    prefer_rdma: bool,
 }
 
 impl fmt::Debug for Volume {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Volume")
-            .field("name", &self.plan.name)
-            .field("geometry", &self.geometry)
+            .field("name", &self.table.load().plan.name)
+            .field("geometry", &self.geometry())
             .field("controllers", &self.controller_count())
             .field("health", &self.health())
             .finish_non_exhaustive()
@@ -746,24 +776,6 @@ impl Volume {
                 wanted.push((i, &m.dest, true));
             }
         }
-        // Controllers in order of first use; each with the namespaces it
-        // serves (indices into `wanted`).
-        let mut keys: Vec<(SocketAddr, &str)> = Vec::new();
-        let mut rdma: Vec<bool> = Vec::new();
-        let mut index: HashMap<(SocketAddr, &str), usize> = HashMap::new();
-        let mut served: Vec<Vec<usize>> = Vec::new();
-        for (w, &(_, e, _)) in wanted.iter().enumerate() {
-            let (addr, over_rdma) = route(e, opts.prefer_rdma);
-            let key = (addr, e.subsystem_nqn.as_str());
-            let ci = *index.entry(key).or_insert_with(|| {
-                keys.push(key);
-                rdma.push(over_rdma);
-                served.push(Vec::new());
-                keys.len() - 1
-            });
-            served[ci].push(w);
-        }
-
         let hostid = opts
             .host_id
             .or_else(|| {
@@ -791,53 +803,36 @@ impl Volume {
             reconnect_delay: opts.reconnect_delay,
             connect_timeout: opts.connect_timeout,
         };
-        let queues = opts.queues_per_controller;
-
         let shared = opts.connections.as_deref();
         let one_open = shared.map(|c| lock(&c.opening));
-        let key = |addr: SocketAddr, nqn: &str| (addr, nqn.to_owned(), plan.host_nqn.clone());
-        let connected: Vec<Result<Connected, Error>> = std::thread::scope(|s| {
-            let threads: Vec<_> = keys
-                .iter()
-                .zip(&served)
-                .zip(&rdma)
-                .map(|((&(addr, nqn), mine), &over_rdma)| {
-                    let reach = match shared.and_then(|c| c.get(&key(addr, nqn))) {
-                        Some(io) => Reach::Shared(io),
-                        None => Reach::Connect(controller_params(&base, (addr, over_rdma), nqn)),
-                    };
-                    let mine: Vec<(usize, &PlanExtent)> =
-                        mine.iter().map(|&w| (wanted[w].0, wanted[w].1)).collect();
-                    let bytes = plan.extent_bytes;
-                    s.spawn(move || connect_one(bytes, reach, &mine, align, queues))
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| {
-                    t.join()
-                        .unwrap_or_else(|_| Err(Error::Invalid("a connect thread panicked".into())))
-                })
-                .collect()
-        });
-
-        let mut ios = Vec::with_capacity(keys.len());
+        let places: Vec<(usize, &PlanExtent)> = wanted.iter().map(|&(i, e, _)| (i, e)).collect();
+        let connect = ConnectSpec {
+            extent_bytes: plan.extent_bytes,
+            align,
+            queues: opts.queues_per_controller,
+            prefer_rdma: opts.prefer_rdma,
+        };
+        let connected = connect.all(&places, |at, nqn| {
+            let key = (at.0, nqn.to_owned(), plan.host_nqn.clone());
+            match shared.and_then(|c| c.get(&key)) {
+                Some(io) => Reach::Shared(io),
+                None => Reach::Connect(controller_params(&base, at, nqn)),
+            }
+        })?;
+        let mut ios = Vec::with_capacity(connected.len());
         let mut slots: Vec<Option<Device>> = (0..n).map(|_| None).collect();
         let mut incoming: Vec<(usize, Device)> = Vec::new();
-        for (c, mine) in connected.into_iter().zip(&served) {
-            let c = c?;
-            for (dev, &w) in c.devices.into_iter().zip(mine) {
+        for c in connected {
+            for (w, dev) in c.devices {
                 match wanted[w] {
                     (i, _, false) => slots[i] = Some(dev),
                     (i, _, true) => incoming.push((i, dev)),
                 }
             }
-            ios.push(c.io);
-        }
-        if let Some(c) = shared {
-            for (io, &(addr, nqn)) in ios.iter().zip(&keys) {
-                c.add(key(addr, nqn), io);
+            if let Some(s) = shared {
+                s.add((c.at, c.subnqn, plan.host_nqn.clone()), &c.io);
             }
+            ios.push(c.io);
         }
         drop(one_open);
         let extents = slots
@@ -849,7 +844,7 @@ impl Volume {
                 assert_eq!(dev.is_some(), !failed, "every copy in use was opened");
                 // Writes of earlier sessions are unknown: not complete.
                 let missed = failed.then(|| Missed::new(plan.extent_bytes, false));
-                CopyIo::new(state, dev, missed, at.clone())
+                Arc::new(CopyIo::new(state, dev, missed, at.clone()))
             })
             .collect();
         let groups = plan.extents.len() / copies;
@@ -866,23 +861,23 @@ impl Volume {
             "volume open"
         );
         let volume = Volume {
-            plan: plan.clone(),
-            geometry,
+            table: ArcSwap::from_pointee(Table {
+                plan: Arc::new(plan.clone()),
+                geometry,
+                extents,
+                groups: (0..groups).map(|_| Arc::default()).collect(),
+            }),
             copies,
             ios: Mutex::new(ios),
-            extents,
-            moves: (0..groups).map(|_| GroupMoves::default()).collect(),
-            dirty: (0..groups).map(|_| AtomicBool::new(false)).collect(),
             rr: AtomicUsize::new(0),
             bufs: BufPool::default(),
             on_failed: opts.on_extent_failed,
             drain: Drain::default(),
             syncing: Mutex::new(()),
+            growing: Mutex::new(()),
             params: base,
-            queues,
-            align,
+            connect,
             connections: opts.connections,
-            prefer_rdma: opts.prefer_rdma,
         };
         for (i, dev) in incoming {
             let dest = &moving[i].expect("an incoming copy is a move's").dest;
@@ -928,22 +923,29 @@ impl Volume {
         Ok(volume)
     }
 
-    /// The plan the volume was opened with. Moves do not change it: where
-    /// each copy is now is [`Volume::extent_location`].
-    pub fn plan(&self) -> &ConnectionPlan {
-        &self.plan
+    /// The plan the volume was opened with, or the last one it grew to
+    /// ([`Volume::grow`]). Moves do not change it: where each copy is now
+    /// is [`Volume::extent_location`].
+    pub fn plan(&self) -> Arc<ConnectionPlan> {
+        self.table.load().plan.clone()
     }
 
     pub fn geometry(&self) -> Geometry {
-        self.geometry
+        self.table.load().geometry
     }
 
+    /// Bytes, as of the last [`Volume::grow`].
     pub fn size(&self) -> u64 {
-        self.plan.size_bytes
+        self.table.load().geometry.size_bytes
     }
 
     pub fn block_size(&self) -> u32 {
-        self.plan.block_bytes
+        self.table.load().plan.block_bytes
+    }
+
+    /// The current table, for control calls (an `Arc`: they may block).
+    fn table(&self) -> Arc<Table> {
+        self.table.load_full()
     }
 
     /// Controllers the volume holds: one per distinct target address and
@@ -965,7 +967,7 @@ impl Volume {
     /// # Panics
     /// If `index` is not an extent of the plan.
     pub fn copy_state(&self, index: usize) -> CopyState {
-        self.extents[index].state()
+        self.table.load().extents[index].state()
     }
 
     /// Whether plan extent `index` (one copy) is [`CopyState::Failed`].
@@ -979,15 +981,16 @@ impl Volume {
     /// The copies failed, syncing or moving, and the extents left without
     /// a copy in sync.
     pub fn health(&self) -> VolumeHealth {
+        let t = self.table();
         let in_state = |s: CopyState| -> Vec<usize> {
-            (0..self.extents.len())
-                .filter(|&i| self.copy_state(i) == s)
+            (0..t.extents.len())
+                .filter(|&i| t.extents[i].state() == s)
                 .collect()
         };
-        let lost = (0..self.dirty.len())
-            .filter(|&g| self.group_lost(g))
+        let lost = (0..t.groups.len())
+            .filter(|&g| self.group_lost(&t, g))
             .map(|g| {
-                let e = &self.plan.extents[g * self.copies];
+                let e = &t.plan.extents[g * self.copies];
                 (e.row, e.member)
             })
             .collect();
@@ -995,20 +998,21 @@ impl Volume {
             failed_extents: in_state(CopyState::Failed),
             syncing_extents: in_state(CopyState::Syncing),
             lost,
-            moving_extents: self.moving_extents(),
+            moving_extents: self.moving_extents(&t),
         }
     }
 
     /// No copy of extent group `group` is in sync.
-    fn group_lost(&self, group: usize) -> bool {
-        (0..self.copies).all(|c| self.copy_state(group * self.copies + c) != CopyState::Ok)
+    fn group_lost(&self, t: &Table, group: usize) -> bool {
+        (0..self.copies).all(|c| t.extents[group * self.copies + c].state() != CopyState::Ok)
     }
 
     /// The missed-regions record of copy `index` when it is
     /// [`CopyState::Failed`]; `None` otherwise (or for an index outside
     /// the plan).
     pub fn missed_regions(&self, index: usize) -> Option<MissedRegions> {
-        let x = self.extents.get(index)?;
+        let t = self.table();
+        let x = t.extents.get(index)?;
         let _e = lock(&x.edit);
         if x.state() != CopyState::Failed {
             return None;
@@ -1038,12 +1042,9 @@ impl Volume {
     /// before the drain ends is `Failed` again (reported as usual) and the
     /// call fails.
     pub fn begin_sync(&self, index: usize) -> Result<MissedRegions, Error> {
-        let Some(x) = self.extents.get(index) else {
-            return Err(Error::Invalid(format!(
-                "{}: extent {index} is not in the plan ({} extents)",
-                self.plan.name,
-                self.extents.len()
-            )));
+        let t = self.table();
+        let Some(x) = t.extents.get(index) else {
+            return Err(self.not_in_plan(&t, index));
         };
         let _one = lock(&self.syncing);
         self.release_lost_controllers();
@@ -1065,13 +1066,13 @@ impl Volume {
                 CopyState::Ok => {
                     let group = index - index % self.copies;
                     let others = (group..group + self.copies)
-                        .filter(|&j| j != index && self.copy_state(j) == CopyState::Ok)
+                        .filter(|&j| j != index && t.extents[j].state() == CopyState::Ok)
                         .count();
                     if others == 0 {
                         let e = x.location.load();
                         return Err(Error::Invalid(format!(
                             "{}: extent {index} is the last copy in sync of row {} member {}",
-                            self.plan.name, e.row, e.member
+                            t.plan.name, e.row, e.member
                         )));
                     }
                     let _e = lock(&x.edit);
@@ -1084,17 +1085,17 @@ impl Volume {
                 }
             }
         };
-        tracing::info!(volume = %self.plan.name, extent = index, "extent copy syncing; draining");
+        tracing::info!(volume = %t.plan.name, extent = index, "extent copy syncing; draining");
         if !self.drain.wait(SYNC_DRAIN_TIMEOUT) {
             return Err(Error::Timeout {
-                addr: format!("volume {} extent {index}", self.plan.name),
+                addr: format!("volume {} extent {index}", t.plan.name),
                 what: "the writes issued before the copy started syncing",
             });
         }
         if x.state() == CopyState::Failed {
             return Err(Error::Invalid(format!(
                 "{}: extent {index} failed again while its sync began",
-                self.plan.name
+                t.plan.name
             )));
         }
         Ok(record.map_or(
@@ -1108,14 +1109,15 @@ impl Volume {
 
     /// `Syncing` → `Ok`: reads may use the copy. No-op in any other state.
     pub fn finish_sync(&self, index: usize) {
-        let Some(x) = self.extents.get(index) else {
+        let t = self.table();
+        let Some(x) = t.extents.get(index) else {
             return;
         };
         let _e = lock(&x.edit);
         if x.state() == CopyState::Syncing {
             x.set_state(CopyState::Ok);
             x.missed.store(None);
-            tracing::info!(volume = %self.plan.name, extent = index, "extent copy in sync");
+            tracing::info!(volume = %t.plan.name, extent = index, "extent copy in sync");
         }
     }
 
@@ -1125,15 +1127,16 @@ impl Volume {
     /// from now, in a fresh record that is complete (this session sees
     /// every later write). No-op in any other state.
     pub fn abort_sync(&self, index: usize) {
-        if let Some(x) = self.extents.get(index) {
+        let t = self.table();
+        if let Some(x) = t.extents.get(index) {
             if x.fail(
                 &[CopyState::Syncing],
-                self.plan.extent_bytes,
+                t.plan.extent_bytes,
                 Mark::Nothing,
                 None,
             ) {
                 tracing::info!(
-                    volume = %self.plan.name,
+                    volume = %t.plan.name,
                     extent = index,
                     "extent copy sync aborted"
                 );
@@ -1147,11 +1150,12 @@ impl Volume {
     /// fresh, complete record. No-op on a failed copy or an index outside
     /// the plan.
     pub fn mark_failed(&self, index: usize) {
-        if let Some(x) = self.extents.get(index) {
+        let t = self.table();
+        if let Some(x) = t.extents.get(index) {
             let from = [CopyState::Ok, CopyState::Syncing];
-            if x.fail(&from, self.plan.extent_bytes, Mark::Nothing, None) {
+            if x.fail(&from, t.plan.extent_bytes, Mark::Nothing, None) {
                 tracing::warn!(
-                    volume = %self.plan.name,
+                    volume = %t.plan.name,
                     extent = index,
                     "extent copy marked failed (stale, says the control plane)"
                 );
@@ -1159,39 +1163,123 @@ impl Volume {
         }
     }
 
+    /// Blocking; call it from a control thread, never from an I/O callback
+    /// or an async task.
+    ///
+    /// Takes a bigger plan of the same volume (`nvpool volume resize`: rows
+    /// appended, nothing else changed). The new extents are connected as
+    /// [`Volume::open`] connects extents (controllers the volume or its
+    /// [`Connections`] have are used, others connected, every namespace
+    /// checked with Identify, I/O queues started), then the new rows are
+    /// published at once: a request issued before fails past the old end
+    /// as it always did, one issued after is served up to the new one, and
+    /// requests in flight finish on what they started with. Existing
+    /// extents keep their copy states, missed regions and moves (the grown
+    /// volume shares them); new extents start in sync.
+    ///
+    /// Returns false when `plan` has the volume's size: nothing to do.
+    /// Refused ([`Error::Invalid`]) for another volume or host, another
+    /// block size, extent size or layout, a smaller size, or an existing
+    /// extent at another address, subsystem or namespace than the volume
+    /// has it (its plan's place, or where a move switched it to). Nothing
+    /// changes when it is refused or a new extent cannot be connected or
+    /// checked; a later call may succeed.
+    pub fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error> {
+        plan.validate()
+            .map_err(|e| Error::Invalid(format!("connection plan of {}: {e}", plan.name)))?;
+        let _one = lock(&self.growing);
+        let old = self.table();
+        check_growth(&old, plan)?;
+        if plan.size_bytes == old.geometry.size_bytes {
+            return Ok(false);
+        }
+        // Rows are appended: the new extents follow the old ones.
+        let added: Vec<(usize, &PlanExtent)> = plan
+            .extents
+            .iter()
+            .enumerate()
+            .skip(old.extents.len())
+            .collect();
+        let mut devices: Vec<Option<Device>> = added.iter().map(|_| None).collect();
+        if !added.is_empty() {
+            let _one_open = self.connections.as_deref().map(|c| lock(&c.opening));
+            for r in self.connect.all(&added, |at, nqn| self.reach(at, nqn))? {
+                self.adopt(&r.io, r.at, &r.subnqn);
+                for (w, dev) in r.devices {
+                    devices[w] = Some(dev);
+                }
+            }
+        }
+        let mut extents = old.extents.clone();
+        for (&(_, e), dev) in added.iter().zip(devices) {
+            assert!(dev.is_some(), "ConnectSpec::all opens every namespace");
+            extents.push(Arc::new(CopyIo::new(CopyState::Ok, dev, None, e.clone())));
+        }
+        let mut groups = old.groups.clone();
+        groups.resize_with(extents.len() / self.copies, Arc::default);
+        self.table.store(Arc::new(Table {
+            plan: Arc::new(plan.clone()),
+            geometry: plan.geometry(),
+            extents,
+            groups,
+        }));
+        tracing::info!(
+            volume = %plan.name,
+            from = old.geometry.size_bytes,
+            to = plan.size_bytes,
+            extents_added = added.len(),
+            controllers = self.controller_count(),
+            "volume grown"
+        );
+        Ok(true)
+    }
+
     /// A namespace handle on `e`, a place of copy `index` (where it is, or
     /// where it moves), on a live controller: the volume's own, else a
     /// shared one, else a new one.
     fn connect_copy(&self, index: usize, e: &PlanExtent) -> Result<Device, Error> {
-        let shared = self.connections.as_deref();
-        let _one_open = shared.map(|c| lock(&c.opening));
-        let at = route(e, self.prefer_rdma);
-        let key = (at.0, e.subsystem_nqn.clone(), self.plan.host_nqn.clone());
+        let _one_open = self.connections.as_deref().map(|c| lock(&c.opening));
+        let at = route(e, self.connect.prefer_rdma);
+        let reach = self.reach(at, &e.subsystem_nqn);
+        let mut c = self.connect.one(reach, &[(index, e)])?;
+        self.adopt(&c.io, at.0, &e.subsystem_nqn);
+        c.devices
+            .pop()
+            .ok_or_else(|| Error::Invalid(format!("extent {index}: no namespace was opened")))
+    }
+
+    /// How to reach the controller of `nqn` at `at` (routed, see
+    /// [`route`]): a live one of the volume's, else a live one of its
+    /// [`Connections`], else a new one. The caller holds the
+    /// `Connections`' `opening` lock until it has [`Volume::adopt`]ed it.
+    fn reach(&self, at: (SocketAddr, bool), nqn: &str) -> Reach {
         let mine = lock(&self.ios)
             .iter()
             .find(|io| {
                 let c = io.controller();
-                c.addr() == at.0 && c.params.subnqn == e.subsystem_nqn && !io.is_lost()
+                c.addr() == at.0 && c.params.subnqn == nqn && !io.is_lost()
             })
             .cloned();
-        let reach = match mine.or_else(|| shared.and_then(|c| c.get(&key))) {
+        let key = (at.0, nqn.to_owned(), self.params.hostnqn.clone());
+        let shared = self.connections.as_deref();
+        match mine.or_else(|| shared.and_then(|c| c.get(&key))) {
             Some(io) => Reach::Shared(io),
-            None => Reach::Connect(controller_params(&self.params, at, &e.subsystem_nqn)),
-        };
-        let bytes = self.plan.extent_bytes;
-        let mut c = connect_one(bytes, reach, &[(index, e)], self.align, self.queues)?;
+            None => Reach::Connect(controller_params(&self.params, at, nqn)),
+        }
+    }
+
+    /// Counts `io`, reached at `at` for `nqn`, among the volume's
+    /// controllers and its [`Connections`]' (once each).
+    fn adopt(&self, io: &Arc<ControllerIo>, at: SocketAddr, nqn: &str) {
         {
             let mut ios = lock(&self.ios);
-            if !ios.iter().any(|io| Arc::ptr_eq(io, &c.io)) {
-                ios.push(c.io.clone());
+            if !ios.iter().any(|x| Arc::ptr_eq(x, io)) {
+                ios.push(io.clone());
             }
         }
-        if let Some(s) = shared {
-            s.add(key, &c.io);
+        if let Some(s) = &self.connections {
+            s.add((at, nqn.to_owned(), self.params.hostnqn.clone()), io);
         }
-        Ok(c.devices
-            .pop()
-            .expect("connect_one opens every extent it is given"))
     }
 
     /// Lets go of lost controllers no namespace handle uses any more (their
@@ -1222,8 +1310,8 @@ impl Volume {
         r
     }
 
-    fn check(&self, offset: u64, len: u64) -> Result<(), IoError> {
-        let bs = u64::from(self.plan.block_bytes);
+    fn check(t: &Table, offset: u64, len: u64) -> Result<(), IoError> {
+        let bs = u64::from(t.plan.block_bytes);
         if !offset.is_multiple_of(bs) || !len.is_multiple_of(bs) {
             return Err(IoError::Invalid(
                 "offset and length must be multiples of the block size",
@@ -1231,33 +1319,35 @@ impl Volume {
         }
         if offset
             .checked_add(len)
-            .is_none_or(|e| e > self.plan.size_bytes)
+            .is_none_or(|e| e > t.geometry.size_bytes)
         {
             return Err(IoError::Invalid("range past the end of the volume"));
         }
         Ok(())
     }
 
-    fn split(&self, offset: u64, len: u64) -> Result<runs::Split, IoError> {
-        self.check(offset, len)?;
-        runs::split(&self.geometry, offset, len)
+    fn split(t: &Table, offset: u64, len: u64) -> Result<runs::Split, IoError> {
+        Volume::check(t, offset, len)?;
+        runs::split(&t.geometry, offset, len)
             .map_err(|_| IoError::Invalid("range past the end of the volume"))
     }
 
     /// Reads `buf.len()` bytes at `offset`; the buffer comes back filled.
     pub async fn read(&self, offset: u64, mut buf: Vec<u8>) -> BufResult {
-        let split = match self.split(offset, buf.len() as u64) {
+        // The one load of the table: this request works on it to its end.
+        let t = self.table.load();
+        let split = match Volume::split(&t, offset, buf.len() as u64) {
             Ok(s) => s,
             Err(e) => return (Err(e), buf),
         };
         match split.runs.as_slice() {
             [] => (Ok(()), buf),
             // One extent: the caller's buffer goes through.
-            [r] => self.read_run(r.first, r.extent_offset, buf).await,
+            [r] => self.read_run(&t, r.first, r.extent_offset, buf).await,
             runs => {
                 let all = runs.iter().map(|r| {
                     let b = self.bufs.get(r.len as usize);
-                    self.read_run(r.first, r.extent_offset, b)
+                    self.read_run(&t, r.first, r.extent_offset, b)
                 });
                 let mut bufs = Vec::with_capacity(runs.len());
                 let mut first_err = None;
@@ -1283,7 +1373,8 @@ impl Volume {
     pub async fn write(&self, offset: u64, buf: Vec<u8>, fua: bool) -> BufResult {
         // Outstanding until it completes (or is dropped), for begin_sync.
         let _hold = self.drain.enter();
-        let split = match self.split(offset, buf.len() as u64) {
+        let t = self.table.load();
+        let split = match Volume::split(&t, offset, buf.len() as u64) {
             Ok(s) => s,
             Err(e) => return (Err(e), buf),
         };
@@ -1291,7 +1382,7 @@ impl Volume {
         match split.runs.as_slice() {
             [] => (Ok(()), buf),
             [r] => {
-                self.mutate_run(r.first, r.extent_offset, r.len, m, buf)
+                self.mutate_run(&t, r.first, r.extent_offset, r.len, m, buf)
                     .await
             }
             runs => {
@@ -1299,7 +1390,7 @@ impl Volume {
                 let all = runs
                     .iter()
                     .zip(pieces)
-                    .map(|(r, b)| self.mutate_run(r.first, r.extent_offset, r.len, m, b));
+                    .map(|(r, b)| self.mutate_run(&t, r.first, r.extent_offset, r.len, m, b));
                 let r = first_error(join_all(all).await);
                 (r, buf)
             }
@@ -1325,11 +1416,12 @@ impl Volume {
 
     async fn mutate(&self, offset: u64, len: u64, m: Mutation) -> Result<(), IoError> {
         let _hold = self.drain.enter();
-        let split = self.split(offset, len)?;
+        let t = self.table.load();
+        let split = Volume::split(&t, offset, len)?;
         let all = split
             .runs
             .iter()
-            .map(|r| self.mutate_run(r.first, r.extent_offset, r.len, m, Vec::new()));
+            .map(|r| self.mutate_run(&t, r.first, r.extent_offset, r.len, m, Vec::new()));
         first_error(join_all(all).await)
     }
 
@@ -1337,20 +1429,22 @@ impl Volume {
     /// since the last flush, on every copy in sync or syncing.
     pub async fn flush(&self) -> Result<(), IoError> {
         let _hold = self.drain.enter();
-        let groups: Vec<usize> = (0..self.dirty.len())
+        let t = self.table.load();
+        let groups: Vec<usize> = (0..t.groups.len())
             .filter(|&g| {
-                self.dirty[g].load(Ordering::SeqCst) && self.dirty[g].swap(false, Ordering::SeqCst)
+                let dirty = &t.groups[g].dirty;
+                dirty.load(Ordering::SeqCst) && dirty.swap(false, Ordering::SeqCst)
             })
             .collect();
         let mut first = Ok(());
         for batch in groups.chunks(FLUSH_EXTENTS_AT_ONCE) {
             let all = batch
                 .iter()
-                .map(|&g| self.mutate_run(g * self.copies, 0, 0, Mutation::Flush, Vec::new()));
+                .map(|&g| self.mutate_run(&t, g * self.copies, 0, 0, Mutation::Flush, Vec::new()));
             for (&g, (r, _)) in batch.iter().zip(join_all(all).await) {
                 if let Err(e) = r {
                     // Still not durable: the next flush tries again.
-                    self.dirty[g].store(true, Ordering::SeqCst);
+                    t.groups[g].dirty.store(true, Ordering::SeqCst);
                     if first.is_ok() {
                         first = Err(e);
                     }
@@ -1362,16 +1456,16 @@ impl Volume {
 
     /// Reads one run from one copy in sync, moving to another when the
     /// chosen one fails.
-    async fn read_run(&self, first: usize, offset: u64, mut buf: Vec<u8>) -> BufResult {
+    async fn read_run(&self, t: &Table, first: usize, offset: u64, mut buf: Vec<u8>) -> BufResult {
         let len = buf.len();
         let mut tried = 0u32;
         let mut last = None;
         loop {
-            let Some(c) = self.pick_read_copy(first, tried) else {
+            let Some(c) = self.pick_read_copy(t, first, tried) else {
                 return (Err(last.unwrap_or(IoError::ControllerLost)), buf);
             };
             tried |= 1 << c;
-            let dev = self.extents[first + c].device();
+            let dev = t.extents[first + c].device();
             let (r, b) = dev.read(offset, buf).await;
             // A lost controller cannot hand back the buffer it held.
             buf = if b.len() == len { b } else { vec![0; len] };
@@ -1391,9 +1485,9 @@ impl Volume {
 
     /// The copy in sync not in `tried` whose controller has the fewest
     /// requests in flight; ties rotate. Never a `Syncing` copy.
-    fn pick_read_copy(&self, first: usize, tried: u32) -> Option<usize> {
+    fn pick_read_copy(&self, t: &Table, first: usize, tried: u32) -> Option<usize> {
         let usable =
-            |c: usize| tried & (1 << c) == 0 && self.extents[first + c].state() == CopyState::Ok;
+            |c: usize| tried & (1 << c) == 0 && t.extents[first + c].state() == CopyState::Ok;
         if self.copies == 1 {
             return usable(0).then_some(0);
         }
@@ -1404,7 +1498,7 @@ impl Volume {
             if !usable(c) {
                 continue;
             }
-            let load = match &*self.extents[first + c].dev.load() {
+            let load = match &*t.extents[first + c].dev.load() {
                 Some(d) => d.io().in_flight(),
                 None => usize::MAX,
             };
@@ -1420,8 +1514,8 @@ impl Volume {
     /// copies, loaded in the order moves.rs argues for (shadows, states and
     /// handles, shadows again unless there were none; again from the top
     /// when a move changed them meanwhile).
-    fn run_copies(&self, first: usize) -> RunCopies {
-        let moves = &self.moves[first / self.copies];
+    fn run_copies(&self, t: &Table, first: usize) -> RunCopies {
+        let moves = &t.groups[first / self.copies].moves;
         let mut shadows = moves.shadow.load_full();
         loop {
             let mut r = RunCopies {
@@ -1432,7 +1526,7 @@ impl Volume {
                 shadows: None,
             };
             for c in 0..self.copies {
-                let x = &self.extents[first + c];
+                let x = &t.extents[first + c];
                 // The state before the handle: see CopyIo.
                 match x.state() {
                     CopyState::Ok => r.in_sync |= 1 << c,
@@ -1464,6 +1558,7 @@ impl Volume {
     /// (drain.rs).
     async fn mutate_run(
         &self,
+        t: &Table,
         first: usize,
         offset: u64,
         len: u64,
@@ -1476,10 +1571,10 @@ impl Volume {
             failed,
             devs,
             shadows,
-        } = self.run_copies(first);
+        } = self.run_copies(t, first);
         if m != Mutation::Flush {
             for c in (0..self.copies).filter(|&c| failed & (1 << c) != 0) {
-                self.extents[first + c].note_missed(offset, len);
+                t.extents[first + c].note_missed(offset, len);
             }
         }
         if in_sync == 0 {
@@ -1571,7 +1666,9 @@ impl Volume {
             }
         }
         if m != Mutation::Flush {
-            self.dirty[first / self.copies].store(true, Ordering::SeqCst);
+            t.groups[first / self.copies]
+                .dirty
+                .store(true, Ordering::SeqCst);
         }
         let r = if acked {
             Ok(())
@@ -1586,31 +1683,34 @@ impl Volume {
     /// may have switched it away). When its controller is lost, every
     /// extent behind that controller goes too.
     fn fail_extent(&self, index: usize, dev: &Arc<Device>, error: &IoError, mark: Mark) {
-        let x = &self.extents[index];
+        // The newest table: it has the extents of every older one, and
+        // those of a grow behind a lost controller too.
+        let t = self.table();
+        let x = &t.extents[index];
         let in_use = [CopyState::Ok, CopyState::Syncing];
-        if x.fail(&in_use, self.plan.extent_bytes, mark, Some(dev)) {
-            self.report(index, error);
+        if x.fail(&in_use, t.plan.extent_bytes, mark, Some(dev)) {
+            self.report(&t, index, error);
         }
         let io = dev.io();
         if *error == IoError::ControllerLost && io.is_lost() {
-            for (j, y) in self.extents.iter().enumerate() {
+            for (j, y) in t.extents.iter().enumerate() {
                 let Some(d) = y.dev.load_full() else {
                     continue;
                 };
                 if Arc::ptr_eq(d.io(), io)
-                    && y.fail(&in_use, self.plan.extent_bytes, Mark::Nothing, Some(&d))
+                    && y.fail(&in_use, t.plan.extent_bytes, Mark::Nothing, Some(&d))
                 {
-                    self.report(j, error);
+                    self.report(&t, j, error);
                 }
             }
         }
     }
 
-    fn report(&self, index: usize, error: &IoError) {
-        let e = self.extents[index].location.load_full();
-        let member_lost = self.group_lost(index / self.copies);
+    fn report(&self, t: &Table, index: usize, error: &IoError) {
+        let e = t.extents[index].location.load_full();
+        let member_lost = self.group_lost(t, index / self.copies);
         tracing::error!(
-            volume = %self.plan.name,
+            volume = %t.plan.name,
             extent = index,
             row = e.row,
             member = e.member,
@@ -1637,6 +1737,68 @@ impl Volume {
             });
         }
     }
+}
+
+/// Refuses `new` as a grown plan of the volume `t` serves (see
+/// [`Volume::grow`]); a plan of the same size passes when nothing but
+/// unchecked details (target ids, device names, RDMA addresses) changed.
+fn check_growth(t: &Table, new: &ConnectionPlan) -> Result<(), Error> {
+    let old = &t.plan;
+    let refuse = |why: String| {
+        Err(Error::Invalid(format!(
+            "{}: cannot grow to this plan: {why}",
+            old.name
+        )))
+    };
+    if (new.volume, &new.name) != (old.volume, &old.name) {
+        return refuse(format!(
+            "it is volume {} ({}), this is {} ({})",
+            new.name, new.volume, old.name, old.volume
+        ));
+    }
+    if new.host_nqn != old.host_nqn {
+        return refuse(format!(
+            "it is for host {}, the volume is served to {}",
+            new.host_nqn, old.host_nqn
+        ));
+    }
+    if new.block_bytes != old.block_bytes {
+        return refuse(format!(
+            "its blocks are {} bytes, the volume's {}",
+            new.block_bytes, old.block_bytes
+        ));
+    }
+    if new.extent_bytes != old.extent_bytes {
+        return refuse(format!(
+            "its extents are {} bytes, the volume's {}",
+            new.extent_bytes, old.extent_bytes
+        ));
+    }
+    if new.layout != old.layout {
+        return refuse(format!(
+            "its layout is {}, the volume's {} (growing only adds rows)",
+            new.layout(),
+            old.layout()
+        ));
+    }
+    if new.size_bytes < old.size_bytes {
+        return refuse(format!(
+            "it has {} bytes, the volume {}: a volume never shrinks",
+            new.size_bytes, old.size_bytes
+        ));
+    }
+    // Same layout, no smaller: the plan (validated) has every old extent.
+    for (i, (x, e)) in t.extents.iter().zip(&new.extents).enumerate() {
+        let here = x.location.load();
+        if !moves::same_place(e, &old.extents[i]) && !moves::same_place(e, &here) {
+            return refuse(format!(
+                "it has extent {i} at {} {} namespace {}, the volume has it at {} {} \
+                 namespace {}",
+                e.addr, e.subsystem_nqn, e.nsid, here.addr, here.subsystem_nqn, here.nsid
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `base` for the controller serving `subnqn` at `addr` (over RDMA when
@@ -1694,76 +1856,156 @@ enum Reach {
     Shared(Arc<ControllerIo>),
 }
 
-/// Connects one controller (or takes the shared one) and opens the
-/// extents `mine` (copy slot, where) on it, each a namespace of
-/// `extent_bytes` whose block size divides `align`.
-fn connect_one(
+/// The namespaces a controller reached by [`ConnectSpec::all`] opened.
+struct Reached {
+    /// The routed target address and subsystem it was reached at (with
+    /// the host NQN, its key in [`Connections`]).
+    at: SocketAddr,
+    subnqn: String,
+    io: Arc<ControllerIo>,
+    /// Each with its index in what was asked for.
+    devices: Vec<(usize, Device)>,
+}
+
+/// How a volume's namespaces are connected and checked; the same for open,
+/// grow and copies connected again.
+#[derive(Debug, Clone, Copy)]
+struct ConnectSpec {
+    /// Each namespace holds one extent of this size.
     extent_bytes: u64,
-    reach: Reach,
-    mine: &[(usize, &PlanExtent)],
+    /// Namespace block sizes must divide it.
     align: u64,
+    /// I/O queues of each controller connected here.
     queues: u16,
-) -> Result<Connected, Error> {
-    let (ctrl, shared) = match reach {
-        Reach::Connect(params) if params.transport == crate::admin::Transport::Rdma => {
-            // The target offers RDMA, but this host may not reach it that
-            // way (another fabric, no route): NVMe/TCP still works.
-            let tcp = mine.first().map(|(_, e)| e.addr);
-            match (Controller::connect(params.clone()), tcp) {
-                (Ok(c), _) => (c, None),
-                (Err(e), Some(tcp)) => {
-                    tracing::warn!(addr = %params.addr, subsystem = %params.subnqn, error = %e,
+    prefer_rdma: bool,
+}
+
+impl ConnectSpec {
+    /// Opens the namespaces `places` (plan extent index, where): grouped by
+    /// controller (routed target address, subsystem; see [`route`]) in
+    /// order of first use, each controller reached as `reach` says, all of
+    /// them in parallel, one thread each, and every namespace checked (see
+    /// [`ConnectSpec::one`]). Fails when any controller or namespace does;
+    /// whatever was connected is then dropped again (new controllers
+    /// disconnect).
+    fn all(
+        &self,
+        places: &[(usize, &PlanExtent)],
+        mut reach: impl FnMut((SocketAddr, bool), &str) -> Reach,
+    ) -> Result<Vec<Reached>, Error> {
+        let mut keys: Vec<((SocketAddr, bool), &str)> = Vec::new();
+        let mut served: Vec<Vec<usize>> = Vec::new();
+        let mut index: HashMap<(SocketAddr, &str), usize> = HashMap::new();
+        for (w, &(_, e)) in places.iter().enumerate() {
+            let at = route(e, self.prefer_rdma);
+            let nqn = e.subsystem_nqn.as_str();
+            let ci = *index.entry((at.0, nqn)).or_insert_with(|| {
+                keys.push((at, nqn));
+                served.push(Vec::new());
+                keys.len() - 1
+            });
+            served[ci].push(w);
+        }
+        let reaches: Vec<Reach> = keys.iter().map(|&(at, nqn)| reach(at, nqn)).collect();
+        let spec = *self;
+        let connected: Vec<Result<Connected, Error>> = std::thread::scope(|s| {
+            let threads: Vec<_> = reaches
+                .into_iter()
+                .zip(&served)
+                .map(|(r, mine)| {
+                    let mine: Vec<(usize, &PlanExtent)> = mine.iter().map(|&w| places[w]).collect();
+                    s.spawn(move || spec.one(r, &mine))
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .unwrap_or_else(|_| Err(Error::Invalid("a connect thread panicked".into())))
+                })
+                .collect()
+        });
+        connected
+            .into_iter()
+            .zip(keys.iter().zip(served))
+            .map(|(c, (&(at, nqn), mine))| {
+                let c = c?;
+                Ok(Reached {
+                    at: at.0,
+                    subnqn: nqn.to_owned(),
+                    io: c.io,
+                    devices: mine.into_iter().zip(c.devices).collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Connects one controller (or takes the shared one) and opens the
+    /// extents `mine` (copy slot, where) on it, each a namespace of
+    /// `extent_bytes` whose block size divides `align`.
+    fn one(&self, reach: Reach, mine: &[(usize, &PlanExtent)]) -> Result<Connected, Error> {
+        let (extent_bytes, align, queues) = (self.extent_bytes, self.align, self.queues);
+        let (ctrl, shared) = match reach {
+            Reach::Connect(params) if params.transport == crate::admin::Transport::Rdma => {
+                // The target offers RDMA, but this host may not reach it that
+                // way (another fabric, no route): NVMe/TCP still works.
+                let tcp = mine.first().map(|(_, e)| e.addr);
+                match (Controller::connect(params.clone()), tcp) {
+                    (Ok(c), _) => (c, None),
+                    (Err(e), Some(tcp)) => {
+                        tracing::warn!(addr = %params.addr, subsystem = %params.subnqn, error = %e,
                         "cannot reach the target over NVMe/RDMA; using NVMe/TCP");
-                    let p = ConnectParams {
-                        addr: tcp,
-                        transport: crate::admin::Transport::Tcp,
-                        ..params
-                    };
-                    (Controller::connect(p)?, None)
+                        let p = ConnectParams {
+                            addr: tcp,
+                            transport: crate::admin::Transport::Tcp,
+                            ..params
+                        };
+                        (Controller::connect(p)?, None)
+                    }
+                    (Err(e), None) => return Err(e),
                 }
-                (Err(e), None) => return Err(e),
             }
-        }
-        Reach::Connect(params) => (Controller::connect(params)?, None),
-        Reach::Shared(io) => (io.controller().clone(), Some(io)),
-    };
-    let (addr, nqn) = (ctrl.addr(), ctrl.params.subnqn.clone());
-    let mut infos: Vec<NamespaceInfo> = Vec::with_capacity(mine.len());
-    for &(i, e) in mine {
-        let info = ctrl.namespace(e.nsid)?;
-        let bs = u64::from(info.block_size);
-        if info.size_bytes() != extent_bytes || !align.is_multiple_of(bs) {
-            return Err(Error::Invalid(format!(
-                "{addr} {nqn}: namespace {} (extent {i}) has {} bytes in {bs}-byte blocks; \
-                 the plan needs {} bytes in blocks dividing {align}",
-                e.nsid,
-                info.size_bytes(),
-                extent_bytes
-            )));
-        }
-        if let Some(first) = infos.first() {
-            if first.block_size != info.block_size {
+            Reach::Connect(params) => (Controller::connect(params)?, None),
+            Reach::Shared(io) => (io.controller().clone(), Some(io)),
+        };
+        let (addr, nqn) = (ctrl.addr(), ctrl.params.subnqn.clone());
+        let mut infos: Vec<NamespaceInfo> = Vec::with_capacity(mine.len());
+        for &(i, e) in mine {
+            let info = ctrl.namespace(e.nsid)?;
+            let bs = u64::from(info.block_size);
+            if info.size_bytes() != extent_bytes || !align.is_multiple_of(bs) {
                 return Err(Error::Invalid(format!(
-                    "{addr} {nqn}: namespaces {} and {} differ in block size ({} and {}); \
-                     the I/O queues of one controller count one size",
-                    first.nsid, info.nsid, first.block_size, info.block_size
+                    "{addr} {nqn}: namespace {} (extent {i}) has {} bytes in {bs}-byte blocks; \
+                 the plan needs {} bytes in blocks dividing {align}",
+                    e.nsid,
+                    info.size_bytes(),
+                    extent_bytes
                 )));
             }
+            if let Some(first) = infos.first() {
+                if first.block_size != info.block_size {
+                    return Err(Error::Invalid(format!(
+                        "{addr} {nqn}: namespaces {} and {} differ in block size ({} and {}); \
+                     the I/O queues of one controller count one size",
+                        first.nsid, info.nsid, first.block_size, info.block_size
+                    )));
+                }
+            }
+            infos.push(info);
         }
-        infos.push(info);
+        let io = match shared {
+            Some(io) => io,
+            None => {
+                let bs = infos.first().map_or(512, |info| info.block_size);
+                ControllerIo::start(ctrl, queues, bs)?
+            }
+        };
+        let devices = infos
+            .into_iter()
+            .map(|info| io.device(info))
+            .collect::<Result<_, _>>()?;
+        Ok(Connected { io, devices })
     }
-    let io = match shared {
-        Some(io) => io,
-        None => {
-            let bs = infos.first().map_or(512, |info| info.block_size);
-            ControllerIo::start(ctrl, queues, bs)?
-        }
-    };
-    let devices = infos
-        .into_iter()
-        .map(|info| io.device(info))
-        .collect::<Result<_, _>>()?;
-    Ok(Connected { io, devices })
 }
 
 impl BlockDev for Volume {
@@ -1777,8 +2019,9 @@ impl BlockDev for Volume {
 
     /// The stripe unit of striped layouts.
     fn optimal_io_bytes(&self) -> u32 {
-        if self.geometry.width > 1 {
-            u32::try_from(self.geometry.stripe_bytes).unwrap_or(0)
+        let g = Volume::geometry(self);
+        if g.width > 1 {
+            u32::try_from(g.stripe_bytes).unwrap_or(0)
         } else {
             0
         }

@@ -432,3 +432,163 @@ fn kill_9_of_the_server_leaves_a_recoverable_device() {
     }
     assert!(!is_mountpoint(&fuse_dir));
 }
+
+/// The resize tests need root (FUSE mounts, loop devices) and nothing
+/// else: without it they print why and pass, unless CI=true, where a
+/// skipped test is a failed one.
+macro_rules! require_root {
+    () => {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            let why = "not root (FUSE mount and loop devices need root)";
+            assert_ne!(
+                std::env::var("CI").as_deref(),
+                Ok("true"),
+                "CI=true, so this must run: {why}"
+            );
+            println!("skipped: {why}");
+            return;
+        }
+    };
+}
+
+/// The size of `/dev/loopN` as sysfs has it (not through the FuseLoop).
+fn sysfs_bytes(dev: &Path) -> u64 {
+    let name = dev.file_name().unwrap().to_str().unwrap();
+    let s = std::fs::read_to_string(format!("/sys/block/{name}/size")).unwrap();
+    s.trim().parse::<u64>().unwrap() * 512
+}
+
+/// Writes `data` at `off` of the loop device with O_DIRECT and fsync, and
+/// reads it back the same way.
+fn write_read_direct(dev: &Path, off: u64, data: &[u8]) -> std::io::Result<Vec<u8>> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)?;
+    let (mut v, at) = aligned(data.len());
+    v[at..at + data.len()].copy_from_slice(data);
+    f.write_all_at(&v[at..at + data.len()], off)?;
+    f.sync_all()?;
+    v[at..at + data.len()].fill(0);
+    f.read_exact_at(&mut v[at..at + data.len()], off)?;
+    Ok(v[at..at + data.len()].to_vec())
+}
+
+#[test]
+fn a_grown_device_grows_its_loop_device_online() {
+    require_root!();
+    let dir = tempfile::tempdir().unwrap();
+    let dev = MemDev::new(16 << 20, 4096);
+    let fl = FuseLoop::attach(dev.clone(), &dir.path().join("fuse"), &opts()).unwrap();
+    let _dog = watchdog(&fl, WATCHDOG_SECS);
+    let loopdev = fl.device_path().to_path_buf();
+    assert_eq!(fl.loop_device().size().unwrap(), 16 << 20);
+    assert_eq!(sysfs_bytes(&loopdev), 16 << 20);
+    // Held open across the resize, as a mounted filesystem would.
+    let held = std::fs::OpenOptions::new()
+        .read(true)
+        .open(&loopdev)
+        .unwrap();
+    let before = pattern(64 << 10, 31);
+    let got = write_read_direct(&loopdev, (16 << 20) - (64 << 10), &before).unwrap();
+    assert_eq!(got, before);
+    // The write made the kernel forget the file's size; a stat has it ask
+    // again and cache the answer for a minute.
+    let file = fl.mount().file_path().to_path_buf();
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 16 << 20);
+
+    dev.grow(40 << 20);
+    // Not resized yet: the kernel still has 16 MiB for the file, and the
+    // loop device still ends there.
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 16 << 20);
+    assert_eq!(sysfs_bytes(&loopdev), 16 << 20);
+    assert!(write_read_direct(&loopdev, 16 << 20, &pattern(4096, 1)).is_err());
+
+    assert_eq!(fl.resize().unwrap(), 40 << 20);
+    assert_eq!(sysfs_bytes(&loopdev), 40 << 20);
+    assert_eq!(fl.loop_device().size().unwrap(), 40 << 20);
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 40 << 20);
+    // Past the old end, across it, and at the new end.
+    for (off, len, seed) in [
+        (16u64 << 20, 1usize << 20, 32u64),
+        ((16 << 20) - 8192, 16384, 33),
+        ((40 << 20) - 65536, 65536, 34),
+    ] {
+        let data = pattern(len, seed);
+        let got = write_read_direct(&loopdev, off, &data).unwrap();
+        assert_eq!(got, data, "loop device bytes {off}+{len}");
+        assert_eq!(
+            dev.bytes(off as usize, len),
+            data,
+            "device bytes {off}+{len}"
+        );
+    }
+    assert!(write_read_direct(&loopdev, 40 << 20, &pattern(4096, 2)).is_err());
+    // Again without growth: nothing changes.
+    assert_eq!(fl.resize().unwrap(), 40 << 20);
+    drop(held);
+    assert_eq!(dev.unaligned.load(Ordering::Relaxed), 0);
+    let mut fl = fl;
+    fl.close().unwrap();
+}
+
+#[test]
+fn a_grown_mirrored_volume_grows_its_loop_device_and_both_copies_get_the_new_bytes() {
+    use common::volumes::{self, VOLUME_BLOCK};
+    use nvpool_control::plan::LayoutBody;
+    use nvpool_initiator::Volume;
+    require_root!();
+    const MIB: u64 = 1 << 20;
+    let mut s = volumes::setup(2, LayoutBody::Raid1 { copies: 2 }, 4 * MIB, MIB, "ram:1M");
+    let v = Arc::new(Volume::open(&s.plan, volumes::volume_opts()).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let mut fl = FuseLoop::attach(v.clone(), &dir.path().join("fuse"), &opts()).unwrap();
+    let _dog = watchdog(&fl, WATCHDOG_SECS);
+    let loopdev = fl.device_path().to_path_buf();
+    assert_eq!(fl.loop_device().block_size(), VOLUME_BLOCK as u32);
+    let head = pattern(256 << 10, 41);
+    assert_eq!(write_read_direct(&loopdev, MIB, &head).unwrap(), head);
+    // Cached by the kernel for a minute from here (see the test above).
+    let file = fl.mount().file_path().to_path_buf();
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 4 * MIB);
+
+    let grown = s.grow(7 * MIB, 512);
+    assert!(v.grow(&grown).unwrap());
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), 4 * MIB);
+    assert_eq!(fl.resize().unwrap(), 7 * MIB);
+    assert_eq!(sysfs_bytes(&loopdev), 7 * MIB);
+    // Across the old end into the new rows, and the last block.
+    let tail = pattern(2 * MIB as usize, 42);
+    let at = 4 * MIB - 64 * 1024;
+    assert_eq!(write_read_direct(&loopdev, at, &tail).unwrap(), tail);
+    let last = pattern(4096, 43);
+    assert_eq!(
+        write_read_direct(&loopdev, 7 * MIB - 4096, &last).unwrap(),
+        last
+    );
+    fl.close().unwrap();
+    // Both copies of every extent written hold the bytes (RAID1: row r is
+    // extents 2r and 2r + 1, at the offset within the row).
+    let expect = |off: u64, data: &[u8]| {
+        let mut done = 0u64;
+        while done < data.len() as u64 {
+            let o = off + done;
+            let (row, inside) = (o / MIB, o % MIB);
+            let n = (MIB - inside).min(data.len() as u64 - done);
+            let want = &data[done as usize..(done + n) as usize];
+            for copy in 0..2 {
+                let got = s.read_copy(row as usize * 2 + copy, inside, n);
+                assert!(got == want, "copy {copy} of row {row} at {inside}+{n}");
+            }
+            done += n;
+        }
+    };
+    expect(MIB, &head);
+    expect(at, &tail);
+    expect(7 * MIB - 4096, &last);
+    drop(fl);
+    let v = Arc::try_unwrap(v).expect("the FUSE mount let go of the volume");
+    v.close().unwrap();
+}

@@ -341,6 +341,35 @@ fn every_command_with_simple_replies() {
 }
 
 #[test]
+fn a_grown_device_is_served_to_its_new_end_and_announced_to_new_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = nbd_dev(16 << 20, 512);
+    let srv = server(dev.clone(), dir.path());
+    let mut c = Client::connect(srv.unix_socket().unwrap(), 3);
+    assert_eq!(c.export_name("vol").0, 16 << 20);
+    c.request(0, READ, 1, 16 << 20, 4096, &[]);
+    assert_eq!(c.simple(), (22, 1), "past the end: EINVAL");
+
+    dev.grow(24 << 20);
+    // The same connection: served from now on (the kernel driver learns
+    // the size out of band and keeps its socket).
+    let data = pattern(8192, 3);
+    c.write_ok((16 << 20) - 4096, &data, 0);
+    assert_eq!(c.read_simple((16 << 20) - 4096, 8192), data);
+    assert_eq!(dev.bytes((16 << 20) - 4096, 8192), data);
+    c.request(0, WRITE, 2, 24 << 20, 512, &[0; 512]);
+    assert_eq!(c.simple(), (28, 2), "past the new end: ENOSPC");
+    // A new client is told the new size.
+    let mut d = Client::connect(srv.unix_socket().unwrap(), 3);
+    assert_eq!(d.export_name("vol").0, 24 << 20);
+    for cl in [&mut c, &mut d] {
+        cl.request(0, DISC, 3, 0, 0, &[]);
+        assert!(cl.closed());
+    }
+    drop(srv);
+}
+
+#[test]
 fn structured_replies_and_out_of_order_completion() {
     let dir = tempfile::tempdir().unwrap();
     let dev = nbd_dev(64 << 20, 4096);
@@ -468,6 +497,23 @@ fn kernel_handoff_reports_a_missing_nbd_module() {
         f.write_all_at(&pattern(4096, 6), 8192).unwrap();
         f.sync_all().unwrap();
         assert_eq!(dev.bytes(8192, 4096), pattern(4096, 6));
+        // Grown while attached and open: the kernel is told, and the new
+        // bytes are served.
+        dev.grow(24 << 20);
+        assert_eq!(k.resize().unwrap(), 24 << 20);
+        let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+        let sectors = std::fs::read_to_string(format!("/sys/block/{name}/size")).unwrap();
+        assert_eq!(sectors.trim().parse::<u64>().unwrap() * 512, 24 << 20);
+        drop(f);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        f.write_all_at(&pattern(8192, 7), (16 << 20) - 4096)
+            .unwrap();
+        f.sync_all().unwrap();
+        assert_eq!(dev.bytes((16 << 20) - 4096, 8192), pattern(8192, 7));
         drop(f);
         k.detach().unwrap();
         return;

@@ -181,7 +181,7 @@ fn a_copy_in_sync_moves_to_another_target_under_writers() {
     model[3 * REGION as usize..][..16 * K as usize].fill(0);
 
     assert_eq!(v.extent_location(0), dest);
-    assert_eq!(v.plan(), &s.plan, "the plan the volume opened with");
+    assert_eq!(*v.plan(), s.plan, "the plan the volume opened with");
     assert_eq!(v.copy_state(0), CopyState::Ok);
     let h = v.health();
     assert!(h.is_healthy() && h.moving_extents.is_empty(), "{h:?}");

@@ -821,3 +821,271 @@ fn copies_known_to_have_failed_are_never_touched() {
         );
     }
 }
+
+/// What the writer of the grow test saw.
+#[derive(Debug, Default)]
+struct Verified {
+    /// Writes that read back right: (offset, len, seed), in order.
+    written: Vec<(u64, u64, u64)>,
+    errors: Vec<String>,
+}
+
+#[test]
+fn a_mirror_grows_under_writers_and_serves_the_new_rows_on_every_copy() {
+    let layout = LayoutBody::Raid10 {
+        stripe_bytes: 16 * K,
+        width: 2,
+        copies: 2,
+    };
+    // Two rows of 2 MiB, the second half used: the growth starts inside
+    // existing extents and then adds a row.
+    let old_size = 3 * MIB;
+    let new_size = 6 * MIB;
+    let mut s = setup(3, layout, old_size, "ram:1M");
+    let v = Volume::open(&s.plan, opts()).unwrap();
+    assert_eq!(v.controller_count(), 3);
+    let across = old_size - 8 * K;
+    let (r, _) = block_on(v.read(across, vec![0; 16 * K as usize]));
+    assert!(matches!(r, Err(IoError::Invalid(_))), "{r:?}");
+
+    let grown = s.grow(new_size, 512);
+    let stop = AtomicBool::new(false);
+    let progress = AtomicU64::new(0);
+    let refused = AtomicU64::new(0);
+    let (seen, flips) = std::thread::scope(|sc| {
+        let _stop = StopOnDrop(&stop);
+        let (v, stop, progress, refused) = (&v, &stop, &progress, &refused);
+        let writer = sc.spawn(move || {
+            let mut rng = Rng(77);
+            let mut seen = Verified::default();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                // Up to 256 KiB: across stripe units, members and rows.
+                let (off, len) = rng.range(0, old_size, 64);
+                let data = pattern(i, len as usize);
+                let (r, _) = block_on(v.write(off, data.clone(), i.is_multiple_of(4)));
+                if let Err(e) = r {
+                    seen.errors.push(format!("write {off}+{len}: {e}"));
+                    continue;
+                }
+                let (r, got) = block_on(v.read(off, vec![0; len as usize]));
+                match r {
+                    Ok(()) if got == data => seen.written.push((off, len, i)),
+                    Ok(()) => seen.errors.push(format!("read {off}+{len}: wrong data")),
+                    Err(e) => seen.errors.push(format!("read {off}+{len}: {e}")),
+                }
+                progress.fetch_add(1, Ordering::Relaxed);
+            }
+            seen
+        });
+        // Reads across the old end: refused until the new rows are
+        // published, served from then on, never refused again.
+        let reader = sc.spawn(move || {
+            let mut flips = Vec::new();
+            let mut served = false;
+            while !stop.load(Ordering::Relaxed) {
+                let (r, _) = block_on(v.read(across, vec![0; 16 * K as usize]));
+                let now = match r {
+                    Ok(()) => true,
+                    Err(IoError::Invalid(_)) => {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                        false
+                    }
+                    Err(e) => panic!("read across the old end: {e}"),
+                };
+                if now != served {
+                    flips.push(now);
+                    served = now;
+                }
+            }
+            flips
+        });
+        eventually("the writer to get going", || {
+            progress.load(Ordering::Relaxed) >= 30
+        });
+        eventually("the reader to be refused past the old end", || {
+            refused.load(Ordering::Relaxed) >= 10
+        });
+        assert!(v.grow(&grown).expect("the volume grows"));
+        let after = progress.load(Ordering::Relaxed);
+        eventually("the writer to go on after the grow", || {
+            progress.load(Ordering::Relaxed) >= after + 30
+        });
+        stop.store(true, Ordering::Relaxed);
+        (writer.join().unwrap(), reader.join().unwrap())
+    });
+    assert!(seen.errors.is_empty(), "{:?}", seen.errors);
+    // Refused before (at least ten times), then served, never refused again.
+    assert_eq!(flips, vec![true], "served from the grow on, and only then");
+    assert_eq!(v.size(), new_size);
+    assert_eq!(*v.plan(), grown);
+    assert_eq!(v.geometry(), grown.geometry());
+    assert_eq!(BlockDev::size(&v), new_size);
+    // The new extents' namespaces went through the controllers the volume
+    // had: one per target still.
+    assert_eq!(v.controller_count(), 3);
+    for t in s.all() {
+        assert_eq!(host_controllers(t), 1);
+    }
+    assert!(v.health().is_healthy(), "{:?}", v.health());
+
+    let mut model = vec![0u8; new_size as usize];
+    for &(off, len, seed) in &seen.written {
+        model[off as usize..(off + len) as usize].copy_from_slice(&pattern(seed, len as usize));
+    }
+    // The new region, in pieces and across the old end.
+    write(&v, &mut model, old_size, new_size - old_size, 91, false);
+    write(&v, &mut model, across, 40 * K, 92, true);
+    write(&v, &mut model, new_size - 20 * K, 20 * K, 93, false);
+    read_check(&v, &model, 0, new_size);
+    let (r, _) = block_on(v.read(new_size - 4 * K, vec![0; 8 * K as usize]));
+    assert!(
+        matches!(r, Err(IoError::Invalid(_))),
+        "past the new end: {r:?}"
+    );
+    v.close().unwrap();
+    // Every byte on every copy, the new rows included.
+    check_placement(&s, &model);
+}
+
+#[test]
+fn a_grow_onto_a_new_target_connects_it_through_the_shared_connections() {
+    // RAID1 over three targets: row 0 sits on targets 0 and 1, row 1 on
+    // 1 and 2, row 2 on 2 and 0.
+    let mut s = setup(3, LayoutBody::Raid1 { copies: 2 }, MIB, "ram:1M");
+    let shared = nvpool_initiator::volume::Connections::new();
+    let o = VolumeOptions {
+        connections: Some(shared.clone()),
+        ..opts()
+    };
+    let v = Volume::open(&s.plan, o).unwrap();
+    assert_eq!((v.controller_count(), shared.controller_count()), (2, 2));
+    assert_eq!(s.host_controllers(2), 0);
+    let mut model = vec![0u8; 3 * MIB as usize];
+    write(&v, &mut model, 0, MIB, 61, false);
+
+    let grown = s.grow(3 * MIB, 512);
+    assert!(v.grow(&grown).unwrap());
+    assert_eq!((v.controller_count(), shared.controller_count()), (3, 3));
+    for t in 0..3 {
+        assert_eq!(s.host_controllers(t), 1, "controllers on target {t}");
+    }
+    write(&v, &mut model, MIB - 4 * K, 2 * MIB + 4 * K, 62, true);
+    read_check(&v, &model, 0, 3 * MIB);
+    // A volume opened later with the same connections finds them.
+    let again = Volume::open(
+        &grown,
+        VolumeOptions {
+            connections: Some(shared.clone()),
+            ..opts()
+        },
+    )
+    .unwrap();
+    assert_eq!(shared.controller_count(), 3);
+    read_check(&again, &model, 0, 3 * MIB);
+    again.close().unwrap();
+    v.close().unwrap();
+    check_placement(&s, &model);
+}
+
+#[test]
+fn a_grow_that_does_not_fit_the_volume_is_refused_and_changes_nothing() {
+    let mut s = setup(2, LayoutBody::Raid1 { copies: 2 }, 2 * MIB, "ram:1M");
+    let v = Volume::open(&s.plan, opts()).unwrap();
+    let mut model = vec![0u8; 4 * MIB as usize];
+    write(&v, &mut model, 0, 2 * MIB, 71, false);
+    assert!(!v.grow(&s.plan).unwrap(), "the same size");
+
+    let old = s.plan.clone();
+    let grown = s.grow(4 * MIB, 512);
+    let refused = |plan: &nvpool_control::plan::ConnectionPlan, what: &str, says: &str| {
+        match v.grow(plan) {
+            Err(Error::Invalid(m)) => assert!(m.contains(says), "{what}: {m}"),
+            other => panic!("{what}: {other:?}"),
+        }
+        assert_eq!(v.size(), 2 * MIB, "{what}");
+        assert_eq!(*v.plan(), old, "{what}");
+        let (r, _) = block_on(v.read(2 * MIB, vec![0; 4096]));
+        assert!(matches!(r, Err(IoError::Invalid(_))), "{what}: {r:?}");
+        assert_eq!(v.controller_count(), 2, "{what}");
+        assert!(v.health().is_healthy(), "{what}");
+        read_check(&v, &model, 0, 2 * MIB);
+    };
+
+    // An existing extent elsewhere: copy 1 of row 0 swapped with copy 1
+    // of the new row 2 (both on target 1), or row 1's copies swapped
+    // between the targets.
+    let mut moved = grown.clone();
+    moved.extents[1].nsid = grown.extents[5].nsid;
+    moved.extents[5].nsid = grown.extents[1].nsid;
+    refused(&moved, "a changed namespace", "extent 1");
+    let mut moved = grown.clone();
+    moved.extents[2].addr = grown.extents[3].addr;
+    moved.extents[3].addr = grown.extents[2].addr;
+    refused(&moved, "an extent on another target", "extent 2");
+    // Smaller: one row left.
+    let mut smaller = old.clone();
+    smaller.size_bytes = MIB;
+    smaller.extents.truncate(2);
+    refused(&smaller, "a shrink", "never shrinks");
+    // Not this volume, or not the same shape.
+    let mut other = grown.clone();
+    other.volume = Uuid([9; 16]);
+    refused(&other, "another volume", "volume");
+    let mut other = grown.clone();
+    other.block_bytes = 512;
+    refused(&other, "another block size", "blocks");
+    // Striped over two members: as many extents, in another order.
+    let mut other = grown.clone();
+    other.layout = LayoutBody::Raid10 {
+        stripe_bytes: 64 * K,
+        width: 2,
+        copies: 2,
+    };
+    for (i, e) in other.extents.iter_mut().enumerate() {
+        (e.row, e.member) = ((i / 4) as u32, (i / 2 % 2) as u32);
+    }
+    other.validate().unwrap();
+    refused(&other, "another layout", "layout");
+    let mut other = grown.clone();
+    other.extents.pop();
+    refused(&other, "a plan that does not validate", "connection plan");
+    // A new extent that is not there: nothing connected stays.
+    let mut missing = grown.clone();
+    missing.extents[5].nsid = 77;
+    assert!(
+        v.grow(&missing).is_err(),
+        "a new namespace that is not there"
+    );
+    assert_eq!(v.size(), 2 * MIB);
+    for t in 0..2 {
+        assert_eq!(s.host_controllers(t), 1);
+    }
+
+    // The real thing still works, once.
+    assert!(v.grow(&grown).unwrap());
+    assert!(!v.grow(&grown).unwrap(), "the same size again");
+    assert_eq!(v.size(), 4 * MIB);
+    write(&v, &mut model, 2 * MIB, 2 * MIB, 72, false);
+    read_check(&v, &model, 0, 4 * MIB);
+    v.close().unwrap();
+    check_placement(&s, &model);
+}
+
+#[test]
+fn a_grow_within_the_last_row_adds_no_extent() {
+    let mut s = setup(1, LayoutBody::Concat, 512 * K, "ram:1M");
+    let v = Volume::open(&s.plan, opts()).unwrap();
+    let mut model = vec![0u8; MIB as usize];
+    write(&v, &mut model, 0, 512 * K, 81, false);
+    let grown = s.grow(MIB, 512);
+    assert_eq!(grown.extents.len(), 1);
+    assert!(v.grow(&grown).unwrap());
+    assert_eq!(v.size(), MIB);
+    assert_eq!(v.controller_count(), 1);
+    write(&v, &mut model, 512 * K - 4 * K, 516 * K, 82, true);
+    read_check(&v, &model, 0, MIB);
+    v.close().unwrap();
+    assert_same(&s.read_copy(0, 0, MIB), &model, "the one extent");
+}

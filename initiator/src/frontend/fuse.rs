@@ -26,6 +26,19 @@
 //! `PUNCH_HOLE`, so a punch becomes Write Zeroes with deallocation allowed,
 //! never a bare discard whose contents would be unspecified.
 //!
+//! # When the device grows
+//!
+//! The file's size is the device's whenever the kernel asks (GETATTR,
+//! LOOKUP), but the kernel caches it for a minute (`ATTR_TTL`), and the
+//! loop device keeps the size it computed when it was bound.
+//! [`FuseLoop::resize`] (after the device grew: a volume grown online)
+//! tells the kernel to drop the file's cached attributes
+//! (`FUSE_NOTIFY_INVAL_INODE` for the attributes only), stats the file so
+//! the kernel asks again and takes the new size, then has the loop device
+//! re-read its file's size (`LOOP_SET_CAPACITY`), all while mounted. The
+//! stat matters: the loop driver reads the size the kernel holds for the
+//! file, and FUSE direct I/O stops reads at it too.
+//!
 //! # When the serving process dies
 //!
 //! The kernel aborts the FUSE connection when the last `/dev/fuse`
@@ -58,7 +71,8 @@ pub use super::loopdev::{attach_loop, attach_loop_with, LoopDevice, LoopError, L
 
 const ROOT: INodeNo = INodeNo(1);
 const FILE: INodeNo = INodeNo(2);
-/// Attributes never change while mounted; let the kernel cache them.
+/// Attributes change only when the device grows, and then
+/// [`FuseLoop::resize`] tells the kernel: let it cache them.
 const ATTR_TTL: Duration = Duration::from_secs(60);
 /// Largest READ/WRITE the kernel sends (needs FUSE_MAX_PAGES: 256 pages is
 /// the kernel's default page limit, so 1 MiB is the most it grants).
@@ -125,6 +139,14 @@ pub enum FuseError {
     Busy { path: PathBuf },
     #[error("loop device")]
     Loop(#[from] LoopError),
+    #[error("cannot refresh the size of {path}")]
+    Refresh {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the FUSE device is closed")]
+    Closed,
 }
 
 /// The filesystem served to the kernel.
@@ -552,6 +574,25 @@ impl FuseMount {
         &self.mountpoint
     }
 
+    /// Blocking; call it from a control thread, never from one serving
+    /// FUSE requests (the kernel asks this filesystem for the file's
+    /// attributes meanwhile).
+    ///
+    /// Makes the kernel take the file's size afresh (after the device
+    /// grew): drops its cached attributes of the file (attributes only: the
+    /// file has no page cache with FOPEN_DIRECT_IO) and stats it, which
+    /// has the kernel ask for them. Returns the size it now has.
+    pub fn refresh_size(&self) -> Result<u64, FuseError> {
+        let session = self.session.as_ref().ok_or(FuseError::Closed)?;
+        let err = |source| FuseError::Refresh {
+            path: self.file.clone(),
+            source,
+        };
+        // An offset below zero invalidates the attributes and no data.
+        session.notifier().inval_inode(FILE, -1, 0).map_err(err)?;
+        Ok(std::fs::metadata(&self.file).map_err(err)?.len())
+    }
+
     /// The volume's file.
     pub fn file_path(&self) -> &Path {
         &self.file
@@ -708,6 +749,26 @@ impl FuseLoop {
     /// After a successful [`FuseLoop::close`].
     pub fn mount(&self) -> &FuseMount {
         self.mount.as_ref().expect("FuseLoop used after close")
+    }
+
+    /// Blocking; call it from a control thread (see
+    /// [`FuseMount::refresh_size`]).
+    ///
+    /// Shows the device's size now on the loop device, online, after the
+    /// device grew (a volume grown with [`crate::Volume::grow`]): the
+    /// kernel takes the FUSE file's new size, then the loop device follows
+    /// it (`LOOP_SET_CAPACITY`), which udev and a mounted filesystem's
+    /// resize tools see. Returns the loop device's size read back
+    /// (`BLKGETSIZE64`).
+    pub fn resize(&self) -> Result<u64, FuseError> {
+        let (Some(dev), Some(m)) = (&self.dev, &self.mount) else {
+            return Err(FuseError::Closed);
+        };
+        let file = m.refresh_size()?;
+        let bytes = dev.set_capacity()?;
+        tracing::info!(device = %dev.path().display(), file_bytes = file, bytes,
+            "loop device resized");
+        Ok(bytes)
     }
 
     /// Detaches the loop device, then unmounts FUSE and waits for every

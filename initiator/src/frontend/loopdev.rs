@@ -8,7 +8,8 @@
 //! loop device frees itself as soon as nobody (a mounted filesystem, an
 //! application) holds it. [`LoopDevice::detach`] refuses while the device
 //! is claimed exclusively (mounted) and otherwise unbinds it and waits for
-//! the kernel to finish.
+//! the kernel to finish. [`LoopDevice::set_capacity`] makes a bound
+//! device follow its file when the file grew (`LOOP_SET_CAPACITY`).
 
 use std::ffi::CString;
 use std::fs::OpenOptions;
@@ -21,9 +22,14 @@ use std::time::{Duration, Instant};
 
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
 const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
+const LOOP_SET_CAPACITY: libc::c_ulong = 0x4C07;
 const LOOP_SET_DIRECT_IO: libc::c_ulong = 0x4C08;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+/// `BLKGETSIZE64` of `<linux/fs.h>`: `_IOR(0x12, 114, size_t)`.
+const BLKGETSIZE64: libc::c_ulong =
+    (2 << 30) | ((std::mem::size_of::<usize>() as libc::c_ulong) << 16) | (0x12 << 8) | 114;
+const _: () = assert!(std::mem::size_of::<usize>() != 8 || BLKGETSIZE64 == 0x8008_1272);
 
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
@@ -296,6 +302,34 @@ impl LoopDevice {
         // SAFETY: closing the descriptor opened just above.
         unsafe { libc::close(fd) };
         false
+    }
+
+    /// The device's size in bytes (`BLKGETSIZE64`).
+    pub fn size(&self) -> Result<u64, LoopError> {
+        let fd = self.fd()?;
+        let mut bytes: u64 = 0;
+        ioctl(fd, BLKGETSIZE64, &mut bytes as *mut u64 as libc::c_ulong)
+            .map_err(io_err("BLKGETSIZE64", &self.path))?;
+        Ok(bytes)
+    }
+
+    /// Makes the device as large as its backing file is now
+    /// (`LOOP_SET_CAPACITY`: the kernel reads the file's size, sets the
+    /// capacity and tells udev) and returns its size in bytes, read back.
+    /// Works while the device is mounted; the file must have grown in the
+    /// kernel's eyes (its inode's size), not only in its filesystem's.
+    pub fn set_capacity(&self) -> Result<u64, LoopError> {
+        ioctl(self.fd()?, LOOP_SET_CAPACITY, 0).map_err(io_err("LOOP_SET_CAPACITY", &self.path))?;
+        self.size()
+    }
+
+    /// The open device; only a handle in teardown has none.
+    fn fd(&self) -> Result<&OwnedFd, LoopError> {
+        self.fd.as_ref().ok_or_else(|| LoopError::Io {
+            op: "using",
+            path: self.path.clone(),
+            source: io::Error::from_raw_os_error(libc::ENXIO),
+        })
     }
 
     fn bound(&self) -> bool {

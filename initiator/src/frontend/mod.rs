@@ -48,3 +48,19 @@ pub fn errno(e: &IoError) -> i32 {
         IoError::Status(_) | IoError::ControllerLost | IoError::Digest => libc::EIO,
     }
 }
+
+/// The size in bytes of block device `name` (`nbd0`, `ublkb1`) as the
+/// block layer has it (sysfs counts 512-byte sectors whatever the block
+/// size).
+pub(crate) fn disk_bytes(name: &str) -> std::io::Result<u64> {
+    let s = std::fs::read_to_string(format!("/sys/block/{name}/size"))?;
+    let sectors: u64 = s.trim().parse().map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("size {:?}", s.trim()),
+        )
+    })?;
+    sectors
+        .checked_mul(512)
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidData, "size overflows"))
+}

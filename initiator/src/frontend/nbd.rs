@@ -33,6 +33,13 @@
 //! `NBD_OPT_GO`) must respect them and gets EINVAL otherwise; one that did
 //! not (`NBD_OPT_EXPORT_NAME`, or GO without the request) may send any
 //! alignment, served by read-modify-write.
+//!
+//! The export's size is the device's at the time: a handshake announces
+//! it as it is then, and a request is inside the export when it ends
+//! within the device as it is when the request arrives. A device that
+//! grows while served (a volume grown online) serves its new bytes at
+//! once, to clients that learn the new size (a new handshake, or the
+//! kernel told by [`kernel::KernelNbd::resize`]).
 
 pub mod kernel;
 
@@ -291,10 +298,10 @@ fn write_two(w: &mut Sock, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// What the export looks like to clients.
+/// What the export looks like to clients besides its size, which is the
+/// device's at the time asked (a volume may grow while served).
 #[derive(Debug, Clone, Copy)]
 struct Export {
-    size: u64,
     flags: u16,
     min_block: u32,
     preferred_block: u32,
@@ -321,7 +328,6 @@ impl Export {
             flags |= FLAG_READ_ONLY;
         }
         Export {
-            size: dev.size(),
             flags,
             min_block: min,
             preferred_block: preferred,
@@ -794,7 +800,7 @@ fn handshake(
                     return Ok(None);
                 }
                 let mut b = [0u8; 10 + 124];
-                b[0..8].copy_from_slice(&ex.size.to_be_bytes());
+                b[0..8].copy_from_slice(&shared.span.size().to_be_bytes());
                 b[8..10].copy_from_slice(&ex.flags.to_be_bytes());
                 let n = if no_zeroes { 10 } else { b.len() };
                 w.write_all(&b[..n])?;
@@ -830,7 +836,7 @@ fn handshake(
                 }
                 let mut e = [0u8; 12];
                 e[0..2].copy_from_slice(&INFO_EXPORT.to_be_bytes());
-                e[2..10].copy_from_slice(&ex.size.to_be_bytes());
+                e[2..10].copy_from_slice(&shared.span.size().to_be_bytes());
                 e[10..12].copy_from_slice(&ex.flags.to_be_bytes());
                 opt_reply(w, opt, REP_INFO, &e)?;
                 // Sent even when not asked: the client may ignore it.
@@ -990,7 +996,6 @@ fn read_requests(
     flight: &Arc<InFlight>,
     neg: Negotiated,
 ) -> io::Result<()> {
-    let ex = shared.export;
     let span = &shared.span;
     loop {
         let mut h = [0u8; REQUEST_BYTES];
@@ -1014,7 +1019,7 @@ fn read_requests(
             return Ok(());
         }
         let end = offset.checked_add(len as u64);
-        let inside = end.is_some_and(|e| e <= ex.size);
+        let inside = end.is_some_and(|e| e <= span.size());
         let misaligned = neg.strict_blocks && !span.is_aligned(offset, len as u64);
         let fua = flags & CMD_FLAG_FUA != 0;
         match cmd {

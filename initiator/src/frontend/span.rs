@@ -29,7 +29,6 @@ struct Locks {
 pub(crate) struct Span {
     dev: Arc<dyn BlockDev>,
     bs: u64,
-    size: u64,
     locks: Mutex<Locks>,
     pub(crate) pool: BufPool,
 }
@@ -38,7 +37,7 @@ impl std::fmt::Debug for Span {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Span")
             .field("block_size", &self.bs)
-            .field("size", &self.size)
+            .field("size", &self.size())
             .finish()
     }
 }
@@ -69,11 +68,9 @@ impl Span {
             bs.is_power_of_two() && bs >= 512,
             "BlockDev block size must be a power of two ≥ 512"
         );
-        let size = dev.size();
         Span {
             dev,
             bs,
-            size,
             locks: Mutex::new(Locks::default()),
             pool: BufPool::default(),
         }
@@ -87,8 +84,10 @@ impl Span {
         self.bs
     }
 
+    /// The device's size now: it may grow while served (a volume grown
+    /// online), and front-ends check ranges against it.
     pub(crate) fn size(&self) -> u64 {
-        self.size
+        self.dev.size()
     }
 
     pub(crate) fn is_aligned(&self, offset: u64, len: u64) -> bool {

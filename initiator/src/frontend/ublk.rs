@@ -45,6 +45,15 @@
 //! recovers the device — no data loss across an initiator restart, but a
 //! dead initiator would hang every I/O until someone acts; not chosen yet.
 //!
+//! Growing. Requests are served up to the [`BlockDev`]'s size when they
+//! arrive, so a device that grew (a volume grown online) serves its new
+//! bytes at once; [`UblkDevice::resize`] tells the kernel with
+//! `UBLK_U_CMD_UPDATE_SIZE` (`_IOWR('u', 0x15, struct ublksrv_ctrl_cmd)`,
+//! data[0] = 512-byte sectors), which drivers that report
+//! `UBLK_F_UPDATE_SIZE` (bit 10) in GET_FEATURES handle: Linux 6.16 and
+//! later. Older drivers do not know the command, and `resize` says so
+//! without sending it: the device must be detached and attached again.
+//!
 //! Known gap: if a queue thread fails to set up (no memory for its ring),
 //! START_DEV waits for it forever and [`UblkDevice::start`] does not return.
 
@@ -123,6 +132,12 @@ pub enum Error {
     Panicked,
     #[error("flush when stopping the ublk device failed: {0}")]
     Flush(IoError),
+    /// The driver lacks `UBLK_F_UPDATE_SIZE` (see the module docs).
+    #[error(
+        "this kernel's ublk cannot resize a live device (needs UBLK_F_UPDATE_SIZE, Linux \
+         6.16+); detach and attach again"
+    )]
+    ResizeUnsupported,
 }
 
 impl Error {
@@ -147,6 +162,9 @@ pub struct UblkOptions {
     pub queue_depth: u16,
     /// Where created devices are recorded for [`cleanup_stale`].
     pub runtime_dir: PathBuf,
+    /// The device id to ask for (`/dev/ublkbN`: the name the device had
+    /// before a restart); a taken one gets the next free id instead.
+    pub id: Option<u32>,
 }
 
 impl Default for UblkOptions {
@@ -155,6 +173,7 @@ impl Default for UblkOptions {
             queues: None,
             queue_depth: QUEUE_DEPTH_DEFAULT,
             runtime_dir: PathBuf::from(RUNTIME_DIR_DEFAULT),
+            id: None,
         }
     }
 }
@@ -195,11 +214,22 @@ fn parse_kernel_version(release: &str) -> Option<(u32, u32)> {
 /// A block device served through ublk until [`UblkDevice::stop`] (or until
 /// someone else stops or deletes it: [`UblkDevice::wait`]). Dropping it
 /// stops it.
-#[derive(Debug)]
 pub struct UblkDevice {
     id: u32,
     path: PathBuf,
+    /// What the device serves, for [`UblkDevice::resize`]'s checks.
+    dev: Arc<dyn BlockDev>,
     thread: Option<JoinHandle<Result<(), Error>>>,
+}
+
+impl std::fmt::Debug for UblkDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UblkDevice")
+            .field("id", &self.id)
+            .field("path", &self.path)
+            .field("serving", &self.thread.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 enum Progress {
@@ -225,9 +255,11 @@ impl UblkDevice {
         }
         let (tx, rx) = mpsc::sync_channel(2);
         let dir = opts.runtime_dir;
+        let want = opts.id;
+        let served = dev.clone();
         let thread = std::thread::Builder::new()
             .name("ublk-ctrl".into())
-            .spawn(move || serve(dev, geo, dir, tx))
+            .spawn(move || serve(served, geo, want, dir, tx))
             .map_err(|source| Error::Io {
                 what: "spawning the ublk control thread".into(),
                 source,
@@ -251,6 +283,7 @@ impl UblkDevice {
         Ok(UblkDevice {
             id,
             path: PathBuf::from(format!("/dev/ublkb{id}")),
+            dev,
             thread: Some(thread),
         })
     }
@@ -263,6 +296,49 @@ impl UblkDevice {
     /// The block device, `/dev/ublkbN`.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Blocking (control commands); call it from a control thread.
+    ///
+    /// Shows `bytes` as the device's size on `/dev/ublkbN` while it is
+    /// served (and mounted), after the [`BlockDev`] grew (a volume grown
+    /// online): `UBLK_U_CMD_UPDATE_SIZE`, which sets the disk's capacity
+    /// and tells udev. `bytes` must be a multiple of the block size, no
+    /// more than the device's size (the kernel would send requests past
+    /// its end) and no less than the disk's (a mounted filesystem must not
+    /// lose its end). Returns the disk's size read back.
+    ///
+    /// [`Error::ResizeUnsupported`] when the driver lacks
+    /// `UBLK_F_UPDATE_SIZE` (Linux before 6.16, as GET_FEATURES reports
+    /// it): the command is then not sent at all.
+    pub fn resize(&self, bytes: u64) -> Result<u64, Error> {
+        let id =
+            i32::try_from(self.id).map_err(|_| Error::Invalid(format!("device id {}", self.id)))?;
+        let ctrl = UblkCtrl::new_simple(id).map_err(|e| Error::ublk("opening the device", e))?;
+        can_update_size(ctrl.get_driver_features())?;
+        let name = format!("ublkb{}", self.id);
+        let disk = super::disk_bytes(&name).map_err(|source| Error::Io {
+            what: format!("reading the size of /dev/{name}"),
+            source,
+        })?;
+        let bs = self.dev.block_size();
+        check_resize(bs, disk, bytes, self.dev.size())?;
+        if bytes == disk {
+            return Ok(disk);
+        }
+        ctrl.update_size(bytes)
+            .map_err(|e| Error::ublk("resizing the device", e))?;
+        let now = super::disk_bytes(&name).map_err(|source| Error::Io {
+            what: format!("reading the size of /dev/{name}"),
+            source,
+        })?;
+        tracing::info!(
+            id = self.id,
+            from = disk,
+            bytes = now,
+            "ublk device resized"
+        );
+        Ok(now)
     }
 
     /// Stops the device (the kernel first writes back what it caches),
@@ -326,19 +402,29 @@ impl Drop for UblkDevice {
 fn serve(
     dev: Arc<dyn BlockDev>,
     geo: Geometry,
+    want: Option<u32>,
     dir: PathBuf,
     tx: mpsc::SyncSender<Progress>,
 ) -> Result<(), Error> {
-    let ctrl = UblkCtrlBuilder::default()
-        .name("nvpool")
-        .id(-1)
-        .nr_queues(geo.queues)
-        .depth(geo.depth)
-        .io_buf_bytes(geo.buf_bytes)
-        .ctrl_flags(0)
-        .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
-        .build()
-        .map_err(|e| Error::ublk("adding the device", e))?;
+    let add = |id: i32| {
+        UblkCtrlBuilder::default()
+            .name("nvpool")
+            .id(id)
+            .nr_queues(geo.queues)
+            .depth(geo.depth)
+            .io_buf_bytes(geo.buf_bytes)
+            .ctrl_flags(0)
+            .dev_flags(UblkFlags::UBLK_DEV_F_ADD_DEV)
+            .build()
+    };
+    let ctrl = match want.and_then(|i| i32::try_from(i).ok()) {
+        Some(id) => add(id).or_else(|e| {
+            tracing::info!(id, error = %e, "the former ublk id is taken; taking a free one");
+            add(-1)
+        }),
+        None => add(-1),
+    }
+    .map_err(|e| Error::ublk("adding the device", e))?;
     let id = ctrl.dev_info().dev_id;
     if let Err(e) = write_record(&dir, id) {
         tracing::warn!(id, "recording ublk device in {}: {e}", dir.display());
@@ -947,6 +1033,36 @@ async fn serve_tag(
     }
 }
 
+/// Whether a driver with `features` (GET_FEATURES; `None`: a driver from
+/// before Linux 6.5, which has no GET_FEATURES) can resize a live device.
+fn can_update_size(features: Option<u64>) -> Result<(), Error> {
+    match features {
+        Some(f) if f & sys::UBLK_F_UPDATE_SIZE as u64 != 0 => Ok(()),
+        _ => Err(Error::ResizeUnsupported),
+    }
+}
+
+/// Whether a disk of `disk` bytes in `bs`-byte blocks may become `bytes`,
+/// serving a device of `dev_size` bytes.
+fn check_resize(bs: u32, disk: u64, bytes: u64, dev_size: u64) -> Result<(), Error> {
+    if bytes == 0 || !bytes.is_multiple_of(u64::from(bs)) {
+        return Err(Error::Invalid(format!(
+            "size {bytes} is not a positive multiple of the block size {bs}"
+        )));
+    }
+    if bytes > dev_size {
+        return Err(Error::Invalid(format!(
+            "size {bytes}: the device has {dev_size} bytes"
+        )));
+    }
+    if bytes < disk {
+        return Err(Error::Invalid(format!(
+            "size {bytes}: the disk has {disk} bytes and does not shrink"
+        )));
+    }
+    Ok(())
+}
+
 /// The kernel's result for an operation without data.
 fn done(r: Result<(), IoError>) -> i32 {
     r.map_or_else(|e| -errno(&e), |()| 0)
@@ -967,7 +1083,8 @@ async fn serve_request(
     }
     let offset = iod.start_sector << SECTOR_SHIFT;
     let len = u64::from(iod.nr_sectors) << SECTOR_SHIFT;
-    if offset.checked_add(len).is_none_or(|end| end > geo.size) {
+    // The device's size now, not at start: it may have grown since.
+    if offset.checked_add(len).is_none_or(|end| end > dev.size()) {
         return (-libc::EINVAL, buf);
     }
     let moved = |r: Result<(), IoError>| match r {
@@ -1148,6 +1265,65 @@ mod tests {
             buf,
         ));
         assert_eq!(r, -libc::EINVAL);
+    }
+
+    #[test]
+    fn requests_are_served_up_to_the_device_size_now() {
+        let small = Fake {
+            size: 1 << 20,
+            ..fake(512, 0, 1 << 20)
+        };
+        let g = Geometry::new(&small, &opts(1)).unwrap();
+        let grown = Fake {
+            size: 2 << 20,
+            ..fake(512, 0, 1 << 20)
+        };
+        let at_old_end = sys::ublksrv_io_desc {
+            op_flags: sys::UBLK_IO_OP_READ,
+            nr_sectors: 8,
+            start_sector: (1 << 20) >> 9,
+            addr: 0,
+        };
+        let buf = Vec::with_capacity(g.buf_bytes as usize);
+        let (r, buf) = block_on(serve_request(&small, g, &at_old_end, buf));
+        assert_eq!(r, -libc::EINVAL);
+        let (r, _) = block_on(serve_request(&grown, g, &at_old_end, buf));
+        assert_eq!(r, 4096, "served once the device grew");
+    }
+
+    #[test]
+    fn resizing_needs_update_size_and_only_grows_within_the_device() {
+        // The command and flag as Linux's include/uapi/linux/ublk_cmd.h
+        // has them: _IOWR('u', 0x15, struct ublksrv_ctrl_cmd), bit 10.
+        let ctrl_cmd = std::mem::size_of::<sys::ublksrv_ctrl_cmd>() as u32;
+        assert_eq!(ctrl_cmd, 32);
+        let iowr = (3u32 << 30) | (ctrl_cmd << 16) | (u32::from(b'u') << 8) | 0x15;
+        assert_eq!(sys::UBLK_U_CMD_UPDATE_SIZE, iowr);
+        assert_eq!(sys::UBLK_F_UPDATE_SIZE as u64, 1 << 10);
+
+        let mib = 1u64 << 20;
+        let has = Some(sys::UBLK_F_UPDATE_SIZE as u64 | sys::UBLK_F_USER_COPY as u64);
+        for features in [None, Some(0), Some(sys::UBLK_F_USER_COPY as u64)] {
+            let e = can_update_size(features).unwrap_err();
+            assert!(matches!(e, Error::ResizeUnsupported), "{e:?}");
+            let m = e.to_string();
+            assert!(
+                m.contains("UBLK_F_UPDATE_SIZE, Linux 6.16+") && m.contains("detach and attach"),
+                "{m}"
+            );
+        }
+        can_update_size(has).unwrap();
+        check_resize(4096, mib, 2 * mib, 2 * mib).unwrap();
+        check_resize(4096, mib, mib, 2 * mib).unwrap();
+        for (bytes, what) in [
+            (2 * mib + 512, "not whole blocks"),
+            (3 * mib, "past the device"),
+            (mib / 2, "a shrink"),
+            (0, "nothing"),
+        ] {
+            let e = check_resize(4096, mib, bytes, 2 * mib).unwrap_err();
+            assert!(matches!(e, Error::Invalid(_)), "{what}: {e:?}");
+        }
     }
 
     #[test]

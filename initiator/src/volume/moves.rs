@@ -75,7 +75,7 @@
 //! failure on a handle that is no longer the slot's (the old copy, leaving
 //! since) fails nothing: `fail_extent` compares handles.
 
-use super::{lock, CopyState, Mark, Volume, SYNC_DRAIN_TIMEOUT};
+use super::{lock, CopyState, Mark, Table, Volume, SYNC_DRAIN_TIMEOUT};
 use crate::device::Device;
 use crate::error::{Error, IoError};
 use arc_swap::ArcSwapOption;
@@ -187,7 +187,7 @@ impl GroupMoves {
 }
 
 /// Same target, subsystem and namespace: the same copy.
-fn same_place(a: &PlanExtent, b: &PlanExtent) -> bool {
+pub(super) fn same_place(a: &PlanExtent, b: &PlanExtent) -> bool {
     (a.addr, &a.subsystem_nqn, a.nsid) == (b.addr, &b.subsystem_nqn, b.nsid)
 }
 
@@ -230,19 +230,20 @@ impl Volume {
     /// the incoming copy strays before the drain ends the call fails and
     /// [`Volume::move_failed`] says so.
     pub fn begin_move(&self, index: usize, dest: &PlanExtent) -> Result<(), Error> {
-        let Some(x) = self.extents.get(index) else {
-            return Err(self.not_in_plan(index));
+        let t = self.table();
+        let Some(x) = t.extents.get(index) else {
+            return Err(self.not_in_plan(&t, index));
         };
-        check_dest(&self.plan.name, index, &self.plan.extents[index], dest)?;
+        check_dest(&t.plan.name, index, &t.plan.extents[index], dest)?;
         if same_place(&x.location.load(), dest) {
             return Err(Error::Invalid(format!(
                 "{}: extent {index} is at {} {} namespace {} already",
-                self.plan.name, dest.addr, dest.subsystem_nqn, dest.nsid
+                t.plan.name, dest.addr, dest.subsystem_nqn, dest.nsid
             )));
         }
         let _one = lock(&self.syncing);
         self.release_lost_controllers();
-        let g = &self.moves[index / self.copies];
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         let incoming = match g.get(c).incoming {
             Some(i) if i.dest == *dest => i,
@@ -262,7 +263,7 @@ impl Volume {
             }
         };
         tracing::info!(
-            volume = %self.plan.name,
+            volume = %t.plan.name,
             extent = index,
             target = %dest.target,
             addr = %dest.addr,
@@ -271,7 +272,7 @@ impl Volume {
         );
         if !self.drain.wait(SYNC_DRAIN_TIMEOUT) {
             return Err(Error::Timeout {
-                addr: format!("volume {} extent {index}", self.plan.name),
+                addr: format!("volume {} extent {index}", t.plan.name),
                 what: "the writes issued before the move began",
             });
         }
@@ -279,7 +280,7 @@ impl Volume {
         if x.move_failed.load(Ordering::SeqCst) {
             return Err(Error::Invalid(format!(
                 "{}: the destination of extent {index} failed while its move began",
-                self.plan.name
+                t.plan.name
             )));
         }
         incoming.drained.store(true, Ordering::SeqCst);
@@ -300,12 +301,13 @@ impl Volume {
     /// interleaves with the switch, writes both the old copy and the
     /// destination (see the module docs).
     pub fn switch_move(&self, index: usize) -> Result<(), Error> {
-        let Some(x) = self.extents.get(index) else {
-            return Err(self.not_in_plan(index));
+        let t = self.table();
+        let Some(x) = t.extents.get(index) else {
+            return Err(self.not_in_plan(&t, index));
         };
         // begin_sync leaves Failed too: one of them at a time.
         let _one = lock(&self.syncing);
-        let g = &self.moves[index / self.copies];
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         let _m = lock(&g.edit);
         let incoming = match g.get(c).incoming {
@@ -314,7 +316,7 @@ impl Volume {
                 return Err(Error::Invalid(format!(
                     "{}: the move of extent {index} has not begun (begin_move did not \
                      complete)",
-                    self.plan.name
+                    t.plan.name
                 )))
             }
             None => {
@@ -325,7 +327,7 @@ impl Volume {
                 };
                 return Err(Error::Invalid(format!(
                     "{}: extent {index} cannot switch: {why}",
-                    self.plan.name
+                    t.plan.name
                 )));
             }
         };
@@ -357,7 +359,7 @@ impl Volume {
             },
         );
         tracing::info!(
-            volume = %self.plan.name,
+            volume = %t.plan.name,
             extent = index,
             target = %incoming.dest.target,
             addr = %incoming.dest.addr,
@@ -372,16 +374,17 @@ impl Volume {
     /// more (mutations already issued may still reach it). No-op when there
     /// is none or for an index outside the plan.
     pub fn end_move(&self, index: usize) {
-        if index >= self.extents.len() {
+        let t = self.table();
+        if index >= t.extents.len() {
             return;
         }
-        let g = &self.moves[index / self.copies];
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         let _m = lock(&g.edit);
         let mut s = g.get(c);
         if s.leaving.take().is_some() {
             g.set(self.copies, c, s);
-            tracing::info!(volume = %self.plan.name, extent = index, "extent copy move ended");
+            tracing::info!(volume = %t.plan.name, extent = index, "extent copy move ended");
         }
     }
 
@@ -390,17 +393,18 @@ impl Volume {
     /// still reach it), and [`Volume::move_failed`] is false again. No-op
     /// when there is none or for an index outside the plan.
     pub fn abort_move(&self, index: usize) {
-        let Some(x) = self.extents.get(index) else {
+        let t = self.table();
+        let Some(x) = t.extents.get(index) else {
             return;
         };
-        let g = &self.moves[index / self.copies];
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         let _m = lock(&g.edit);
         x.move_failed.store(false, Ordering::SeqCst);
         let mut s = g.get(c);
         if s.incoming.take().is_some() {
             g.set(self.copies, c, s);
-            tracing::info!(volume = %self.plan.name, extent = index, "extent copy move aborted");
+            tracing::info!(volume = %t.plan.name, extent = index, "extent copy move aborted");
         }
     }
 
@@ -409,7 +413,9 @@ impl Volume {
     /// [`Volume::begin_move`] or [`Volume::abort_move`] of the slot. False
     /// for an index outside the plan.
     pub fn move_failed(&self, index: usize) -> bool {
-        self.extents
+        self.table
+            .load()
+            .extents
             .get(index)
             .is_some_and(|x| x.move_failed.load(Ordering::SeqCst))
     }
@@ -421,16 +427,16 @@ impl Volume {
     /// # Panics
     /// If `index` is not an extent of the plan.
     pub fn extent_location(&self, index: usize) -> PlanExtent {
-        (**self.extents[index].location.load()).clone()
+        (**self.table.load().extents[index].location.load()).clone()
     }
 
-    /// Slots with an incoming copy, ascending.
-    pub(super) fn moving_extents(&self) -> Vec<usize> {
-        self.moves
+    /// Slots of `t` with an incoming copy, ascending.
+    pub(super) fn moving_extents(&self, t: &Table) -> Vec<usize> {
+        t.groups
             .iter()
             .enumerate()
-            .flat_map(|(g, m)| {
-                let s = m.shadow.load_full();
+            .flat_map(|(g, group)| {
+                let s = group.moves.shadow.load_full();
                 (0..self.copies).filter_map(move |c| {
                     let s = s.as_deref()?;
                     s.slots[c].incoming.as_ref().map(|_| g * self.copies + c)
@@ -450,8 +456,9 @@ impl Volume {
         error: &IoError,
         mark: Mark,
     ) {
-        let x = &self.extents[index];
-        let g = &self.moves[index / self.copies];
+        let t = self.table();
+        let x = &t.extents[index];
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         {
             let _m = lock(&g.edit);
@@ -464,7 +471,7 @@ impl Volume {
                 x.move_failed.store(true, Ordering::SeqCst);
                 g.set(self.copies, c, s);
                 tracing::warn!(
-                    volume = %self.plan.name,
+                    volume = %t.plan.name,
                     extent = index,
                     target = %incoming.dest.target,
                     addr = %incoming.dest.addr,
@@ -483,7 +490,8 @@ impl Volume {
     /// The leaving copy of slot `index` opened by [`Volume::open`] for a
     /// switched move.
     pub(super) fn open_leaving(&self, index: usize, dev: Device) {
-        let g = &self.moves[index / self.copies];
+        let t = self.table();
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         let _m = lock(&g.edit);
         let mut s = g.get(c);
@@ -494,7 +502,8 @@ impl Volume {
     /// The incoming copy of slot `index` opened by [`Volume::open`]:
     /// nothing was issued before it, so it is drained.
     pub(super) fn open_incoming(&self, index: usize, dest: &PlanExtent, dev: Device) {
-        let g = &self.moves[index / self.copies];
+        let t = self.table();
+        let g = &t.groups[index / self.copies].moves;
         let c = index % self.copies;
         let _m = lock(&g.edit);
         let mut s = g.get(c);
@@ -506,11 +515,11 @@ impl Volume {
         g.set(self.copies, c, s);
     }
 
-    fn not_in_plan(&self, index: usize) -> Error {
+    pub(super) fn not_in_plan(&self, t: &Table, index: usize) -> Error {
         Error::Invalid(format!(
             "{}: extent {index} is not in the plan ({} extents)",
-            self.plan.name,
-            self.extents.len()
+            t.plan.name,
+            t.extents.len()
         ))
     }
 }

@@ -60,6 +60,13 @@ impl MemDev {
         Ok(off as usize..(off + len) as usize)
     }
 
+    /// Grows the device to `size` bytes (zeroes), as a volume grows online.
+    pub fn grow(&self, size: usize) {
+        let mut d = self.data.lock().unwrap();
+        assert!(size >= d.len(), "a device only grows");
+        d.resize(size, 0);
+    }
+
     pub fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
         self.data.lock().unwrap()[off..off + len].to_vec()
     }

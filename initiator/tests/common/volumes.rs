@@ -192,6 +192,56 @@ impl Setup {
         (dest, f)
     }
 
+    /// The plan grown to `size` bytes as `nvpool volume resize` grows it:
+    /// rows appended and placed as [`setup`] places them, each new extent
+    /// a RAM namespace in `block`-byte blocks added to its target (a
+    /// restart brings it back empty). It is `self.plan` from now on.
+    pub fn grow(&mut self, size: u64, block: u32) -> ConnectionPlan {
+        let mut plan = self.plan.clone();
+        plan.size_bytes = size;
+        let g = plan.geometry();
+        let bytes = plan.extent_bytes;
+        let n = self.addrs.len();
+        let nqn = host_subsystem();
+        for row in self.plan.geometry().rows()..g.rows() {
+            for member in 0..g.width {
+                for copy in 0..g.copies {
+                    let t =
+                        (row as usize + member as usize * usize::from(g.copies) + copy as usize)
+                            % n;
+                    let config = &mut self.configs[t];
+                    let nsid = config.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0) + 1;
+                    config.namespaces.push(NamespaceConfig {
+                        nsid,
+                        backend: format!("ram:{bytes}"),
+                        uuid: None,
+                        read_only: false,
+                    });
+                    self.target(t)
+                        .target
+                        .put_namespace_backend(&nqn, nsid, Arc::new(RamBackend::new(bytes, block)))
+                        .expect("add a namespace for a new row");
+                    plan.extents.push(PlanExtent {
+                        target: format!("target-{t}"),
+                        addr: self.addrs[t],
+                        rdma_addr: None,
+                        subsystem_nqn: nqn.clone(),
+                        nsid,
+                        device: "ram".into(),
+                        offset: 0,
+                        length: bytes,
+                        member,
+                        row,
+                        copy,
+                    });
+                }
+            }
+        }
+        plan.validate().expect("the test grows plans validly");
+        self.plan = plan.clone();
+        plan
+    }
+
     /// Runs `f` on the namespace of plan extent `index`, through a
     /// controller of its own.
     pub fn with_copy<R>(&self, index: usize, f: impl FnOnce(&Device) -> R) -> R {

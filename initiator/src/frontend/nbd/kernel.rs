@@ -10,7 +10,12 @@
 //!
 //! The kernel skips the handshake: it is told the size, block size and
 //! transmission flags here, uses simple replies, and sends requests no
-//! larger than its own limit (32 MiB), which the server accepts.
+//! larger than its own limit (32 MiB), which the server accepts. When the
+//! device grows while served, [`KernelNbd::resize`] tells the kernel the
+//! new size with `NBD_CMD_RECONFIGURE`: its `NBD_ATTR_SIZE_BYTES` goes
+//! through the same size update as at connect (Linux 6.12's
+//! `nbd_genl_reconfigure` calls `nbd_genl_size_set`, which freezes the
+//! queue, sets the capacity and tells udev), so `/dev/nbdN` grows online.
 //! `DEAD_CONN_TIMEOUT` lets the device survive a short loss of the socket;
 //! after it, I/O fails. Without the nbd module (`modprobe nbd`), attaching
 //! fails with [`KernelNbdError::ModuleMissing`] before anything is set up.
@@ -42,6 +47,7 @@ const NBD_FAMILY: &str = "nbd";
 const NBD_GENL_VERSION: u8 = 1;
 const NBD_CMD_CONNECT: u8 = 1;
 const NBD_CMD_DISCONNECT: u8 = 2;
+const NBD_CMD_RECONFIGURE: u8 = 3;
 const NBD_ATTR_INDEX: u16 = 1;
 const NBD_ATTR_SIZE_BYTES: u16 = 2;
 const NBD_ATTR_BLOCK_SIZE_BYTES: u16 = 3;
@@ -74,6 +80,25 @@ pub enum KernelNbdError {
     Malformed { op: &'static str },
     #[error("NBD server")]
     Server(#[from] NbdError),
+    /// The kernel took the new size but the device kept another (a driver
+    /// that does not resize a live device).
+    #[error(
+        "{device}: the kernel's nbd driver kept {kept} bytes, not {wanted}; it cannot resize \
+         a live device: detach and attach again"
+    )]
+    NotResized {
+        device: PathBuf,
+        wanted: u64,
+        kept: u64,
+    },
+    #[error("cannot read the size of {device}")]
+    Size {
+        device: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the nbd device is detached")]
+    Detached,
 }
 
 /// How the kernel device is configured.
@@ -342,7 +367,11 @@ impl KernelNbd {
         if let Some(i) = opts.index {
             nla(&mut a, NBD_ATTR_INDEX, &i.to_ne_bytes());
         }
-        nla(&mut a, NBD_ATTR_SIZE_BYTES, &ex.size.to_ne_bytes());
+        nla(
+            &mut a,
+            NBD_ATTR_SIZE_BYTES,
+            &server.shared.span.size().to_ne_bytes(),
+        );
         nla(
             &mut a,
             NBD_ATTR_BLOCK_SIZE_BYTES,
@@ -405,6 +434,46 @@ impl KernelNbd {
     /// `/dev/nbdN`.
     pub fn device_path(&self) -> PathBuf {
         PathBuf::from(format!("/dev/nbd{}", self.index))
+    }
+
+    /// Blocking (netlink); call it from a control thread.
+    ///
+    /// Shows the device's size now (after it grew: a volume grown online)
+    /// on `/dev/nbdN` while it is served and mounted: `NBD_CMD_RECONFIGURE`
+    /// with `NBD_ATTR_SIZE_BYTES` (see the module docs). The server serves
+    /// the new bytes already. Returns the block device's size read back;
+    /// [`KernelNbdError::NotResized`] when the kernel kept another.
+    pub fn resize(&self) -> Result<u64, KernelNbdError> {
+        let server = self.server.as_ref().ok_or(KernelNbdError::Detached)?;
+        let wanted = server.shared.span.size();
+        let mut nl = Genl::open()?;
+        let mut a = Vec::new();
+        nla(&mut a, NBD_ATTR_INDEX, &self.index.to_ne_bytes());
+        nla(&mut a, NBD_ATTR_SIZE_BYTES, &wanted.to_ne_bytes());
+        nl.call(
+            "NBD_CMD_RECONFIGURE",
+            self.family,
+            NBD_CMD_RECONFIGURE,
+            NBD_GENL_VERSION,
+            &a,
+        )?;
+        let device = self.device_path();
+        let kept =
+            crate::frontend::disk_bytes(&format!("nbd{}", self.index)).map_err(|source| {
+                KernelNbdError::Size {
+                    device: device.clone(),
+                    source,
+                }
+            })?;
+        if kept != wanted {
+            return Err(KernelNbdError::NotResized {
+                device,
+                wanted,
+                kept,
+            });
+        }
+        tracing::info!(device = %device.display(), bytes = kept, "nbd device resized");
+        Ok(kept)
     }
 
     /// Asks the kernel to disconnect (it sends NBD_CMD_DISC after its
