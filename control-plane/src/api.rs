@@ -1345,14 +1345,21 @@ async fn resize_volume(
                     .into());
                 }
             }
-            c.resize_volume(&uuid, body.size_bytes)?;
             // Hosts that have it attached get the new extents exported
             // too; a target that fails here is caught up by reconciliation.
-            for a in c.volume_attachments(&uuid)? {
+            c.resize_volume(&uuid, body.size_bytes)?;
+            let attached = c.volume_attachments(&uuid)?;
+            for a in &attached {
                 if let Err(e) = program::attach(c, &uuid, &a.host_nqn) {
                     tracing::warn!(volume = %uuid, host = %a.host_nqn, error = %e,
                         "exporting grown extents failed; reconciliation will retry");
                 }
+            }
+            // Serving processes hear of the bigger plan through their
+            // long-poll, once the new extents are exported to them (also
+            // on a repeated call: the first may have stopped short of this).
+            if !attached.is_empty() {
+                c.announce_plan_change(&uuid)?;
             }
             Ok(one_with_attachments(
                 c,

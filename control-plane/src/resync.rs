@@ -27,7 +27,7 @@
 //!
 //! **Revision.** Hosts learn of jobs by long-polling their attachment on
 //! [`CopyState::revision`], bumped whenever a host must act: a job starts
-//! mirroring, ends, or fails.
+//! mirroring, ends, or fails, or the volume grew.
 //!
 //! Stored at `/copy-state/{uuid}`, one record per volume, next to the
 //! volume's [`FailedCopies`] (the copies never to be read).
@@ -488,6 +488,17 @@ impl Cluster {
     /// Runs `change` on the volume's copy-state record until it commits;
     /// `change` may add conditions and ops (other records) of its own and
     /// returns `None` to leave everything as it is.
+    /// Tells the hosts serving `volume` to read their attachment again
+    /// (its plan changed: grown). Moves the revision their long-polls
+    /// wait on.
+    pub fn announce_plan_change(&self, volume: &Uuid) -> Result<(), StateError> {
+        self.change_copy_state(volume, |_, cs, _, _| {
+            cs.revision += 1;
+            Ok(Some(()))
+        })
+        .map(|_| ())
+    }
+
     pub(crate) fn change_copy_state<T>(
         &self,
         volume: &Uuid,

@@ -33,6 +33,11 @@
 //! ([`spawn_failure_reporter`]): `PUT …/failed-extents`, retried until the
 //! control plane answers.
 //!
+//! A grown volume (`nvpool volume resize`) moves the revision too: the
+//! watcher hands the bigger plan to the engine ([`Volume::grow`]) and then
+//! to the serving process's hook ([`Watcher::on_grown`]), which grows the
+//! block device.
+//!
 //! The data path never waits on any of this: the engine applies a change
 //! between requests, and a control plane that cannot be reached only
 //! delays healing. How the control plane is called is the caller's
@@ -294,8 +299,9 @@ pub fn spawn_failure_reporter<C: ControlPlane>(
             let _s = span.entered();
             report_failures(&cp, &path, &rx)
         })?;
+    let volume = *volume;
     let on_failed: ExtentFailedFn = Arc::new(move |f: &ExtentFailure| {
-        tracing::warn!(extent = f.index, target = %f.target, error = %f.error,
+        tracing::warn!(%volume, extent = f.index, target = %f.target, error = %f.error,
             lost = f.member_lost, "extent copy failed; serving from the others");
         let _ = tx.try_send(f.index);
     });
@@ -355,6 +361,8 @@ trait Engine: Send + Sync {
     fn abort_move(&self, index: usize);
     fn move_failed(&self, index: usize) -> bool;
     fn extent_location(&self, index: usize) -> PlanExtent;
+    fn size(&self) -> u64;
+    fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error>;
 }
 
 impl Engine for Volume {
@@ -397,6 +405,26 @@ impl Engine for Volume {
     fn extent_location(&self, index: usize) -> PlanExtent {
         Volume::extent_location(self, index)
     }
+    fn size(&self) -> u64 {
+        Volume::size(self)
+    }
+    fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error> {
+        Volume::grow(self, plan)
+    }
+}
+
+/// What the serving process does once the engine grew: the new size in
+/// bytes. Called on the watcher's thread.
+pub type GrownFn = Box<dyn Fn(u64) + Send + Sync>;
+
+/// What a long-poll of the attachment brings: the copies, and the plan
+/// (bigger after a resize).
+#[derive(Debug, Deserialize)]
+struct WatchView {
+    #[serde(default)]
+    plan: Option<ConnectionPlan>,
+    #[serde(flatten)]
+    copies: CopyView,
 }
 
 /// Follows the copies of one served volume.
@@ -408,6 +436,7 @@ pub struct Watcher<C> {
     session: u64,
     engine: Arc<dyn Engine>,
     stop: Arc<AtomicBool>,
+    on_grown: Option<GrownFn>,
 }
 
 impl<C> fmt::Debug for Watcher<C> {
@@ -451,7 +480,14 @@ impl<C: ControlPlane> Watcher<C> {
             session,
             engine,
             stop,
+            on_grown: None,
         }
+    }
+
+    /// Calls `f` with the new size each time the engine grew.
+    pub fn on_grown(mut self, f: GrownFn) -> Watcher<C> {
+        self.on_grown = Some(f);
+        self
     }
 
     /// The session this process serves the volume in.
@@ -504,7 +540,16 @@ impl<C: ControlPlane> Watcher<C> {
                 return;
             }
             match self.watch(view.revision) {
-                Ok(v) => view = v,
+                Ok(v) => {
+                    if let Some(plan) = &v.plan {
+                        if !self.grow(plan) {
+                            // Asked again at once (same revision) after a pause.
+                            std::thread::sleep(RETRY);
+                            continue;
+                        }
+                    }
+                    view = v.copies;
+                }
                 Err(e) => {
                     if self.stop.load(Ordering::Relaxed) {
                         return;
@@ -516,9 +561,35 @@ impl<C: ControlPlane> Watcher<C> {
         }
     }
 
-    /// The attachment's copies once their revision is past `revision`
-    /// (or as they are, after the control plane's long-poll wait).
-    fn watch(&self, revision: u64) -> Result<CopyView, CallError> {
+    /// Takes a bigger plan into the engine, then tells the serving
+    /// process. False: it could not (a new target unreachable, say); the
+    /// caller asks again.
+    fn grow(&self, plan: &ConnectionPlan) -> bool {
+        if plan.size_bytes <= self.engine.size() {
+            return true;
+        }
+        match self.engine.grow(plan) {
+            Ok(grown) => {
+                if grown {
+                    tracing::info!(bytes = plan.size_bytes, "volume grown");
+                    if let Some(f) = &self.on_grown {
+                        f(plan.size_bytes);
+                    }
+                }
+                true
+            }
+            Err(e) => {
+                tracing::warn!(bytes = plan.size_bytes, error = %e,
+                    "cannot take the grown volume yet; retrying");
+                false
+            }
+        }
+    }
+
+    /// The attachment's copies (and plan) once their revision is past
+    /// `revision` (or as they are, after the control plane's long-poll
+    /// wait).
+    fn watch(&self, revision: u64) -> Result<WatchView, CallError> {
         get(
             &self.cp,
             &format!("{}?after_revision={revision}", self.base),
@@ -803,6 +874,9 @@ mod tests {
         move_failed: Vec<bool>,
         /// begin_move's destination strays.
         dest_fails: bool,
+        size: u64,
+        /// grow fails this many times before it takes the plan.
+        grow_fails: u32,
         calls: Vec<String>,
     }
 
@@ -833,6 +907,8 @@ mod tests {
                 leaving: vec![false; n],
                 move_failed: vec![false; n],
                 dest_fails: false,
+                size: 1 << 20,
+                grow_fails: 0,
                 calls: Vec::new(),
             })))
         }
@@ -947,6 +1023,21 @@ mod tests {
         fn extent_location(&self, index: usize) -> PlanExtent {
             self.with(|s| s.location[index].clone())
         }
+        fn size(&self) -> u64 {
+            self.with(|s| s.size)
+        }
+        fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error> {
+            self.with(|s| {
+                s.calls.push(format!("grow {}", plan.size_bytes));
+                if s.grow_fails > 0 {
+                    s.grow_fails -= 1;
+                    return Err(Error::Invalid("a new target is down".into()));
+                }
+                let grown = plan.size_bytes > s.size;
+                s.size = plan.size_bytes;
+                Ok(grown)
+            })
+        }
     }
 
     fn watcher(cp: &Arc<FakeCp>, engine: &Arc<FakeEngine>) -> Watcher<Arc<FakeCp>> {
@@ -1049,6 +1140,46 @@ mod tests {
             [1, 2, 3].map(|r| format!("{BASE}?after_revision={r}"))
         );
         assert_eq!(engine.copy_state(1), CopyState::Ok);
+    }
+
+    fn plan_of(size: u64) -> Value {
+        json!({
+            "volume": UUID, "name": "v", "host_nqn": HOST, "size_bytes": size,
+            "block_bytes": 4096, "extent_bytes": 1 << 20,
+            "layout": {"type": "concat"},
+            "extents": (0..size >> 20).map(|r| {
+                let mut e = place("t0", 0);
+                e.row = r as u32;
+                e
+            }).collect::<Vec<_>>(),
+        })
+    }
+
+    #[test]
+    fn a_grown_plan_grows_the_engine_then_the_device_once() {
+        let cp = FakeCp::new(&[
+            // Unchanged size: nothing to do.
+            json!({"plan": plan_of(1 << 20), "revision": 2}),
+            // Grown: the engine refuses once (a target down), then takes it.
+            json!({"plan": plan_of(3 << 20), "revision": 3}),
+            json!({"plan": plan_of(3 << 20), "revision": 3}),
+            json!({"plan": plan_of(3 << 20), "revision": 4}),
+        ]);
+        let engine = FakeEngine::new(&[CopyState::Ok]);
+        engine.with(|s| s.grow_fails = 1);
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let seen = sizes.clone();
+        let w = watcher(&cp, &engine).on_grown(Box::new(move |b| seen.lock().unwrap().push(b)));
+        w.run(view(json!({"revision": 1})));
+
+        assert_eq!(engine.calls(), ["grow 3145728", "grow 3145728"]);
+        assert_eq!(*sizes.lock().unwrap(), [3 << 20], "the device grows once");
+        assert_eq!(engine.size(), 3 << 20);
+        // The refused growth was asked again at the same revision.
+        assert_eq!(
+            gets(&cp),
+            [1, 2, 2, 3, 4].map(|r| format!("{BASE}?after_revision={r}"))
+        );
     }
 
     #[test]
