@@ -7,7 +7,9 @@
 //! reach the control plane at URL: …" when no HTTP answer arrived.
 //!
 //! It is also how a serving process follows its volume's copies: it
-//! implements [`ControlPlane`] for `nvpool_initiator::follow`.
+//! implements [`ControlPlane`] for `nvpool_initiator::follow`; and, over
+//! the agent's Unix socket ([`Client::agent`]), how the CLI talks to the
+//! agent.
 
 use nvpool_initiator::follow::ControlPlane;
 use serde::de::DeserializeOwned;
@@ -30,6 +32,23 @@ pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
 /// many volumes fits).
 pub const RESPONSE_BYTES_MAX: u64 = 256 << 20;
 
+/// One call to the agent: serving a volume connects to its targets
+/// (each connect bounded by the initiator's own timeouts), and a detach
+/// flushes and tears a device down.
+pub const AGENT_TIMEOUT_MS: u64 = 180_000;
+
+fn config(timeout_ms: u64) -> ureq::config::Config {
+    ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_millis(timeout_ms)))
+        .timeout_connect(Some(Duration::from_millis(CONNECT_TIMEOUT_MS)))
+        // Error statuses carry the JSON body we print.
+        .http_status_as_error(false)
+        // The control plane is cluster-internal: never via an environment proxy.
+        .proxy(None)
+        .user_agent(concat!("nvpool/", env!("CARGO_PKG_VERSION")))
+        .build()
+}
+
 /// Why a call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -42,8 +61,9 @@ pub enum ClientError {
         source: std::io::Error,
     },
     /// No HTTP answer: refused, timed out, reset.
-    #[error("cannot reach the control plane at {url}")]
+    #[error("cannot reach {what} at {url}")]
     Unreachable {
+        what: &'static str,
         url: String,
         #[source]
         source: ureq::Error,
@@ -59,7 +79,7 @@ pub enum ClientError {
         hint: String,
     },
     /// An answer that is not what the API documents.
-    #[error("unexpected answer from the control plane to {method} {path}: {reason}")]
+    #[error("unexpected answer to {method} {path}: {reason}")]
     Protocol {
         method: &'static str,
         path: String,
@@ -146,22 +166,43 @@ pub struct Client {
     base: String,
     token: Option<String>,
     agent: ureq::Agent,
+    /// Who answers, for messages: the control plane or the agent, and
+    /// where (the URL, or the agent's socket).
+    what: &'static str,
+    shown: String,
 }
 
 impl Client {
     pub fn new(endpoint: &str, token: Option<String>) -> Result<Client, ClientError> {
         let base = parse_endpoint(endpoint)?;
-        let agent = ureq::Agent::config_builder()
-            .timeout_global(Some(Duration::from_millis(REQUEST_TIMEOUT_MS)))
-            .timeout_connect(Some(Duration::from_millis(CONNECT_TIMEOUT_MS)))
-            // Error statuses carry the JSON body we print.
-            .http_status_as_error(false)
-            // The control plane is cluster-internal: never via an environment proxy.
-            .proxy(None)
-            .user_agent(concat!("nvpool/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .into();
-        Ok(Client { base, token, agent })
+        let agent = config(REQUEST_TIMEOUT_MS).into();
+        Ok(Client {
+            shown: base.clone(),
+            base,
+            token,
+            agent,
+            what: "the control plane",
+        })
+    }
+
+    /// The agent at its Unix socket `path`. Serving a volume connects to
+    /// every target and may wait for a slow one, so calls get
+    /// [`AGENT_TIMEOUT_MS`].
+    pub fn agent(path: &Path) -> Client {
+        let agent = ureq::Agent::with_parts(
+            config(AGENT_TIMEOUT_MS),
+            crate::unix::UnixConnector {
+                path: path.to_owned(),
+            },
+            crate::unix::NoResolver,
+        );
+        Client {
+            base: "http://agent".into(),
+            token: None,
+            agent,
+            what: "the nvpool agent",
+            shown: path.display().to_string(),
+        }
     }
 
     pub fn endpoint(&self) -> &str {
@@ -213,6 +254,12 @@ impl Client {
         Ok(())
     }
 
+    /// DELETE, for calls that answer with what they removed.
+    pub fn delete_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
+        let r = self.auth(self.agent.delete(self.url(path))).call();
+        self.json("DELETE", path, r).map(|(_, v)| v)
+    }
+
     /// Any HTTP answer's status and body (read up to
     /// [`RESPONSE_BYTES_MAX`]; a body that cannot be read is empty, as
     /// error bodies are read here); no answer is the error, in words.
@@ -222,7 +269,8 @@ impl Client {
     ) -> Result<(u16, Vec<u8>), String> {
         let mut resp = r.map_err(|source| {
             let e = ClientError::Unreachable {
-                url: self.base.clone(),
+                what: self.what,
+                url: self.shown.clone(),
                 source,
             };
             match std::error::Error::source(&e) {
@@ -257,7 +305,8 @@ impl Client {
         r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
     ) -> Result<ureq::http::Response<ureq::Body>, ClientError> {
         let mut resp = r.map_err(|source| ClientError::Unreachable {
-            url: self.base.clone(),
+            what: self.what,
+            url: self.shown.clone(),
             source,
         })?;
         let status = resp.status().as_u16();
@@ -284,7 +333,7 @@ impl Client {
                 body.kind
             },
             message: if body.message.is_empty() {
-                format!("the control plane answered HTTP {status}")
+                format!("{} answered HTTP {status}", self.what)
             } else {
                 body.message
             },

@@ -10,16 +10,17 @@
 
 pub mod attach;
 pub mod bench;
-pub mod client;
 pub mod cluster;
 pub mod dataset;
 pub mod discover;
 pub mod nvmef;
 pub mod size;
+pub mod top;
 pub mod verify;
 pub mod volume;
 
 use clap::{Parser, Subcommand};
+pub use nvpool_agent::client;
 use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
@@ -59,6 +60,10 @@ pub enum Command {
     Volume(volume::VolumeArgs),
     /// A small-file training dataset: write one, or read it like an epoch (verified).
     Dataset(dataset::Args),
+    /// The volumes this host serves, live: requests, bandwidth, latency and paths (like `iostat -x`).
+    Top(top::Args),
+    /// Run this host's agent in the foreground (what `volume attach` starts; the systemd unit runs `nvpool-agent`).
+    Agent(nvpool_agent::Args),
 }
 
 /// A command line that parsed but makes no sense (a flag that does not
@@ -149,6 +154,8 @@ pub fn main() -> ExitCode {
         Command::Pool(a) => cluster::run_pool(&conn, a),
         Command::Volume(a) => volume::run(&conn, a),
         Command::Dataset(a) => dataset::run(a),
+        Command::Top(a) => top::run(a),
+        Command::Agent(a) => nvpool_agent::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -317,16 +317,6 @@ pub enum VolumeCmd {
         #[arg(long)]
         host_nqn: String,
     },
-    /// Serve an attached volume in the foreground (what attach starts in
-    /// the background).
-    #[command(hide = true)]
-    Serve {
-        uuid: String,
-        #[arg(long)]
-        host_nqn: String,
-        #[arg(long, value_enum)]
-        frontend: Frontend,
-    },
     /// Detach a volume from a host.
     Detach {
         /// Volume name or UUID.
@@ -662,7 +652,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 return print_json(&v);
             }
             let volumes: Vec<VolumeOut> = typed("/v1/volumes", &v)?;
-            let local = attach::records();
+            let local = attach::local_volumes();
             let mut t = table(&[
                 "NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED", "DEVICE",
             ]);
@@ -670,7 +660,8 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 let device = local
                     .iter()
                     .find(|r| r.uuid == x.uuid)
-                    .map_or_else(|| "-".to_owned(), |r| r.device.display().to_string());
+                    .and_then(|r| r.device.as_ref())
+                    .map_or_else(|| "-".to_owned(), |d| d.display().to_string());
                 t.add_row([
                     x.name.clone(),
                     x.uuid.to_string(),
@@ -869,7 +860,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             }
             let token_file = conn.token_file.as_deref();
             let served =
-                attach::start_server(&conn.endpoint, token_file, &uuid, &host, frontend, progress);
+                attach::serve(&conn.endpoint, token_file, &uuid, &host, frontend, progress);
             let served = match served {
                 Ok(s) => s,
                 Err(e) => {
@@ -881,14 +872,15 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 }
             };
             let name = v["name"].as_str().unwrap_or(&volume).to_owned();
+            let device = served.volume.device.unwrap_or_default();
             done(
                 fmt,
                 serde_json::json!({
                     "volume": uuid, "name": name, "host_nqn": host,
-                    "device": served.device, "frontend": served.frontend, "pid": served.pid,
+                    "device": device, "frontend": served.volume.frontend, "pid": served.volume.pid,
                     "already_attached": !served.started,
                 }),
-                served.device.display().to_string(),
+                device.display().to_string(),
             )
         }
         VolumeCmd::Export {
@@ -943,14 +935,6 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 format!("volume {name} no longer exported to {host_nqn}"),
             )
         }
-        VolumeCmd::Serve {
-            uuid,
-            host_nqn,
-            frontend,
-        } => {
-            let uuid: Uuid = parse_uuid(&uuid).map_err(Usage)?;
-            attach::serve(&conn.client(true)?, &uuid, &host_nqn, frontend)
-        }
         VolumeCmd::Detach {
             volume,
             host_nqn: h,
@@ -963,7 +947,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 return done(fmt, out.0, out.1);
             }
             // The local block device first (flushes); then the targets.
-            let local = attach::stop_server(&uuid, force)?;
+            let local = attach::stop(&uuid, force)?;
             let q = if force { "?force=true" } else { "" };
             match c.delete(&format!("{}{q}", attachment_path(&uuid, &host))) {
                 // The attachment was already gone: the local side was
@@ -972,7 +956,10 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 r => r?,
             }
             let name = v["name"].as_str().unwrap_or(&volume).to_owned();
-            let device = local.as_ref().map(|r| r.device.display().to_string());
+            let device = local
+                .as_ref()
+                .and_then(|r| r.device.as_ref())
+                .map(|d| d.display().to_string());
             done(
                 fmt,
                 serde_json::json!({ "volume": uuid, "name": name, "host_nqn": host,

@@ -106,7 +106,12 @@ stop_all() {
         grep -q "^$dev " /proc/mounts && umount "$dev" 2>/dev/null
         nvpool volume detach "$uuid" --host-nqn "$HOSTNQN" --force >/dev/null 2>&1 || true
     done
+    # The agent last: SIGTERM, it flushes and tears down what is left.
     local p
+    p=$(cat "$NVPOOL_RUN_DIR/agent.pid" 2>/dev/null)
+    if [[ -n $p ]] && kill "$p" 2>/dev/null; then
+        wait_for 60 bash -c "! kill -0 $p 2>/dev/null"
+    fi
     for p in "${TARGET_PIDS[@]}" $CP_PID; do
         [[ -n $p ]] && kill "$p" 2>/dev/null
     done
@@ -117,7 +122,7 @@ cleanup() {
     stop_all
     if [[ $fail -ne 0 || -n ${E2E_KEEP:-} ]]; then
         echo "logs kept in $E2E_DIR" >&2
-        tail -n 20 "$E2E_DIR"/cp.log "$E2E_DIR"/t*/target.log "$NVPOOL_RUN_DIR"/volumes/*.log \
+        tail -n 20 "$E2E_DIR"/cp.log "$E2E_DIR"/t*/target.log "$NVPOOL_RUN_DIR"/agent.log \
             2>/dev/null >&2 || true
         # The sparse device files are large on disk after the test.
         rm -f "$E2E_DIR"/t*/d0.img

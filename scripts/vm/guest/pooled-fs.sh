@@ -232,9 +232,10 @@ degraded() {
     # The host reports the copy it gave up; the control plane also sees the missed
     # heartbeats.
     wait_until "$DEGRADED_S" "$name to be reported degraded" volume_is "$name" degraded
-    # The front-end's log names every copy the volume engine gave up: only the victim's.
-    failed=$(sed -nE 's/.*extent copy failed; serving from the others.* target=([^ ]+).*/\1/p' \
-        "$NVPOOL_RUN_DIR/volumes/$UUID.log" | sort -u | tr '\n' ' ')
+    # The agent's log names every copy the volume engine gave up: only the victim's.
+    failed=$(grep "volume=$UUID" "$NVPOOL_RUN_DIR/agent.log" |
+        sed -nE 's/.*extent copy failed; serving from the others.* target=([^ ]+).*/\1/p' |
+        sort -u | tr '\n' ' ')
     [[ $failed == "$victim " ]] || die "copies given up on '$failed', expected $victim only"
     printf '  %s: %s killed after %s MiB written; fio wrote and verified %s MiB with no' \
         "$name" "$victim" "$at_kill" "$FIO_MIB"
@@ -275,24 +276,32 @@ degraded() {
     fi
 }
 
-# kill9_detach NAME: the volume's server dies with SIGKILL; `nvpool volume detach`
-# disconnects the nbd device it leaves at once (the kernel alone would wait for its
-# dead-connection timeout, 30 s) and nothing is left.
+# kill9_detach NAME: the agent serving the volume dies with SIGKILL; `nvpool volume
+# detach` starts a new one, which disconnects the nbd device the dead one left at once
+# (the kernel alone would wait for its dead-connection timeout, 30 s), and nothing is
+# left.
 kill9_detach() {
     local name=$1 pid t0
     pid=$(sed -nE 's/.*"pid": *([0-9]+).*/\1/p' "$NVPOOL_RUN_DIR/volumes/$UUID.json")
-    [[ -n $pid ]] || die "no server pid in the record of $name"
+    [[ -n $pid ]] || die "no agent pid in the record of $name"
     kill -KILL "$pid"
-    wait_until 10 "the server of $name to die" exited "$pid"
+    wait_until 10 "the agent serving $name to die" exited "$pid"
     t0=$(date +%s)
     detach "$name" nbd
-    printf '  %s: server killed; detach released %s in %ss\n' "$name" "$DEV" \
+    printf '  %s: agent killed; detach released %s in %ss\n' "$name" "$DEV" \
         "$(($(date +%s) - t0))"
     step_ok nbd-kill9-detach
 }
 
 stop_cluster() {
     local i
+    # The agent (started by the first attach, not our child) stops on SIGTERM.
+    local agent
+    agent=$(cat "$NVPOOL_RUN_DIR/agent.pid" 2>/dev/null || true)
+    if [[ -n $agent ]]; then
+        kill -TERM "$agent"
+        wait_until "$STOP_S" "the nvpool agent to exit" exited "$agent"
+    fi
     for ((i = 0; i < TARGETS; i++)); do
         stop_daemon "${TARGET_PIDS[i]}" "nvpool-target t$i"
     done
@@ -334,7 +343,7 @@ round_trip r10-ublk ublk
 degraded r10-ublk ublk 4
 round_trip r10-nbd nbd
 degraded r10-nbd nbd 1
-# Every server removed its record (the logs stay).
+# Every detach removed its record (the agent's log stays).
 ! compgen -G "$NVPOOL_RUN_DIR/volumes/*.json" >/dev/null ||
     die "records left: $(ls "$NVPOOL_RUN_DIR"/volumes/*.json)"
 stop_cluster

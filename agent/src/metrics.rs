@@ -1,0 +1,354 @@
+//! Per-volume counters, kept on the data path with relaxed atomic adds (no
+//! lock, no allocation), and their Prometheus text form.
+
+use crate::api::VolumeStatsOut;
+use nvpool_initiator::blockdev::{BlockDev, BufResult, IoFuture};
+use nvpool_initiator::error::IoError;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Latency buckets: below 1 µs, 2 µs, 4 µs … 2^(BUCKETS-2) µs (≈ 8.4 s),
+/// and the rest.
+pub const BUCKETS: usize = 25;
+
+/// A log2 latency histogram.
+#[derive(Debug)]
+pub struct Histogram {
+    buckets: [AtomicU64; BUCKETS],
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+}
+
+impl Histogram {
+    /// The bucket of a latency: the first whose bound (2^i µs) exceeds it.
+    pub fn bucket(ns: u64) -> usize {
+        let us = ns / 1000;
+        // 0 µs → 0; 1 µs → 1 (below 2 µs); 2..3 → 2; …
+        let i = (u64::BITS - us.leading_zeros()) as usize;
+        i.min(BUCKETS - 1)
+    }
+
+    fn record(&self, ns: u64) {
+        self.buckets[Self::bucket(ns)].fetch_add(1, Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Vec<u64> {
+        self.buckets.iter().map(|b| b.load(Relaxed)).collect()
+    }
+}
+
+/// What one volume did since it was served.
+#[derive(Debug, Default)]
+pub struct VolumeStats {
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    pub others: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub write_bytes: AtomicU64,
+    pub read_ns: AtomicU64,
+    pub write_ns: AtomicU64,
+    pub errors: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub read_latency: Histogram,
+    pub write_latency: Histogram,
+}
+
+enum Op {
+    Read,
+    Write,
+    Other,
+}
+
+impl VolumeStats {
+    fn begin(&self) -> Instant {
+        self.in_flight.fetch_add(1, Relaxed);
+        Instant::now()
+    }
+
+    fn end(&self, op: Op, bytes: u64, started: Instant, ok: bool) {
+        let ns = started.elapsed().as_nanos() as u64;
+        self.in_flight.fetch_sub(1, Relaxed);
+        if !ok {
+            self.errors.fetch_add(1, Relaxed);
+        }
+        match op {
+            Op::Read => {
+                self.reads.fetch_add(1, Relaxed);
+                self.read_bytes.fetch_add(bytes, Relaxed);
+                self.read_ns.fetch_add(ns, Relaxed);
+                self.read_latency.record(ns);
+            }
+            Op::Write => {
+                self.writes.fetch_add(1, Relaxed);
+                self.write_bytes.fetch_add(bytes, Relaxed);
+                self.write_ns.fetch_add(ns, Relaxed);
+                self.write_latency.record(ns);
+            }
+            Op::Other => {
+                self.others.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// The counters into `out`.
+    pub fn fill(&self, out: &mut VolumeStatsOut) {
+        out.reads = self.reads.load(Relaxed);
+        out.writes = self.writes.load(Relaxed);
+        out.others = self.others.load(Relaxed);
+        out.read_bytes = self.read_bytes.load(Relaxed);
+        out.write_bytes = self.write_bytes.load(Relaxed);
+        out.read_ns = self.read_ns.load(Relaxed);
+        out.write_ns = self.write_ns.load(Relaxed);
+        out.errors = self.errors.load(Relaxed);
+        out.in_flight = self.in_flight.load(Relaxed);
+        out.read_latency_us_log2 = self.read_latency.snapshot();
+        out.write_latency_us_log2 = self.write_latency.snapshot();
+    }
+}
+
+/// A block device whose requests are counted: what the front-end serves.
+pub struct Metered<D: ?Sized> {
+    pub dev: Arc<D>,
+    pub stats: Arc<VolumeStats>,
+}
+
+impl<D: ?Sized> std::fmt::Debug for Metered<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metered")
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl<D: BlockDev + ?Sized> BlockDev for Metered<D> {
+    fn size(&self) -> u64 {
+        self.dev.size()
+    }
+
+    fn block_size(&self) -> u32 {
+        self.dev.block_size()
+    }
+
+    fn optimal_io_bytes(&self) -> u32 {
+        self.dev.optimal_io_bytes()
+    }
+
+    fn max_io_bytes(&self) -> u32 {
+        self.dev.max_io_bytes()
+    }
+
+    fn read(&self, offset: u64, buf: Vec<u8>) -> IoFuture<'_, BufResult> {
+        Box::pin(async move {
+            let len = buf.len() as u64;
+            let t = self.stats.begin();
+            let (r, buf) = self.dev.read(offset, buf).await;
+            self.stats.end(Op::Read, len, t, r.is_ok());
+            (r, buf)
+        })
+    }
+
+    fn write(&self, offset: u64, buf: Vec<u8>, fua: bool) -> IoFuture<'_, BufResult> {
+        Box::pin(async move {
+            let len = buf.len() as u64;
+            let t = self.stats.begin();
+            let (r, buf) = self.dev.write(offset, buf, fua).await;
+            self.stats.end(Op::Write, len, t, r.is_ok());
+            (r, buf)
+        })
+    }
+
+    fn flush(&self) -> IoFuture<'_, Result<(), IoError>> {
+        Box::pin(async move {
+            let t = self.stats.begin();
+            let r = self.dev.flush().await;
+            self.stats.end(Op::Other, 0, t, r.is_ok());
+            r
+        })
+    }
+
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+    ) -> IoFuture<'_, Result<(), IoError>> {
+        Box::pin(async move {
+            let t = self.stats.begin();
+            let r = self.dev.write_zeroes(offset, len, may_unmap).await;
+            self.stats.end(Op::Other, 0, t, r.is_ok());
+            r
+        })
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> IoFuture<'_, Result<(), IoError>> {
+        Box::pin(async move {
+            let t = self.stats.begin();
+            let r = self.dev.discard(offset, len).await;
+            self.stats.end(Op::Other, 0, t, r.is_ok());
+            r
+        })
+    }
+}
+
+/// Escapes a Prometheus label value.
+fn label(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Every volume's counters in Prometheus' text exposition format.
+pub fn prometheus(volumes: &[VolumeStatsOut]) -> String {
+    let mut o = String::new();
+    let families: [(&str, &str, &str); 6] = [
+        (
+            "nvpool_volume_ops_total",
+            "counter",
+            "Requests completed, by kind",
+        ),
+        (
+            "nvpool_volume_bytes_total",
+            "counter",
+            "Bytes read and written",
+        ),
+        (
+            "nvpool_volume_errors_total",
+            "counter",
+            "Requests that failed",
+        ),
+        ("nvpool_volume_in_flight", "gauge", "Requests in flight"),
+        ("nvpool_volume_size_bytes", "gauge", "Volume size"),
+        (
+            "nvpool_volume_up",
+            "gauge",
+            "1 while served, 0 while waiting to be served again",
+        ),
+    ];
+    for (name, kind, help) in families {
+        let _ = writeln!(o, "# HELP {name} {help}.\n# TYPE {name} {kind}");
+        for v in volumes {
+            let l = format!("volume=\"{}\",uuid=\"{}\"", label(&v.name), v.uuid);
+            let _ = match name {
+                "nvpool_volume_ops_total" => writeln!(
+                    o,
+                    "{name}{{{l},op=\"read\"}} {}\n{name}{{{l},op=\"write\"}} {}\n{name}{{{l},op=\"other\"}} {}",
+                    v.reads, v.writes, v.others
+                ),
+                "nvpool_volume_bytes_total" => writeln!(
+                    o,
+                    "{name}{{{l},op=\"read\"}} {}\n{name}{{{l},op=\"write\"}} {}",
+                    v.read_bytes, v.write_bytes
+                ),
+                "nvpool_volume_errors_total" => writeln!(o, "{name}{{{l}}} {}", v.errors),
+                "nvpool_volume_in_flight" => writeln!(o, "{name}{{{l}}} {}", v.in_flight),
+                "nvpool_volume_size_bytes" => writeln!(o, "{name}{{{l}}} {}", v.size_bytes),
+                _ => writeln!(o, "{name}{{{l}}} {}", u8::from(v.state != "pending")),
+            };
+        }
+    }
+    let name = "nvpool_volume_latency_seconds";
+    let _ = writeln!(
+        o,
+        "# HELP {name} Time from the front-end's request to its completion.\n# TYPE {name} histogram"
+    );
+    for v in volumes {
+        let l = format!("volume=\"{}\",uuid=\"{}\"", label(&v.name), v.uuid);
+        for (op, buckets, ns, count) in [
+            ("read", &v.read_latency_us_log2, v.read_ns, v.reads),
+            ("write", &v.write_latency_us_log2, v.write_ns, v.writes),
+        ] {
+            let mut cumulative = 0;
+            for (i, n) in buckets.iter().enumerate().take(BUCKETS - 1) {
+                cumulative += n;
+                let le = (1u64 << i) as f64 / 1e6;
+                let _ = writeln!(
+                    o,
+                    "{name}_bucket{{{l},op=\"{op}\",le=\"{le}\"}} {cumulative}"
+                );
+            }
+            let total: u64 = buckets.iter().sum();
+            let _ = writeln!(o, "{name}_bucket{{{l},op=\"{op}\",le=\"+Inf\"}} {total}");
+            let _ = writeln!(o, "{name}_sum{{{l},op=\"{op}\"}} {}", ns as f64 / 1e9);
+            let _ = writeln!(o, "{name}_count{{{l},op=\"{op}\"}} {count}");
+        }
+    }
+    let name = "nvpool_path_up";
+    let _ = writeln!(
+        o,
+        "# HELP {name} 1 while the controller to a target is live.\n# TYPE {name} gauge"
+    );
+    for v in volumes {
+        for p in &v.paths {
+            let _ = writeln!(
+                o,
+                "{name}{{volume=\"{}\",uuid=\"{}\",addr=\"{}\",transport=\"{}\"}} {}",
+                label(&v.name),
+                v.uuid,
+                label(&p.addr),
+                p.transport,
+                u8::from(p.state == "live")
+            );
+        }
+    }
+    let name = "nvpool_path_stale_copies";
+    let _ = writeln!(
+        o,
+        "# HELP {name} Copies on the path the volume does not read (failed or being filled).\n# TYPE {name} gauge"
+    );
+    for v in volumes {
+        for p in &v.paths {
+            let _ = writeln!(
+                o,
+                "{name}{{volume=\"{}\",uuid=\"{}\",addr=\"{}\"}} {}",
+                label(&v.name),
+                v.uuid,
+                label(&p.addr),
+                p.stale_copies
+            );
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_of_microseconds() {
+        assert_eq!(Histogram::bucket(0), 0);
+        assert_eq!(Histogram::bucket(999), 0);
+        assert_eq!(Histogram::bucket(1_000), 1);
+        assert_eq!(Histogram::bucket(1_999), 1);
+        assert_eq!(Histogram::bucket(2_000), 2);
+        assert_eq!(Histogram::bucket(100_000), 7);
+        assert_eq!(Histogram::bucket(u64::MAX), BUCKETS - 1);
+    }
+
+    #[test]
+    fn prometheus_text_is_cumulative_and_escaped() {
+        let uuid = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42".parse().unwrap();
+        let mut v = VolumeStatsOut::new(uuid, "a\"b".into(), "serving");
+        v.reads = 3;
+        v.read_ns = 3_000_000;
+        v.read_latency_us_log2 = vec![0; BUCKETS];
+        v.read_latency_us_log2[1] = 1;
+        v.read_latency_us_log2[3] = 2;
+        v.write_latency_us_log2 = vec![0; BUCKETS];
+        let t = prometheus(&[v]);
+        assert!(t.contains(r#"volume="a\"b""#), "{t}");
+        assert!(t.contains(r#"op="read",le="0.000002"} 1"#), "{t}");
+        assert!(t.contains(r#"op="read",le="0.000008"} 3"#), "{t}");
+        assert!(t.contains(r#"op="read",le="+Inf"} 3"#), "{t}");
+        assert!(t.contains(r#"nvpool_volume_latency_seconds_sum{volume="a\"b",uuid="#));
+        assert!(t.contains("nvpool_volume_up{"), "{t}");
+    }
+}
