@@ -238,6 +238,12 @@ pub fn open(w: &Wanted, connections: &Arc<Connections>) -> anyhow::Result<Served
             Presented::Ublk(u) => Some(u.id()),
             _ => None,
         },
+        nbd_pid: match &presented {
+            Presented::Nbd(n) => {
+                nvpool_initiator::frontend::nbd::kernel::configured_by(&n.device_path())
+            }
+            _ => None,
+        },
         started_ms: state::now_ms(),
     };
     let mut wanted = w.clone();
@@ -486,13 +492,16 @@ pub fn cleanup_leftovers(r: &Record) {
                 }
             }
         }
-        // Requests sent on the dead server's socket would wait for the
+        // Requests sent on the dead agent's socket would wait for the
         // kernel's dead-connection timeout; disconnecting frees the device
         // now. Only if it is still the one that agent set up (the kernel
-        // may have released it and handed the index to someone else).
+        // may have released it and handed the index to someone else): the
+        // kernel shows the configuring thread, which is not the agent's
+        // main one.
         Frontend::Nbd => {
             use nvpool_initiator::frontend::nbd::kernel;
-            if kernel::configured_by(&r.device) == Some(r.pid) {
+            let by = kernel::configured_by(&r.device);
+            if by.is_some() && by == r.nbd_pid {
                 if let Err(e) = kernel::disconnect_dead(&r.device) {
                     tracing::warn!(device = %r.device.display(), error = %e,
                         "disconnecting the dead agent's nbd device failed");

@@ -80,6 +80,11 @@ pub struct Record {
     pub mountpoint: Option<PathBuf>,
     /// ublk: the device id.
     pub ublk_id: Option<u32>,
+    /// nbd: the thread that configured the device, as the kernel shows it
+    /// (`/sys/block/nbdN/pid`): a successor disconnects the device only if
+    /// it is still that one's.
+    #[serde(default)]
+    pub nbd_pid: Option<u32>,
     pub started_ms: u64,
 }
 
