@@ -1,8 +1,12 @@
 //! The controller: admin queue, connect and enable sequence, Identify,
 //! features, keep-alive, and reconnection shared by its I/O queues.
 
-use crate::conn::{Pdu, MAX_TRANSFER_BYTES};
+use crate::conn::Pdu;
 use crate::error::Error;
+use crate::limits::{
+    ADMIN_CHUNK_BYTES, ADMIN_DATA_BYTES_MAX, ADMIN_QUEUE_ENTRIES, ADMIN_TIMEOUT,
+    RDMA_QUEUE_BUFFER_BYTES_MAX, RECONNECT_BACKOFF_MAX, TRANSFER_BYTES_MAX,
+};
 use crate::link::Link;
 use crate::rdma::Data;
 use nvpool_wire::fabrics::{cc, csts, fctype, prop, Cap, ConnectCmd, ConnectData, PropertyCmd};
@@ -16,24 +20,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// Admin queue entries (the Linux host uses 32).
-const ADMIN_QUEUE_ENTRIES: u16 = 32;
-/// Admin commands wait this long for their completion.
-const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Reconnect delays double up to this multiple of the configured delay.
-const RECONNECT_BACKOFF_MAX: u32 = 8;
-/// Largest admin data transfer the host reads in one command.
-const ADMIN_CHUNK_BYTES: usize = 4096;
-/// Largest data of one admin command (Identify and log page chunks are
-/// 4 KiB, Connect data 1 KiB): the RDMA admin queue's one data buffer.
-const ADMIN_DATA_BYTES_MAX: usize = 4096;
-const _: () = assert!(ADMIN_CHUNK_BYTES <= ADMIN_DATA_BYTES_MAX);
-/// Registered data buffers of one RDMA I/O queue (one per command slot, of
-/// the maximum transfer each) stay within this; deeper queues of large
-/// transfers get fewer entries. 64 MiB: 64 commands of 1 MiB.
-pub const RDMA_QUEUE_BUFFER_BYTES_MAX: usize = 64 << 20;
-const _: () = assert!(RDMA_QUEUE_BUFFER_BYTES_MAX >= 2 * MAX_TRANSFER_BYTES);
 
 /// The fabric a controller is reached over (and, in the target's
 /// configuration, the one a listener serves).
@@ -436,7 +422,7 @@ impl Controller {
             0 => usize::MAX,
             m => 4096usize.checked_shl(m as u32).unwrap_or(usize::MAX),
         };
-        mdts.min(MAX_TRANSFER_BYTES)
+        mdts.min(TRANSFER_BYTES_MAX)
     }
 
     /// Bytes of write data that may travel in-capsule on I/O queues.

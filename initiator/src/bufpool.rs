@@ -8,17 +8,9 @@
 //! readahead window, the stripe unit, the files' sizes rounded to blocks) and
 //! allocates a zeroed one only when no buffer of that length is free.
 
+use crate::limits::{BUF_POOL_BUF_BYTES_MAX, BUF_POOL_BYTES_MAX, BUF_POOL_PER_LENGTH_MAX};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
-
-/// Bytes the pool may hold: enough for every request in flight on a busy
-/// device without pinning memory for a burst long gone.
-const POOLED_BYTES_MAX: usize = 64 << 20;
-/// Buffers kept per length.
-const PER_LENGTH_MAX: usize = 64;
-/// Larger buffers are freed, not pooled (a rare 32 MiB NBD request should
-/// not pin 32 MiB).
-const POOLED_BUF_BYTES_MAX: usize = 4 << 20;
 
 #[derive(Debug, Default)]
 struct Free {
@@ -53,15 +45,15 @@ impl BufPool {
     /// Takes a buffer back for reuse (or frees it when the pool is full).
     pub(crate) fn put(&self, b: Vec<u8>) {
         let len = b.len();
-        if len == 0 || len > POOLED_BUF_BYTES_MAX {
+        if len == 0 || len > BUF_POOL_BUF_BYTES_MAX {
             return;
         }
         let mut g = self.lock();
-        if g.bytes + len > POOLED_BYTES_MAX {
+        if g.bytes + len > BUF_POOL_BYTES_MAX {
             return;
         }
         let class = g.by_len.entry(len).or_default();
-        if class.len() < PER_LENGTH_MAX {
+        if class.len() < BUF_POOL_PER_LENGTH_MAX {
             class.push(b);
             g.bytes += len;
         }
@@ -85,16 +77,16 @@ mod tests {
         let b = p.get(8192);
         assert_eq!((b.as_ptr(), b[0]), (at, 7));
         // Too large, or beyond the byte budget: freed.
-        p.put(vec![0; POOLED_BUF_BYTES_MAX + 1]);
+        p.put(vec![0; BUF_POOL_BUF_BYTES_MAX + 1]);
         assert_eq!(p.lock().bytes, 0);
-        for _ in 0..(POOLED_BYTES_MAX / POOLED_BUF_BYTES_MAX + 4) {
-            p.put(vec![0; POOLED_BUF_BYTES_MAX]);
+        for _ in 0..(BUF_POOL_BYTES_MAX / BUF_POOL_BUF_BYTES_MAX + 4) {
+            p.put(vec![0; BUF_POOL_BUF_BYTES_MAX]);
         }
-        assert!(p.lock().bytes <= POOLED_BYTES_MAX);
+        assert!(p.lock().bytes <= BUF_POOL_BYTES_MAX);
         let p = BufPool::default();
-        for _ in 0..PER_LENGTH_MAX + 10 {
+        for _ in 0..BUF_POOL_PER_LENGTH_MAX + 10 {
             p.put(vec![0; 512]);
         }
-        assert_eq!(p.lock().by_len[&512].len(), PER_LENGTH_MAX);
+        assert_eq!(p.lock().by_len[&512].len(), BUF_POOL_PER_LENGTH_MAX);
     }
 }

@@ -3,6 +3,7 @@
 //! reads while it waits to write).
 
 use crate::error::Error;
+use crate::limits::{DIRECT_RX_BYTES_MIN, RX_BUF_BYTES};
 use nvpool_wire::tcp::{
     self, flags, CommonHeader, DataHeader, Digests, IcReq, IcResp, PduType, R2t, TermReq,
 };
@@ -12,17 +13,6 @@ use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
-
-/// Largest data transfer one command may carry from this host. The Linux
-/// kernel target sends a whole read as one C2HData PDU, so the receive
-/// buffer must hold one transfer.
-pub const MAX_TRANSFER_BYTES: usize = 1 << 20;
-/// Receive buffer: one maximal PDU plus room to keep reading behind it.
-pub const RX_BUF_BYTES: usize = MAX_TRANSFER_BYTES + (256 << 10);
-/// A C2HData payload at least this large that has not fully arrived is read
-/// straight into the request's buffer, not through the receive buffer (one
-/// copy of every byte less). Smaller ones are not worth the extra reads.
-pub const DIRECT_MIN_BYTES: usize = 16 << 10;
 
 /// A PDU received from the controller. Data is referenced by its range in
 /// the receive buffer ([`Conn::data`]), valid until the next [`Conn::pump`].
@@ -310,7 +300,8 @@ impl Conn {
         } else {
             hlen + self.dg.hdgst_len()
         };
-        (avail >= ds && avail < plen && plen.saturating_sub(ds) >= DIRECT_MIN_BYTES).then_some(ds)
+        (avail >= ds && avail < plen && plen.saturating_sub(ds) >= DIRECT_RX_BYTES_MIN)
+            .then_some(ds)
     }
 
     fn compact(&mut self) {

@@ -33,6 +33,7 @@
 
 use crate::admin::{Controller, NamespaceInfo};
 use crate::error::{Error, IoError};
+use crate::limits::{JOBS_PER_WORKER_MAX, WORKER_IDLE_WAKE_MS};
 use crate::queue::{Completion, IoQueue, Op, Request};
 use std::collections::VecDeque;
 use std::future::Future;
@@ -45,11 +46,6 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// Requests queued per worker beyond those in its I/O queue.
-const JOBS_PER_WORKER: usize = 256;
-/// A worker idle in poll(2) wakes this often, to notice a stop request or a
-/// controller declared lost while its commands get no answer.
-const WORKER_IDLE_WAKE_MS: i32 = 1000;
 /// Blocks per Write Zeroes or Deallocate command (NLB is 16 bits).
 const ZEROES_BLOCKS_MAX: u64 = 65536;
 
@@ -195,7 +191,7 @@ impl ControllerIo {
             let mut q = io.ctrl.io_queue(qid)?;
             q.set_block_size(block_size);
             depth_total += q.depth();
-            let (tx, rx) = mpsc::sync_channel(JOBS_PER_WORKER);
+            let (tx, rx) = mpsc::sync_channel(JOBS_PER_WORKER_MAX);
             // SAFETY: eventfd takes no pointers; the fd is owned below.
             let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
             if fd < 0 {
@@ -227,7 +223,7 @@ impl ControllerIo {
                 thread: Some(thread),
             });
         }
-        io.permits.lock().0 = depth_total + n as usize * JOBS_PER_WORKER / 2;
+        io.permits.lock().0 = depth_total + n as usize * JOBS_PER_WORKER_MAX / 2;
         Ok(Arc::new(io))
     }
 

@@ -18,6 +18,7 @@
 //! bound. A thread that must never wait (a reactor) uses
 //! [`Executor::try_spawn`], which is refused instead of waiting for a slot.
 
+use crate::limits::EXECUTOR_DRAIN_TIMEOUT_MS;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -26,11 +27,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::task::{Context, Wake, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// How long dropping an executor waits for its live tasks. Longer than the
-/// initiator's controller-loss timeout (60 s), after which a lost device
-/// fails every request, so only a device that never answers is abandoned.
-const DRAIN_TIMEOUT_MS: u64 = 75_000;
 
 type BoxTask = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 
@@ -209,10 +205,10 @@ impl Executor {
 
 impl Drop for Executor {
     /// Lets every live task finish, then stops the threads. Tasks still
-    /// pending after [`DRAIN_TIMEOUT_MS`] (a device that never completes
+    /// pending after [`EXECUTOR_DRAIN_TIMEOUT_MS`] (a device that never completes
     /// them) are abandoned with their threads, so teardown stays bounded.
     fn drop(&mut self) {
-        let deadline = Instant::now() + Duration::from_millis(DRAIN_TIMEOUT_MS);
+        let deadline = Instant::now() + Duration::from_millis(EXECUTOR_DRAIN_TIMEOUT_MS);
         let mut g = self.shared.lock();
         g.stop = true;
         self.shared.work.notify_all();
@@ -221,7 +217,7 @@ impl Drop for Executor {
             if left.is_zero() {
                 tracing::error!(
                     pending = g.live,
-                    "block device did not complete I/O within {DRAIN_TIMEOUT_MS} ms; abandoning it"
+                    "block device did not complete I/O within {EXECUTOR_DRAIN_TIMEOUT_MS} ms; abandoning it"
                 );
                 return;
             }

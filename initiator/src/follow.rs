@@ -45,6 +45,10 @@
 //! carries no HTTP client.
 
 use crate::error::Error;
+use crate::limits::{
+    FOLLOW_FAILURES_QUEUED_MAX, FOLLOW_GET_TIMEOUT, FOLLOW_HAND_OVER_TRIES_MAX, FOLLOW_REPORT_IDLE,
+    FOLLOW_REPORT_RETRY, FOLLOW_RETRY,
+};
 use crate::volume::{CopyState, ExtentFailedFn, ExtentFailure, MissedRegions, MovingCopy, Volume};
 use nvpool_control::plan::{ConnectionPlan, PlanExtent};
 use nvpool_control::resync::{HostMove, SyncingCopy};
@@ -60,31 +64,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// Wait after a failed call to the control plane before the next one.
-const RETRY: Duration = Duration::from_secs(1);
-/// Retry interval of failure reports to an unreachable control plane.
-const REPORT_RETRY: Duration = Duration::from_secs(2);
-/// How long the reporter sleeps with nothing to report before it looks
-/// again; it wakes at once for a failure, so this only bounds an idle wait.
-const REPORT_IDLE: Duration = Duration::from_secs(3600);
-/// Failures queued for the reporter. A failure is reported once per copy
-/// and copies are at most the plan's extents; past this many the volume is
-/// lost anyway, and a full queue drops (the callback runs inside an I/O
-/// and must not block).
-const FAILURES_QUEUED_MAX: usize = 1024;
-/// Tries of the missed-regions hand-over at stop: a record that does not
-/// arrive is treated as lost (a full copy later), so a stopping process
-/// does not wait long for an unreachable control plane.
-const HAND_OVER_TRIES: u32 = 3;
-/// How long the control plane holds a long-poll of the attachment before
-/// it answers unchanged (its `WATCH_WAIT`).
-const LONG_POLL: Duration = Duration::from_secs(25);
-/// Timeout of one GET of the attachment, a long-poll included: the control
-/// plane's wait plus room for a busy store. A request still unanswered
-/// then is on a dead connection; the watch is retried.
-pub const GET_TIMEOUT: Duration = Duration::from_secs(60);
-const _: () = assert!(GET_TIMEOUT.as_secs() > 2 * LONG_POLL.as_secs());
-
 /// How the follower calls the control plane's REST API: blocking, from
 /// the follower's own threads. `path` is relative to the control plane's
 /// base URL (`/v1/volumes/{uuid}/attachments/{host}…`, every segment
@@ -96,7 +75,7 @@ const _: () = assert!(GET_TIMEOUT.as_secs() > 2 * LONG_POLL.as_secs());
 /// the log.
 pub trait ControlPlane: Send + Sync + 'static {
     /// `GET path`, giving up after `timeout` for the whole answer
-    /// ([`GET_TIMEOUT`], which covers a long-poll).
+    /// ([`FOLLOW_GET_TIMEOUT`], which covers a long-poll).
     fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String>;
 
     /// `PUT path` with a JSON body.
@@ -171,7 +150,9 @@ fn put(cp: &impl ControlPlane, path: &str, body: &serde_json::Value) -> Result<(
 }
 
 fn get<T: DeserializeOwned>(cp: &impl ControlPlane, path: &str) -> Result<T, CallError> {
-    let (status, body) = cp.get(path, GET_TIMEOUT).map_err(CallError::Unreachable)?;
+    let (status, body) = cp
+        .get(path, FOLLOW_GET_TIMEOUT)
+        .map_err(CallError::Unreachable)?;
     CallError::check(status, &body)?;
     serde_json::from_slice(&body).map_err(|e| CallError::Protocol {
         path: path.to_owned(),
@@ -290,7 +271,7 @@ pub fn spawn_failure_reporter<C: ControlPlane>(
     volume: &Uuid,
     host_nqn: &str,
 ) -> std::io::Result<(ExtentFailedFn, JoinHandle<()>)> {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<usize>(FAILURES_QUEUED_MAX);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<usize>(FOLLOW_FAILURES_QUEUED_MAX);
     let path = format!("{}/failed-extents", attachment_path(volume, host_nqn));
     let span = tracing::info_span!("follow", volume = %volume);
     let thread = std::thread::Builder::new()
@@ -313,9 +294,9 @@ fn report_failures(cp: &impl ControlPlane, path: &str, rx: &Receiver<usize>) {
     let mut pending: Vec<u32> = Vec::new();
     loop {
         let wait = if pending.is_empty() {
-            REPORT_IDLE
+            FOLLOW_REPORT_IDLE
         } else {
-            REPORT_RETRY
+            FOLLOW_REPORT_RETRY
         };
         match rx.recv_timeout(wait) {
             Ok(i) => pending.push(i as u32),
@@ -339,7 +320,7 @@ fn report_failures(cp: &impl ControlPlane, path: &str, rx: &Receiver<usize>) {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "reporting failed extents failed; retrying");
-                std::thread::sleep(REPORT_RETRY);
+                std::thread::sleep(FOLLOW_REPORT_RETRY);
             }
         }
     }
@@ -506,7 +487,7 @@ impl<C: ControlPlane> Watcher<C> {
                 Ok(()) => return,
                 Err(e) => {
                     tracing::warn!(error = %e, "registering the serving session failed; retrying");
-                    std::thread::sleep(RETRY);
+                    std::thread::sleep(FOLLOW_RETRY);
                 }
             }
         }
@@ -544,7 +525,7 @@ impl<C: ControlPlane> Watcher<C> {
                     if let Some(plan) = &v.plan {
                         if !self.grow(plan) {
                             // Asked again at once (same revision) after a pause.
-                            std::thread::sleep(RETRY);
+                            std::thread::sleep(FOLLOW_RETRY);
                             continue;
                         }
                     }
@@ -555,7 +536,7 @@ impl<C: ControlPlane> Watcher<C> {
                         return;
                     }
                     tracing::warn!(error = %e, "watching the attachment failed; retrying");
-                    std::thread::sleep(RETRY);
+                    std::thread::sleep(FOLLOW_RETRY);
                 }
             }
         }
@@ -770,12 +751,12 @@ impl<C: ControlPlane> Watcher<C> {
         }
         let body = serde_json::json!({ "session": self.session, "extents": extents });
         let path = format!("{}/missed", self.base);
-        for attempt in 0..HAND_OVER_TRIES {
+        for attempt in 0..FOLLOW_HAND_OVER_TRIES_MAX {
             match put(&self.cp, &path, &body) {
                 Ok(()) => return,
                 Err(e) => {
                     tracing::warn!(attempt, error = %e, "handing over missed regions failed");
-                    std::thread::sleep(RETRY);
+                    std::thread::sleep(FOLLOW_RETRY);
                 }
             }
         }
@@ -841,7 +822,7 @@ mod tests {
 
     impl ControlPlane for FakeCp {
         fn get(&self, path: &str, timeout: Duration) -> Answer {
-            assert_eq!(timeout, GET_TIMEOUT);
+            assert_eq!(timeout, FOLLOW_GET_TIMEOUT);
             let call = ("GET".to_owned(), path.to_owned(), Value::Null);
             self.calls.lock().unwrap().push(call);
             self.gets.lock().unwrap().pop_front().unwrap_or_else(|| {

@@ -34,6 +34,7 @@ pub mod exec;
 pub mod follow;
 pub mod frontend;
 pub mod hostnqn;
+pub mod limits;
 mod link;
 pub mod queue;
 mod rdma;

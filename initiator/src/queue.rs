@@ -4,6 +4,7 @@
 use crate::admin::Controller;
 use crate::conn::Pdu;
 use crate::error::{Error, IoError};
+use crate::limits::DIGEST_RETRIES_MAX;
 use crate::link::Link;
 use crate::rdma::Data;
 use nvpool_wire::sqe::nvm;
@@ -69,8 +70,8 @@ struct Slot {
 /// CIDs are slot | generation << 12, as the Linux host does.
 const SLOT_BITS: u16 = 12;
 const MAX_DEPTH: u16 = 1 << SLOT_BITS;
-/// A command whose data arrives damaged is retried this many times.
-const DIGEST_RETRIES: u8 = 3;
+// The default depth needs no clamping by the CID format.
+const _: () = assert!(crate::limits::IO_QUEUE_DEPTH_DEFAULT <= MAX_DEPTH);
 
 #[derive(Debug)]
 pub struct IoQueue {
@@ -368,7 +369,8 @@ impl IoQueue {
                         what: "read completed with short data".into(),
                     });
                 }
-                if cqe.status == Status::TRANSIENT_TRANSPORT_ERROR && s.retries < DIGEST_RETRIES {
+                if cqe.status == Status::TRANSIENT_TRANSPORT_ERROR && s.retries < DIGEST_RETRIES_MAX
+                {
                     self.slots[si].retries += 1;
                     self.issue(si as u16);
                     return Ok(());

@@ -22,6 +22,7 @@
 //! event channel) is woken by the next completion or CM event.
 
 use crate::error::Error;
+use crate::limits::RDMA_SEND_ROOM_WAIT;
 use crate::link::{poll_fd, poll_ms};
 use nvpool_rdma::{event, CmId, Endpoint, EventChannel, Mr, QpSize, SendKind, SendWr, Wc};
 use nvpool_wire::rdma::{CmRequest, KeyedSgl, RESPONSE_LEN};
@@ -40,8 +41,6 @@ const PAGE_BYTES: usize = 4096;
 const WC_BATCH: usize = 32;
 /// wr_id bit telling receives from sends.
 const WR_RECV: u64 = 1 << 63;
-/// Longest wait for a free send-queue entry before the queue counts as broken.
-const SEND_ROOM_WAIT: Duration = Duration::from_secs(5);
 
 /// What a command moves, from the host's point of view.
 #[derive(Debug, Clone, Copy)]
@@ -299,7 +298,7 @@ impl RdmaConn {
     /// Waits until the send queue has an entry free (normally it has: it
     /// holds two per command slot).
     fn send_room(&mut self) -> Result<(), Error> {
-        let until = Instant::now() + SEND_ROOM_WAIT;
+        let until = Instant::now() + RDMA_SEND_ROOM_WAIT;
         while self.sends >= self.send_cap {
             self.reap()?;
             if self.sends < self.send_cap {

@@ -154,6 +154,11 @@ use crate::blockdev::{BlockDev, BufResult, IoFuture};
 use crate::bufpool::BufPool;
 use crate::device::{block_on, join_all, ControllerIo, Device};
 use crate::error::{Error, IoError};
+use crate::limits::{
+    CONNECT_TIMEOUT, COPIES_MAX, CTRL_LOSS_TIMEOUT, FLUSH_EXTENTS_IN_FLIGHT_MAX,
+    IO_QUEUES_PER_CTRL_DEFAULT, IO_QUEUE_DEPTH_DEFAULT, KEEP_ALIVE_TIMEOUT,
+    MIRRORED_CTRL_LOSS_TIMEOUT, RECONNECT_DELAY, SYNC_DRAIN_TIMEOUT,
+};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use drain::Drain;
 use missed::{Mark, Missed};
@@ -168,49 +173,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
-
-/// Controller-loss timeout of volumes with copies: how long writes wait for
-/// a dead copy before continuing without it. Long enough for a target
-/// restart (a few reconnect attempts), short enough that a dead target
-/// stalls writes for seconds, not a minute.
-pub const MIRRORED_CTRL_LOSS_TIMEOUT: Duration = Duration::from_secs(5);
-/// Controller-loss timeout of volumes without copies (the Linux host's
-/// default): nothing to fail over to, so wait for the target to return.
-pub const CTRL_LOSS_TIMEOUT: Duration = Duration::from_secs(60);
-/// I/O queues (and worker threads) per controller by default: two keep a
-/// queue busy while the other's thread handles completions.
-pub const QUEUES_PER_CONTROLLER: u16 = 2;
-/// Commands outstanding per I/O queue by default (the Linux host's 128).
-pub const QUEUE_DEPTH: u16 = 128;
-/// Keep-alive timeout by default (the Linux host's 5 s).
-pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(5);
-/// First reconnect delay by default; it doubles after each failure. Half a
-/// second gives a mirrored volume's 5 s about four attempts.
-pub const RECONNECT_DELAY: Duration = Duration::from_millis(500);
-/// TCP connect and ICResp timeout by default; it adds to the time a dead
-/// copy stalls I/O, so it is shorter than a lone controller's 10 s.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// How long [`Volume::begin_sync`] waits for the mutations issued before
-/// the switch. A mutation is outstanding that long only when a copy's path
-/// is dead: a target that closed its connections stalls writes for about
-/// [`MIRRORED_CTRL_LOSS_TIMEOUT`] plus one [`CONNECT_TIMEOUT`], well inside
-/// this. A target that vanished silently is noticed by keep-alive first
-/// (30 s admin timeout) and may outlast it: begin_sync then fails, the copy
-/// stays `Syncing` (written, never read: safe), and the control plane calls
-/// it again, which drains again.
-pub const SYNC_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-const _: () = assert!(
-    SYNC_DRAIN_TIMEOUT.as_millis()
-        > 2 * (MIRRORED_CTRL_LOSS_TIMEOUT.as_millis() + CONNECT_TIMEOUT.as_millis())
-);
-
-/// Extents (with all their copies) one flush works on at once: bounds the
-/// commands a flush puts in flight and the cost of joining them (every
-/// wake-up polls each pending piece).
-const FLUSH_EXTENTS_AT_ONCE: usize = 64;
-/// Most copies of a member a plan may have; `tried` sets are bitmasks.
-const COPIES_MAX: usize = 8;
-const _: () = assert!(nvpool_control::limits::COPIES_MAX as usize <= COPIES_MAX);
 
 /// Called once for every extent copy the volume stops using.
 pub type ExtentFailedFn = Arc<dyn Fn(&ExtentFailure) + Send + Sync>;
@@ -274,8 +236,8 @@ pub struct VolumeOptions {
 impl Default for VolumeOptions {
     fn default() -> VolumeOptions {
         VolumeOptions {
-            queues_per_controller: QUEUES_PER_CONTROLLER,
-            queue_depth: QUEUE_DEPTH,
+            queues_per_controller: IO_QUEUES_PER_CTRL_DEFAULT,
+            queue_depth: IO_QUEUE_DEPTH_DEFAULT,
             keep_alive: KEEP_ALIVE_TIMEOUT,
             ctrl_loss_timeout: None,
             reconnect_delay: RECONNECT_DELAY,
@@ -1437,7 +1399,7 @@ impl Volume {
             })
             .collect();
         let mut first = Ok(());
-        for batch in groups.chunks(FLUSH_EXTENTS_AT_ONCE) {
+        for batch in groups.chunks(FLUSH_EXTENTS_IN_FLIGHT_MAX) {
             let all = batch
                 .iter()
                 .map(|&g| self.mutate_run(&t, g * self.copies, 0, 0, Mutation::Flush, Vec::new()));

@@ -29,7 +29,7 @@
 //! # When the device grows
 //!
 //! The file's size is the device's whenever the kernel asks (GETATTR,
-//! LOOKUP), but the kernel caches it for a minute (`ATTR_TTL`), and the
+//! LOOKUP), but the kernel caches it for a minute (`FUSE_ATTR_TTL`), and the
 //! loop device keeps the size it computed when it was bound.
 //! [`FuseLoop::resize`] (after the device grew: a volume grown online)
 //! tells the kernel to drop the file's cached attributes
@@ -55,6 +55,10 @@ use super::loopdev;
 use super::span::Span;
 use crate::blockdev::BlockDev;
 use crate::exec::Executor;
+use crate::limits::{
+    FUSE_ATTR_TTL, FUSE_BACKGROUND_MAX, FUSE_IN_FLIGHT_MAX, FUSE_UNMOUNT_RETRY_MS,
+    FUSE_WRITE_BYTES_MAX,
+};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
@@ -71,20 +75,6 @@ pub use super::loopdev::{attach_loop, attach_loop_with, LoopDevice, LoopError, L
 
 const ROOT: INodeNo = INodeNo(1);
 const FILE: INodeNo = INodeNo(2);
-/// Attributes change only when the device grows, and then
-/// [`FuseLoop::resize`] tells the kernel: let it cache them.
-const ATTR_TTL: Duration = Duration::from_secs(60);
-/// Largest READ/WRITE the kernel sends (needs FUSE_MAX_PAGES: 256 pages is
-/// the kernel's default page limit, so 1 MiB is the most it grants).
-pub const MAX_WRITE_BYTES: u32 = 1 << 20;
-/// Background requests (async direct I/O from the loop device, readahead)
-/// the kernel keeps in flight; its default of 16 would cap loop queue depth.
-const MAX_BACKGROUND: u16 = 128;
-/// I/Os in flight through the executor; beyond it session threads wait.
-pub const IN_FLIGHT_MAX: usize = 256;
-/// How long close() retries unmounting while the kernel drops its last
-/// references to the file after the loop device let go of it.
-const UNMOUNT_RETRY_MS: u64 = 2_000;
 
 /// How to mount.
 #[derive(Debug, Clone)]
@@ -220,14 +210,14 @@ impl FuseFs {
 
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
-        if let Err(max) = config.set_max_write(MAX_WRITE_BYTES) {
+        if let Err(max) = config.set_max_write(FUSE_WRITE_BYTES_MAX) {
             let _ = config.set_max_write(max);
         }
-        if let Err(max) = config.set_max_readahead(MAX_WRITE_BYTES) {
+        if let Err(max) = config.set_max_readahead(FUSE_WRITE_BYTES_MAX) {
             let _ = config.set_max_readahead(max);
         }
-        let _ = config.set_max_background(MAX_BACKGROUND);
-        let _ = config.set_congestion_threshold(MAX_BACKGROUND / 4 * 3);
+        let _ = config.set_max_background(FUSE_BACKGROUND_MAX);
+        let _ = config.set_congestion_threshold(FUSE_BACKGROUND_MAX / 4 * 3);
         // Async direct I/O lets the loop device keep many requests in
         // flight instead of one per worker.
         let _ = config.add_capabilities(InitFlags::FUSE_ASYNC_DIO);
@@ -236,7 +226,7 @@ impl Filesystem for FuseFs {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         if parent == ROOT && name.as_bytes() == self.name.as_slice() {
-            reply.entry(&ATTR_TTL, &self.attr(FILE), Generation(0));
+            reply.entry(&FUSE_ATTR_TTL, &self.attr(FILE), Generation(0));
         } else {
             reply.error(Errno::ENOENT);
         }
@@ -244,7 +234,7 @@ impl Filesystem for FuseFs {
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         match ino {
-            ROOT | FILE => reply.attr(&ATTR_TTL, &self.attr(ino)),
+            ROOT | FILE => reply.attr(&FUSE_ATTR_TTL, &self.attr(ino)),
             _ => reply.error(Errno::ENOENT),
         }
     }
@@ -274,7 +264,7 @@ impl Filesystem for FuseFs {
         if size.is_some_and(|s| ino != FILE || s != self.span.size()) {
             return reply.error(err(libc::EPERM));
         }
-        reply.attr(&ATTR_TTL, &self.attr(ino));
+        reply.attr(&FUSE_ATTR_TTL, &self.attr(ino));
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
@@ -509,7 +499,7 @@ pub fn mount(
     let exec = Executor::new(
         "nvpool-fuse-io",
         opts.io_threads.max(1),
-        IN_FLIGHT_MAX,
+        FUSE_IN_FLIGHT_MAX,
         true,
     )
     .map_err(FuseError::Executor)?;
@@ -789,7 +779,7 @@ impl FuseLoop {
         };
         // The kernel drops the file's last reference just after the loop
         // device unbinds; give it a moment before calling the mount busy.
-        let deadline = std::time::Instant::now() + Duration::from_millis(UNMOUNT_RETRY_MS);
+        let deadline = std::time::Instant::now() + Duration::from_millis(FUSE_UNMOUNT_RETRY_MS);
         loop {
             match m.unmount() {
                 Err(FuseError::Busy { .. }) if std::time::Instant::now() < deadline => {

@@ -11,6 +11,7 @@
 //! the kernel to finish. [`LoopDevice::set_capacity`] makes a bound
 //! device follow its file when the file grew (`LOOP_SET_CAPACITY`).
 
+use crate::limits::{LOOP_CONFIGURE_ATTEMPTS_MAX, LOOP_DETACH_WAIT_MS};
 use std::ffi::CString;
 use std::fs::OpenOptions;
 use std::io;
@@ -34,12 +35,6 @@ const _: () = assert!(std::mem::size_of::<usize>() != 8 || BLKGETSIZE64 == 0x800
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_FLAGS_DIRECT_IO: u32 = 16;
-
-/// Another process may take the free device between LOOP_CTL_GET_FREE and
-/// LOOP_CONFIGURE; retry that many times (losetup does the same).
-const CONFIGURE_ATTEMPTS_MAX: u32 = 16;
-/// How long detach waits for the kernel to unbind after the last close.
-const DETACH_WAIT_MS: u64 = 5_000;
 
 /// `struct loop_info64` of `<linux/loop.h>`.
 #[repr(C)]
@@ -207,7 +202,7 @@ pub fn attach_loop_with(file: &Path, opts: &LoopOptions) -> Result<LoopDevice, L
     if opts.read_only {
         flags |= LO_FLAGS_READ_ONLY;
     }
-    for _ in 0..CONFIGURE_ATTEMPTS_MAX {
+    for _ in 0..LOOP_CONFIGURE_ATTEMPTS_MAX {
         let index =
             ioctl(&ctl, LOOP_CTL_GET_FREE, 0).map_err(io_err("LOOP_CTL_GET_FREE", ctl_path))?;
         let path = PathBuf::from(format!("/dev/loop{index}"));
@@ -265,7 +260,7 @@ pub fn attach_loop_with(file: &Path, opts: &LoopOptions) -> Result<LoopDevice, L
         });
     }
     Err(LoopError::NoFreeDevice {
-        attempts: CONFIGURE_ATTEMPTS_MAX,
+        attempts: LOOP_CONFIGURE_ATTEMPTS_MAX,
     })
 }
 
@@ -359,12 +354,12 @@ impl LoopDevice {
             Err(e) => return Err(io_err("LOOP_CLR_FD", &self.path)(e)),
         }
         drop(fd);
-        let deadline = Instant::now() + Duration::from_millis(DETACH_WAIT_MS);
+        let deadline = Instant::now() + Duration::from_millis(LOOP_DETACH_WAIT_MS);
         while self.bound() {
             if Instant::now() > deadline {
                 return Err(LoopError::DetachTimeout {
                     path: self.path.clone(),
-                    waited: Duration::from_millis(DETACH_WAIT_MS),
+                    waited: Duration::from_millis(LOOP_DETACH_WAIT_MS),
                 });
             }
             std::thread::sleep(Duration::from_millis(5));

@@ -11,7 +11,7 @@
 //!
 //! Requests on one connection run concurrently and are answered as they
 //! complete, matched by cookie. Each connection holds at most
-//! [`IN_FLIGHT_MAX`] requests and [`IN_FLIGHT_BYTES_MAX`] bytes of payload;
+//! [`NBD_IN_FLIGHT_MAX`] requests and [`NBD_IN_FLIGHT_BYTES_MAX`] bytes of payload;
 //! the reader waits for room, and the reply channel holds one slot per
 //! in-flight request, so nothing queues without bound.
 //!
@@ -19,7 +19,7 @@
 //! keeps serving (unknown command or flag → EINVAL, read or trim past the
 //! end → EINVAL, write or write-zeroes past the end → ENOSPC, write to a
 //! read-only export → EPERM). Input that makes the stream unreadable
-//! (bad request magic, a write payload over [`PAYLOAD_MAX_BYTES`],
+//! (bad request magic, a write payload over [`NBD_PAYLOAD_BYTES_MAX`],
 //! unknown client flags) ends that connection only. Nothing a client sends
 //! can panic the server or touch another connection.
 //!
@@ -46,6 +46,11 @@ pub mod kernel;
 use super::span::Span;
 use crate::blockdev::BlockDev;
 use crate::exec::Executor;
+use crate::limits::{
+    NBD_CONNECTIONS_MAX, NBD_HANDSHAKE_READ_TIMEOUT_MS, NBD_IN_FLIGHT_BYTES_MAX, NBD_IN_FLIGHT_MAX,
+    NBD_IO_THREADS_DEFAULT, NBD_OPTIONS_MAX, NBD_OPTION_DATA_BYTES_MAX, NBD_PAYLOAD_BYTES_MAX,
+    NBD_PEER_LOG_INTERVAL_MS, NBD_TASKS_MAX,
+};
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -127,36 +132,6 @@ const EPERM: u32 = 1;
 const EINVAL: u32 = 22;
 const ENOSPC: u32 = 28;
 
-/// Largest payload accepted in one request. The protocol says no payload
-/// up to 32 MiB should be treated as an attack (and the kernel's nbd driver
-/// sends up to 32 MiB), so that is the line; a larger write payload ends
-/// the connection, a larger read gets EINVAL.
-pub const PAYLOAD_MAX_BYTES: u32 = 32 << 20;
-/// Requests in flight per connection (what the reader may have handed to
-/// the executor before its replies were written).
-pub const IN_FLIGHT_MAX: usize = 128;
-/// Payload bytes in flight per connection; one request larger than this
-/// still runs, alone.
-pub const IN_FLIGHT_BYTES_MAX: usize = 64 << 20;
-/// Concurrent connections per server; more are closed at accept.
-pub const CONNECTIONS_MAX: usize = 64;
-/// Option data the handshake reads (an export name is at most 4096 bytes);
-/// longer options are skipped and refused with NBD_REP_ERR_TOO_BIG.
-const OPTION_DATA_MAX_BYTES: u32 = 8192;
-/// Options one connection may send before it is treated as an attack.
-const OPTIONS_MAX: u32 = 1024;
-/// A client has this long per read to complete the handshake.
-const HANDSHAKE_READ_TIMEOUT_MS: u64 = 30_000;
-/// Executor threads polling BlockDev futures for one server.
-const IO_THREADS_DEFAULT: usize = 2;
-/// Futures live across all connections of a server.
-const TASKS_MAX: usize = 1024;
-/// Peer-triggered warnings are logged at most once per this interval.
-const PEER_LOG_INTERVAL_MS: u64 = 1_000;
-
-const _: () = assert!(IN_FLIGHT_BYTES_MAX >= PAYLOAD_MAX_BYTES as usize);
-const _: () = assert!(TASKS_MAX >= IN_FLIGHT_MAX);
-
 /// Why a server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum NbdError {
@@ -198,18 +173,18 @@ impl Default for NbdOptions {
             unix_socket: None,
             tcp: None,
             read_only: false,
-            io_threads: IO_THREADS_DEFAULT,
+            io_threads: NBD_IO_THREADS_DEFAULT,
         }
     }
 }
 
-/// Logs a peer-triggered event at most once per [`PEER_LOG_INTERVAL_MS`].
+/// Logs a peer-triggered event at most once per [`NBD_PEER_LOG_INTERVAL_MS`].
 fn peer_warn(what: &str, detail: &dyn std::fmt::Display) {
     static LAST_MS: AtomicU64 = AtomicU64::new(0);
     static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
     let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1;
     let last = LAST_MS.load(Ordering::Relaxed);
-    if (last == 0 || now.saturating_sub(last) >= PEER_LOG_INTERVAL_MS)
+    if (last == 0 || now.saturating_sub(last) >= NBD_PEER_LOG_INTERVAL_MS)
         && LAST_MS
             .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
@@ -317,7 +292,7 @@ impl Export {
         };
         let max = dev
             .max_io_bytes()
-            .clamp(preferred, PAYLOAD_MAX_BYTES.max(preferred));
+            .clamp(preferred, NBD_PAYLOAD_BYTES_MAX.max(preferred));
         let mut flags = FLAG_HAS_FLAGS
             | FLAG_SEND_FLUSH
             | FLAG_SEND_FUA
@@ -424,8 +399,13 @@ impl NbdServer {
         opts: &NbdOptions,
     ) -> Result<NbdServer, NbdError> {
         let export = Export::of(dev.as_ref(), opts.read_only);
-        let exec = Executor::new("nvpool-nbd-io", opts.io_threads.max(1), TASKS_MAX, false)
-            .map_err(NbdError::Thread)?;
+        let exec = Executor::new(
+            "nvpool-nbd-io",
+            opts.io_threads.max(1),
+            NBD_TASKS_MAX,
+            false,
+        )
+        .map_err(NbdError::Thread)?;
         // SAFETY: eventfd takes no pointers; the descriptor is owned below.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
@@ -628,10 +608,10 @@ fn accept_loop(l: Listener, shared: &Arc<Shared>, stop: &OwnedFd) {
                 continue;
             }
         };
-        if shared.conns().len() >= CONNECTIONS_MAX {
+        if shared.conns().len() >= NBD_CONNECTIONS_MAX {
             peer_warn(
                 "connection limit reached; closing a new connection",
-                &CONNECTIONS_MAX,
+                &NBD_CONNECTIONS_MAX,
             );
             continue;
         }
@@ -675,7 +655,7 @@ fn serve_conn(shared: &Arc<Shared>, sock: Sock, neg: Option<Negotiated>) -> io::
         Some(n) => n,
         None => {
             r.get_ref()
-                .set_read_timeout(Some(Duration::from_millis(HANDSHAKE_READ_TIMEOUT_MS)))?;
+                .set_read_timeout(Some(Duration::from_millis(NBD_HANDSHAKE_READ_TIMEOUT_MS)))?;
             let n = handshake(shared, &mut r, &mut w)?;
             r.get_ref().set_read_timeout(None)?;
             match n {
@@ -769,14 +749,14 @@ fn handshake(
     let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
     let ex = shared.export;
     let mut structured = false;
-    for _ in 0..OPTIONS_MAX {
+    for _ in 0..NBD_OPTIONS_MAX {
         if read_u64(r)? != IHAVEOPT {
             peer_warn("bad option magic; closing", &"");
             return Err(protocol("bad option magic"));
         }
         let opt = read_u32(r)?;
         let len = read_u32(r)?;
-        if len > OPTION_DATA_MAX_BYTES {
+        if len > NBD_OPTION_DATA_BYTES_MAX {
             io::copy(&mut r.by_ref().take(len as u64), &mut io::sink())?;
             if opt == OPT_EXPORT_NAME {
                 return Err(protocol("export name too long"));
@@ -889,7 +869,7 @@ fn handshake(
             _ => opt_reply(w, opt, REP_ERR_UNSUP, b"option not supported")?,
         }
     }
-    peer_warn("too many options; closing", &OPTIONS_MAX);
+    peer_warn("too many options; closing", &NBD_OPTIONS_MAX);
     Ok(None)
 }
 
@@ -908,7 +888,7 @@ impl InFlight {
     /// Waits for room for one more request of `bytes` payload.
     fn acquire(&self, bytes: usize) {
         let mut g = self.lock();
-        while g.0 >= IN_FLIGHT_MAX || (g.0 > 0 && g.1 + bytes > IN_FLIGHT_BYTES_MAX) {
+        while g.0 >= NBD_IN_FLIGHT_MAX || (g.0 > 0 && g.1 + bytes > NBD_IN_FLIGHT_BYTES_MAX) {
             g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
         }
         g.0 += 1;
@@ -972,7 +952,7 @@ fn transmission(
     neg: Negotiated,
 ) -> io::Result<()> {
     let flight = Arc::new(InFlight::default());
-    let (tx, rx) = mpsc::sync_channel::<Out>(IN_FLIGHT_MAX);
+    let (tx, rx) = mpsc::sync_channel::<Out>(NBD_IN_FLIGHT_MAX);
     let writer = {
         let flight = flight.clone();
         let span = shared.span.clone();
@@ -1024,7 +1004,7 @@ fn read_requests(
         let fua = flags & CMD_FLAG_FUA != 0;
         match cmd {
             CMD_WRITE => {
-                if len > PAYLOAD_MAX_BYTES {
+                if len > NBD_PAYLOAD_BYTES_MAX {
                     // Its payload cannot be skipped at a reasonable cost.
                     peer_warn("write payload too large; closing", &len);
                     return Err(protocol("write payload too large"));
@@ -1062,7 +1042,7 @@ fn read_requests(
             CMD_READ => {
                 let bad = flags & !(CMD_FLAG_FUA | CMD_FLAG_DF) != 0
                     || (flags & CMD_FLAG_DF != 0 && !neg.structured)
-                    || len > PAYLOAD_MAX_BYTES
+                    || len > NBD_PAYLOAD_BYTES_MAX
                     || !inside
                     || misaligned;
                 let n = if bad { 0 } else { len as usize };

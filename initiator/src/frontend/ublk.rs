@@ -60,6 +60,7 @@
 use super::errno;
 use crate::blockdev::BlockDev;
 use crate::error::IoError;
+use crate::limits::{UBLK_DISCARD_BYTES_MAX, UBLK_IO_BYTES_MAX, UBLK_QUEUE_DEPTH_DEFAULT};
 use io_uring::{opcode, types};
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::{with_task_io_ring_mut, UblkDev, UblkQueue};
@@ -76,21 +77,9 @@ use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
 
-/// Tags (requests in flight) per hardware queue by default, as deep as the
-/// Linux NVMe host's I/O queues.
-pub const QUEUE_DEPTH_DEFAULT: u16 = 128;
 /// Where the devices this program created are recorded (see
 /// [`cleanup_stale`]); tmpfs, so a reboot forgets them with the devices.
 pub const RUNTIME_DIR_DEFAULT: &str = "/run/nvpool/ublk";
-/// Largest read or write passed on in one piece, and so each tag's buffer:
-/// the initiator caps transfers at 1 MiB (I4), so larger requests would only
-/// be split again. Buffers fill lazily: memory follows the largest request
-/// each tag has served, at most queues × depth × this.
-const IO_BYTES_MAX: u32 = 1 << 20;
-/// Largest discard or write-zeroes request: large enough that `fstrim` of a
-/// big volume is a few thousand requests, small enough that one request does
-/// not hold a tag for long on a slow target.
-const DISCARD_BYTES_MAX: u32 = 64 << 20;
 /// Oldest kernel with the ublk driver.
 const KERNEL_MIN: (u32, u32) = (6, 0);
 const CONTROL_PATH: &str = "/dev/ublk-control";
@@ -103,12 +92,7 @@ const KICK_USER_DATA: u64 =
 /// ublk counts in 512-byte sectors whatever the block size.
 const SECTOR_SHIFT: u32 = 9;
 
-const _: () = assert!(QUEUE_DEPTH_DEFAULT as u32 <= sys::UBLK_MAX_QUEUE_DEPTH);
-// libublk refuses I/O buffers over 32 MiB.
-const _: () = assert!(IO_BYTES_MAX <= 32 << 20);
-// Read and write results travel as i32 byte counts.
-const _: () = assert!(IO_BYTES_MAX <= i32::MAX as u32);
-const _: () = assert!(DISCARD_BYTES_MAX.is_multiple_of(4096));
+const _: () = assert!(UBLK_QUEUE_DEPTH_DEFAULT as u32 <= sys::UBLK_MAX_QUEUE_DEPTH);
 
 /// Why the ublk front-end failed.
 #[derive(Debug, thiserror::Error)]
@@ -171,7 +155,7 @@ impl Default for UblkOptions {
     fn default() -> UblkOptions {
         UblkOptions {
             queues: None,
-            queue_depth: QUEUE_DEPTH_DEFAULT,
+            queue_depth: UBLK_QUEUE_DEPTH_DEFAULT,
             runtime_dir: PathBuf::from(RUNTIME_DIR_DEFAULT),
             id: None,
         }
@@ -652,7 +636,7 @@ impl Geometry {
             return Err(Error::Invalid("0 queues".into()));
         }
         let page = page_bytes();
-        let max_io = (dev.max_io_bytes().min(IO_BYTES_MAX) / bs * bs).max(bs);
+        let max_io = (dev.max_io_bytes().min(UBLK_IO_BYTES_MAX) / bs * bs).max(bs);
         let buf_bytes = max_io.div_ceil(page) * page;
         let block_shift = bs.trailing_zeros() as u8;
         // ublk states io_opt as a power of two. A device without a
@@ -676,7 +660,7 @@ impl Geometry {
     }
 
     fn params(&self) -> sys::ublk_params {
-        let discard_sectors = DISCARD_BYTES_MAX >> SECTOR_SHIFT;
+        let discard_sectors = UBLK_DISCARD_BYTES_MAX >> SECTOR_SHIFT;
         sys::ublk_params {
             types: sys::UBLK_PARAM_TYPE_BASIC | sys::UBLK_PARAM_TYPE_DISCARD,
             basic: sys::ublk_param_basic {
@@ -1088,7 +1072,7 @@ async fn serve_request(
         return (-libc::EINVAL, buf);
     }
     let moved = |r: Result<(), IoError>| match r {
-        // len ≤ max_io ≤ IO_BYTES_MAX, which fits (asserted above).
+        // len ≤ max_io ≤ UBLK_IO_BYTES_MAX, which fits (asserted in limits.rs).
         Ok(()) => len as i32,
         Err(e) => -errno(&e),
     };
@@ -1185,7 +1169,7 @@ mod tests {
         let g = Geometry::new(&fake(4096, 128 << 10, 1 << 20), &opts(2)).unwrap();
         assert_eq!((g.block_shift, g.io_opt_shift), (12, 17));
         assert_eq!((g.max_io, g.buf_bytes), (1 << 20, 1 << 20));
-        assert_eq!((g.queues, g.depth), (2, QUEUE_DEPTH_DEFAULT));
+        assert_eq!((g.queues, g.depth), (2, UBLK_QUEUE_DEPTH_DEFAULT));
         let p = g.params();
         assert_eq!(p.basic.dev_sectors, (1 << 30) >> 9);
         assert_eq!(p.basic.max_sectors, 2048);
@@ -1196,12 +1180,15 @@ mod tests {
         );
         assert_eq!(p.discard.discard_granularity, 4096);
         assert_eq!(p.discard.max_discard_segments, 1);
-        assert_eq!(p.discard.max_write_zeroes_sectors, DISCARD_BYTES_MAX >> 9);
+        assert_eq!(
+            p.discard.max_write_zeroes_sectors,
+            UBLK_DISCARD_BYTES_MAX >> 9
+        );
 
         // No preference: the block size. Not a power of two: its largest
         // power-of-two divisor. Transfers capped and rounded to blocks.
         let g = Geometry::new(&fake(512, 0, 8 << 20), &opts(1)).unwrap();
-        assert_eq!((g.io_opt_shift, g.max_io), (9, IO_BYTES_MAX));
+        assert_eq!((g.io_opt_shift, g.max_io), (9, UBLK_IO_BYTES_MAX));
         let g = Geometry::new(&fake(512, 3 << 16, 1000), &opts(1)).unwrap();
         assert_eq!(
             (g.io_opt_shift, g.max_io, g.buf_bytes),

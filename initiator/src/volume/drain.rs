@@ -27,16 +27,10 @@
 //! still) sees the new state. Neither flip is needed for this argument;
 //! they are what keeps the wait from starving under constant load.
 
+use crate::limits::{DRAIN_NAP_MAX, DRAIN_NAP_MIN};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-/// First pause of a wait between looks at a counter: mutations take tens
-/// of microseconds at least, so looking more often only burns a core.
-const DRAIN_NAP_MIN: Duration = Duration::from_micros(50);
-/// Longest pause between looks: a slow drain (a dead target stalling
-/// writes for seconds) is noticed within this of its end, cheaply.
-const DRAIN_NAP_MAX: Duration = Duration::from_millis(5);
 
 /// A counter on a cache line of its own: the two sides are written by
 /// every mutation, and not by the same ones at the same time.

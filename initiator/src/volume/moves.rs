@@ -75,9 +75,10 @@
 //! failure on a handle that is no longer the slot's (the old copy, leaving
 //! since) fails nothing: `fail_extent` compares handles.
 
-use super::{lock, CopyState, Mark, Table, Volume, SYNC_DRAIN_TIMEOUT};
+use super::{lock, CopyState, Mark, Table, Volume};
 use crate::device::Device;
 use crate::error::{Error, IoError};
+use crate::limits::SYNC_DRAIN_TIMEOUT;
 use arc_swap::ArcSwapOption;
 use nvpool_control::plan::PlanExtent;
 use std::sync::atomic::{AtomicBool, Ordering};
