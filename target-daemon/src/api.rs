@@ -323,6 +323,7 @@ async fn target_info(State(api): State<Api>) -> impl IntoResponse {
         "rdma_listeners": api.target.rdma_listeners(),
         "subsystems": api.target.subsystems().values().map(|s| view(&api.target, s)).collect::<Vec<_>>(),
         "controllers": controllers(&api.target),
+        "reactor_buffers": api.target.buffer_figures(),
     }))
 }
 

@@ -7,6 +7,7 @@
 //! of them is touched per I/O except the liveness flag and `last_seen_ms`.
 
 use crate::limits;
+use crate::peerlog::peer_info;
 use crate::target::{Subsystem, TargetRef};
 use arc_swap::ArcSwap;
 use nvpool_wire::fabrics::{cc, csts};
@@ -118,7 +119,8 @@ impl Controller {
     /// Ends the controller: every queue connection closes at the next tick.
     pub fn kill(&self, why: &str) {
         if !self.dead.swap(true, Ordering::AcqRel) {
-            tracing::info!(cntlid = self.cntlid, subsys = %self.subsys_nqn, host = %self.hostnqn, why, "controller removed");
+            // Hosts create and drop controllers at will (a reconnect loop).
+            peer_info!(cntlid = self.cntlid, subsys = %self.subsys_nqn, host = %self.hostnqn, why, "controller removed");
             if let Some(t) = self.target.upgrade() {
                 t.forget_controller(self.cntlid);
             }

@@ -5,6 +5,7 @@
 use crate::config::{
     Config, DEFAULT_ADMIN_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_LISTEN, DEFAULT_STATE_DIR,
 };
+use crate::peerlog::peer_warn;
 use crate::reactor::{Reactor, ReactorHandle};
 use crate::register::{self, Registrar};
 use crate::ring::Ring;
@@ -283,7 +284,6 @@ impl Acceptor {
 
     fn run(mut self) {
         let mut events = Events::with_capacity(64);
-        let mut refused_logged = 0u64;
         while !self.target.shutting_down() {
             if let Err(e) = self
                 .poll
@@ -308,11 +308,7 @@ impl Acceptor {
                             // mio hands out a nonblocking stream; reactors take std ones.
                             let s = std::net::TcpStream::from(std::os::fd::OwnedFd::from(s));
                             if self.live.load(Ordering::Acquire) >= limits::CONNECTIONS_MAX {
-                                let now = self.target.now_ms();
-                                if now.saturating_sub(refused_logged) > 1000 {
-                                    refused_logged = now;
-                                    tracing::warn!(%peer, max = limits::CONNECTIONS_MAX, "connection limit reached; refusing connections");
-                                }
+                                peer_warn!(%peer, max = limits::CONNECTIONS_MAX, "connection limit reached; refusing connections");
                                 continue;
                             }
                             self.live.fetch_add(1, Ordering::AcqRel);
@@ -327,13 +323,15 @@ impl Acceptor {
                             }
                             if s.is_some() {
                                 self.live.fetch_sub(1, Ordering::AcqRel);
-                                tracing::warn!(%peer, "all reactors saturated; connection refused");
+                                peer_warn!(%peer, "all reactors saturated; connection refused");
                             }
                             self.next_reactor = (start + 1) % self.reactors.len();
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) => {
-                            tracing::warn!(error = %e, "accept failed");
+                            // EMFILE and the like, when peers open
+                            // connections faster than they close.
+                            peer_warn!(error = %e, "accept failed");
                             break;
                         }
                     }

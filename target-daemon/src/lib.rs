@@ -15,11 +15,13 @@
 pub mod admin;
 pub mod api;
 pub mod backend;
+pub mod bufpool;
 pub mod config;
 pub mod controller;
 pub mod copier;
 pub mod daemon;
 pub mod limits;
+pub mod peerlog;
 pub mod queue;
 pub mod rdma;
 pub mod reactor;
@@ -29,6 +31,7 @@ pub mod served;
 pub mod sync;
 pub mod target;
 pub mod tx;
+pub mod zeroing;
 
 pub use daemon::{Cli, Running, StartOptions};
 pub use register::{Registrar, RegistrationConfig};

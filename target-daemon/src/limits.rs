@@ -2,7 +2,8 @@
 
 /// Entries per I/O submission queue (CAP.MQES + 1). The Linux host asks for
 /// 128 by default and up to 1024; 256 leaves room for deep benchmark queues
-/// while bounding per-connection buffer memory (see `IO_BUF_BYTES_MAX`).
+/// while bounding per-connection buffer memory (see `SLOT_BUF_BYTES_MAX`
+/// and `REACTOR_BUF_BUDGET_BYTES`).
 pub const IO_QUEUE_ENTRIES_MAX: u16 = 256;
 /// Entries of the admin queue: the Linux host uses 32.
 pub const ADMIN_QUEUE_ENTRIES_MAX: u16 = 32;
@@ -42,6 +43,38 @@ pub const TX_HIGH_WATER_BYTES: usize = 4 << 20;
 /// Data buffer bytes a single command may need: the larger of MDTS and the
 /// biggest admin transfer we answer (a discovery log page read in pieces).
 pub const CMD_BUF_BYTES_MAX: usize = MDTS_BYTES;
+
+/// A command slot's own data buffer grows to at most this (D3): in-capsule
+/// data of either queue kind, Identify data, DSM range lists and 4–16 KiB
+/// I/O, so those never wait for a buffer. One connection's own buffers are
+/// then at most `IO_QUEUE_ENTRIES_MAX × SLOT_BUF_BYTES_MAX` (4 MiB).
+pub const SLOT_BUF_BYTES_MAX: usize = IO_INLINE_DATA_BYTES;
+/// Each buffer of a reactor's pool holds the largest transfer (one MDTS):
+/// every larger-than-own transfer borrows one, whatever its size, so the
+/// pool never frees one buffer to make room for another.
+pub const POOL_BUF_BYTES: usize = CMD_BUF_BYTES_MAX;
+/// What one reactor's pool of large data buffers may hold, lent to
+/// commands or idle (D18): two full I/O queues at MDTS (64 MiB), so two
+/// hosts each running a full queue of 128 KiB I/O on one reactor never
+/// wait. Beyond it a command that needs a buffer waits in its slot (its
+/// R2T or execution delayed) until one comes back.
+pub const REACTOR_BUF_BUDGET_BYTES: usize = 2 * IO_QUEUE_ENTRIES_MAX as usize * POOL_BUF_BYTES;
+
+/// Ring operations one Write Zeroes or deallocate keeps in flight (one per
+/// DSM range, or one per zero-write chunk): a 256-range DSM or a 256 MiB
+/// zero-write fallback submits its next ones as earlier ones complete, so
+/// the ring's backlog stays within this times the slots.
+pub const ZERO_OPS_PER_CMD_MAX: u32 = 16;
+/// Where a filesystem zeroes by no fallocate mode, zeroes are written in
+/// chunks of this from one shared buffer of zeroes (a chunk's length must
+/// fit the 16-bit tag of its ring operation in 512-byte units).
+pub const ZERO_WRITE_CHUNK_BYTES: usize = 1 << 20;
+
+/// Lines one peer-triggerable log call site writes per window
+/// (`peerlog.rs`): enough to see what is going on, too few to fill a disk
+/// when a host misbehaves in a loop. The rest are counted.
+pub const PEER_LOG_LINES_PER_WINDOW: u32 = 10;
+pub const PEER_LOG_WINDOW_MS: u64 = 1_000;
 
 /// Outstanding Asynchronous Event Requests per controller (AERL + 1).
 pub const AER_MAX: usize = 4;
@@ -175,11 +208,23 @@ pub const VOLUME_IO_MEMORY_BUDGET_BYTES: usize = 128 << 20;
 /// Deactivating a volume namespace waits this long for its I/O in flight
 /// (like a shutdown drain); later, the volume closes when the I/O ends.
 pub const VOLUME_DRAIN_MS: u64 = SHUTDOWN_DRAIN_MS;
-/// Warnings a host can trigger on a volume namespace (I/O while inactive,
-/// failing I/O) are logged at most this often per namespace.
-pub const VOLUME_LOG_INTERVAL_MS: u64 = 1_000;
 
 const _: () = assert!(VOLUME_IO_INFLIGHT_MAX * MDTS_BYTES <= VOLUME_IO_MEMORY_BUDGET_BYTES);
+// One full I/O queue at MDTS fits a reactor's buffer budget: a connection
+// alone never waits for buffers its own commands hold.
+const _: () = assert!(IO_QUEUE_ENTRIES_MAX as usize * MDTS_BYTES <= REACTOR_BUF_BUDGET_BYTES);
+const _: () = assert!(REACTOR_BUF_BUDGET_BYTES.is_multiple_of(POOL_BUF_BYTES));
+const _: () = assert!(MDTS_BYTES <= POOL_BUF_BYTES && CMD_BUF_BYTES_MAX <= POOL_BUF_BYTES);
+// What arrives with a command (in-capsule data) and the small transfers
+// every command kind makes fit a slot's own buffer: they never wait.
+const _: () = assert!(IO_INLINE_DATA_BYTES <= SLOT_BUF_BYTES_MAX);
+const _: () = assert!(ADMIN_INLINE_DATA_BYTES <= SLOT_BUF_BYTES_MAX);
+const _: () = assert!(nvpool_wire::identify::IDENTIFY_LEN <= SLOT_BUF_BYTES_MAX);
+const _: () = assert!(SLOT_BUF_BYTES_MAX < POOL_BUF_BYTES);
+const _: () = assert!(ZERO_OPS_PER_CMD_MAX >= 1);
+const _: () = assert!(ZERO_WRITE_CHUNK_BYTES.is_multiple_of(4096));
+const _: () = assert!(ZERO_WRITE_CHUNK_BYTES / 512 <= u16::MAX as usize);
+const _: () = assert!(PEER_LOG_LINES_PER_WINDOW >= 1 && PEER_LOG_WINDOW_MS >= 1);
 const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);
 const _: () = assert!(REGISTER_BACKOFF_MIN_MS <= REGISTER_BACKOFF_MAX_MS);
 const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);

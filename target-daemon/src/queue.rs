@@ -34,17 +34,36 @@
 //! its data, and the reactor retries it until the claim is released.
 //!
 //! Each command occupies a slot from submission to response. Slots are
-//! allocated at Connect (one per queue entry) and keep their buffers, so the
-//! steady-state data path allocates nothing. A slot's TTAG is its index.
+//! allocated at Connect (one per queue entry) and keep their own buffers
+//! (up to `SLOT_BUF_BYTES_MAX`); a larger transfer borrows a buffer from
+//! the reactor's pool (bufpool.rs, D18) and waits in its slot, R2T or
+//! execution delayed, while the pool's budget is spent. The steady-state
+//! data path allocates nothing. A slot's TTAG is its index.
+//!
+//! A slot's life, checked at every step in release builds too (a step from
+//! the wrong state is a bug: the connection ends with a logged error and
+//! keeps what it holds, instead of corrupting another command):
+//!
+//! ```text
+//!   Free ─► Admitted ─┬─────────────► [AwaitBuf ─►] [AwaitData ─►] ─┬─► Backend ─┬─► Sending ─► Free
+//!                     │                                             └─► Parked ──┘   (data out)
+//!                     └─ (answered at once: status, admin, Connect) ────────────────► Free
+//! ```
+//!
+//! Write Zeroes and deallocate on a file go to the ring as fallocate
+//! operations, one per range, a bounded window at a time (zeroing.rs).
 
 use crate::admin::{self, AdminCtx, Reply};
 use crate::backend::{AlignedBuf, AsyncDone, AsyncOp, AsyncResult, CompletionSink};
+use crate::bufpool::{BufPool, PoolBuf};
 use crate::config::Transport;
 use crate::controller::Controller;
 use crate::limits;
+use crate::peerlog::{peer_error, peer_info, peer_warn};
 use crate::ring::Ring;
 use crate::target::{Namespace, Subsystem, Target};
 use crate::tx::RdmaWork;
+use crate::zeroing::{ZeroJob, ZeroMode, ZeroOp, ZeroStep};
 use io_uring::{opcode, types};
 use nvpool_wire::fabrics::{connect_off, fctype, ConnectCmd, ConnectData, CONNECT_DATA_LEN};
 use nvpool_wire::log::ErrorEntry;
@@ -89,6 +108,11 @@ impl From<WireError> for Fatal {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SlotState {
     Free,
+    /// Taken by a command being checked and started (within one call).
+    Admitted,
+    /// Needs a pool buffer and waits for one (bufpool.rs): nothing of the
+    /// transfer has happened yet.
+    AwaitBuf,
     AwaitData,
     /// Its data is in, but a copier holds a claim over the bytes it
     /// changes: issued by [`Queue::retry_parked`] once the claim is gone.
@@ -111,7 +135,12 @@ enum IoKind {
 #[derive(Debug)]
 struct Slot {
     sqe: Sqe,
+    /// The data buffer in use: the slot's own, or one lent by the pool.
     buf: AlignedBuf,
+    /// While `buf` is lent: the slot's own buffer, put aside, and the id
+    /// of the lent one (both Some or both None).
+    own: Option<AlignedBuf>,
+    lent: Option<u32>,
     state: SlotState,
     /// Bytes of data this command moves (either direction).
     len: usize,
@@ -130,6 +159,8 @@ struct Slot {
     fua: bool,
     /// NVMe/RDMA: the host memory a keyed SGL names.
     keyed: Option<KeyedSgl>,
+    /// Write Zeroes or deallocate on the ring: its operations.
+    zero: Option<ZeroJob>,
 }
 
 impl Slot {
@@ -137,6 +168,8 @@ impl Slot {
         Slot {
             sqe: Sqe::default(),
             buf: AlignedBuf::new(4096),
+            own: None,
+            lent: None,
             state: SlotState::Free,
             len: 0,
             got: 0,
@@ -148,14 +181,47 @@ impl Slot {
             span: 0,
             fua: false,
             keyed: None,
+            zero: None,
         }
     }
 
+    /// Grows the slot's own buffer (never a lent one) to `n` bytes.
     fn ensure_buf(&mut self, n: usize) {
+        debug_assert!(n <= limits::SLOT_BUF_BYTES_MAX && self.lent.is_none());
         if self.buf.capacity() < n {
             self.buf = AlignedBuf::new(n.next_power_of_two());
         }
     }
+
+    /// Uses a pool buffer for this command.
+    fn take_pool(&mut self, b: PoolBuf) {
+        debug_assert!(self.lent.is_none());
+        self.own = Some(std::mem::replace(&mut self.buf, b.buf));
+        self.lent = Some(b.id);
+    }
+
+    /// The pool buffer this slot holds, if any; its own buffer is back.
+    fn give_pool(&mut self) -> Option<PoolBuf> {
+        self.lent?;
+        // A lent buffer put the own one aside; without it, keep the slot
+        // as it is rather than lose its buffer.
+        let own = self.own.take()?;
+        let id = self.lent.take()?;
+        Some(PoolBuf {
+            buf: std::mem::replace(&mut self.buf, own),
+            id,
+        })
+    }
+}
+
+/// A slot's data buffer as the RDMA transport registers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotBuffer {
+    pub ptr: *mut u8,
+    pub cap: usize,
+    /// A pool buffer's id (its address is stable for the reactor's life),
+    /// None for the slot's own buffer.
+    pub pool_id: Option<u32>,
 }
 
 /// Where backend work for a queue goes: the reactor's ring (or none), the
@@ -165,18 +231,27 @@ impl Slot {
 pub struct Exec<'a> {
     pub ring: Option<&'a mut Ring>,
     pub sink: &'a Arc<CompletionSink>,
+    /// The reactor's pool of large data buffers.
+    pub bufs: &'a mut BufPool,
     pub conn: u32,
     pub now_ms: u64,
 }
 
-/// Packs a connection index and slot into io_uring user data.
+/// Packs a connection index and slot into io_uring user data (bits 0..48;
+/// the top 16 are a per-operation tag, see [`user_data_tag`]).
 pub fn user_data(conn: u32, slot: u16) -> u64 {
     (conn as u64) << 16 | slot as u64
 }
 
-/// Unpacks [`user_data`].
+/// Unpacks [`user_data`] (ignoring the tag).
 pub fn split_user_data(ud: u64) -> (u32, u16) {
     ((ud >> 16) as u32, ud as u16)
+}
+
+/// The tag of a ring operation's user data: a zero write's length in
+/// 512-byte units (0 for every other operation).
+pub fn user_data_tag(ud: u64) -> u16 {
+    (ud >> 48) as u16
 }
 
 #[derive(Debug)]
@@ -209,6 +284,13 @@ pub struct Queue {
     scratch: Vec<u8>,
     /// Slots in `Parked` state, oldest first.
     parked: Vec<u16>,
+    /// Pool buffers of freed slots, for the reactor to take back
+    /// ([`Queue::take_returned`]).
+    returned: Vec<PoolBuf>,
+    /// A slot-state invariant was found broken: the connection ends, and
+    /// the reactor keeps it (and every buffer it holds) rather than free
+    /// anything the ring might still use.
+    poisoned: bool,
     /// Backend operations submitted to the ring or to an asynchronous
     /// backend and not yet completed.
     pub inflight: u32,
@@ -240,6 +322,8 @@ impl Queue {
             created_ms: now_ms,
             scratch: Vec::new(),
             parked: Vec::new(),
+            returned: Vec::new(),
+            poisoned: false,
             inflight: 0,
         }
     }
@@ -269,12 +353,53 @@ impl Queue {
         self.transport
     }
 
-    /// A slot's data buffer (address, capacity), for the RDMA transport to
-    /// register. It stays valid until the slot's buffer grows.
-    pub fn slot_buffer(&mut self, slot: u16) -> (*mut u8, usize) {
-        let b = &mut self.slots[slot as usize].buf;
-        let cap = b.capacity();
-        (b.as_mut_slice(cap).as_mut_ptr(), cap)
+    /// A slot's data buffer, for the RDMA transport to register. The
+    /// slot's own buffer stays valid until it grows; a pool buffer for the
+    /// reactor's life.
+    pub fn slot_buffer(&mut self, slot: u16) -> SlotBuffer {
+        let s = &mut self.slots[slot as usize];
+        let cap = s.buf.capacity();
+        SlotBuffer {
+            ptr: s.buf.as_mut_slice(cap).as_mut_ptr(),
+            cap,
+            pool_id: s.lent,
+        }
+    }
+
+    /// Hands the pool buffers of freed slots back to `pool`.
+    pub fn take_returned(&mut self, pool: &mut BufPool) {
+        for b in self.returned.drain(..) {
+            pool.give_back(b);
+        }
+    }
+
+    /// The queue broke a slot-state invariant (it ended): the reactor must
+    /// never free it.
+    pub fn poisoned(&self) -> bool {
+        self.poisoned
+    }
+
+    /// Ends the connection for a broken slot-state invariant: a bug, found
+    /// before it could corrupt another command. Nothing of the slot is
+    /// touched; the queue stops reading and executing, and is never freed
+    /// (what the ring may still point at stays valid).
+    fn violation(&mut self, si: usize, what: &'static str) {
+        let state = self.slots.get(si).map(|s| s.state);
+        peer_error!(peer = %self.peer, qid = ?self.qid, slot = si, ?state, "{what}: slot-state invariant broken; ending the connection");
+        self.poisoned = true;
+        self.draining = true;
+        self.close_requested = true;
+        self.terminated = true;
+    }
+
+    /// Checks that slot `si` exists and is in `want` before a step that
+    /// needs it; a violation otherwise.
+    fn expect_state(&mut self, si: usize, want: SlotState, what: &'static str) -> bool {
+        if self.slots.get(si).is_some_and(|s| s.state == want) {
+            return true;
+        }
+        self.violation(si, what);
+        false
     }
 
     pub fn controller(&self) -> Option<&Arc<Controller>> {
@@ -386,7 +511,7 @@ impl Queue {
     }
 
     fn terminate(&mut self, f: Fatal, pdu: &[u8], tx: &mut Tx) {
-        tracing::debug!(peer = %self.peer, fes = f.fes, fei = f.fei, why = f.why, "terminating connection");
+        peer_warn!(peer = %self.peer, fes = f.fes, fei = f.fei, why = f.why, "protocol violation: terminating the connection");
         if self.transport == Transport::Rdma {
             // No termination PDU on RDMA: the queue pair is disconnected.
             self.draining = true;
@@ -417,7 +542,7 @@ impl Queue {
             PduType::IcReq => return self.on_icreq(pdu, tx),
             PduType::H2CTermReq => {
                 let t = TermReq::decode(pdu).ok();
-                tracing::info!(peer = %self.peer, fes = t.map(|t| t.fes), "host terminated the connection");
+                peer_info!(peer = %self.peer, fes = t.map(|t| t.fes), "host terminated the connection");
                 self.draining = true;
                 self.close_requested = true;
                 self.terminated = true;
@@ -569,15 +694,17 @@ impl Queue {
     /// NVMe/RDMA: the RDMA READ of slot `slot`'s host data completed.
     pub fn on_rdma_fetched(&mut self, slot: u16, tx: &mut Tx, ex: &mut Exec<'_>) {
         let si = slot as usize;
-        if self.closed {
+        if self.closed || self.poisoned {
+            return;
+        }
+        if !self.expect_state(
+            si,
+            SlotState::AwaitData,
+            "RDMA READ done for a slot not waiting for data",
+        ) {
             return;
         }
         let s = &mut self.slots[si];
-        assert_eq!(
-            s.state,
-            SlotState::AwaitData,
-            "RDMA READ for a slot not waiting"
-        );
         s.got = s.len;
         self.execute(si, tx, ex);
     }
@@ -590,7 +717,7 @@ impl Queue {
         tx: &mut Tx,
         ex: &mut Exec<'_>,
     ) -> Result<(), Fatal> {
-        if self.draining {
+        if self.draining || self.poisoned {
             return Ok(());
         }
         self.sq_head = (self.sq_head + 1) % self.entries.max(1);
@@ -609,10 +736,13 @@ impl Queue {
             ));
         };
         let si = si as usize;
+        if !self.expect_state(si, SlotState::Free, "a slot on the free list is in use") {
+            return Ok(());
+        }
         {
             let s = &mut self.slots[si];
             s.sqe = sqe;
-            s.state = SlotState::Free;
+            s.state = SlotState::Admitted;
             s.len = 0;
             s.got = 0;
             s.err = None;
@@ -623,25 +753,75 @@ impl Queue {
             s.span = 0;
             s.fua = false;
             s.keyed = None;
+            s.zero = None;
         }
         if let Err(st) = self.admit(si, icd) {
             self.finish(si, Reply::status(st), tx, ex.now_ms);
             return Ok(());
         }
+        if self.slots[si].len > limits::SLOT_BUF_BYTES_MAX {
+            // In-capsule data always fits the slot's own buffer (limits.rs),
+            // so what waits here has not moved a byte yet.
+            debug_assert!(icd.is_none());
+            match ex.bufs.lend() {
+                Some(b) => self.slots[si].take_pool(b),
+                None => {
+                    self.slots[si].state = SlotState::AwaitBuf;
+                    ex.bufs.wait(user_data(ex.conn, si as u16));
+                    return Ok(());
+                }
+            }
+        }
+        self.proceed(si, icd, tx, ex);
+        Ok(())
+    }
+
+    /// The reactor's pool has a buffer for slot `slot`, which waited for
+    /// one. Gives it back when the slot no longer waits (its connection
+    /// closed).
+    pub fn on_buffer(
+        &mut self,
+        slot: u16,
+        b: PoolBuf,
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) -> Option<PoolBuf> {
+        let si = slot as usize;
+        if self.closed
+            || self.poisoned
+            || self
+                .slots
+                .get(si)
+                .is_none_or(|s| s.state != SlotState::AwaitBuf)
+        {
+            return Some(b);
+        }
+        let s = &mut self.slots[si];
+        s.take_pool(b);
+        s.state = SlotState::Admitted;
+        self.proceed(si, None, tx, ex);
+        None
+    }
+
+    /// Starts an admitted command whose buffer is ready: copies its
+    /// in-capsule data, or asks for its data (R2T, RDMA READ), or runs it.
+    fn proceed(&mut self, si: usize, icd: Option<(&[u8], bool)>, tx: &mut Tx, ex: &mut Exec<'_>) {
         let slot = &mut self.slots[si];
+        let sqe = slot.sqe;
         let sgl = sqe.sgl();
         match (sqe.direction(), icd, slot.keyed) {
             (Direction::HostToController, Some((data, digest_ok)), _) => {
                 slot.buf.as_mut_slice(data.len()).copy_from_slice(data);
                 slot.got = data.len();
                 if !digest_ok {
+                    peer_warn!(peer = %self.peer, qid = ?self.qid, cid = sqe.cid(), "data digest mismatch in a command capsule");
                     self.finish(
                         si,
                         Reply::status(Status::TRANSIENT_TRANSPORT_ERROR),
                         tx,
                         ex.now_ms,
                     );
-                    return Ok(());
+                    return;
                 }
                 self.execute(si, tx, ex);
             }
@@ -670,7 +850,6 @@ impl Queue {
             }
             _ => self.execute(si, tx, ex),
         }
-        Ok(())
     }
 
     /// Checks a new command's SGL and, for I/O, its range and size; sizes the
@@ -729,7 +908,9 @@ impl Queue {
             self.slots[si].len = len;
         }
         let slot = &mut self.slots[si];
-        slot.ensure_buf(slot.len.max(nvpool_wire::identify::IDENTIFY_LEN));
+        if slot.len <= limits::SLOT_BUF_BYTES_MAX {
+            slot.ensure_buf(slot.len.max(nvpool_wire::identify::IDENTIFY_LEN));
+        }
         Ok(())
     }
 
@@ -851,6 +1032,7 @@ impl Queue {
         slot.got += data.len();
         if !digest_ok {
             slot.err = Some(Status::TRANSIENT_TRANSPORT_ERROR);
+            peer_warn!(peer = %self.peer, qid = ?self.qid, cid = h.cccid, "data digest mismatch in H2CData");
         }
         if slot.got == slot.len {
             match slot.err {
@@ -866,6 +1048,10 @@ impl Queue {
         match self.qid {
             None => {
                 let reply = self.connect(si, ex.now_ms);
+                // (A refused host was logged with its NQN already.)
+                if !reply.status.is_success() && reply.status != Status::CONNECT_INVALID_HOST {
+                    peer_warn!(peer = %self.peer, status = %reply.status, dw0 = reply.dw0, "Connect refused");
+                }
                 self.finish(si, reply, tx, ex.now_ms);
             }
             Some(0) => {
@@ -981,9 +1167,15 @@ impl Queue {
     /// (called by the reactor each loop iteration while some are parked).
     pub fn retry_parked(&mut self, tx: &mut Tx, ex: &mut Exec<'_>) {
         let mut i = 0;
-        while i < self.parked.len() {
+        while i < self.parked.len() && !self.poisoned {
             let si = self.parked[i] as usize;
-            assert_eq!(self.slots[si].state, SlotState::Parked);
+            if !self.expect_state(
+                si,
+                SlotState::Parked,
+                "a parked command's slot is not parked",
+            ) {
+                return;
+            }
             if !self.copy_guards_admit(si) {
                 i += 1;
                 continue;
@@ -1005,13 +1197,41 @@ impl Queue {
             return;
         }
         let uring = backend.uring_target();
-        if let (Some(ring), Some(t), IoKind::Read | IoKind::Write | IoKind::Flush) =
-            (ex.ring.as_deref_mut(), uring, slot.kind)
-        {
-            slot.state = SlotState::Backend;
-            self.inflight += 1;
-            submit(ring, slot, t, user_data(ex.conn, si as u16));
-            return;
+        if let (Some(ring), Some(t)) = (ex.ring.as_deref_mut(), uring) {
+            match slot.kind {
+                IoKind::Read | IoKind::Write | IoKind::Flush => {
+                    slot.state = SlotState::Backend;
+                    self.inflight += 1;
+                    submit(ring, slot, t, user_data(ex.conn, si as u16));
+                    return;
+                }
+                IoKind::WriteZeroes | IoKind::Dsm => {
+                    let mode = if slot.kind == IoKind::WriteZeroes {
+                        ZeroMode::ZeroRange
+                    } else {
+                        match dsm_check(&slot.sqe, slot.buf.as_slice(slot.len), &ns) {
+                            Ok(true) => ZeroMode::PunchHole,
+                            Ok(false) => {
+                                self.finish(si, Reply::ok(), tx, ex.now_ms);
+                                return;
+                            }
+                            Err(st) => {
+                                self.finish(si, Reply::status(st), tx, ex.now_ms);
+                                return;
+                            }
+                        }
+                    };
+                    slot.state = SlotState::Backend;
+                    slot.zero = Some(ZeroJob::new(mode));
+                    let (n, done) = pump_zero(slot, &ns, ring, t, user_data(ex.conn, si as u16));
+                    self.inflight += n;
+                    if let Some(r) = done {
+                        self.finish_zero(si, r, tx, ex.now_ms);
+                    }
+                    return;
+                }
+                IoKind::Other => {}
+            }
         }
         let len = slot.len;
         let r = match slot.kind {
@@ -1096,25 +1316,29 @@ impl Queue {
         tx: &mut Tx,
         ex: &mut Exec<'_>,
     ) {
-        assert!(self.inflight > 0, "a completion nobody waits for");
-        self.inflight -= 1;
         let si = slot_id as usize;
+        if !self.backend_completion(si, "an asynchronous completion") {
+            return;
+        }
         if self.closed {
             self.release(si);
             return;
         }
         let slot = &mut self.slots[si];
-        assert_eq!(
-            slot.state,
-            SlotState::Backend,
-            "asynchronous completion for a slot not in the backend"
-        );
         let reply = match result {
-            Ok(data) if slot.kind == IoKind::Read => {
-                let data = data.expect("a read completes with its data");
-                assert_eq!(data.len(), slot.len, "a read completes with all its data");
+            Ok(Some(data)) if slot.kind == IoKind::Read && data.len() == slot.len => {
                 slot.buf.as_mut_slice(slot.len).copy_from_slice(&data);
                 Reply::data(slot.len)
+            }
+            Ok(data) if slot.kind == IoKind::Read => {
+                // A backend bug; the command fails, nothing else does.
+                peer_error!(
+                    nsid = slot.sqe.nsid(),
+                    len = slot.len,
+                    got = data.map(|d| d.len()),
+                    "an asynchronous read completed without all its data"
+                );
+                Reply::status(Status::UNRECOVERED_READ_ERROR)
             }
             Ok(_) => Reply::ok(),
             // The backend logs its own errors (rate-limited: a host can
@@ -1124,23 +1348,55 @@ impl Queue {
         self.finish(si, reply, tx, ex.now_ms);
     }
 
-    /// A backend operation finished (io_uring result `res`).
-    pub fn on_completion(&mut self, slot_id: u16, res: i32, tx: &mut Tx, ex: &mut Exec<'_>) {
+    /// Accounts one completed backend operation of slot `si`, which must
+    /// be in the backend. False: nothing more to do with it (the queue is
+    /// poisoned, or just found broken).
+    fn backend_completion(&mut self, si: usize, what: &'static str) -> bool {
+        if self.poisoned {
+            self.inflight = self.inflight.saturating_sub(1);
+            return false;
+        }
+        if self.inflight == 0 {
+            self.violation(si, what);
+            return false;
+        }
         self.inflight -= 1;
+        self.expect_state(si, SlotState::Backend, what)
+    }
+
+    /// A ring operation of slot `slot_id` finished with io_uring result
+    /// `res`; `tag` is its user data's tag ([`user_data_tag`]).
+    pub fn on_completion(
+        &mut self,
+        slot_id: u16,
+        tag: u16,
+        res: i32,
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) {
         let si = slot_id as usize;
+        if !self.backend_completion(si, "a ring completion") {
+            return;
+        }
+        if self.slots[si].zero.is_some() {
+            self.on_zero_completion(si, tag, res, tx, ex);
+            return;
+        }
         if self.closed {
             self.release(si);
             return;
         }
         let slot = &mut self.slots[si];
-        debug_assert_eq!(slot.state, SlotState::Backend);
-        let ns = slot.ns.clone().expect("backend op has a namespace");
+        let Some(ns) = slot.ns.clone() else {
+            self.violation(si, "a command in the backend has no namespace");
+            return;
+        };
         if res < 0 {
             if slot.kind != IoKind::Read {
                 ns.backend.mark_failed();
             }
             let e = std::io::Error::from_raw_os_error(-res);
-            tracing::warn!(nsid = ns.nsid, op = ?slot.kind, error = %e, "backend I/O failed");
+            peer_warn!(nsid = ns.nsid, op = ?slot.kind, error = %e, "backend I/O failed");
             let st = io_error_status(slot.kind, &e);
             self.finish(si, Reply::status(st), tx, ex.now_ms);
             return;
@@ -1173,8 +1429,86 @@ impl Queue {
         self.finish(si, reply, tx, ex.now_ms);
     }
 
+    /// One ring operation of a Write Zeroes or deallocate finished: the
+    /// next ones go, and the command completes once all are back.
+    fn on_zero_completion(
+        &mut self,
+        si: usize,
+        tag: u16,
+        res: i32,
+        tx: &mut Tx,
+        ex: &mut Exec<'_>,
+    ) {
+        let closed = self.closed;
+        if self.slots.get(si).is_none_or(|s| s.zero.is_none()) {
+            self.violation(si, "a zeroing completion for a slot without a zeroing job");
+            return;
+        }
+        let slot = &mut self.slots[si];
+        let Some(job) = slot.zero.as_mut() else {
+            return;
+        };
+        job.complete(job.mode(), res, u64::from(tag) << 9);
+        if closed {
+            // Nothing more is submitted; the slot is free once all are back.
+            if job.pending() == 0 {
+                self.release(si);
+            }
+            return;
+        }
+        let done = match (ex.ring.as_deref_mut(), slot.ns.clone()) {
+            (Some(ring), Some(ns)) => match ns.backend.uring_target() {
+                Some(t) => {
+                    let (n, done) = pump_zero(slot, &ns, ring, t, user_data(ex.conn, si as u16));
+                    self.inflight += n;
+                    done
+                }
+                None => Some(Err(-libc::EIO)),
+            },
+            _ => {
+                self.violation(si, "a ring completion without a ring or a namespace");
+                return;
+            }
+        };
+        if let Some(r) = done {
+            self.finish_zero(si, r, tx, ex.now_ms);
+        }
+    }
+
+    /// A Write Zeroes or deallocate whose ring operations are all back.
+    fn finish_zero(&mut self, si: usize, r: Result<(), i32>, tx: &mut Tx, now_ms: u64) {
+        let slot = &self.slots[si];
+        let reply = match r {
+            Ok(()) => Reply::ok(),
+            Err(errno) => {
+                let e = std::io::Error::from_raw_os_error(-errno);
+                let wrote = slot.zero.is_some_and(|j| j.mode() == ZeroMode::Write);
+                if let Some(ns) = &slot.ns {
+                    // Failed writes leave the bytes unknown (D6); a failed
+                    // fallocate changed nothing the host can rely on, as
+                    // when it runs inline.
+                    if wrote {
+                        ns.backend.mark_failed();
+                    }
+                    peer_warn!(nsid = ns.nsid, op = ?slot.kind, error = %e, "backend I/O failed");
+                }
+                Reply::status(io_error_status(slot.kind, &e))
+            }
+        };
+        self.finish(si, reply, tx, now_ms);
+    }
+
     /// Sends a command's data (if any) and completion, and frees its slot.
     fn finish(&mut self, si: usize, reply: Reply, tx: &mut Tx, _now_ms: u64) {
+        if !matches!(
+            self.slots.get(si).map(|s| s.state),
+            Some(
+                SlotState::Admitted | SlotState::AwaitData | SlotState::Parked | SlotState::Backend
+            )
+        ) {
+            self.violation(si, "answering a command whose slot holds none");
+            return;
+        }
         if self.closed {
             self.release(si);
             return;
@@ -1277,16 +1611,35 @@ impl Queue {
     pub fn reclaim(&mut self, tx: &mut Tx) {
         for i in 0..tx.released.len() {
             let si = tx.released[i] as usize;
-            debug_assert_eq!(self.slots[si].state, SlotState::Sending);
+            if self.poisoned
+                || !self.expect_state(si, SlotState::Sending, "data sent from a slot not sending")
+            {
+                break;
+            }
             self.release(si);
         }
         tx.released.clear();
     }
 
     fn release(&mut self, si: usize) {
-        let s = &mut self.slots[si];
+        if self.poisoned {
+            return;
+        }
+        let Some(s) = self
+            .slots
+            .get_mut(si)
+            .filter(|s| s.state != SlotState::Free)
+        else {
+            // Freed twice: two commands would share the slot.
+            self.violation(si, "freeing a free slot");
+            return;
+        };
         s.state = SlotState::Free;
         s.ns = None;
+        s.zero = None;
+        if let Some(b) = s.give_pool() {
+            self.returned.push(b);
+        }
         self.free.push(si as u16);
     }
 
@@ -1393,7 +1746,7 @@ impl Queue {
                 }
             };
             if !subsys.host_allowed(data.hostnqn) {
-                tracing::warn!(peer = %self.peer, host = data.hostnqn, subsys = data.subnqn, "connect refused: host not allowed");
+                peer_warn!(peer = %self.peer, host = data.hostnqn, subsys = data.subnqn, "connect refused: host not allowed");
                 return Reply::status(Status::CONNECT_INVALID_HOST);
             }
             let Some(ctrl) = self.target.create_controller(
@@ -1407,7 +1760,7 @@ impl Queue {
                 return Reply::status(Status::CONNECT_CONTROLLER_BUSY);
             };
             ctrl.attach_queue(0);
-            tracing::info!(peer = %self.peer, cntlid = ctrl.cntlid, subsys = data.subnqn, host = data.hostnqn, kato_ms = cmd.kato_ms, "controller created");
+            peer_info!(peer = %self.peer, cntlid = ctrl.cntlid, subsys = data.subnqn, host = data.hostnqn, kato_ms = cmd.kato_ms, "controller created");
             let cntlid = ctrl.cntlid;
             self.bind(ctrl, 0, entries as u16, cmd.sq_flow_control_disabled());
             return Reply::dw0(cntlid as u32);
@@ -1460,8 +1813,9 @@ impl Queue {
         // Slot 0 is the Connect command itself, released by finish().
         self.slots.resize_with(entries as usize, Slot::new);
         self.free = (1..entries).rev().collect();
-        // Parking never allocates on the data path.
+        // Parking and returning buffers never allocate on the data path.
         self.parked = Vec::with_capacity(entries as usize);
+        self.returned = Vec::with_capacity(entries as usize);
     }
 
     // ----- timers -----
@@ -1482,7 +1836,7 @@ impl Queue {
         }
         if self.qid == Some(0) {
             if ctrl.expired(now_ms) {
-                tracing::warn!(cntlid = ctrl.cntlid, host = %ctrl.hostnqn, kato_ms = ctrl.kato_ms(), "keep-alive timeout");
+                peer_warn!(cntlid = ctrl.cntlid, host = %ctrl.hostnqn, kato_ms = ctrl.kato_ms(), "keep-alive timeout");
                 ctrl.kill("keep-alive timeout");
                 self.request_close();
                 return true;
@@ -1518,14 +1872,14 @@ impl Queue {
                 c.kill("admin queue closed");
             }
         }
-        // Slots waiting for data or parked (nothing of theirs is in the
-        // ring) are free now; those in the backend are released by their
-        // completions.
+        // Slots waiting for a buffer or data, or parked (nothing of theirs
+        // is in the ring) are free now; those in the backend are released
+        // by their completions. (The reactor forgets the buffer waits.)
         self.parked.clear();
         for i in 0..self.slots.len() {
             if matches!(
                 self.slots[i].state,
-                SlotState::AwaitData | SlotState::Parked
+                SlotState::AwaitBuf | SlotState::AwaitData | SlotState::Parked
             ) {
                 self.release(i);
             }
@@ -1565,25 +1919,115 @@ fn submit(ring: &mut Ring, slot: &mut Slot, t: crate::backend::UringTarget, ud: 
     unsafe { ring.push(e.user_data(ud)) };
 }
 
-/// Parses the ranges of a Dataset Management command. Ok(None): nothing to
-/// do (no deallocate attribute).
-fn dsm_ranges(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<Option<Vec<(u64, u64)>>, Status> {
-    const AD: u32 = 1 << 2;
-    if sqe.cdw(11) & AD == 0 {
-        return Ok(None);
+/// Submits the ring operations a Write Zeroes or deallocate can have in
+/// flight now (its window). Returns how many it submitted, and the
+/// command's result once every operation is back.
+fn pump_zero(
+    slot: &mut Slot,
+    ns: &Namespace,
+    ring: &mut Ring,
+    t: crate::backend::UringTarget,
+    ud: u64,
+) -> (u32, Option<Result<(), i32>>) {
+    let (kind, sqe, off, span) = (slot.kind, slot.sqe, slot.off, slot.span);
+    let list = slot.buf.as_slice(slot.len);
+    let range = |i: usize| match kind {
+        IoKind::WriteZeroes => (i == 0).then_some((off, span)),
+        _ => dsm_range(&sqe, list, ns, i),
+    };
+    let Some(job) = slot.zero.as_mut() else {
+        // Not a zeroing command after all: fail it rather than the daemon.
+        return (0, Some(Err(-libc::EINVAL)));
+    };
+    let mut n = 0;
+    loop {
+        match job.step(range) {
+            ZeroStep::Submit(op) => {
+                submit_zero(ring, t, op, ud);
+                n += 1;
+            }
+            ZeroStep::Wait => return (n, None),
+            ZeroStep::Done(r) => return (n, Some(r)),
+        }
+    }
+}
+
+fn submit_zero(ring: &mut Ring, t: crate::backend::UringTarget, op: ZeroOp, ud: u64) {
+    let fd = types::Fd(t.fd);
+    let off = t.base + op.off;
+    let (e, tag) = match op.mode.fallocate_mode() {
+        Some(mode) => (
+            opcode::Fallocate::new(fd, op.len)
+                .offset(off)
+                .mode(mode)
+                .build(),
+            0,
+        ),
+        None => {
+            // Chunks are at most ZERO_WRITE_CHUNK_BYTES (the buffer's size,
+            // a u32 and 2^16 512-byte units at most: limits.rs) and whole
+            // blocks.
+            let len = op.len.min(limits::ZERO_WRITE_CHUNK_BYTES as u64);
+            let e = opcode::Write::new(fd, crate::ring::zero_chunk(), len as u32)
+                .offset(off)
+                .build();
+            (e, (len >> 9) as u16)
+        }
+    };
+    // SAFETY: a fallocate points at no memory; a zero write reads the
+    // shared buffer of zeroes, which is never written and never freed.
+    unsafe { ring.push(e.user_data(ud | u64::from(tag) << 48)) };
+}
+
+/// The deallocate attribute of a Dataset Management command.
+const DSM_AD: u32 = 1 << 2;
+/// Bytes of a DSM range list (256 ranges of 16 bytes): the slot's own
+/// buffer holds it.
+const DSM_LIST_BYTES_MAX: usize = 256 * 16;
+const _: () = assert!(DSM_LIST_BYTES_MAX <= limits::SLOT_BUF_BYTES_MAX);
+
+/// Checks every range of a Dataset Management command. Ok(false): nothing
+/// to do (no deallocate attribute).
+fn dsm_check(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<bool, Status> {
+    if sqe.cdw(11) & DSM_AD == 0 {
+        return Ok(false);
     }
     let n = (sqe.cdw(10) & 0xFF) as usize + 1;
-    let mut v = Vec::with_capacity(n);
     for r in data.chunks_exact(16).take(n) {
-        let nlb = u32::from_le_bytes(r[4..8].try_into().expect("16-byte chunk")) as u64;
-        let slba = u64::from_le_bytes(r[8..16].try_into().expect("16-byte chunk"));
+        let (slba, nlb) = dsm_descriptor(r);
         if slba.checked_add(nlb).is_none_or(|e| e > ns.blocks) {
             return Err(Status::LBA_OUT_OF_RANGE);
         }
-        if nlb > 0 {
-            v.push((slba << ns.block_shift, nlb << ns.block_shift));
-        }
     }
+    Ok(true)
+}
+
+/// (SLBA, NLB) of one 16-byte DSM range descriptor.
+fn dsm_descriptor(r: &[u8]) -> (u64, u64) {
+    let nlb = u32::from_le_bytes(r[4..8].try_into().expect("16-byte chunk")) as u64;
+    let slba = u64::from_le_bytes(r[8..16].try_into().expect("16-byte chunk"));
+    (slba, nlb)
+}
+
+/// Range `i` of a checked ([`dsm_check`]) DSM command as namespace bytes
+/// (offset, length; length 0 for an empty range), None past the last.
+fn dsm_range(sqe: &Sqe, data: &[u8], ns: &Namespace, i: usize) -> Option<(u64, u64)> {
+    let n = (sqe.cdw(10) & 0xFF) as usize + 1;
+    let r = data.chunks_exact(16).take(n).nth(i)?;
+    let (slba, nlb) = dsm_descriptor(r);
+    Some((slba << ns.block_shift, nlb << ns.block_shift))
+}
+
+/// Parses the ranges of a Dataset Management command. Ok(None): nothing to
+/// do (no deallocate attribute).
+fn dsm_ranges(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<Option<Vec<(u64, u64)>>, Status> {
+    if !dsm_check(sqe, data, ns)? {
+        return Ok(None);
+    }
+    let v = (0..)
+        .map_while(|i| dsm_range(sqe, data, ns, i))
+        .filter(|&(_, len)| len > 0)
+        .collect();
     Ok(Some(v))
 }
 
@@ -1643,6 +2087,7 @@ mod tests {
         target: Arc<Target>,
         q: Queue,
         tx: Tx,
+        bufs: BufPool,
         next_cid: u16,
     }
 
@@ -1688,6 +2133,7 @@ mod tests {
                 q: Queue::new(target.clone(), addr, addr, 0),
                 target,
                 tx: Tx::default(),
+                bufs: BufPool::new(0, limits::REACTOR_BUF_BUDGET_BYTES).unwrap(),
                 next_cid: 1,
             };
             r.feed(
@@ -1721,22 +2167,13 @@ mod tests {
             r
         }
 
-        fn exec(&mut self) -> Exec<'static> {
-            Exec {
-                ring: None,
-                sink: &SINK,
-                conn: 0,
-                now_ms: 0,
-            }
-        }
-
         fn feed(&mut self, pdu: &[u8]) {
-            let mut ex = self.exec();
+            let mut ex = exec(&mut self.bufs);
             self.q.on_pdu(pdu, &mut self.tx, &mut ex).unwrap();
         }
 
         fn retry(&mut self) {
-            let mut ex = self.exec();
+            let mut ex = exec(&mut self.bufs);
             self.q.retry_parked(&mut self.tx, &mut ex);
         }
 
@@ -1784,6 +2221,17 @@ mod tests {
             all[off as usize..off as usize + len].to_vec()
         }
 
+        /// What the reactor does each iteration: takes freed buffers back
+        /// and hands one to the oldest waiting command. The slot it went to.
+        fn r2t_free_grant(&mut self) -> Option<u16> {
+            self.q.take_returned(&mut self.bufs);
+            let (ud, b) = self.bufs.grant()?;
+            let slot = split_user_data(ud).1;
+            let mut ex = exec(&mut self.bufs);
+            assert!(self.q.on_buffer(slot, b, &mut self.tx, &mut ex).is_none());
+            Some(slot)
+        }
+
         fn guard(&self) -> Arc<crate::copier::ActiveCopy> {
             self.target.copies().guards.snapshot()[0].clone()
         }
@@ -1816,6 +2264,17 @@ mod tests {
 
     pub(super) static SINK: std::sync::LazyLock<Arc<CompletionSink>> =
         std::sync::LazyLock::new(|| CompletionSink::new(|| {}));
+
+    /// What the rigs hand their queue: no ring, the shared sink, `bufs`.
+    pub(super) fn exec(bufs: &mut BufPool) -> Exec<'_> {
+        Exec {
+            ring: None,
+            sink: &SINK,
+            bufs,
+            conn: 0,
+            now_ms: 0,
+        }
+    }
 
     /// An asynchronous backend that keeps every operation until the test
     /// completes it.
@@ -1880,7 +2339,7 @@ mod tests {
         let mut out = Vec::new();
         SINK.take(&mut out);
         let n = out.len();
-        let mut ex = r.exec();
+        let mut ex = exec(&mut r.bufs);
         for c in out {
             let (conn, slot) = split_user_data(c.user_data);
             assert_eq!(conn, 0);
@@ -2133,6 +2592,232 @@ mod tests {
         assert_eq!(out[0].cid, cid);
         assert_eq!(r.file(NS_BASE, 4096), vec![0xAB; 4096]);
     }
+
+    /// Every PDU the queue produced since the last call, whole.
+    fn pdus(r: &mut Rig) -> Vec<Vec<u8>> {
+        let mut raw = Vec::new();
+        while r.tx.backlog() > 0 {
+            r.tx.write_to(&mut raw).unwrap();
+        }
+        r.q.reclaim(&mut r.tx);
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < raw.len() {
+            let ch = CommonHeader::decode(&raw[at..]).unwrap();
+            out.push(raw[at..at + ch.plen as usize].to_vec());
+            at += ch.plen as usize;
+        }
+        out
+    }
+
+    fn r2ts(p: &[Vec<u8>]) -> Vec<R2t> {
+        p.iter()
+            .filter(|b| CommonHeader::decode(b).unwrap().pdu_type == PduType::R2T)
+            .map(|b| R2t::decode(b).unwrap())
+            .collect()
+    }
+
+    fn h2c(cid: u16, ttag: u16, data: &[u8]) -> Vec<u8> {
+        let mut hdr = [0u8; tcp::DATA_HLEN + tcp::DIGEST_LEN];
+        let n = DataHeader {
+            cccid: cid,
+            ttag,
+            datao: 0,
+            datal: data.len() as u32,
+        }
+        .encode(
+            PduType::H2CData,
+            flags::LAST_PDU,
+            Digests::default(),
+            &mut hdr,
+        );
+        [&hdr[..n], data].concat()
+    }
+
+    /// A 128 KiB Write at namespace byte `off` whose data comes by R2T.
+    fn big_write(r: &mut Rig, off: u64) -> u16 {
+        let cid = r.next_cid;
+        r.next_cid += 1;
+        let mut sqe = Sqe::new(nvm::WRITE, cid);
+        sqe.set_nsid(1);
+        sqe.set_slba(off / 512);
+        sqe.set_nlb(255);
+        sqe.set_sgl(Sgl {
+            addr: 0,
+            len: 128 << 10,
+            id: sgl_id::TRANSPORT,
+        });
+        r.feed(&capsule(&sqe, &[]));
+        cid
+    }
+
+    #[test]
+    fn a_large_write_waits_for_a_buffer_and_gets_its_r2t_when_one_comes_back() {
+        let mut r = Rig::new();
+        r.target.copies().delete("job").unwrap();
+        r.bufs = BufPool::new(0, limits::POOL_BUF_BYTES).unwrap();
+        let a = big_write(&mut r, 0);
+        let b = big_write(&mut r, 128 << 10);
+        // Small commands never wait: a 4 KiB write goes through meanwhile.
+        let small = r.write(256 << 10, 0x33);
+        let p = pdus(&mut r);
+        let t = r2ts(&p);
+        assert_eq!(t.len(), 1, "only the first has a buffer");
+        assert_eq!(t[0].cccid, a);
+        let f = r.bufs.stats().figures();
+        assert_eq!((f.lent_bytes, f.waiting), (limits::POOL_BUF_BYTES, 1));
+        assert_eq!(
+            p.iter()
+                .filter(|b| b[0] == PduType::CapsuleResp as u8)
+                .count(),
+            1,
+            "the small write"
+        );
+        let _ = small;
+        // The first's data arrives; it runs and answers; its buffer is back.
+        r.feed(&h2c(a, t[0].ttag, &[0xA1; 128 << 10]));
+        let p = pdus(&mut r);
+        assert_eq!(p.len(), 1, "its response only");
+        assert!(
+            r.r2t_free_grant().is_some(),
+            "the waiting write gets the buffer"
+        );
+        let t = r2ts(&pdus(&mut r));
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].cccid, t[0].r2tl), (b, 128 << 10));
+        r.feed(&h2c(b, t[0].ttag, &[0xB2; 128 << 10]));
+        assert_eq!(pdus(&mut r).len(), 1);
+        r.q.take_returned(&mut r.bufs);
+        let f = r.bufs.stats().figures();
+        assert_eq!((f.lent_bytes, f.waiting, f.waits_total), (0, 0, 1));
+        assert_eq!(r.file(NS_BASE, 128 << 10), vec![0xA1; 128 << 10]);
+        assert_eq!(
+            r.file(NS_BASE + (128 << 10), 128 << 10),
+            vec![0xB2; 128 << 10]
+        );
+        assert_eq!(r.file(NS_BASE + (256 << 10), 4096), vec![0x33; 4096]);
+        assert!(!r.q.busy());
+    }
+
+    #[test]
+    fn a_closing_queue_gives_its_buffers_back_and_a_late_grant_is_refused() {
+        let mut r = Rig::new();
+        r.target.copies().delete("job").unwrap();
+        r.bufs = BufPool::new(0, limits::POOL_BUF_BYTES).unwrap();
+        big_write(&mut r, 0);
+        big_write(&mut r, 128 << 10);
+        assert_eq!(r.bufs.lent(), 1);
+        r.q.close();
+        assert!(!r.q.busy(), "waiting for data or a buffer holds nothing");
+        r.q.take_returned(&mut r.bufs);
+        assert_eq!(r.bufs.lent(), 0);
+        // The reactor would have forgotten the wait; a grant that races the
+        // close comes back untouched.
+        let (ud, b) = r.bufs.grant().unwrap();
+        let mut ex = exec(&mut r.bufs);
+        let back = r.q.on_buffer(split_user_data(ud).1, b, &mut r.tx, &mut ex);
+        assert!(back.is_some());
+        r.bufs.give_back(back.unwrap());
+        assert!(!r.q.poisoned());
+    }
+
+    #[test]
+    fn broken_slot_steps_end_the_connection_instead_of_panicking() {
+        // A ring completion for a slot that is not in the backend.
+        let mut r = Rig::new();
+        let mut ex = exec(&mut r.bufs);
+        r.q.on_completion(5, 0, 4096, &mut r.tx, &mut ex);
+        assert!(r.q.poisoned() && r.q.terminated() && r.q.wants_close());
+        // Nothing runs any more on it.
+        let before = r.tx.backlog();
+        let mut sqe = Sqe::new(nvm::FLUSH, 9);
+        sqe.set_nsid(1);
+        r.feed(&capsule(&sqe, &[]));
+        assert_eq!(r.tx.backlog(), before, "a poisoned queue answers nothing");
+
+        // Data "sent" from a slot that was not sending: freeing it would
+        // put it on the free list twice.
+        let mut r = Rig::new();
+        r.tx.released.push(3);
+        r.q.reclaim(&mut r.tx);
+        assert!(r.q.poisoned());
+        assert!(r.tx.released.is_empty());
+
+        // An asynchronous completion nobody waits for.
+        let mut r = Rig::new();
+        let mut ex = exec(&mut r.bufs);
+        r.q.on_async_completion(1, Ok(None), &mut r.tx, &mut ex);
+        assert!(r.q.poisoned());
+        assert_eq!(r.q.inflight, 0);
+    }
+
+    /// Zero writes (where no fallocate mode zeroes) go through a real ring
+    /// in chunks, each tagged with its length, a window at a time, until
+    /// the range is done.
+    #[test]
+    fn zero_writes_cover_a_large_range_through_the_ring() {
+        const CHUNK: u64 = limits::ZERO_WRITE_CHUNK_BYTES as u64;
+        // More chunks than the window: the job refills it as writes finish.
+        const SPAN: u64 = (limits::ZERO_OPS_PER_CMD_MAX as u64 + 4) * CHUNK + 4096;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("z.img");
+        std::fs::write(&path, vec![0x11u8; (SPAN + 8192) as usize]).unwrap();
+        let target = target_with(NQN, &format!("file:{}", path.display()));
+        let ns = target.subsystem(NQN).unwrap().namespaces[&1].clone();
+        let t = ns.backend.uring_target().expect("a file has a ring target");
+        let mut ring = Ring::new(64).expect("io_uring");
+        let mut slot = Slot::new();
+        slot.kind = IoKind::WriteZeroes;
+        slot.off = 4096;
+        slot.span = SPAN;
+        slot.state = SlotState::Backend;
+        slot.zero = Some(ZeroJob::new(ZeroMode::Write));
+        let ud = user_data(7, 3);
+        let (mut inflight, mut done) = pump_zero(&mut slot, &ns, &mut ring, t, ud);
+        assert_eq!(inflight, limits::ZERO_OPS_PER_CMD_MAX);
+        let mut out = Vec::new();
+        let mut max_inflight = inflight;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while done.is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "zero writes did not complete"
+            );
+            ring.submit().unwrap();
+            out.clear();
+            ring.reap(&mut out);
+            for &(u, res) in &out {
+                assert_eq!(split_user_data(u), (7, 3));
+                inflight -= 1;
+                let job = slot.zero.as_mut().unwrap();
+                job.complete(job.mode(), res, u64::from(user_data_tag(u)) << 9);
+                let (n, d) = pump_zero(&mut slot, &ns, &mut ring, t, ud);
+                inflight += n;
+                max_inflight = max_inflight.max(inflight);
+                done = done.or(d);
+            }
+            if out.is_empty() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        assert_eq!(done, Some(Ok(())));
+        assert_eq!(inflight, 0);
+        assert_eq!(
+            max_inflight,
+            limits::ZERO_OPS_PER_CMD_MAX,
+            "never more than the window"
+        );
+        let all = std::fs::read(&path).unwrap();
+        assert!(all[..4096].iter().all(|&b| b == 0x11), "before the range");
+        assert!(
+            all[4096..(4096 + SPAN) as usize].iter().all(|&b| b == 0),
+            "the range is zero"
+        );
+        assert!(
+            all[(4096 + SPAN) as usize..].iter().all(|&b| b == 0x11),
+            "after it"
+        );
+    }
 }
 
 /// The NVMe/RDMA side of the queue core, driven without RDMA hardware: the
@@ -2149,8 +2834,6 @@ mod rdma_tests {
     const KEY: u32 = 0x1234_5678;
     const RADDR: u64 = 0x7f00_1000;
 
-    use super::tests::SINK;
-
     fn target() -> Arc<Target> {
         super::tests::target_with(NQN, "ram:1M")
     }
@@ -2159,6 +2842,7 @@ mod rdma_tests {
         target: Arc<Target>,
         q: Queue,
         tx: Tx,
+        bufs: BufPool,
     }
 
     impl Rig {
@@ -2168,32 +2852,24 @@ mod rdma_tests {
                 target: target.clone(),
                 q: Queue::new_rdma(target.clone(), addr, addr, 0, cm_qid),
                 tx: Tx::default(),
+                bufs: BufPool::new(0, limits::REACTOR_BUF_BUDGET_BYTES).unwrap(),
             }
         }
 
         fn send(&mut self, cap: &[u8]) -> Result<(), Fatal> {
-            let mut ex = Exec {
-                ring: None,
-                sink: &SINK,
-                conn: 0,
-                now_ms: 0,
-            };
+            let mut ex = super::tests::exec(&mut self.bufs);
             self.q.on_rdma_capsule(cap, &mut self.tx, &mut ex)
         }
 
         /// Plays the RDMA READ the queue asked for: `data` lands in the slot.
         fn fetched(&mut self, slot: u16, data: &[u8]) {
-            let (ptr, cap) = self.q.slot_buffer(slot);
+            let b = self.q.slot_buffer(slot);
+            let (ptr, cap) = (b.ptr, b.cap);
             assert!(cap >= data.len());
             // SAFETY: the slot's buffer holds `cap` bytes and nothing else
             // refers to it while the test writes (as an RDMA READ would).
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr, data.len()) };
-            let mut ex = Exec {
-                ring: None,
-                sink: &SINK,
-                conn: 0,
-                now_ms: 0,
-            };
+            let mut ex = super::tests::exec(&mut self.bufs);
             self.q.on_rdma_fetched(slot, &mut self.tx, &mut ex);
         }
 
@@ -2350,7 +3026,7 @@ mod rdma_tests {
         };
         assert_eq!(slot, released, "the slot is held until the SEND completes");
         assert!(Cqe::decode(&cqe).unwrap().status.is_success());
-        let (ptr, _) = r.q.slot_buffer(slot);
+        let ptr = r.q.slot_buffer(slot).ptr;
         // SAFETY: the slot is in Sending state; its buffer holds the read.
         let got = unsafe { std::slice::from_raw_parts(ptr, 4096) };
         assert_eq!(got, &data[..], "the WRITE sends what was written");

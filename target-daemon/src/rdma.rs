@@ -12,11 +12,13 @@
 //!            CM channel: DISCONNECTED ─► connection closed
 //! ```
 //!
-//! Receive buffers live in one region registered at accept; a slot's data
-//! buffer is registered the first time the transport uses it and again only
-//! when the slot's buffer grows, so the steady state registers nothing.
+//! Receive buffers live in one region registered at accept; a slot's own
+//! data buffer is registered the first time the transport uses it and again
+//! only when it grows, and a reactor pool buffer (bufpool.rs) the first time
+//! this link uses it, so the steady state registers nothing.
 
 use crate::limits;
+use crate::peerlog::{peer_info, peer_warn};
 use crate::queue::{Queue, Tx};
 use crate::reactor::ReactorHandle;
 use crate::target::Target;
@@ -56,6 +58,8 @@ const LISTEN_BACKLOG: i32 = 128;
 /// and the receive buffers after their region.
 pub struct RdmaLink {
     slot_mrs: Vec<Option<Mr>>,
+    /// Registrations of the reactor's pool buffers this link used, by id.
+    pool_mrs: Vec<Option<Mr>>,
     recv_mr: Mr,
     recv_buf: Box<[u8]>,
     ep: Endpoint,
@@ -119,6 +123,7 @@ impl RdmaLink {
         let read_depth = u32::from(host_ird).min(ep.max_init_rd_atom).max(1);
         let link = RdmaLink {
             slot_mrs: Vec::new(),
+            pool_mrs: Vec::new(),
             recv_mr,
             recv_buf,
             ep,
@@ -357,23 +362,29 @@ impl RdmaLink {
         Ok(())
     }
 
-    /// The registration of slot `slot`'s buffer, made (again) when the
-    /// buffer is new or has grown.
+    /// The registration of the buffer slot `slot` uses now: its own
+    /// buffer's, made (again) when that is new or has grown, or the pool
+    /// buffer's it borrowed, made the first time this link uses that one.
     fn slot_mr(&mut self, q: &mut Queue, slot: u16) -> io::Result<(u64, u32)> {
-        let (ptr, cap) = q.slot_buffer(slot);
-        let i = slot as usize;
-        if self.slot_mrs.len() <= i {
-            self.slot_mrs.resize_with(i + 1, || None);
+        let b = q.slot_buffer(slot);
+        let (mrs, i) = match b.pool_id {
+            Some(id) => (&mut self.pool_mrs, id as usize),
+            None => (&mut self.slot_mrs, slot as usize),
+        };
+        if mrs.len() <= i {
+            mrs.resize_with(i + 1, || None);
         }
-        match &self.slot_mrs[i] {
-            Some(mr) if mr.addr == ptr as u64 && mr.len == cap => Ok((mr.addr, mr.lkey)),
+        match &mrs[i] {
+            Some(mr) if mr.addr == b.ptr as u64 && mr.len == b.cap => Ok((mr.addr, mr.lkey)),
             _ => {
-                // SAFETY: the slot's buffer lives in the queue, which
-                // outlives this link; a grown buffer gets a new region
-                // before it is used, and the old one is dropped here.
-                let mr = unsafe { self.ep.register(ptr, cap)? };
+                // SAFETY: a slot's own buffer lives in the queue, which
+                // outlives this link, and a grown one gets a new region
+                // before it is used (the old one is dropped here); a pool
+                // buffer lives as long as the reactor, which drops its
+                // connections (this link) first.
+                let mr = unsafe { self.ep.register(b.ptr, b.cap)? };
                 let r = (mr.addr, mr.lkey);
-                self.slot_mrs[i] = Some(mr);
+                mrs[i] = Some(mr);
                 Ok(r)
             }
         }
@@ -593,7 +604,7 @@ impl Listener {
             return;
         };
         let refuse = |id: &CmId, sts: u16, why: &str| {
-            tracing::info!(peer = ?id.peer_addr(), sts, why, "NVMe/RDMA connect request rejected");
+            peer_info!(peer = ?id.peer_addr(), sts, why, "NVMe/RDMA connect request rejected");
             let _ = id.reject(&nvpool_wire::rdma::encode_reject(sts));
         };
         let req = match CmRequest::decode(&ev.private) {
@@ -643,7 +654,7 @@ impl Listener {
         let link = match link {
             Ok(l) => Box::new(l),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot set up an NVMe/RDMA queue pair");
+                peer_warn!(error = %e, "cannot set up an NVMe/RDMA queue pair");
                 return;
             }
         };
@@ -659,7 +670,7 @@ impl Listener {
             }
         }
         self.live.fetch_sub(1, Ordering::AcqRel);
-        tracing::warn!(peer = %c.0.peer, "all reactors saturated; RDMA connection dropped");
+        peer_warn!(peer = %c.0.peer, "all reactors saturated; RDMA connection dropped");
         c.0.disconnect();
     }
 }

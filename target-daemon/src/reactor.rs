@@ -24,10 +24,22 @@
 //! through the same waker the acceptor uses; each iteration takes every
 //! waiting completion and runs it like a ring completion. A connection
 //! closed with such operations in flight stays a zombie until they are back.
+//!
+//! The reactor owns a pool of large data buffers under a byte budget
+//! (bufpool.rs). Each iteration takes back the buffers freed slots left in
+//! their queues and hands them to the commands waiting for one, oldest
+//! first; while one is free and a command waits, the loop does not sleep.
+//!
+//! A queue that finds one of its slot-state invariants broken (queue.rs)
+//! ends its connection and is never freed: the reactor keeps it, and every
+//! buffer it holds, for as long as it runs, rather than let the ring or the
+//! socket touch freed memory.
 
 use crate::backend::{AsyncCompletion, CompletionSink};
+use crate::bufpool::BufPool;
 use crate::limits;
-use crate::queue::{split_user_data, Exec, Queue, Tx};
+use crate::peerlog::{peer_error, peer_warn};
+use crate::queue::{split_user_data, user_data_tag, Exec, Queue, Tx};
 use crate::rdma::{RdmaIncoming, RdmaLink};
 use crate::ring::Ring;
 use crate::target::Target;
@@ -165,6 +177,9 @@ pub struct Reactor {
     ring: Option<Ring>,
     ring_efd: Option<OwnedFd>,
     conns: Vec<Option<Conn>>,
+    /// After `conns`: dropped after every connection (an RDMA link holds
+    /// registrations of pool buffers).
+    bufs: BufPool,
     free: Vec<usize>,
     live: Arc<AtomicUsize>,
     completions: Vec<(u64, i32)>,
@@ -218,6 +233,9 @@ impl Reactor {
         let sink = CompletionSink::new(move || {
             let _ = sink_waker.wake();
         });
+        let bufs = BufPool::new(id, target.reactor_buffer_budget())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        target.register_buffers(bufs.stats());
         let r = Reactor {
             id,
             target,
@@ -226,6 +244,7 @@ impl Reactor {
             ring,
             ring_efd,
             conns: Vec::new(),
+            bufs,
             free: Vec::new(),
             live,
             completions: Vec::with_capacity(256),
@@ -243,7 +262,7 @@ impl Reactor {
         let mut next_tick = 0;
         let mut drain_deadline: Option<u64> = None;
         loop {
-            let timeout = if !self.rdma_again.is_empty() {
+            let timeout = if !self.rdma_again.is_empty() || self.bufs.can_grant() {
                 0
             } else if !self.parked.is_empty() {
                 limits::PARKED_RETRY_MS
@@ -291,12 +310,17 @@ impl Reactor {
                 next_tick = now + limits::TICK_MS;
                 self.tick(now);
             }
+            self.grant_buffers();
             if let Some(r) = self.ring.as_mut() {
                 if let Err(e) = r.submit() {
                     tracing::error!(reactor = self.id, error = %e, "io_uring submit failed");
                 }
             }
             self.flush_all();
+            // Slots freed by the sends just made: their buffers are taken
+            // back now, so the next wait does not sleep while a command
+            // could have one.
+            self.collect_buffers();
             if self.target.shutting_down() {
                 let deadline = *drain_deadline.get_or_insert_with(|| {
                     for c in self.conns.iter_mut().flatten() {
@@ -333,7 +357,7 @@ impl Reactor {
                 Incoming::Rdma(c) => self.add_rdma(c),
             };
             if let Err(e) = r {
-                tracing::warn!(reactor = self.id, error = %e, "could not adopt a connection");
+                peer_warn!(reactor = self.id, error = %e, "could not adopt a connection");
                 self.live.fetch_sub(1, Ordering::AcqRel);
             }
         }
@@ -462,6 +486,7 @@ impl Reactor {
         let mut ex = Exec {
             ring,
             sink: &self.sink,
+            bufs: &mut self.bufs,
             conn: i as u32,
             now_ms: now,
         };
@@ -534,6 +559,7 @@ impl Reactor {
                     let mut ex = Exec {
                         ring,
                         sink: &self.sink,
+                        bufs: &mut self.bufs,
                         conn: i as u32,
                         now_ms: now,
                     };
@@ -559,8 +585,9 @@ impl Reactor {
         ring.reap(&mut done);
         let now = self.target.now_ms();
         for &(ud, res) in &done {
+            let tag = user_data_tag(ud);
             self.complete(ud, now, |q, slot, tx, ex| {
-                q.on_completion(slot, res, tx, ex)
+                q.on_completion(slot, tag, res, tx, ex)
             });
         }
         self.completions = done;
@@ -579,18 +606,69 @@ impl Reactor {
         let ci = ci as usize;
         let ring = self.ring.as_mut();
         let Some(Some(c)) = self.conns.get_mut(ci) else {
-            unreachable!("completion for connection {ci} that no longer exists");
+            // A bug (a connection is freed only once nothing of it is in
+            // flight); whatever the completion was for is gone already.
+            peer_error!(
+                reactor = self.id,
+                conn = ci,
+                slot,
+                "a completion for a connection that no longer exists; ignored"
+            );
+            return;
         };
         let mut ex = Exec {
             ring,
             sink: &self.sink,
+            bufs: &mut self.bufs,
             conn: ci as u32,
             now_ms,
         };
         f(&mut c.q, slot, &mut c.tx, &mut ex);
-        if c.zombie && c.q.inflight == 0 {
+        c.q.take_returned(&mut self.bufs);
+        if c.zombie && c.q.inflight == 0 && !c.q.poisoned() {
             self.conns[ci] = None;
             self.free.push(ci);
+        }
+    }
+
+    /// Takes back the pool buffers freed slots left in their queues.
+    fn collect_buffers(&mut self) {
+        if self.bufs.lent() == 0 {
+            return;
+        }
+        for c in self.conns.iter_mut().flatten() {
+            c.q.take_returned(&mut self.bufs);
+        }
+    }
+
+    /// Hands free pool buffers to the commands waiting for one, oldest first.
+    fn grant_buffers(&mut self) {
+        self.collect_buffers();
+        let now = self.target.now_ms();
+        while let Some((ud, b)) = self.bufs.grant() {
+            let (ci, slot) = split_user_data(ud);
+            let ci = ci as usize;
+            let ring = self.ring.as_mut();
+            let back = match self.conns.get_mut(ci) {
+                Some(Some(c)) if !c.zombie => {
+                    let mut ex = Exec {
+                        ring,
+                        sink: &self.sink,
+                        bufs: &mut self.bufs,
+                        conn: ci as u32,
+                        now_ms: now,
+                    };
+                    let back = c.q.on_buffer(slot, b, &mut c.tx, &mut ex);
+                    // Answered at once (an error status): its buffer is free.
+                    c.q.take_returned(&mut self.bufs);
+                    back
+                }
+                // Waits of closed connections are forgotten when they close.
+                _ => Some(b),
+            };
+            if let Some(b) = back {
+                self.bufs.give_back(b);
+            }
         }
     }
 
@@ -739,10 +817,17 @@ impl Reactor {
         c.tx.abandon();
         c.q.reclaim(&mut c.tx);
         c.q.close();
+        c.q.take_returned(&mut self.bufs);
         c.zombie = true;
         self.live.fetch_sub(1, Ordering::AcqRel);
         tracing::debug!(peer = %c.q.peer, qid = ?c.q.qid(), "connection closed");
-        if c.q.inflight == 0 {
+        if c.q.poisoned() {
+            peer_error!(peer = %c.q.peer, qid = ?c.q.qid(), "a connection that broke a slot invariant is kept (never freed) until the reactor stops");
+        }
+        let free = c.q.inflight == 0 && !c.q.poisoned();
+        let conn = i as u32;
+        self.bufs.forget(|ud| split_user_data(ud).0 == conn);
+        if free {
             self.conns[i] = None;
             self.free.push(i);
         }

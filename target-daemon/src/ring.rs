@@ -3,13 +3,20 @@
 //! The ring never holds more operations in flight than its completion queue
 //! can take, so completions are never dropped; submissions beyond that wait
 //! in a bounded backlog (bounded because every entry belongs to a command
-//! slot, and slots are bounded per connection). The buffers an operation
-//! points at belong to command slots, which stay untouched until the
-//! operation's completion has been reaped.
+//! slot, at most `ZERO_OPS_PER_CMD_MAX` to one, and slots are bounded per
+//! connection). The buffers an operation points at belong to command slots,
+//! which stay untouched until the operation's completion has been reaped,
+//! or are the one shared buffer of zeroes ([`zero_chunk`]), never written.
+//!
+//! Operations: reads, writes and fdatasync for I/O; fallocate (zero range,
+//! punch hole) and writes of zeroes for Write Zeroes and deallocate.
 
+use crate::backend::AlignedBuf;
+use crate::limits::ZERO_WRITE_CHUNK_BYTES;
 use io_uring::{opcode, squeue, IoUring, Probe};
 use std::collections::VecDeque;
 use std::io;
+use std::sync::OnceLock;
 
 pub struct Ring {
     uring: IoUring,
@@ -126,7 +133,9 @@ impl Ring {
     /// Takes every available completion as (user_data, result).
     pub fn reap(&mut self, out: &mut Vec<(u64, i32)>) {
         for cqe in self.uring.completion() {
-            self.inflight -= 1;
+            // Every completion is of an entry pushed to the kernel, which
+            // counted it; saturating so a kernel surprise cannot wrap it.
+            self.inflight = self.inflight.saturating_sub(1);
             out.push((cqe.user_data(), cqe.result()));
         }
     }
@@ -134,4 +143,24 @@ impl Ring {
     pub fn busy(&self) -> bool {
         self.inflight > 0 || !self.backlog.is_empty()
     }
+}
+
+/// The buffer of zeroes that zero writes (Write Zeroes or deallocate where
+/// no fallocate mode zeroes) read from: [`ZERO_WRITE_CHUNK_BYTES`], aligned
+/// for O_DIRECT, shared by every ring of the process.
+struct ZeroChunk(AlignedBuf);
+
+// SAFETY: the buffer is zeroed when allocated and never written or freed
+// afterwards (it lives in a static); any number of threads and kernels may
+// read it at once.
+unsafe impl Sync for ZeroChunk {}
+
+/// The address of the shared buffer of zeroes ([`ZERO_WRITE_CHUNK_BYTES`]
+/// bytes, valid for the life of the process, never written).
+pub fn zero_chunk() -> *const u8 {
+    static ZEROES: OnceLock<ZeroChunk> = OnceLock::new();
+    ZEROES
+        .get_or_init(|| ZeroChunk(AlignedBuf::new(ZERO_WRITE_CHUNK_BYTES)))
+        .0
+        .as_ptr()
 }

@@ -15,6 +15,7 @@
 //! subsystem starts serving I/O here and deactivated after it stopped.
 
 use crate::backend::{Backend, BackendSpec, DeviceExtent, VolumeContext, VolumeSource};
+use crate::bufpool::{BudgetTooSmall, BufFigures, BufStats};
 use crate::config::{
     self, AnaConfig, AnaState, Config, ConfigError, NamespaceConfig, SubsystemConfig,
 };
@@ -25,7 +26,7 @@ use arc_swap::ArcSwap;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
@@ -240,6 +241,11 @@ pub struct Target {
     volumes: Arc<VolumeContext>,
     /// ANA change counters and leases by subsystem NQN.
     ana: Mutex<HashMap<String, Arc<AnaRuntime>>>,
+    /// The buffer budget of reactors started from now on (bytes).
+    reactor_buf_budget: AtomicUsize,
+    /// Every running reactor's buffer figures (a reactor that stopped
+    /// leaves a dead entry, skipped and pruned).
+    buffers: Mutex<Vec<Weak<BufStats>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -274,6 +280,8 @@ impl Target {
             copies: Arc::new(Copies::default()),
             volumes: VolumeContext::new(),
             ana: Mutex::new(HashMap::new()),
+            reactor_buf_budget: AtomicUsize::new(limits::REACTOR_BUF_BUDGET_BYTES),
+            buffers: Mutex::new(Vec::new()),
         }))
     }
 
@@ -326,6 +334,40 @@ impl Target {
     /// Milliseconds since the target started (the data path's clock).
     pub fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Sets the buffer budget of each reactor started afterwards (D18);
+    /// `limits::REACTOR_BUF_BUDGET_BYTES` unless changed. Smaller budgets
+    /// (tests) make commands wait for buffers sooner; one pool buffer is the
+    /// least that works.
+    pub fn set_reactor_buffer_budget(&self, bytes: usize) -> Result<(), BudgetTooSmall> {
+        if bytes < limits::POOL_BUF_BYTES {
+            return Err(BudgetTooSmall(bytes));
+        }
+        self.reactor_buf_budget.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn reactor_buffer_budget(&self) -> usize {
+        self.reactor_buf_budget.load(Ordering::Relaxed)
+    }
+
+    /// A reactor publishes its buffer figures.
+    pub fn register_buffers(&self, stats: &Arc<BufStats>) {
+        let mut v = lock(&self.buffers);
+        v.retain(|w| w.strong_count() > 0);
+        v.push(Arc::downgrade(stats));
+    }
+
+    /// The buffer figures of every running reactor, by reactor id.
+    pub fn buffer_figures(&self) -> Vec<BufFigures> {
+        let mut v: Vec<BufFigures> = lock(&self.buffers)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|s| s.figures())
+            .collect();
+        v.sort_by_key(|f| f.reactor);
+        v
     }
 
     pub fn subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {

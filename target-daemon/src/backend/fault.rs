@@ -1,7 +1,22 @@
 //! A backend that injects faults into another, for tests.
+//!
+//! Two ways to run. Made with [`FaultBackend::new`], it has no io_uring
+//! target: the reactor runs its I/O inline, and every fault (latency, EIO,
+//! torn writes, at an offset) is injected in the calls. Made with
+//! [`FaultBackend::over_ring`] around a backend that has one, its I/O goes
+//! through the reactor's ring like the inner backend's, and the kernel
+//! itself fails it: while writes are to fail, ring operations are aimed at
+//! a read-only descriptor of the same file (writes, fallocates and flushes
+//! fail with EBADF, reads work), while reads are to fail at a write-only
+//! one, and while both are, at an `O_PATH` one. Only those two faults exist
+//! on the ring, for every offset; latency, torn writes and `only_at` apply
+//! to the inline calls alone.
 
-use super::Backend;
+use super::{Backend, UringTarget};
+use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -31,6 +46,41 @@ pub struct FaultBackend {
     /// Operations that had a fault injected.
     pub injected: AtomicU64,
     latency_us: AtomicU32,
+    /// With [`FaultBackend::over_ring`]: the descriptors faulty ring
+    /// operations are aimed at.
+    ring: Option<RingFaults>,
+}
+
+/// Other opens of the inner backend's file, each refusing some operations.
+#[derive(Debug)]
+struct RingFaults {
+    /// Refuses writes, fallocates and flushes.
+    read_only: File,
+    /// Refuses reads.
+    write_only: File,
+    /// Refuses everything.
+    path_only: File,
+}
+
+impl RingFaults {
+    fn open(fd: i32) -> io::Result<RingFaults> {
+        let path = format!("/proc/self/fd/{fd}");
+        let open = |read: bool, write: bool, flags: i32| {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(read).write(write).custom_flags(flags);
+            // The same caching as the inner file where the filesystem
+            // allows O_DIRECT (reads through it then behave alike).
+            o.clone()
+                .custom_flags(flags | libc::O_DIRECT)
+                .open(&path)
+                .or_else(|_| o.open(&path))
+        };
+        Ok(RingFaults {
+            read_only: open(true, false, 0)?,
+            write_only: open(false, true, 0)?,
+            path_only: open(true, false, libc::O_PATH)?,
+        })
+    }
 }
 
 impl FaultBackend {
@@ -42,7 +92,24 @@ impl FaultBackend {
             failed: AtomicBool::new(false),
             injected: AtomicU64::new(0),
             latency_us: AtomicU32::new(0),
+            ring: None,
         }
+    }
+
+    /// Wraps a backend that has an io_uring target so its I/O still goes
+    /// through the ring, where faults come from the kernel (module docs).
+    pub fn over_ring(inner: Arc<dyn Backend>) -> io::Result<FaultBackend> {
+        let t = inner.uring_target().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the inner backend has no io_uring target",
+            )
+        })?;
+        let ring = RingFaults::open(t.fd)?;
+        Ok(FaultBackend {
+            ring: Some(ring),
+            ..FaultBackend::new(inner)
+        })
     }
 
     pub fn set(&self, cfg: FaultConfig) {
@@ -100,6 +167,22 @@ impl Backend for FaultBackend {
     fn device_extent(&self) -> Option<super::DeviceExtent> {
         // Its writes land in the inner backend's bytes.
         self.inner.device_extent()
+    }
+    fn uring_target(&self) -> Option<UringTarget> {
+        let faults = self.ring.as_ref()?;
+        let t = self.inner.uring_target()?;
+        let (reads, writes) = match self.hits(0, u64::MAX) {
+            Some(c) => (c.fail_reads, c.fail_writes || c.torn_writes),
+            None => (false, false),
+        };
+        let writes = writes || self.failed();
+        let fd = match (reads, writes) {
+            (false, false) => return Some(t),
+            (false, true) => faults.read_only.as_raw_fd(),
+            (true, false) => faults.write_only.as_raw_fd(),
+            (true, true) => faults.path_only.as_raw_fd(),
+        };
+        Some(UringTarget { fd, base: t.base })
     }
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         self.delay();

@@ -90,7 +90,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// A short human description ("file /dev/sdb [0, 1 GiB)").
     fn describe(&self) -> String;
 
-    /// The descriptor the reactor may submit io_uring reads and writes to.
+    /// The descriptor the reactor may submit io_uring reads, writes,
+    /// fdatasyncs and fallocates (Write Zeroes, deallocate) to. The
+    /// synchronous calls then serve only where there is no ring.
     fn uring_target(&self) -> Option<UringTarget> {
         None
     }

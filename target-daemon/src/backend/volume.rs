@@ -36,11 +36,12 @@
 
 use super::{AsyncDone, AsyncOp, Backend};
 use crate::limits;
+use crate::peerlog::{peer_warn, Site};
 use arc_swap::ArcSwapOption;
 use nvpool_initiator::exec::Executor;
 use nvpool_initiator::{IoError, Volume};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -139,7 +140,10 @@ struct Shared {
     idle_cv: Condvar,
     /// A mutation failed since the last activation.
     failed: AtomicBool,
-    log: Throttle,
+    /// Warnings a host can trigger (I/O to an inactive namespace, failing
+    /// I/O) share one rate limit per namespace (peerlog.rs), so one failing
+    /// volume does not hide another's.
+    log: Site,
 }
 
 impl Shared {
@@ -165,13 +169,18 @@ impl Shared {
         true
     }
 
+    /// Logs a warning a host can trigger, rate-limited per namespace.
+    fn warn(&self, what: &str, detail: &dyn std::fmt::Display) {
+        peer_warn!(site = &self.log; volume = %self.uuid, error = %detail, "{what}");
+    }
+
     /// An engine error: logged (rate-limited), recorded when a mutation
     /// failed, mapped to the errno the reactor turns into a status.
     fn engine_error(&self, mutates: bool, e: &IoError) -> io::Error {
         if mutates && !matches!(e, IoError::Invalid(_)) {
             self.failed.store(true, Ordering::Release);
         }
-        self.log.warn(&self.uuid, "volume I/O failed", e);
+        self.warn("volume I/O failed", e);
         io::Error::from_raw_os_error(nvpool_initiator::frontend::errno(e))
     }
 }
@@ -186,42 +195,6 @@ impl Drop for Hold {
             // cannot miss this.
             let _g = lock(&self.0.idle);
             self.0.idle_cv.notify_all();
-        }
-    }
-}
-
-/// Warnings a host can trigger (I/O to an inactive namespace, failing I/O)
-/// are logged at most once per [`limits::VOLUME_LOG_INTERVAL_MS`] per
-/// namespace; the ones in between are counted in the next line.
-struct Throttle {
-    epoch: Instant,
-    last_ms: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl Throttle {
-    fn new() -> Throttle {
-        Throttle {
-            epoch: Instant::now(),
-            last_ms: AtomicU64::new(0),
-            suppressed: AtomicU64::new(0),
-        }
-    }
-
-    fn warn(&self, uuid: &str, what: &str, detail: &dyn std::fmt::Display) {
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        let last = self.last_ms.load(Ordering::Relaxed);
-        if (last == 0 || now.saturating_sub(last) >= limits::VOLUME_LOG_INTERVAL_MS)
-            && self
-                .last_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            let suppressed = self.suppressed.swap(0, Ordering::Relaxed);
-            tracing::warn!(volume = uuid, error = %detail, suppressed, "{what}");
-        } else {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(volume = uuid, error = %detail, "{what}");
         }
     }
 }
@@ -274,7 +247,7 @@ impl VolumeBackend {
                 idle: Mutex::new(()),
                 idle_cv: Condvar::new(),
                 failed: AtomicBool::new(false),
-                log: Throttle::new(),
+                log: Site::new(),
             }),
             session: Mutex::new(None),
             exec: OnceLock::new(),
@@ -535,11 +508,8 @@ impl Backend for VolumeBackend {
 
     fn submit(&self, op: AsyncOp, done: AsyncDone) {
         let Some((volume, hold)) = self.enter() else {
-            self.shared.log.warn(
-                &self.shared.uuid,
-                "I/O to an inactive volume namespace",
-                &"not active",
-            );
+            self.shared
+                .warn("I/O to an inactive volume namespace", &"not active");
             done.complete(Err(not_active()));
             return;
         };
@@ -563,8 +533,7 @@ impl Backend for VolumeBackend {
         if !started {
             let (volume, hold, _op, done) = job.take().expect("kept when refused");
             drop(volume);
-            self.shared.log.warn(
-                &self.shared.uuid,
+            self.shared.warn(
                 "volume I/O refused: the target's volume executor is full",
                 &limits::VOLUME_IO_INFLIGHT_MAX,
             );
