@@ -1,6 +1,6 @@
 //! Copies that move, the whole stack in one process: the control plane
 //! with its heal loop, real targets with file devices, and a host serving
-//! the volume as `nvpool volume serve` does (engine + copy watcher) while
+//! the volume as the agent does (engine + copy watcher) while
 //! a writer keeps going. A rebalance fills targets that joined, a drain
 //! empties a target which is then removed, and the copies of a target gone
 //! past the grace period are replaced; every write survives, and copies of
@@ -240,7 +240,7 @@ fn copies_of_a_target_gone_past_the_grace_period_are_replaced() {
     wait_until("the host to give up the copies on t1", 30, || {
         host.volume.health().failed_extents.len() == ROWS as usize
     });
-    // As `nvpool volume serve`'s reporter does.
+    // As the agent's reporter does.
     let failed = host.volume.health().failed_extents;
     let path = format!(
         "/v1/volumes/{UUID}/attachments/{}/failed-extents",

@@ -1,6 +1,6 @@
 //! A stale copy heals itself online, the whole stack in one process: the
 //! control plane with its heal loop, two real targets (file devices), and a
-//! host serving the volume as `nvpool volume serve` does (volume engine +
+//! host serving the volume as the agent does (volume engine +
 //! the copy watcher), writing throughout; then `nvpool volume verify`
 //! finds the copies equal, and finds a region changed behind their back.
 
@@ -46,7 +46,7 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         "/v1/volumes/{uuid}/attachments/{}",
         nvpool_cli::client::segment(HOST)
     );
-    // Serve it as `nvpool volume serve` does.
+    // Serve it as the agent does.
     let common::Served { volume, watching } = common::serve(&client, uuid, &stop);
 
     // Pattern A everywhere.

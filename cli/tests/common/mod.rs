@@ -148,7 +148,7 @@ impl Tgt {
     }
 }
 
-/// A volume attached to `HOST` and served as `nvpool volume serve` does:
+/// A volume attached to `HOST` and served as the agent does:
 /// the engine opened from the attachment (stale, syncing and moving copies
 /// as listed) and the copy watcher running until `stop` is set.
 pub struct Served {
