@@ -12,7 +12,9 @@
 #               restarts and its stale copies resync partially while the volume stays
 #               attached (no command); a clean detach, and a new attach reads back
 #               (fio verify) all that was written, from the healed copies too; for
-#               nbd, a server killed with SIGKILL and detach releasing its device at once
+#               nbd, the agent killed with SIGKILL and detach releasing its device at once
+#   growth      (nbd) the other volume deleted, the volume grown by half while ext4 is
+#               mounted on it: the device grows live, resize2fs online, e2fsck clean
 # The serve_blockdev tests (ublk-fs.sh, nbd-fs.sh) cover one namespace per front-end;
 # this one covers the control plane, placement and the volume engine behind them.
 #
@@ -27,7 +29,7 @@
 #
 # vm-rdma: yes
 # vm-modules: ublk_drv nbd ext4
-# vm-bins: fio mkfs.ext4 e2fsck blockdev jq ss
+# vm-bins: fio mkfs.ext4 e2fsck resize2fs fallocate blockdev jq ss
 # shellcheck source-path=SCRIPTDIR source=lib/common.sh
 . /nvpool/lib/common.sh
 # shellcheck source=lib/rdma.sh
@@ -293,6 +295,39 @@ kill9_detach() {
     step_ok nbd-kill9-detach
 }
 
+# ----- online growth -----
+
+dev_bytes_are() {
+    [[ $(blockdev --getsize64 "$DEV") -eq $1 ]]
+}
+
+# grow_online NAME: ext4 mounted on the volume's nbd device; the volume grows by half
+# (`nvpool volume resize`), the agent shows the new size on the live device
+# (NBD_CMD_RECONFIGURE), resize2fs grows the mounted file system, a file larger than
+# the old volume is allocated, and e2fsck finds it all consistent.
+grow_online() {
+    local name=$1 mnt=/mnt/$1 want=$((VOLUME_BYTES * 3 / 2)) sum kib
+    attach "$name" nbd
+    quiet "mkfs-grow-$name" mkfs.ext4 -F "$DEV"
+    mount -t ext4 "$DEV" "$mnt"
+    dd if=/dev/urandom of="$mnt/before" bs=1M count=16 conv=fsync 2>/dev/null
+    sum=$(sha256sum <"$mnt/before")
+    quiet "resize-$name" nvpool volume resize "$name" --size "$((want >> 20))M"
+    wait_until 60 "$DEV to grow to $want bytes while mounted" dev_bytes_are "$want"
+    quiet "resize2fs-$name" resize2fs "$DEV"
+    kib=$(df -k "$mnt" | awk 'END { print $2 }')
+    [[ $kib -gt $((VOLUME_BYTES >> 10)) ]] || die "ext4 on $DEV has $kib KiB after resize2fs"
+    fallocate -l "$((VOLUME_BYTES + (256 << 20)))" "$mnt/past-the-old-end" ||
+        die "cannot allocate more than the old volume on the grown file system"
+    [[ $(sha256sum <"$mnt/before") == "$sum" ]] || die "data written before the growth changed"
+    umount "$mnt"
+    quiet "e2fsck-grown-$name" e2fsck -fn "$DEV"
+    printf '  %s: grown online to %s MiB on %s, ext4 grown mounted (%s KiB), e2fsck clean\n' \
+        "$name" "$((want >> 20))" "$DEV" "$kib"
+    detach "$name" nbd
+    step_ok nbd-grow-online
+}
+
 stop_cluster() {
     local i
     # The agent (started by the first attach, not our child) stops on SIGTERM.
@@ -343,6 +378,9 @@ round_trip r10-ublk ublk
 degraded r10-ublk ublk 4
 round_trip r10-nbd nbd
 degraded r10-nbd nbd 1
+# Room for growth: the other volume's extents go back to the pool.
+quiet delete-r10-ublk nvpool volume delete r10-ublk
+grow_online r10-nbd
 # Every detach removed its record (the agent's log stays).
 ! compgen -G "$NVPOOL_RUN_DIR/volumes/*.json" >/dev/null ||
     die "records left: $(ls "$NVPOOL_RUN_DIR"/volumes/*.json)"
