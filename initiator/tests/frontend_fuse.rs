@@ -435,7 +435,7 @@ fn kill_9_of_the_server_leaves_a_recoverable_device() {
 
 /// The resize tests need root (FUSE mounts, loop devices) and nothing
 /// else: without it they print why and pass, unless CI=true, where a
-/// skipped test is a failed one.
+/// test that does not run is a failed one.
 macro_rules! require_root {
     () => {
         // SAFETY: geteuid has no preconditions.
@@ -446,7 +446,7 @@ macro_rules! require_root {
                 Ok("true"),
                 "CI=true, so this must run: {why}"
             );
-            println!("skipped: {why}");
+            println!("not run: {why}");
             return;
         }
     };

@@ -244,7 +244,7 @@ pub struct Target {
     /// The buffer budget of reactors started from now on (bytes).
     reactor_buf_budget: AtomicUsize,
     /// Every running reactor's buffer figures (a reactor that stopped
-    /// leaves a dead entry, skipped and pruned).
+    /// leaves a dead entry, passed over and pruned).
     buffers: Mutex<Vec<Weak<BufStats>>>,
 }
 

@@ -105,7 +105,7 @@ impl ZeroJob {
 
     /// The next step. `range(i)` is the command's `i`-th range as
     /// (namespace byte offset, bytes), None past the last; empty ranges are
-    /// skipped. Call until it returns `Wait` or `Done`.
+    /// passed over. Call until it returns `Wait` or `Done`.
     pub fn step(&mut self, range: impl Fn(usize) -> Option<(u64, u64)>) -> ZeroStep {
         if self.pending == 0 && self.err == 0 && self.downgrade {
             match self.mode.fallback() {
@@ -204,7 +204,7 @@ mod tests {
                     len: 512
                 },
             ],
-            "the empty range is skipped"
+            "the empty range gets no operation"
         );
         j.complete(ZeroMode::PunchHole, 0, 4096);
         assert_eq!(j.step(ranges(&r)), ZeroStep::Wait);
