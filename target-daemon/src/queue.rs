@@ -266,6 +266,8 @@ pub struct Queue {
     ic_done: bool,
     draining: bool,
     closed: bool,
+    /// The queue's QID was given back to its controller ([`Queue::detach`]).
+    detached: bool,
     close_requested: bool,
     /// When close was requested (graceful drains end at a deadline).
     close_since_ms: Option<u64>,
@@ -307,6 +309,7 @@ impl Queue {
             ic_done: false,
             draining: false,
             closed: false,
+            detached: false,
             close_requested: false,
             close_since_ms: None,
             terminated: false,
@@ -1859,6 +1862,23 @@ impl Queue {
         true
     }
 
+    /// Gives the queue's QID back to its controller (the admin queue ends
+    /// the controller), once. The reactor calls it before it closes the
+    /// socket, so a host that sees the close and connects the same QID
+    /// again (from any reactor) finds it free.
+    pub fn detach(&mut self) {
+        if self.detached {
+            return;
+        }
+        self.detached = true;
+        if let (Some(c), Some(q)) = (&self.ctrl, self.qid) {
+            c.detach_queue(q);
+            if q == 0 {
+                c.kill("admin queue closed");
+            }
+        }
+    }
+
     /// The connection is gone: detach from the controller. Closing the admin
     /// queue ends the controller, as it does for the Linux target.
     pub fn close(&mut self) {
@@ -1866,12 +1886,7 @@ impl Queue {
             return;
         }
         self.closed = true;
-        if let (Some(c), Some(q)) = (&self.ctrl, self.qid) {
-            c.detach_queue(q);
-            if q == 0 {
-                c.kill("admin queue closed");
-            }
-        }
+        self.detach();
         // Slots waiting for a buffer or data, or parked (nothing of theirs
         // is in the ring) are free now; those in the backend are released
         // by their completions. (The reactor forgets the buffer waits.)
@@ -2004,16 +2019,20 @@ fn dsm_check(sqe: &Sqe, data: &[u8], ns: &Namespace) -> Result<bool, Status> {
 
 /// (SLBA, NLB) of one 16-byte DSM range descriptor.
 fn dsm_descriptor(r: &[u8]) -> (u64, u64) {
-    let nlb = u32::from_le_bytes(r[4..8].try_into().expect("16-byte chunk")) as u64;
-    let slba = u64::from_le_bytes(r[8..16].try_into().expect("16-byte chunk"));
-    (slba, nlb)
+    (
+        nvpool_wire::le::u64_at(r, 8),
+        u64::from(nvpool_wire::le::u32_at(r, 4)),
+    )
 }
 
 /// Range `i` of a checked ([`dsm_check`]) DSM command as namespace bytes
 /// (offset, length; length 0 for an empty range), None past the last.
 fn dsm_range(sqe: &Sqe, data: &[u8], ns: &Namespace, i: usize) -> Option<(u64, u64)> {
     let n = (sqe.cdw(10) & 0xFF) as usize + 1;
-    let r = data.chunks_exact(16).take(n).nth(i)?;
+    if i >= n {
+        return None;
+    }
+    let r = data.get(i * 16..(i + 1) * 16)?;
     let (slba, nlb) = dsm_descriptor(r);
     Some((slba << ns.block_shift, nlb << ns.block_shift))
 }

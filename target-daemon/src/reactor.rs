@@ -784,6 +784,7 @@ impl Reactor {
         if c.zombie {
             return;
         }
+        c.q.detach();
         match std::mem::replace(&mut c.link, Link::Gone) {
             Link::Tcp(mut t) => {
                 // Best effort: whatever responses are ready still go out.
