@@ -161,12 +161,10 @@ impl Setup {
         self.targets[t] = Some(tgt);
     }
 
-    /// A new namespace of the volume's extent size on target `t` (RAM,
-    /// behind a fault-injecting backend, which it returns), as the place
-    /// plan extent `index` would have there: the destination of a move.
-    /// A restart of `t` brings it back empty, without the fault backend.
-    pub fn spare(&mut self, index: usize, t: usize) -> (PlanExtent, Arc<FaultBackend>) {
-        let bytes = self.plan.extent_bytes;
+    /// Adds `backend` as the next namespace of target `t`'s host
+    /// subsystem, recorded as a RAM namespace of `bytes` (a restart brings
+    /// it back empty); returns its NSID.
+    fn add_ram_namespace(&mut self, t: usize, bytes: u64, backend: Arc<dyn Backend>) -> u32 {
         let config = &mut self.configs[t];
         let nsid = config.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0) + 1;
         config.namespaces.push(NamespaceConfig {
@@ -175,12 +173,21 @@ impl Setup {
             uuid: None,
             read_only: false,
         });
-        let f = Arc::new(FaultBackend::new(Arc::new(RamBackend::new(bytes, 512))));
-        let backend: Arc<dyn Backend> = f.clone();
         self.target(t)
             .target
             .put_namespace_backend(&host_subsystem(), nsid, backend)
-            .expect("add the spare namespace");
+            .expect("add a namespace");
+        nsid
+    }
+
+    /// A new namespace of the volume's extent size on target `t` (RAM,
+    /// behind a fault-injecting backend, which it returns), as the place
+    /// plan extent `index` would have there: the destination of a move.
+    /// A restart of `t` brings it back empty, without the fault backend.
+    pub fn spare(&mut self, index: usize, t: usize) -> (PlanExtent, Arc<FaultBackend>) {
+        let bytes = self.plan.extent_bytes;
+        let f = Arc::new(FaultBackend::new(Arc::new(RamBackend::new(bytes, 512))));
+        let nsid = self.add_ram_namespace(t, bytes, f.clone());
         let slot = &self.plan.extents[index];
         let dest = PlanExtent {
             target: format!("target-{t}"),
@@ -209,18 +216,8 @@ impl Setup {
                     let t =
                         (row as usize + member as usize * usize::from(g.copies) + copy as usize)
                             % n;
-                    let config = &mut self.configs[t];
-                    let nsid = config.namespaces.iter().map(|n| n.nsid).max().unwrap_or(0) + 1;
-                    config.namespaces.push(NamespaceConfig {
-                        nsid,
-                        backend: format!("ram:{bytes}"),
-                        uuid: None,
-                        read_only: false,
-                    });
-                    self.target(t)
-                        .target
-                        .put_namespace_backend(&nqn, nsid, Arc::new(RamBackend::new(bytes, block)))
-                        .expect("add a namespace for a new row");
+                    let nsid =
+                        self.add_ram_namespace(t, bytes, Arc::new(RamBackend::new(bytes, block)));
                     plan.extents.push(PlanExtent {
                         target: format!("target-{t}"),
                         addr: self.addrs[t],
