@@ -55,8 +55,8 @@ pub struct AttachBody {
     pub frontend: Frontend,
     /// The control plane's URL.
     pub endpoint: String,
-    /// The file holding the token for the control plane's changes (the
-    /// agent reads it when it calls, so a rotated token is picked up).
+    /// The file holding the token for the control plane's changes (read
+    /// each time the agent opens the volume: at attach and at restart).
     #[serde(default)]
     pub token_file: Option<PathBuf>,
 }

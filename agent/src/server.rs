@@ -2,7 +2,7 @@
 //! set of controllers, answers the CLI on a Unix socket, and serves again
 //! after a restart what was served before.
 
-use crate::api::{AttachBody, Attached, Frontend, VolumeOut, VolumeStatsOut};
+use crate::api::{AttachBody, Attached, VolumeOut, VolumeStatsOut};
 use crate::serve::{self, Served};
 use crate::state::{self, Wanted};
 use anyhow::Context;
@@ -504,10 +504,4 @@ fn shutdown(a: &Agent) {
             }
         }
     }
-}
-
-/// The front-end a volume will get here (for error messages before
-/// anything is exported).
-pub fn check_frontend(f: Frontend) -> anyhow::Result<Frontend> {
-    serve::frontend_choice(f)
 }

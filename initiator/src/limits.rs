@@ -186,7 +186,7 @@ pub const NBD_IN_FLIGHT_BYTES_MAX: usize = 64 << 20;
 /// Concurrent connections per NBD server; more are closed at accept.
 pub const NBD_CONNECTIONS_MAX: usize = 64;
 /// Option data the NBD handshake reads (an export name is at most 4096
-/// bytes); longer options are skipped and refused with NBD_REP_ERR_TOO_BIG.
+/// bytes); longer options are read past and refused with NBD_REP_ERR_TOO_BIG.
 pub const NBD_OPTION_DATA_BYTES_MAX: u32 = 8192;
 /// Options one NBD connection may send before it is treated as an attack.
 pub const NBD_OPTIONS_MAX: u32 = 1024;
