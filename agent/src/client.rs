@@ -11,6 +11,7 @@
 //! the agent's Unix socket ([`Client::agent`]), how the CLI talks to the
 //! agent.
 
+use nvpool_control::rest::parse_base_url;
 use nvpool_initiator::follow::ControlPlane;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -116,29 +117,13 @@ struct ErrorBody {
 }
 
 /// Checks and normalises the endpoint: `http://HOST[:PORT][/PREFIX]`
-/// without a trailing slash.
+/// without a trailing slash (the control plane's one check of a base URL,
+/// which the target applies to its `--control-plane` too).
 pub fn parse_endpoint(url: &str) -> Result<String, ClientError> {
-    let bad = |reason: &str| ClientError::Endpoint {
+    parse_base_url(url).map_err(|reason| ClientError::Endpoint {
         url: url.to_owned(),
         reason: reason.to_owned(),
-    };
-    let t = url.trim();
-    if t.get(..8)
-        .is_some_and(|p| p.eq_ignore_ascii_case("https://"))
-    {
-        return Err(bad(
-            "https is not supported; use http:// (through a TLS proxy if needed)",
-        ));
-    }
-    let rest = match t.get(..7) {
-        Some(p) if p.eq_ignore_ascii_case("http://") => &t[7..],
-        _ => return Err(bad("expected http://HOST:PORT")),
-    };
-    let authority = rest.split('/').next().unwrap_or_default();
-    if authority.is_empty() || authority.contains(['@', '?', '#', ' ']) {
-        return Err(bad("expected http://HOST:PORT"));
-    }
-    Ok(format!("http://{}", rest.trim_end_matches('/')))
+    })
 }
 
 /// Reads a bearer token: the file's content, whitespace trimmed.

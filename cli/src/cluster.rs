@@ -10,6 +10,8 @@ use crate::client::{segment, Client, ClientError};
 use crate::size::format_iec;
 use crate::{Format, Usage};
 use comfy_table::Table;
+use nvpool_control::model::TargetState;
+use nvpool_control::rest::{DeviceRefBody, PoolBody, RebalanceBody, TargetStateBody};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -45,6 +47,11 @@ pub struct OutputArgs {
 }
 
 // ----- responses, as the CLI reads them (unknown fields are ignored) -----
+//
+// Requests are `nvpool_control::rest`'s bodies. These views of answers stay
+// here where they differ from `rest`'s on purpose: they accept answers of
+// older control planes (fields added since default) and keep states as the
+// text the tables print.
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CapacityOut {
@@ -87,16 +94,10 @@ pub struct TargetOut {
     pub devices: Vec<DeviceOut>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceRef {
-    pub target: String,
-    pub device: String,
-}
-
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PoolOut {
     pub name: String,
-    pub devices: Vec<DeviceRef>,
+    pub devices: Vec<DeviceRefBody>,
     pub created_ms: u64,
     pub capacity: CapacityOut,
 }
@@ -226,9 +227,9 @@ fn state_text(x: &TargetOut) -> String {
     }
 }
 
-fn set_state(c: &Client, id: &str, state: &str) -> anyhow::Result<Value> {
+fn set_state(c: &Client, id: &str, state: TargetState) -> anyhow::Result<Value> {
     let path = format!("/v1/targets/{}/state", segment(id));
-    let (_, v): (u16, Value) = c.put(&path, &serde_json::json!({ "state": state }))?;
+    let (_, v): (u16, Value) = c.put(&path, &TargetStateBody { state })?;
     Ok(v)
 }
 
@@ -343,7 +344,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
         }
         TargetCmd::Drain { id, wait } => {
             let mc = conn.client(true)?;
-            let v = set_state(&mc, &id, "draining")?;
+            let v = set_state(&mc, &id, TargetState::Draining)?;
             if fmt == Format::Json && !wait {
                 return print_json(&v);
             }
@@ -363,16 +364,16 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
             }
         }
         TargetCmd::Cordon { ref id } | TargetCmd::Activate { ref id } => {
-            let state = if matches!(a.cmd, TargetCmd::Cordon { .. }) {
-                "cordoned"
+            let (state, name) = if matches!(a.cmd, TargetCmd::Cordon { .. }) {
+                (TargetState::Cordoned, "cordoned")
             } else {
-                "active"
+                (TargetState::Active, "active")
             };
             let v = set_state(&conn.client(true)?, id, state)?;
             if fmt == Format::Json {
                 return print_json(&v);
             }
-            println!("target {id} {state}");
+            println!("target {id} {name}");
         }
         TargetCmd::Rm { id, force } => {
             let q = if force { "?force=true" } else { "" };
@@ -406,7 +407,7 @@ pub enum PoolCmd {
         name: String,
         /// TARGET/DEVICE (repeatable, or a comma-separated list).
         #[arg(long = "device", value_name = "TARGET/DEVICE", value_delimiter = ',', required = true, value_parser = parse_device_ref)]
-        devices: Vec<DeviceRef>,
+        devices: Vec<DeviceRefBody>,
     },
     /// List pools and their capacity.
     #[command(visible_alias = "list")]
@@ -499,9 +500,9 @@ fn wait_rebalanced(c: &Client, total: u64) -> anyhow::Result<()> {
     }
 }
 
-fn parse_device_ref(s: &str) -> Result<DeviceRef, String> {
+fn parse_device_ref(s: &str) -> Result<DeviceRefBody, String> {
     match s.trim().split_once('/') {
-        Some((t, d)) if !t.is_empty() && !d.is_empty() && !d.contains('/') => Ok(DeviceRef {
+        Some((t, d)) if !t.is_empty() && !d.is_empty() && !d.contains('/') => Ok(DeviceRefBody {
             target: t.to_owned(),
             device: d.to_owned(),
         }),
@@ -538,7 +539,7 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
                 return Err(Usage("pool create: the name is empty".into()).into());
             }
             let c = conn.client(true)?;
-            let body = serde_json::json!({ "devices": devices });
+            let body = PoolBody { devices };
             let (_, v): (u16, Value) = c.put(&format!("/v1/pools/{}", segment(&name)), &body)?;
             print_pool(&v, fmt)
         }
@@ -576,7 +577,10 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
                 return Err(Usage("pool rebalance: the name is empty".into()).into());
             }
             let c = conn.client(!dry_run)?;
-            let body = serde_json::json!({ "pool": name, "dry_run": dry_run });
+            let body = RebalanceBody {
+                pool: name,
+                dry_run,
+            };
             let v: Value = c.post("/v1/rebalance", &body)?;
             if fmt == Format::Json && !wait {
                 return print_json(&v);
@@ -616,7 +620,7 @@ mod tests {
     fn device_refs() {
         assert_eq!(
             parse_device_ref("t1/d0").unwrap(),
-            DeviceRef {
+            DeviceRefBody {
                 target: "t1".into(),
                 device: "d0".into()
             }

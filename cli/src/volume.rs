@@ -14,6 +14,7 @@ use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
 use nvpool_control::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
+use nvpool_control::rest::{CopyHistoryOut, ExportBody, ExtentOut, ResizeBody, VolumeSpecBody};
 use nvpool_control::{ConnectionPlan, Layout, LayoutBody, Uuid};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -27,17 +28,6 @@ pub const DEFAULT_STRIPE_BYTES: u64 = 64 << 10;
 pub const DEFAULT_STRIPE_WIDTH: u32 = 2;
 /// Default copies of raid1/raid10: survives one failure.
 pub const DEFAULT_COPIES: u8 = 2;
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ExtentOut {
-    pub target: String,
-    pub device: String,
-    pub offset: u64,
-    pub length: u64,
-    pub member: u32,
-    pub row: u32,
-    pub copy: u8,
-}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct VolumeOut {
@@ -81,33 +71,11 @@ pub struct CopyJobOut {
     pub to: Option<String>,
 }
 
-/// One copy of `GET /v1/volumes/{uuid}/history`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CopyHistoryOut {
-    pub id: u64,
-    pub extent: u32,
-    pub source: u32,
-    pub kind: String,
-    pub result: String,
-    pub bytes_total: u64,
-    pub bytes_copied: u64,
-    pub started_ms: u64,
-    #[serde(default)]
-    pub copy_started_ms: Option<u64>,
-    pub finished_ms: Option<u64>,
-    pub error: Option<String>,
-    /// Replace and move: where the copy went (`target/device`).
-    #[serde(default)]
-    pub to: Option<String>,
-}
-
-impl CopyHistoryOut {
-    /// Bytes per second while the copier ran, once it is over.
-    pub fn rate(&self) -> Option<u64> {
-        let (start, end) = (self.copy_started_ms?, self.finished_ms?);
-        let ms = end.saturating_sub(start).max(1);
-        Some(self.bytes_copied.saturating_mul(1000) / ms)
-    }
+/// Bytes per second while the copier ran, once it is over.
+fn copy_rate(h: &CopyHistoryOut) -> Option<u64> {
+    let (start, end) = (h.copy_started_ms?, h.finished_ms?);
+    let ms = end.saturating_sub(start).max(1);
+    Some(h.bytes_copied.saturating_mul(1000) / ms)
 }
 
 impl VolumeOut {
@@ -637,12 +605,12 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 Some(u) => u,
                 None => random_uuid()?,
             };
-            let body = serde_json::json!({
-                "name": args.name,
-                "size_bytes": args.size,
-                "layout": layout,
-                "pool": args.pool,
-            });
+            let body = VolumeSpecBody {
+                name: args.name,
+                size_bytes: args.size,
+                layout,
+                pool: args.pool,
+            };
             let (_, v): (u16, Value) = c.put(&format!("/v1/volumes/{uuid}"), &body)?;
             print_volume(&v, fmt)
         }
@@ -781,8 +749,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     format_iec(r.bytes_total),
                     age(r.started_ms),
                     took,
-                    r.rate()
-                        .map_or_else(|| "-".into(), |b| format!("{}/s", format_iec(b))),
+                    copy_rate(r).map_or_else(|| "-".into(), |b| format!("{}/s", format_iec(b))),
                     r.error.clone().unwrap_or_else(|| "-".into()),
                 ]);
             }
@@ -795,7 +762,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let (uuid, _) = resolve(&c, &volume)?;
             let v: Value = c.post(
                 &format!("/v1/volumes/{uuid}/resize"),
-                &serde_json::json!({ "size_bytes": size }),
+                &ResizeBody { size_bytes: size },
             )?;
             print_volume(&v, fmt)
         }
@@ -899,7 +866,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let (uuid, v) = resolve(&c, &volume)?;
             let (status, out): (u16, Value) = c.put(
                 &export_path(&uuid, &host_nqn),
-                &serde_json::json!({ "paths": paths }),
+                &ExportBody { paths: Some(paths) },
             )?;
             let view: nvmef::ServedView = typed("served volume", &out)?;
             let name = v["name"].as_str().unwrap_or(&volume).to_owned();

@@ -35,12 +35,18 @@
 //! TOKEN`: the admin token for pools and volumes, the target token (or the
 //! admin token) for registration and heartbeats. Reads are open.
 
-use crate::attach::{Attachment, AttachmentState};
-use crate::model::{Device, DeviceRef, Extent, Health, TargetState, Uuid, VolumeStatus};
+use crate::attach::Attachment;
+use crate::model::{Device, DeviceRef, Health, TargetState, Uuid, VolumeStatus};
 use crate::placement::{DeviceUsage, PlacementError};
-use crate::plan::{ConnectionPlan, LayoutBody};
+use crate::plan::ConnectionPlan;
 use crate::program::{self, ProgramError};
-use crate::state::{Capacity, Cluster, StateError, TargetRegistration, TargetView, VolumeView};
+use crate::rest::{
+    AttachmentOut, CapacityOut, CopyHistoryOut, CopyJobOut, DeviceOut, DeviceRefBody, ExportBody,
+    ExtentOut, FailedExtentsBody, MissedBody, MoveOut, PoolBody, PoolOut, RebalanceBody,
+    RebalanceOut, ReconcileOut, RegisterTargetBody, ResizeBody, SessionBody, SyncBody, TargetOut,
+    TargetStateBody, VolumeOut, VolumeSpecBody,
+};
+use crate::state::{Cluster, StateError, TargetRegistration, TargetView, VolumeView};
 use crate::store::StoreError;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{FromRequest, Path, Query, Request, State};
@@ -565,102 +571,6 @@ fn parse_uuid(s: &str) -> Result<Uuid, ApiError> {
 
 // ----- request and response bodies -----
 
-/// A device as a target registers it.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DeviceBody {
-    pub id: String,
-    /// How the target opens it, e.g. `file:/dev/disk/by-id/nvme-…`.
-    pub backend: String,
-    pub capacity_bytes: u64,
-    #[serde(default)]
-    pub labels: BTreeMap<String, String>,
-}
-
-/// `POST /v1/targets`.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RegisterTargetBody {
-    pub id: String,
-    pub name: String,
-    /// NVMe/TCP listener, `host:port`.
-    #[schema(value_type = String, example = "10.0.0.1:4420")]
-    pub addr: SocketAddr,
-    /// The target's admin API, `host:port`.
-    #[schema(value_type = String, example = "10.0.0.1:4480")]
-    pub admin_addr: SocketAddr,
-    #[serde(default)]
-    pub labels: BTreeMap<String, String>,
-    pub devices: Vec<DeviceBody>,
-    /// NVMe/RDMA listener, `host:port`, when the target has one: hosts
-    /// that can use RDMA connect there instead of `addr`. A specific IP
-    /// and a port other than 0.
-    #[serde(default)]
-    #[schema(value_type = Option<String>, example = "10.0.0.1:4420")]
-    pub rdma_addr: Option<SocketAddr>,
-}
-
-/// A device with its usage.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct DeviceOut {
-    pub id: String,
-    pub backend: String,
-    pub labels: BTreeMap<String, String>,
-    pub pool: Option<String>,
-    pub capacity_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-}
-
-/// Bytes of a set of devices; `free_bytes = total_bytes - used_bytes`.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, ToSchema)]
-pub struct CapacityOut {
-    pub total_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-    /// Whole extents of the configured size that still fit.
-    pub free_extents: u64,
-}
-
-impl From<&Capacity> for CapacityOut {
-    fn from(c: &Capacity) -> CapacityOut {
-        CapacityOut {
-            total_bytes: c.total_bytes,
-            used_bytes: c.used_bytes,
-            free_bytes: c.free_bytes,
-            free_extents: c.free_extents,
-        }
-    }
-}
-
-/// A target as listed.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct TargetOut {
-    pub id: String,
-    pub name: String,
-    #[schema(value_type = String)]
-    pub addr: SocketAddr,
-    #[schema(value_type = String)]
-    pub admin_addr: SocketAddr,
-    /// NVMe/RDMA listener; `null`: NVMe/TCP only.
-    #[schema(value_type = Option<String>)]
-    pub rdma_addr: Option<SocketAddr>,
-    pub labels: BTreeMap<String, String>,
-    /// `online` or `offline`, from the age of the last heartbeat.
-    #[schema(value_type = String)]
-    pub health: Health,
-    /// `active` (takes new extents), `cordoned` (takes none) or `draining`
-    /// (takes none, and its extents move to other targets).
-    #[schema(value_type = String)]
-    pub state: TargetState,
-    /// Draining and holding nothing any more: it can be removed.
-    pub drained: bool,
-    pub registered_ms: u64,
-    pub last_heartbeat_ms: u64,
-    pub capacity: CapacityOut,
-    pub devices: Vec<DeviceOut>,
-}
-
 fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
     let t = &v.target;
     let mut capacity = CapacityOut::default();
@@ -704,79 +614,6 @@ fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
     }
 }
 
-/// A device of a target.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DeviceRefBody {
-    pub target: String,
-    pub device: String,
-}
-
-impl From<DeviceRef> for DeviceRefBody {
-    fn from(d: DeviceRef) -> DeviceRefBody {
-        DeviceRefBody {
-            target: d.target,
-            device: d.device,
-        }
-    }
-}
-
-/// One extent of a volume: `length` bytes at `offset` of a target's device,
-/// holding copy `copy` of stripe member `member`'s `row`-th extent.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct ExtentOut {
-    pub target: String,
-    pub device: String,
-    pub offset: u64,
-    pub length: u64,
-    pub member: u32,
-    pub row: u32,
-    pub copy: u8,
-}
-
-impl From<Extent> for ExtentOut {
-    fn from(e: Extent) -> ExtentOut {
-        ExtentOut {
-            target: e.target,
-            device: e.device,
-            offset: e.offset,
-            length: e.length,
-            member: e.member,
-            row: e.row,
-            copy: e.copy,
-        }
-    }
-}
-
-/// `PUT /v1/pools/{name}`.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct PoolBody {
-    pub devices: Vec<DeviceRefBody>,
-}
-
-/// A pool as listed.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct PoolOut {
-    pub name: String,
-    pub devices: Vec<DeviceRefBody>,
-    pub created_ms: u64,
-    pub capacity: CapacityOut,
-}
-
-/// `PUT /v1/volumes/{uuid}`: what to create. The UUID is the path's.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct VolumeSpecBody {
-    pub name: String,
-    /// A positive multiple of 4096.
-    pub size_bytes: u64,
-    pub layout: LayoutBody,
-    /// Place on this pool's devices; without it, on unpooled devices.
-    #[serde(default)]
-    pub pool: Option<String>,
-}
-
 impl VolumeSpecBody {
     fn from_spec(s: &crate::model::VolumeSpec) -> VolumeSpecBody {
         VolumeSpecBody {
@@ -786,67 +623,6 @@ impl VolumeSpecBody {
             pool: s.pool.clone(),
         }
     }
-}
-
-/// `POST /v1/volumes/{uuid}/resize`.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ResizeBody {
-    /// The new size: at least the current one (volumes only grow).
-    pub size_bytes: u64,
-}
-
-/// A volume as listed, with its status and every extent.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct VolumeOut {
-    #[schema(value_type = String, example = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42")]
-    pub uuid: Uuid,
-    pub name: String,
-    pub size_bytes: u64,
-    pub layout: LayoutBody,
-    pub pool: Option<String>,
-    /// `online`, `degraded` (a copy is on an offline target) or `offline`.
-    #[schema(value_type = String)]
-    pub status: VolumeStatus,
-    pub extent_bytes: u64,
-    pub created_ms: u64,
-    pub extents: Vec<ExtentOut>,
-    /// Host NQNs the volume is attached to.
-    pub attachments: Vec<String>,
-    /// Extents (indices into `extents`) whose copies missed writes, as hosts
-    /// reported them: never read again until rebuilt; the volume is degraded
-    /// (or offline when a row has no good copy left).
-    #[serde(default)]
-    pub failed_extents: Vec<u32>,
-    /// Copies being brought back in sync (each also in `failed_extents`
-    /// until it is).
-    #[serde(default)]
-    pub copy_jobs: Vec<CopyJobOut>,
-}
-
-/// A running copy job.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct CopyJobOut {
-    pub id: u64,
-    /// The copy being filled (index into the volume's extents).
-    pub extent: u32,
-    /// The in-sync copy read from.
-    pub source: u32,
-    /// `resync-partial` (only the regions the copy missed), `resync-full`,
-    /// `replace` (a new extent for a copy whose target is gone) or `move`.
-    pub kind: String,
-    /// `arming`, `mirroring` (waiting for every host to write to the copy),
-    /// `copying` or `switching` (hosts read the new extent).
-    pub state: String,
-    /// Replace and move: the device of the new extent (`target/device`).
-    pub to: Option<String>,
-    pub bytes_total: u64,
-    pub bytes_copied: u64,
-    pub started_ms: u64,
-    /// Measured since copying began; 0 before.
-    pub rate_bytes_per_sec: u64,
-    /// Seconds left at that rate, when there is one.
-    pub eta_s: Option<u64>,
 }
 
 fn job_out(j: &crate::resync::CopyJob, now_ms: u64) -> CopyJobOut {
@@ -879,27 +655,6 @@ fn job_out(j: &crate::resync::CopyJob, now_ms: u64) -> CopyJobOut {
     }
 }
 
-/// One copy of a volume, running or past (`nvpool volume history`).
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct CopyHistoryOut {
-    pub id: u64,
-    pub extent: u32,
-    pub source: u32,
-    /// `resync-partial`, `resync-full`, `replace` or `move`.
-    pub kind: String,
-    /// Replace and move: the device of the new extent (`target/device`).
-    pub to: Option<String>,
-    /// `running`, `done` or `failed`.
-    pub result: String,
-    pub bytes_total: u64,
-    pub bytes_copied: u64,
-    pub started_ms: u64,
-    /// When the copier started copying (after hosts confirmed mirroring).
-    pub copy_started_ms: Option<u64>,
-    pub finished_ms: Option<u64>,
-    pub error: Option<String>,
-}
-
 /// Fills in each volume's attachments.
 fn with_attachments(c: &Cluster, mut out: Vec<VolumeOut>) -> Result<Vec<VolumeOut>, StateError> {
     let mut by: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
@@ -929,39 +684,6 @@ pub struct ForceQuery {
     pub force: bool,
 }
 
-/// An attachment of a volume to a host, with the connection plan.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct AttachmentOut {
-    #[schema(value_type = String)]
-    pub volume: Uuid,
-    pub host_nqn: String,
-    /// `attaching`, `attached` or `detaching` (the last two only while a
-    /// detach is in progress or after one failed).
-    #[schema(value_type = String)]
-    pub state: AttachmentState,
-    pub created_ms: u64,
-    /// Extents (indices into `plan.extents`) the host reported failed: they
-    /// missed writes, so hosts must neither read nor write them until they
-    /// are rebuilt.
-    pub failed_extents: Vec<u32>,
-    /// Copies (a subset of `failed_extents`) being brought back in sync:
-    /// hosts write to them, never read them, and confirm with `PUT
-    /// …/sync/{job}` once they do.
-    #[serde(default)]
-    pub syncing: Vec<crate::resync::SyncingCopy>,
-    /// Copies moving to new extents (replace, move): hosts write the new
-    /// extent too and confirm with `PUT …/sync/{job}`; once `switched` they
-    /// read it instead of the old one (and confirm again), still writing
-    /// both until the job is gone.
-    #[serde(default)]
-    pub moving: Vec<crate::resync::HostMove>,
-    /// Moves whenever hosts must act on the copies; long-poll with
-    /// `?after_revision=`.
-    #[serde(default)]
-    pub revision: u64,
-    pub plan: ConnectionPlan,
-}
-
 fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentOut {
     AttachmentOut {
         volume: a.volume,
@@ -974,14 +696,6 @@ fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentOut {
         revision: 0,
         plan,
     }
-}
-
-/// `PUT /v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents`.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct FailedExtentsBody {
-    /// Indices into the plan's extents of copies that failed.
-    pub failed_extents: Vec<u32>,
 }
 
 fn attachment_with_plan(c: &Cluster, a: Attachment) -> Result<AttachmentOut, StateError> {
@@ -1004,53 +718,6 @@ pub struct WatchQuery {
     /// Answer only once the copy-state revision is past this (or after
     /// about 25 s, with the attachment as it is).
     pub after_revision: Option<u64>,
-}
-
-/// `PUT …/attachments/{host}/session`.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SessionBody {
-    /// Random per serving process.
-    pub session: u64,
-    /// The copy-state revision of the attachment it opened the volume from.
-    pub revision: u64,
-}
-
-/// `PUT …/attachments/{host}/missed`: what each stale copy missed from
-/// this host's serving process, handed over as it stops.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct MissedBody {
-    pub session: u64,
-    /// Extent index (as a string) → regions of `RESYNC_REGION_BYTES` written
-    /// while that copy was stale. Stale copies absent missed nothing.
-    pub extents: BTreeMap<String, Vec<u32>>,
-}
-
-/// `PUT …/attachments/{host}/sync/{job}`: the host writes to the job's
-/// copy and every write it issued before has completed.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct SyncBody {
-    pub session: u64,
-    /// Regions the copy missed from this host; `null` when unknown.
-    pub missed_regions: Option<Vec<u32>>,
-    /// The host could not write a moving copy's new extent: the job fails.
-    #[serde(default)]
-    pub failed: bool,
-}
-
-/// What a reconciliation changed on a target.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct ReconcileOut {
-    pub subsystems_removed: usize,
-    pub namespaces_removed: usize,
-    pub namespaces_added: usize,
-    /// Copies the target ran for copy jobs that are over.
-    pub copies_removed: usize,
-    /// Stale exports (of a forced detach, or old extents of moved copies)
-    /// were confirmed gone and their extents freed.
-    pub stale_cleared: bool,
 }
 
 fn volume_out(
@@ -1521,16 +1188,6 @@ fn host_role(host: &str) -> Role {
     }
 }
 
-/// Body of `PUT /v1/volumes/{uuid}/exports/{host_nqn}`.
-#[derive(Debug, Clone, Copy, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExportBody {
-    /// Targets presenting the volume (ANA paths) when it is first
-    /// exported: 1 to 8, default 2 (different failure domains first).
-    #[serde(default)]
-    pub paths: Option<usize>,
-}
-
 /// Serves the volume to a stock host: the host's NQN joins the access
 /// list of the volume's subsystem, which a few targets present as ANA
 /// paths (one optimized, the owner running the volume engine; the others
@@ -1796,15 +1453,6 @@ async fn get_history(
     Ok(Json(out))
 }
 
-/// `PUT /v1/targets/{id}/state`.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct TargetStateBody {
-    /// `active`, `cordoned` or `draining`.
-    #[schema(value_type = String)]
-    pub state: TargetState,
-}
-
 /// Sets a target's state: `draining` moves every extent off it (online,
 /// through copy jobs; it serves each until the move is done), `cordoned`
 /// only stops new extents, `active` takes new extents again (and stops a
@@ -1844,48 +1492,6 @@ async fn delete_target(
     api.run(move |c| c.remove_target(&t, q.force)).await?;
     tracing::info!(target = %id, "target removed");
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// `POST /v1/rebalance`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct RebalanceBody {
-    /// The pool to even out; absent: every pool and the unpooled devices.
-    #[serde(default)]
-    pub pool: Option<String>,
-    /// Only say what would move.
-    #[serde(default)]
-    pub dry_run: bool,
-}
-
-/// One planned move.
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct MoveOut {
-    #[schema(value_type = String)]
-    pub volume: Uuid,
-    pub volume_name: String,
-    /// The copy: an index into the volume's extents.
-    pub extent: u32,
-    /// `target/device`.
-    pub from: String,
-    pub to: String,
-    pub bytes: u64,
-}
-
-/// A rebalance plan (and whether it was started).
-#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
-pub struct RebalanceOut {
-    pub moves: Vec<MoveOut>,
-    pub bytes_total: u64,
-    /// At the rebuild rate, `COPIES_PER_TARGET_MAX` copies per destination
-    /// target at a time; `None` when copies are unthrottled.
-    pub eta_s: Option<u64>,
-    pub started: bool,
-    /// Scopes still being evened out (pool names; `null` for the unpooled
-    /// devices).
-    pub pending: Vec<Option<String>>,
-    /// Move jobs under way.
-    pub moves_running: usize,
 }
 
 fn rebalance_out(

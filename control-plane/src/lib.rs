@@ -1,25 +1,30 @@
 //! nvpool control plane, as a library: the metadata store, the cluster
-//! model, extent placement, the volume address mapping, and the
-//! transactional operations that tie them together; with the `server`
-//! feature (default) also the REST API and the `nvpool-control` daemon.
+//! model, extent placement, and the transactional operations that tie them
+//! together; with the `server` feature (default) also the REST API and the
+//! `nvpool-control` daemon.
 //!
 //! ```text
 //!   daemon ── command line, redb store, signals
 //!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
+//!          │      └── rest ── request and response bodies (no feature)
 //!          │
 //!   state::Cluster ── register, heartbeat, pools, create/grow/delete volumes
 //!      │        │
 //!      │   placement::Allocator ── pure: devices + extents in, extents out
-//!      │        └── mapping ── volume offset → (member, row, offset); shared with the initiator
 //!      │
 //!   store::Store ── txn(conditions, ops), list, changes_since
 //!      ├── RedbStore (embedded, default; feature "redb")
 //!      └── MemStore  (tests)
+//!
+//!   nvpool-layout (its own crate, shared with hosts; re-exported here as
+//!   model::{Uuid, Layout}, mapping, plan, resync::{SyncingCopy, HostMove})
+//!      └── volume offset → (member, row, offset); the connection plan
 //! ```
 //!
-//! Crates that need only the model and the mapping (the initiator) depend
-//! on this one with `default-features = false`, which leaves out redb and
-//! the server (axum, tokio, utoipa).
+//! Clients of the REST API (the CLI, the agent, the target's registration)
+//! depend on this crate with `default-features = false`, which leaves out
+//! redb and the server (axum, tokio, utoipa) and keeps [`rest`]'s bodies.
+//! Hosts that only serve volumes (the initiator) need only `nvpool-layout`.
 
 #[cfg(feature = "server")]
 pub mod api;
@@ -41,6 +46,7 @@ pub mod plan;
 #[cfg(feature = "server")]
 pub mod program;
 pub mod rebalance;
+pub mod rest;
 pub mod resync;
 pub mod state;
 pub mod store;

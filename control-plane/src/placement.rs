@@ -346,7 +346,7 @@ impl Allocator {
             ))
             .into());
         }
-        validate_size(new_size_bytes, &v.layout, v.extent_bytes)?;
+        validate_size(new_size_bytes, &v.layout, v.extent_bytes).map_err(ModelError::from)?;
         let old = v.geometry().rows();
         let new = Geometry::new(new_size_bytes, v.extent_bytes, &v.layout).rows();
         self.place_rows(&v.layout, v.extent_bytes, v.pool.as_deref(), old..new)

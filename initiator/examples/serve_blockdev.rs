@@ -117,7 +117,7 @@ fn wait_for_signal(set: &libc::sigset_t) -> i32 {
 fn open_blockdev(a: &Args) -> Res<Arc<dyn BlockDev>> {
     if let Some(path) = &a.plan {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let plan: nvpool_control::plan::ConnectionPlan =
+        let plan: nvpool_layout::plan::ConnectionPlan =
             serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         let mut opts = VolumeOptions::default();
         if let Some(d) = a.depth {

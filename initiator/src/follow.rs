@@ -50,9 +50,9 @@ use crate::limits::{
     FOLLOW_REPORT_RETRY, FOLLOW_RETRY,
 };
 use crate::volume::{CopyState, ExtentFailedFn, ExtentFailure, MissedRegions, MovingCopy, Volume};
-use nvpool_control::plan::{ConnectionPlan, PlanExtent};
-use nvpool_control::resync::{HostMove, SyncingCopy};
-use nvpool_control::Uuid;
+use nvpool_layout::copies::{HostMove, SyncingCopy};
+use nvpool_layout::plan::{ConnectionPlan, PlanExtent};
+use nvpool_layout::Uuid;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};

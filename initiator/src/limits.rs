@@ -31,7 +31,7 @@ pub const FLUSH_EXTENTS_IN_FLIGHT_MAX: usize = 64;
 /// plane's own limit must fit.
 pub const COPIES_MAX: usize = 8;
 const _: () = assert!(COPIES_MAX <= u32::BITS as usize);
-const _: () = assert!(nvpool_control::limits::COPIES_MAX as usize <= COPIES_MAX);
+const _: () = assert!(nvpool_layout::limits::COPIES_MAX as usize <= COPIES_MAX);
 
 // ---- Transfers and buffers ----
 

@@ -71,7 +71,7 @@
 //! ([`VolumeOptions::syncing_extents`]: `Syncing`, connected).
 //!
 //! **Missed regions.** A `Failed` copy has a bitmap of the regions
-//! ([`RESYNC_REGION_BYTES`](nvpool_control::plan::RESYNC_REGION_BYTES),
+//! ([`RESYNC_REGION_BYTES`](nvpool_layout::plan::RESYNC_REGION_BYTES),
 //! 1 MiB) of its extent (missed.rs). Every write, write-zeroes and discard
 //! to the extent marks its range on each `Failed` copy when it is issued,
 //! and a mutation that fails on a copy marks its range there too (a failed
@@ -163,8 +163,8 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use drain::Drain;
 use missed::{Mark, Missed};
 use moves::{GroupMoves, Shadows};
-use nvpool_control::mapping::Geometry;
-use nvpool_control::plan::{ConnectionPlan, PlanExtent};
+use nvpool_layout::mapping::Geometry;
+use nvpool_layout::plan::{ConnectionPlan, PlanExtent};
 use nvpool_wire::tcp::Digests;
 use nvpool_wire::Status;
 use std::collections::HashMap;

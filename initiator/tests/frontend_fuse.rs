@@ -537,8 +537,8 @@ fn a_grown_device_grows_its_loop_device_online() {
 #[test]
 fn a_grown_mirrored_volume_grows_its_loop_device_and_both_copies_get_the_new_bytes() {
     use common::volumes::{self, VOLUME_BLOCK};
-    use nvpool_control::plan::LayoutBody;
     use nvpool_initiator::Volume;
+    use nvpool_layout::plan::LayoutBody;
     require_root!();
     const MIB: u64 = 1 << 20;
     let mut s = volumes::setup(2, LayoutBody::Raid1 { copies: 2 }, 4 * MIB, MIB, "ram:1M");

@@ -11,14 +11,14 @@ use common::volumes::{
     self, eventually, host_controllers, host_subsystem, read_check, write, Setup,
 };
 use common::*;
-use nvpool_control::mapping::Geometry;
-use nvpool_control::model::Uuid;
-use nvpool_control::plan::{LayoutBody, PlanExtent};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::ExtentFailure;
 use nvpool_initiator::{
     BlockDev, Controller, ControllerIo, Device, Error, IoError, Volume, VolumeOptions,
 };
+use nvpool_layout::mapping::Geometry;
+use nvpool_layout::model::Uuid;
+use nvpool_layout::plan::{LayoutBody, PlanExtent};
 use nvpool_target::backend::{FaultConfig, RamBackend};
 use nvpool_wire::Status;
 use std::collections::BTreeSet;
@@ -999,7 +999,7 @@ fn a_grow_that_does_not_fit_the_volume_is_refused_and_changes_nothing() {
 
     let old = s.plan.clone();
     let grown = s.grow(4 * MIB, 512);
-    let refused = |plan: &nvpool_control::plan::ConnectionPlan, what: &str, says: &str| {
+    let refused = |plan: &nvpool_layout::plan::ConnectionPlan, what: &str, says: &str| {
         match v.grow(plan) {
             Err(Error::Invalid(m)) => assert!(m.contains(says), "{what}: {m}"),
             other => panic!("{what}: {other:?}"),

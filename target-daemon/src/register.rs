@@ -26,6 +26,7 @@ use crate::limits::{
     CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
     REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
 };
+use nvpool_control::rest::{parse_base_url, DeviceBody, RegisterTargetBody};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -94,32 +95,17 @@ impl RegisterError {
 }
 
 /// The control plane's base URL: `http://HOST[:PORT][/PREFIX]`, without a
-/// trailing slash. Plain HTTP only: this build carries no TLS stack.
+/// trailing slash. Plain HTTP only: this build carries no TLS stack. Checked
+/// as every client of the control plane checks it
+/// ([`parse_base_url`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlPlaneUrl(String);
 
 impl ControlPlaneUrl {
     pub fn parse(url: &str) -> Result<ControlPlaneUrl, RegisterError> {
-        let bad = |reason: &str| RegisterError::Usage(format!("--control-plane {url:?}: {reason}"));
-        let t = url.trim();
-        if t.len() >= 8 && t[..8].eq_ignore_ascii_case("https://") {
-            return Err(bad(
-                "https is not supported; use http:// (put a TLS proxy in front if the \
-                 network needs one)",
-            ));
-        }
-        let rest = match t.get(..7) {
-            Some(p) if p.eq_ignore_ascii_case("http://") => &t[7..],
-            _ => return Err(bad("expected http://HOST:PORT")),
-        };
-        let authority = rest.split('/').next().unwrap_or_default();
-        if authority.is_empty() || authority.contains(['@', '?', '#', ' ']) {
-            return Err(bad("expected http://HOST:PORT"));
-        }
-        Ok(ControlPlaneUrl(format!(
-            "http://{}",
-            rest.trim_end_matches('/')
-        )))
+        parse_base_url(url)
+            .map(ControlPlaneUrl)
+            .map_err(|reason| RegisterError::Usage(format!("--control-plane {url:?}: {reason}")))
     }
 
     pub fn as_str(&self) -> &str {
@@ -142,8 +128,8 @@ impl std::fmt::Display for ControlPlaneUrl {
     }
 }
 
-/// A device offered to the pool, as the control plane's `POST /v1/targets`
-/// body lists it.
+/// A device offered to the pool, measured; the control plane's `POST
+/// /v1/targets` body lists it as a [`DeviceBody`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DeviceOffer {
     pub id: String,
@@ -262,6 +248,28 @@ impl RegistrationConfig {
             backoff_min: Duration::from_millis(REGISTER_BACKOFF_MIN_MS),
             backoff_max: Duration::from_millis(REGISTER_BACKOFF_MAX_MS),
             request_timeout: Duration::from_millis(CONTROL_PLANE_REQUEST_TIMEOUT_MS),
+        }
+    }
+
+    /// The `POST /v1/targets` body, advertising `rdma_addr` for NVMe/RDMA.
+    fn register_body(&self, rdma_addr: Option<SocketAddr>) -> RegisterTargetBody {
+        RegisterTargetBody {
+            id: self.target_id.clone(),
+            name: self.name.clone(),
+            addr: self.addr,
+            admin_addr: self.admin_addr,
+            labels: self.labels.clone(),
+            devices: self
+                .devices
+                .iter()
+                .map(|d| DeviceBody {
+                    id: d.id.clone(),
+                    backend: d.backend.clone(),
+                    capacity_bytes: d.capacity_bytes,
+                    labels: d.labels.clone(),
+                })
+                .collect(),
+            rdma_addr,
         }
     }
 }
@@ -625,20 +633,6 @@ struct ApiErrorBody {
     message: String,
 }
 
-#[derive(Serialize)]
-struct RegisterBody<'a> {
-    id: &'a str,
-    name: &'a str,
-    addr: SocketAddr,
-    admin_addr: SocketAddr,
-    /// Left out when absent, so a TCP-only target still registers with a
-    /// control plane that predates the field (it refuses unknown fields).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rdma_addr: Option<SocketAddr>,
-    labels: &'a BTreeMap<String, String>,
-    devices: &'a [DeviceOffer],
-}
-
 /// Blocking HTTP calls to the control plane.
 #[derive(Debug)]
 pub(crate) struct Client {
@@ -705,16 +699,7 @@ impl Client {
 
     /// Registers, advertising `rdma_addr` for NVMe/RDMA.
     fn register(&self, rdma_addr: Option<SocketAddr>) -> Result<(), RegisterError> {
-        let c = &self.cfg;
-        let body = RegisterBody {
-            id: &c.target_id,
-            name: &c.name,
-            addr: c.addr,
-            admin_addr: c.admin_addr,
-            rdma_addr,
-            labels: &c.labels,
-            devices: &c.devices,
-        };
+        let body = self.cfg.register_body(rdma_addr);
         let r = self
             .auth(self.agent.post(self.url("/v1/targets")))
             .send_json(&body);
@@ -1117,14 +1102,14 @@ mod tests {
     #[test]
     fn register_body_carries_rdma_only_when_present() {
         let body = |rdma_addr| {
-            serde_json::to_value(RegisterBody {
-                id: "t",
-                name: "t",
+            serde_json::to_value(RegisterTargetBody {
+                id: "t".into(),
+                name: "t".into(),
                 addr: "10.0.0.5:4420".parse().unwrap(),
                 admin_addr: "10.0.0.5:4480".parse().unwrap(),
                 rdma_addr,
-                labels: &BTreeMap::new(),
-                devices: &[],
+                labels: BTreeMap::new(),
+                devices: Vec::new(),
             })
             .unwrap()
         };

@@ -10,7 +10,7 @@
 //!
 //! A region `r` covers extent bytes `[r·R, (r+1)·R) ∩ extent`.
 
-use nvpool_control::plan::RESYNC_REGION_BYTES;
+use nvpool_layout::plan::RESYNC_REGION_BYTES;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What a failed copy missed, as [`crate::volume::Volume::begin_sync`] and

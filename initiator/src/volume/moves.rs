@@ -80,7 +80,7 @@ use crate::device::Device;
 use crate::error::{Error, IoError};
 use crate::limits::SYNC_DRAIN_TIMEOUT;
 use arc_swap::ArcSwapOption;
-use nvpool_control::plan::PlanExtent;
+use nvpool_layout::plan::PlanExtent;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 

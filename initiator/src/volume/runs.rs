@@ -14,7 +14,7 @@
 //! run of member b:  | b0 | b1 |               chunks: buf 1, 3    → run 0, 1
 //! ```
 
-use nvpool_control::mapping::{Geometry, MapError};
+use nvpool_layout::mapping::{Geometry, MapError};
 
 /// Contiguous bytes of one extent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,7 +109,7 @@ impl Split {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nvpool_control::model::Layout;
+    use nvpool_layout::model::Layout;
 
     const K: u64 = 1024;
 

@@ -4,10 +4,10 @@
 //! check where bytes landed, or to change a copy behind its back).
 
 use super::{assert_same, params, pattern, subsystem, Tgt, HOST_A, WAIT};
-use nvpool_control::model::Uuid;
-use nvpool_control::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::{Controller, ControllerIo, Device, Volume, VolumeOptions};
+use nvpool_layout::model::Uuid;
+use nvpool_layout::plan::{ConnectionPlan, LayoutBody, PlanExtent, HOST_SUBSYSTEM_PREFIX};
 use nvpool_target::backend::{Backend, FaultBackend, RamBackend};
 use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
 use nvpool_target::Target;
