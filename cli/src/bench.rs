@@ -474,6 +474,7 @@ fn job(
                 blocks,
                 fua: false,
                 buf,
+                shared: None,
                 token: t as u64,
             };
             slots[t] = Some(Inflight {
@@ -549,6 +550,7 @@ fn verify_all(
                 blocks,
                 fua: false,
                 buf: std::mem::take(&mut bufs[t]),
+                shared: None,
                 token: t as u64,
             };
             next += 1;

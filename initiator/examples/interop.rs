@@ -321,6 +321,7 @@ fn request(op: Op, nsid: u32, lba: u64, blocks: u32, buf: Vec<u8>) -> Request {
         blocks,
         fua: false,
         buf,
+        shared: None,
         token: 0,
     }
 }

@@ -310,6 +310,11 @@ impl Conn {
         self.rs = 0;
     }
 
+    /// Sends what is queued as far as the socket takes it, never waiting.
+    pub fn send_nowait(&mut self) -> Result<(), Error> {
+        self.try_write()
+    }
+
     fn try_write(&mut self) -> Result<(), Error> {
         while self.ts < self.tx.len() {
             match self.sock.write(&self.tx[self.ts..]) {

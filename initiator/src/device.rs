@@ -39,7 +39,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -86,24 +86,114 @@ struct Job {
     blocks: u64,
     fua: bool,
     buf: Vec<u8>,
+    /// A write's data shared with other jobs (see [`Device::write_shared`]).
+    shared: Option<Arc<Vec<u8>>>,
     cell: Arc<Cell>,
 }
 
-#[derive(Debug)]
-struct Worker {
-    tx: SyncSender<Job>,
-    efd: Arc<OwnedFd>,
-    /// The worker sleeps in poll(2); submitters then write the eventfd.
-    sleeping: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+impl Job {
+    /// The bytes a write sends.
+    fn out(&self) -> &[u8] {
+        self.shared.as_deref().unwrap_or(&self.buf)
+    }
 }
 
-impl Worker {
+/// Bits of [`QueueShared::asleep`]: the queue's thread sleeps, and what
+/// on the socket it waits for besides its eventfd.
+const ASLEEP: u8 = 1;
+const ASLEEP_IN: u8 = 2;
+const ASLEEP_OUT: u8 = 4;
+/// Never part of a sleeping mask: the thread must run (a broken connection
+/// to repair).
+const NEEDS_RUN: u8 = 8;
+
+/// One I/O queue: its state, taken by whichever thread holds the lock (a
+/// submitter issuing its own request, or the queue's thread), and the
+/// queue's thread's wake-up.
+#[derive(Debug)]
+struct QueueShared {
+    state: Mutex<WorkerLoop>,
+    efd: OwnedFd,
+    /// `ASLEEP` and what it waits for while the queue's thread sleeps in
+    /// poll(2); 0 while it runs. Set under the state lock.
+    asleep: AtomicU8,
+}
+
+impl QueueShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WorkerLoop> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn wake(&self) {
         let one = 1u64;
         // SAFETY: writes 8 bytes from a u64 to our own eventfd.
         unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
+
+    /// Issues `job` on the calling thread when nobody holds the queue:
+    /// the command goes to the socket from here, with no hand-off to the
+    /// queue's thread and no wake-up of it unless it sleeps without
+    /// watching the socket. Hands the job back when the queue is busy.
+    fn try_submit(&self, job: Job) -> Result<(), Job> {
+        let mut s = match self.state.try_lock() {
+            Ok(s) => s,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(job),
+        };
+        s.accept(job);
+        s.issue();
+        if let Some(q) = s.q.as_mut() {
+            q.send_nowait();
+        }
+        let needs = s.needs();
+        let done = take_done(&mut s);
+        drop(s);
+        complete_all(done);
+        let a = self.asleep.load(Ordering::SeqCst);
+        if a & ASLEEP != 0 && needs & !a != 0 {
+            self.wake();
+        }
+        Ok(())
+    }
+}
+
+/// What the queue's thread finished, completed once the lock is let go
+/// (a completion may poll a task that submits again on this queue).
+type Done = (Arc<Cell>, Result<(), IoError>, Vec<u8>);
+
+thread_local! {
+    /// The finished-list a thread hands back and forth with the queues, so
+    /// finishing requests allocates nothing.
+    static SPARE_DONE: std::cell::RefCell<Vec<Done>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn take_done(s: &mut WorkerLoop) -> Vec<Done> {
+    if s.done.is_empty() {
+        return Vec::new();
+    }
+    let spare = SPARE_DONE.with_borrow_mut(std::mem::take);
+    std::mem::replace(&mut s.done, spare)
+}
+
+fn complete_all(mut done: Vec<Done>) {
+    if done.capacity() == 0 {
+        return;
+    }
+    for (cell, r, buf) in done.drain(..) {
+        cell.complete(r, buf);
+    }
+    SPARE_DONE.with_borrow_mut(|spare| {
+        if spare.capacity() < done.capacity() {
+            *spare = done;
+        }
+    });
+}
+
+#[derive(Debug)]
+struct Worker {
+    tx: SyncSender<Job>,
+    shared: Arc<QueueShared>,
+    thread: Option<JoinHandle<()>>,
 }
 
 /// Permits bound the requests in flight across the controller's queues.
@@ -200,26 +290,26 @@ impl ControllerIo {
                     std::io::Error::last_os_error()
                 )));
             }
-            // SAFETY: a fresh descriptor nobody else owns.
-            let efd = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
-            let sleeping = Arc::new(AtomicBool::new(false));
-            let w = WorkerLoop::new(
-                q,
-                block_size,
-                rx,
-                efd.clone(),
-                sleeping.clone(),
-                io.stop.clone(),
-                io.lost.clone(),
-            );
+            let shared = Arc::new(QueueShared {
+                state: Mutex::new(WorkerLoop::new(
+                    q,
+                    block_size,
+                    rx,
+                    io.stop.clone(),
+                    io.lost.clone(),
+                )),
+                // SAFETY: a fresh descriptor nobody else owns.
+                efd: unsafe { OwnedFd::from_raw_fd(fd) },
+                asleep: AtomicU8::new(0),
+            });
+            let run = shared.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("nvpool-io-{qid}"))
-                .spawn(move || w.run())
+                .spawn(move || run_queue(&run))
                 .map_err(|e| Error::Invalid(format!("cannot start I/O thread: {e}")))?;
             io.workers.push(Worker {
                 tx,
-                efd,
-                sleeping,
+                shared,
                 thread: Some(thread),
             });
         }
@@ -270,6 +360,7 @@ impl ControllerIo {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run(
         &self,
         nsid: u32,
@@ -278,6 +369,7 @@ impl ControllerIo {
         blocks: u64,
         fua: bool,
         buf: Vec<u8>,
+        shared: Option<Arc<Vec<u8>>>,
     ) -> (Result<(), IoError>, Vec<u8>) {
         if blocks == 0 && op != Op::Flush {
             return (Ok(()), buf);
@@ -285,8 +377,8 @@ impl ControllerIo {
         if op == Op::Flush {
             // A flush must follow every write completed before it, on every
             // queue; the queues take it concurrently.
-            let all =
-                (0..self.workers.len()).map(|w| self.run_on(w, nsid, op, 0, 0, false, Vec::new()));
+            let all = (0..self.workers.len())
+                .map(|w| self.run_on(w, true, nsid, op, 0, 0, false, Vec::new(), None));
             let r = join_all(all)
                 .await
                 .into_iter()
@@ -296,19 +388,24 @@ impl ControllerIo {
             return (r, buf);
         }
         let w = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
-        self.run_on(w, nsid, op, lba, blocks, fua, buf).await
+        self.run_on(w, false, nsid, op, lba, blocks, fua, buf, shared)
+            .await
     }
 
+    /// Runs one request on queue `w` (`pinned`), or on the first of the
+    /// queues from `w` on that nobody holds.
     #[allow(clippy::too_many_arguments)]
     async fn run_on(
         &self,
         w: usize,
+        pinned: bool,
         nsid: u32,
         op: Op,
         lba: u64,
         blocks: u64,
         fua: bool,
         buf: Vec<u8>,
+        shared: Option<Arc<Vec<u8>>>,
     ) -> (Result<(), IoError>, Vec<u8>) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         std::future::poll_fn(|cx| {
@@ -325,36 +422,47 @@ impl ControllerIo {
             .unwrap_or_else(|p| p.into_inner())
             .pop()
             .unwrap_or_default();
-        let job = Job {
+        let mut job = Some(Job {
             nsid,
             op,
             lba,
             blocks,
             fua,
             buf,
+            shared,
             cell: cell.clone(),
-        };
-        let worker = &self.workers[w];
-        let mut job = Some(job);
-        std::future::poll_fn(
-            |cx| match worker.tx.try_send(job.take().expect("job present")) {
-                Ok(()) => Poll::Ready(()),
-                Err(TrySendError::Full(j)) => {
-                    job = Some(j);
-                    // The channel has room again within one queue completion.
-                    cx.waker().wake_by_ref();
-                    Poll::Pending
-                }
-                Err(TrySendError::Disconnected(j)) => {
-                    j.cell.complete(Err(IoError::ControllerLost), j.buf);
-                    Poll::Ready(())
-                }
-            },
-        )
-        .await;
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if worker.sleeping.load(Ordering::SeqCst) {
-            worker.wake();
+        });
+        let n = self.workers.len();
+        let tries = if pinned { 1 } else { n };
+        for i in 0..tries {
+            let Some(j) = job.take() else { break };
+            if let Err(j) = self.workers[(w + i) % n].shared.try_submit(j) {
+                job = Some(j);
+            }
+        }
+        if job.is_some() {
+            // Every queue was busy: hand it to queue w's thread.
+            let worker = &self.workers[w];
+            std::future::poll_fn(
+                |cx| match worker.tx.try_send(job.take().expect("job present")) {
+                    Ok(()) => Poll::Ready(()),
+                    Err(TrySendError::Full(j)) => {
+                        job = Some(j);
+                        // The channel has room again within one queue completion.
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                    Err(TrySendError::Disconnected(j)) => {
+                        j.cell.complete(Err(IoError::ControllerLost), j.buf);
+                        Poll::Ready(())
+                    }
+                },
+            )
+            .await;
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if worker.shared.asleep.load(Ordering::SeqCst) & ASLEEP != 0 {
+                worker.shared.wake();
+            }
         }
         let out = Wait { cell: &cell }.await;
         self.cells
@@ -371,7 +479,7 @@ impl Drop for ControllerIo {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         for w in &self.workers {
-            w.wake();
+            w.shared.wake();
         }
         for w in &mut self.workers {
             if let Some(t) = w.thread.take() {
@@ -461,6 +569,30 @@ impl Device {
         }
     }
 
+    /// Writes `buf` at `offset` without taking it: the copies of a
+    /// mirrored write share one buffer, each request holding a reference
+    /// until it completes.
+    pub async fn write_shared(
+        &self,
+        offset: u64,
+        buf: Arc<Vec<u8>>,
+        fua: bool,
+    ) -> Result<(), IoError> {
+        let (lba, blocks) = self.check(offset, buf.len() as u64)?;
+        self.io
+            .run(
+                self.info.nsid,
+                Op::Write,
+                lba,
+                blocks,
+                fua,
+                Vec::new(),
+                Some(buf),
+            )
+            .await
+            .0
+    }
+
     /// Makes every completed write durable.
     pub async fn flush(&self) -> Result<(), IoError> {
         self.run(Op::Flush, 0, 0, false, Vec::new()).await.0
@@ -501,7 +633,9 @@ impl Device {
         fua: bool,
         buf: Vec<u8>,
     ) -> (Result<(), IoError>, Vec<u8>) {
-        self.io.run(self.info.nsid, op, lba, blocks, fua, buf).await
+        self.io
+            .run(self.info.nsid, op, lba, blocks, fua, buf, None)
+            .await
     }
 
     /// Blocking helpers for threads that are not async (FUSE, ublk queues).
@@ -539,14 +673,15 @@ struct Parent {
     err: Option<IoError>,
 }
 
-/// What one worker thread owns: its queue (until the controller is lost)
-/// and the requests it is working on.
+/// One queue's state: the queue (until the controller is lost) and the
+/// requests on it. Whoever holds its lock drives it: a submitter issuing
+/// its own request, or the queue's thread ([`run_queue`]), which reads the
+/// completions, reconnects, and takes requests handed over the channel.
+#[derive(Debug)]
 struct WorkerLoop {
     /// None once the controller is lost: every request then fails at once.
     q: Option<IoQueue>,
     rx: Receiver<Job>,
-    efd: Arc<OwnedFd>,
-    sleeping: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     /// Shared with [`ControllerIo::is_lost`].
     lost: Arc<AtomicBool>,
@@ -560,8 +695,13 @@ struct WorkerLoop {
     /// Buffers of split commands, reused.
     scratch: Vec<Vec<u8>>,
     comps: Vec<Completion>,
+    /// Finished requests, completed once the lock is let go.
+    done: Vec<Done>,
     /// A job taken from the channel just before going to sleep.
     stash: Option<Job>,
+    /// The socket had something (or its end) when the queue's thread
+    /// woke: read it even with nothing outstanding.
+    socket_ready: bool,
 }
 
 impl WorkerLoop {
@@ -569,8 +709,6 @@ impl WorkerLoop {
         q: IoQueue,
         bs: u32,
         rx: Receiver<Job>,
-        efd: Arc<OwnedFd>,
-        sleeping: Arc<AtomicBool>,
         stop: Arc<AtomicBool>,
         lost: Arc<AtomicBool>,
     ) -> WorkerLoop {
@@ -579,8 +717,6 @@ impl WorkerLoop {
         WorkerLoop {
             q: Some(q),
             rx,
-            efd,
-            sleeping,
             stop,
             lost,
             bs,
@@ -590,7 +726,9 @@ impl WorkerLoop {
             open: VecDeque::new(),
             scratch: Vec::new(),
             comps,
+            done: Vec::new(),
             stash: None,
+            socket_ready: false,
         }
     }
 
@@ -602,20 +740,22 @@ impl WorkerLoop {
         self.q.as_ref().is_none_or(|q| q.outstanding() < q.depth())
     }
 
-    fn run(mut self) {
-        loop {
-            self.take_jobs();
-            self.issue();
-            if self.stop.load(Ordering::Acquire) && self.outstanding() == 0 {
-                return;
-            }
-            let got = self.reap();
-            let can_issue = !self.open.is_empty() && self.has_room();
-            if can_issue || got > 0 {
-                continue;
-            }
-            self.sleep();
+    /// What the queue's thread must watch for this queue's sake: the
+    /// socket's reads while commands are out, its writes while bytes wait,
+    /// or a run at once (a connection to repair).
+    fn needs(&self) -> u8 {
+        let Some(q) = self.q.as_ref() else { return 0 };
+        if q.is_broken() {
+            return NEEDS_RUN;
         }
+        let mut n = 0;
+        if q.outstanding() > 0 {
+            n |= ASLEEP_IN;
+        }
+        if q.wants_write() {
+            n |= ASLEEP_OUT;
+        }
+        n
     }
 
     /// Takes new jobs while the queue has room.
@@ -628,18 +768,23 @@ impl WorkerLoop {
                     Err(_) => return,
                 },
             };
-            let id = self.free.pop().unwrap_or_else(|| {
-                self.parents.push(None);
-                self.parents.len() - 1
-            });
-            self.parents[id] = Some(Parent {
-                job,
-                left: 0,
-                next: 0,
-                err: None,
-            });
-            self.open.push_back(id);
+            self.accept(job);
         }
+    }
+
+    /// Puts a job on the open list.
+    fn accept(&mut self, job: Job) {
+        let id = self.free.pop().unwrap_or_else(|| {
+            self.parents.push(None);
+            self.parents.len() - 1
+        });
+        self.parents[id] = Some(Parent {
+            job,
+            left: 0,
+            next: 0,
+            err: None,
+        });
+        self.open.push_back(id);
     }
 
     /// Issues commands for open jobs while the queue has room.
@@ -652,6 +797,7 @@ impl WorkerLoop {
             free,
             open,
             scratch,
+            done,
             ..
         } = self;
         let bs = *bs as u64;
@@ -662,7 +808,7 @@ impl WorkerLoop {
                 p.next = p.job.blocks.max(1);
                 open.pop_front();
                 if p.left == 0 {
-                    finish(parents, free, id);
+                    finish(parents, free, done, id);
                 }
                 continue;
             };
@@ -682,7 +828,12 @@ impl WorkerLoop {
             };
             let n = (total - p.next).min(per);
             let whole = p.next == 0 && n == total;
+            let mut shared = None;
             let buf = match op {
+                Op::Write if whole && p.job.shared.is_some() => {
+                    shared = p.job.shared.clone();
+                    Vec::new()
+                }
                 Op::Read | Op::Write if whole => std::mem::take(&mut p.job.buf),
                 Op::Read | Op::Write => {
                     let len = (n * bs) as usize;
@@ -690,7 +841,7 @@ impl WorkerLoop {
                     b.resize(len, 0);
                     if op == Op::Write {
                         let off = (p.next * bs) as usize;
-                        b.copy_from_slice(&p.job.buf[off..off + len]);
+                        b.copy_from_slice(&p.job.out()[off..off + len]);
                     }
                     b
                 }
@@ -703,6 +854,7 @@ impl WorkerLoop {
                 blocks: n as u32,
                 fua: p.job.fua,
                 buf,
+                shared,
                 token: (id as u64) << 32 | p.next,
             };
             p.next += n.max(1);
@@ -714,9 +866,9 @@ impl WorkerLoop {
                     Error::Invalid(_) => IoError::Invalid("the I/O queue refused the request"),
                     _ => IoError::ControllerLost,
                 });
-                if whole {
+                if whole && req.shared.is_none() {
                     p.job.buf = req.buf;
-                } else if !req.buf.is_empty() {
+                } else if req.buf.capacity() > 0 {
                     scratch.push(req.buf);
                 }
             }
@@ -725,7 +877,7 @@ impl WorkerLoop {
             if p.next >= total.max(1) {
                 open.pop_front();
                 if p.left == 0 {
-                    finish(parents, free, id);
+                    finish(parents, free, done, id);
                 }
             }
         }
@@ -733,6 +885,7 @@ impl WorkerLoop {
 
     /// Handles the socket; returns the completions it saw.
     fn reap(&mut self) -> usize {
+        let socket_ready = std::mem::take(&mut self.socket_ready);
         let WorkerLoop {
             q,
             bs,
@@ -740,17 +893,23 @@ impl WorkerLoop {
             free,
             scratch,
             comps,
+            done,
             ..
         } = self;
         let Some(queue) = q.as_mut() else { return 0 };
-        if queue.outstanding() == 0 {
-            return 0;
-        }
         comps.clear();
-        let r = queue.poll(comps, Duration::ZERO);
+        let r = if queue.outstanding() > 0 {
+            queue.poll(comps, Duration::ZERO).map(drop)
+        } else if socket_ready {
+            // An idle connection's end is repaired when a command needs it,
+            // as before the queue watched its socket while idle.
+            queue.poll_idle(comps)
+        } else {
+            return 0;
+        };
         let got = comps.len();
         for c in comps.drain(..) {
-            on_completion(c, parents, free, scratch, *bs);
+            on_completion(c, parents, free, scratch, done, *bs);
         }
         if let Err(e) = r {
             tracing::error!(error = %e, "I/O queue failed");
@@ -772,69 +931,119 @@ impl WorkerLoop {
                 p.left = 0;
                 p.next = p.job.blocks.max(1);
                 let len = p.job.blocks as usize * bs;
-                if matches!(p.job.op, Op::Read | Op::Write) && p.job.buf.len() != len {
+                if matches!(p.job.op, Op::Read | Op::Write)
+                    && p.job.shared.is_none()
+                    && p.job.buf.len() != len
+                {
                     p.job.buf = vec![0; len];
                 }
-                finish(&mut self.parents, &mut self.free, id);
+                finish(&mut self.parents, &mut self.free, &mut self.done, id);
             }
         }
         self.open.clear();
     }
+}
 
-    /// Sleeps until the socket or a submitter wakes us (or a second passes).
-    fn sleep(&mut self) {
-        self.sleeping.store(true, Ordering::SeqCst);
+/// The queue's thread: takes requests handed over the channel, reads
+/// completions and repairs the connection; sleeps in poll(2) on its
+/// eventfd and, while commands are out, the socket. Submitters that issue
+/// on the socket themselves wake it only when it sleeps without watching
+/// what their command needs.
+fn run_queue(shared: &QueueShared) {
+    loop {
+        let mut s = shared.lock();
+        s.take_jobs();
+        s.issue();
+        if s.stop.load(Ordering::Acquire) && s.outstanding() == 0 {
+            let done = take_done(&mut s);
+            drop(s);
+            complete_all(done);
+            return;
+        }
+        let got = s.reap();
+        let can_issue = !s.open.is_empty() && s.has_room();
+        let done = take_done(&mut s);
+        if can_issue || got > 0 || !done.is_empty() {
+            drop(s);
+            complete_all(done);
+            continue;
+        }
+        let needs = s.needs();
+        if needs & NEEDS_RUN != 0 && s.outstanding() > 0 {
+            // A submitter found the connection broken: reap reconnects.
+            continue;
+        }
+        // The socket is watched even with nothing outstanding, so a
+        // submitter's command needs no wake-up. What comes on an idle
+        // connection is its end, kept until a command needs the queue.
+        let watch = if s.q.is_some() && needs & NEEDS_RUN == 0 {
+            ASLEEP_IN
+        } else {
+            0
+        };
+        let mask = ASLEEP | watch | (needs & !NEEDS_RUN);
+        shared.asleep.store(mask, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);
         // A job that arrived after the last look is taken instead of
         // sleeping, unless one already waits for room in the queue (taking
         // another would overwrite it).
-        let arrived = match &self.stash {
-            Some(_) => Err(mpsc::TryRecvError::Empty),
-            None => self.rx.try_recv(),
-        };
-        match arrived {
-            Ok(j) => self.stash = Some(j),
-            Err(_) => {
-                let (qfd, wants_write) = self
-                    .q
-                    .as_ref()
-                    .map_or((-1, false), |q| (q.fd(), q.wants_write()));
-                let mut fds = [
-                    libc::pollfd {
-                        fd: self.efd.as_raw_fd(),
-                        events: libc::POLLIN,
-                        revents: 0,
-                    },
-                    libc::pollfd {
-                        fd: qfd,
-                        events: libc::POLLIN | if wants_write { libc::POLLOUT } else { 0 },
-                        revents: 0,
-                    },
-                ];
-                let n = if self.outstanding() > 0 { 2 } else { 1 };
-                // SAFETY: fds holds n valid pollfds for the call's duration.
-                let ready = unsafe { libc::poll(fds.as_mut_ptr(), n, WORKER_IDLE_WAKE_MS) };
-                if fds[0].revents & libc::POLLIN != 0 {
-                    let mut v = 0u64;
-                    // SAFETY: reads 8 bytes into a u64 from our own eventfd.
-                    unsafe { libc::read(self.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-                }
-                // Commands and a silent socket: a target that vanished
-                // without closing its connections looks like this. Its
-                // controller's keep-alive declares it lost in bounded time.
-                if ready == 0 && self.outstanding() > 0 {
-                    let lost = self
-                        .q
-                        .as_ref()
-                        .is_some_and(|q| q.controller().current().is_err());
-                    if lost {
-                        tracing::error!("controller lost with commands outstanding; failing them");
-                        self.abandon();
-                    }
-                }
+        if s.stash.is_none() {
+            if let Ok(j) = s.rx.try_recv() {
+                s.stash = Some(j);
+                shared.asleep.store(0, Ordering::SeqCst);
+                continue;
             }
         }
-        self.sleeping.store(false, Ordering::SeqCst);
+        let qfd = s.q.as_ref().map_or(-1, IoQueue::fd);
+        drop(s);
+        let mut events = 0;
+        if mask & ASLEEP_IN != 0 {
+            events |= libc::POLLIN;
+        }
+        if mask & ASLEEP_OUT != 0 {
+            events |= libc::POLLOUT;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: shared.efd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: qfd,
+                events,
+                revents: 0,
+            },
+        ];
+        let n = if events != 0 && qfd >= 0 { 2 } else { 1 };
+        // SAFETY: fds holds n valid pollfds for the call's duration.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), n, WORKER_IDLE_WAKE_MS) };
+        shared.asleep.store(0, Ordering::SeqCst);
+        if n == 2 && fds[1].revents != 0 {
+            shared.lock().socket_ready = true;
+        }
+        if fds[0].revents & libc::POLLIN != 0 {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into a u64 from our own eventfd.
+            unsafe { libc::read(shared.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        }
+        // Commands and a silent socket: a target that vanished without
+        // closing its connections looks like this. Its controller's
+        // keep-alive declares it lost in bounded time.
+        if ready == 0 {
+            let mut s = shared.lock();
+            let lost = s.outstanding() > 0
+                && s.q
+                    .as_ref()
+                    .is_some_and(|q| q.controller().current().is_err());
+            if lost {
+                tracing::error!("controller lost with commands outstanding; failing them");
+                s.abandon();
+                let done = take_done(&mut s);
+                drop(s);
+                complete_all(done);
+            }
+        }
     }
 }
 
@@ -843,6 +1052,7 @@ fn on_completion(
     parents: &mut [Option<Parent>],
     free: &mut Vec<usize>,
     scratch: &mut Vec<Vec<u8>>,
+    done: &mut Vec<Done>,
     bs: u32,
 ) {
     let id = (c.token >> 32) as usize;
@@ -865,22 +1075,22 @@ fn on_completion(
             p.job.buf[off..off + c.buf.len()].copy_from_slice(&c.buf);
             scratch.push(c.buf);
         }
-        Op::Write => scratch.push(c.buf),
+        Op::Write if c.buf.capacity() > 0 => scratch.push(c.buf),
         _ => {}
     }
     if p.left == 0 && p.next >= p.job.blocks.max(1) {
-        finish(parents, free, id);
+        finish(parents, free, done, id);
     }
 }
 
-fn finish(parents: &mut [Option<Parent>], free: &mut Vec<usize>, id: usize) {
+fn finish(parents: &mut [Option<Parent>], free: &mut Vec<usize>, done: &mut Vec<Done>, id: usize) {
     let p = parents[id].take().expect("finishing a live request");
     free.push(id);
     let r = match p.err {
         Some(e) => Err(e),
         None => Ok(()),
     };
-    p.job.cell.complete(r, p.job.buf);
+    done.push((p.job.cell, r, p.job.buf));
 }
 
 /// Runs a future to completion on this thread.

@@ -35,6 +35,9 @@ struct RunState {
     queue: VecDeque<Arc<Task>>,
     live: usize,
     stop: bool,
+    /// Spawners waiting on `room`: a finished task signals it only then
+    /// (a signal costs a system call even with nobody waiting).
+    waiting: usize,
 }
 
 struct Shared {
@@ -162,7 +165,9 @@ impl Executor {
         });
         let mut g = self.shared.lock();
         while g.live >= self.shared.max_tasks {
+            g.waiting += 1;
             g = self.shared.room.wait(g).unwrap_or_else(|p| p.into_inner());
+            g.waiting -= 1;
         }
         g.live += 1;
         drop(g);
@@ -287,11 +292,12 @@ fn poll_locked(shared: &Shared, task: &Arc<Task>, mut slot: MutexGuard<'_, Optio
         let mut g = shared.lock();
         g.live -= 1;
         let last = g.stop && g.live == 0;
+        let waiting = g.waiting > 0;
         drop(g);
         if last {
             shared.room.notify_all();
             shared.work.notify_all();
-        } else {
+        } else if waiting {
             shared.room.notify_one();
         }
     }

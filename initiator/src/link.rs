@@ -107,6 +107,15 @@ impl Link {
         }
     }
 
+    /// Sends what is queued, as far as the socket takes it now (TCP; RDMA
+    /// posts at once).
+    pub(crate) fn send_nowait(&mut self) -> Result<(), Error> {
+        match self {
+            Link::Tcp(c) => c.send_nowait(),
+            Link::Rdma(_) => Ok(()),
+        }
+    }
+
     /// Sends what is queued and takes what arrived until something is
     /// ready (Ok(true)) or `timeout` passes (Ok(false)).
     pub(crate) fn pump(&mut self, timeout: Duration) -> Result<bool, Error> {

@@ -38,8 +38,18 @@ pub struct Request {
     /// Force Unit Access (Read/Write).
     pub fua: bool,
     pub buf: Vec<u8>,
+    /// Write data shared with other requests (the copies of one mirrored
+    /// write), sent in place of `buf`; released at completion.
+    pub shared: Option<Arc<Vec<u8>>>,
     /// Handed back untouched in the completion.
     pub token: u64,
+}
+
+impl Request {
+    /// The bytes a write sends.
+    fn out(&self) -> &[u8] {
+        self.shared.as_deref().unwrap_or(&self.buf)
+    }
 }
 
 #[derive(Debug)]
@@ -91,6 +101,9 @@ pub struct IoQueue {
     direct: Option<DirectData>,
     /// Read payload bytes placed straight into request buffers.
     direct_bytes: u64,
+    /// A transport failure [`IoQueue::poll_nowait`] saw and left for the
+    /// next [`IoQueue::poll`] to repair.
+    broken: Option<Error>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -129,6 +142,7 @@ impl IoQueue {
             dsm: vec![0; 4096],
             direct: None,
             direct_bytes: 0,
+            broken: None,
         })
     }
 
@@ -196,16 +210,25 @@ impl IoQueue {
                 Error::Invalid("write zeroes covers 1..=65536 blocks".into()),
             ));
         }
+        if req.shared.is_some() && req.op != Op::Write {
+            return Err((
+                req,
+                Error::Invalid("only a write sends a shared buffer".into()),
+            ));
+        }
+        let have = match req.op {
+            Op::Write => req.out().len(),
+            _ => req.buf.len(),
+        };
         if matches!(req.op, Op::Read | Op::Write)
             && (req.blocks == 0
                 || req.blocks > 65536
                 || data_len > self.max_transfer()
-                || req.buf.len() < data_len)
+                || have < data_len)
         {
             let msg = format!(
-                "bad I/O size: {} blocks ({data_len} bytes), buffer {} bytes, max transfer {}",
+                "bad I/O size: {} blocks ({data_len} bytes), buffer {have} bytes, max transfer {}",
                 req.blocks,
-                req.buf.len(),
                 self.max_transfer()
             );
             return Err((req, Error::Invalid(msg)));
@@ -249,7 +272,7 @@ impl IoQueue {
                 }
                 let len = req.blocks as usize * bs;
                 data = if req.op == Op::Write {
-                    Data::Out(&req.buf[..len])
+                    Data::Out(&req.out()[..len])
                 } else {
                     Data::In(len)
                 };
@@ -289,7 +312,11 @@ impl IoQueue {
         let before = out.len();
         let deadline = Instant::now() + timeout;
         loop {
-            match self.poll_once(out, deadline) {
+            let r = match self.broken.take() {
+                Some(e) => Err(e),
+                None => self.poll_once(out, deadline),
+            };
+            match r {
                 Ok(()) => return Ok(out.len() - before),
                 Err(e) if e.is_transport() => {
                     tracing::warn!(qid = self.qid, error = %e, "I/O queue connection failed; reconnecting");
@@ -304,6 +331,41 @@ impl IoQueue {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Sends what is queued without reading or waiting, and never
+    /// reconnects: a thread that must not block (a front-end's, submitting
+    /// its own request) calls this after [`IoQueue::submit`], and the
+    /// queue's own thread reads the completions. A broken connection is
+    /// kept for that thread, whose next [`IoQueue::poll`] reconnects.
+    pub fn send_nowait(&mut self) {
+        if self.broken.is_none() {
+            if let Err(e) = self.conn.send_nowait() {
+                self.broken = Some(e);
+            }
+        }
+    }
+
+    /// Reads what came on a connection with nothing outstanding, without
+    /// waiting or reconnecting: its end is kept for the next
+    /// [`IoQueue::poll`], as a command would find it.
+    pub fn poll_idle(&mut self, out: &mut Vec<Completion>) -> Result<(), Error> {
+        if self.broken.is_some() {
+            return Ok(());
+        }
+        match self.poll_once(out, Instant::now()) {
+            Err(e) if e.is_transport() => {
+                self.broken = Some(e);
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// A transport failure waits for [`IoQueue::poll`] (see
+    /// [`IoQueue::send_nowait`]).
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
     }
 
     fn poll_once(&mut self, out: &mut Vec<Completion>, deadline: Instant) -> Result<(), Error> {
@@ -454,7 +516,7 @@ impl IoQueue {
                 let src = if req.op == Op::Deallocate {
                     &dsm[..]
                 } else {
-                    &req.buf[..]
+                    req.out()
                 };
                 conn.queue_h2c(r.cccid, r.ttag, r.r2to, &src[r.r2to as usize..end]);
             }

@@ -543,12 +543,28 @@ fn strayed(
     }
 }
 
-async fn mutate(dev: &Device, m: Mutation, offset: u64, len: u64, buf: Vec<u8>) -> BufResult {
-    match m {
-        Mutation::Write { fua } => dev.write(offset, buf, fua).await,
-        Mutation::Zeroes { unmap } => (dev.write_zeroes(offset, len, unmap).await, buf),
-        Mutation::Discard => (dev.discard(offset, len).await, buf),
-        Mutation::Flush => (dev.flush().await, buf),
+/// What one copy's request of a mutation carries.
+enum Data {
+    None,
+    /// The caller's buffer (the only copy written).
+    Owned(Vec<u8>),
+    /// One buffer for every copy written.
+    Shared(Arc<Vec<u8>>),
+}
+
+async fn mutate(dev: &Device, m: Mutation, offset: u64, len: u64, data: Data) -> BufResult {
+    match (m, data) {
+        (Mutation::Write { fua }, Data::Shared(s)) => {
+            (dev.write_shared(offset, s, fua).await, Vec::new())
+        }
+        (Mutation::Write { fua }, Data::Owned(b)) => dev.write(offset, b, fua).await,
+        (Mutation::Write { .. }, Data::None) => (
+            Err(IoError::Invalid("a write without its data")),
+            Vec::new(),
+        ),
+        (Mutation::Zeroes { unmap }, _) => (dev.write_zeroes(offset, len, unmap).await, Vec::new()),
+        (Mutation::Discard, _) => (dev.discard(offset, len).await, Vec::new()),
+        (Mutation::Flush, _) => (dev.flush().await, Vec::new()),
     }
 }
 
@@ -1554,13 +1570,18 @@ impl Volume {
         let handles = copies()
             .map(|c| &**devs[c].as_ref().expect("a copy in use has a handle"))
             .chain(extra.iter().map(|x| &*x.dev));
-        // The caller's buffer to the last target copy, clones to the others.
-        let mut data = Some(buf);
-        let all = handles.enumerate().map(|(k, dev)| {
-            let b = match &mut data {
-                Some(d) if is_write && k + 1 < n => d.clone(),
-                d if is_write => d.take().expect("the caller's buffer is there"),
-                _ => Vec::new(),
+        // A write to one copy travels in the caller's buffer; a write to
+        // several shares it, each request holding a reference.
+        let (shared, mut data) = if is_write && n > 1 {
+            (Some(Arc::new(buf)), None)
+        } else {
+            (None, Some(buf))
+        };
+        let all = handles.map(|dev| {
+            let b = match &shared {
+                Some(s) => Data::Shared(s.clone()),
+                None if is_write => Data::Owned(data.take().unwrap_or_default()),
+                None => Data::None,
             };
             mutate(dev, m, offset, len, b)
         });
@@ -1589,14 +1610,12 @@ impl Volume {
             Mutation::Flush => Mark::Unknown,
             _ => Mark::Range { offset, len },
         };
-        // Writes hand back the buffer of the first copy that took the data
-        // (all hold the same bytes), else the last one's (the caller's).
+        // The caller's buffer: shared by the copies, or back from the one
+        // request that carried it.
         let mut back: Option<Vec<u8>> = data;
-        let mut back_acked = false;
         let mut results = results.into_iter();
         for (c, (r, b)) in copies().zip(results.by_ref()) {
-            if is_write && !back_acked {
-                back_acked = r.is_ok();
+            if is_write && shared.is_none() {
                 back = Some(b);
             }
             let index = first + c;
@@ -1615,8 +1634,7 @@ impl Volume {
             }
         }
         for (x, (r, b)) in extra.iter().zip(results) {
-            if is_write && !back_acked {
-                back_acked = r.is_ok();
+            if is_write && shared.is_none() {
                 back = Some(b);
             }
             // Leaving copies: whatever they answered.
@@ -1637,7 +1655,12 @@ impl Volume {
         } else {
             Err(err.unwrap_or(IoError::ControllerLost))
         };
-        (r, back.unwrap_or_default())
+        // Every request is done, so the shared buffer is the caller's again.
+        let back = match shared {
+            Some(s) => Arc::try_unwrap(s).unwrap_or_else(|s| s.to_vec()),
+            None => back.unwrap_or_default(),
+        };
+        (r, back)
     }
 
     /// Stops using extent copy `index` (→ `Failed`, `mark` recorded as

@@ -867,6 +867,7 @@ fn copy(job: &Job) -> Result<(), Stop> {
                 blocks: (c.len / bs as u64) as u32,
                 fua: false,
                 buf,
+                shared: None,
                 token: next_token,
             };
             if let Err((_, e)) = q.submit(req) {

@@ -196,6 +196,7 @@ pub fn req(op: Op, lba: u64, blocks: u32, buf: Vec<u8>, token: u64) -> Request {
         blocks,
         fua: false,
         buf,
+        shared: None,
         token,
     }
 }
