@@ -4,14 +4,24 @@
 //! the block-device front-ends and the volume engine.
 //!
 //! ```text
-//!  Device (nsid 1) ─┐                        ┌─► worker 1 ── IoQueue 1 ── TCP
-//!  Device (nsid 2) ─┼─► ControllerIo ─ bounded channels ─┤
-//!  Device (nsid …) ─┘     ▲                   └─► worker N ── IoQueue N ── TCP
-//!                         └──── completion cell (pooled) ◄── worker
+//!  caller's thread ── try_lock(queue k) ── submit + send ──────────► TCP
+//!        │ every queue held                                          │
+//!        └─► bounded channel ─► queue k's thread ◄── poll(socket, eventfd)
+//!                                     │ reads completions, reconnects
+//!  Device (nsid …) ── future ◄── completion cell (pooled) ◄──┘
 //! ```
 //!
-//! Each worker thread owns one [`IoQueue`] and waits on its socket and an
-//! eventfd together. A request carries its NSID, so the queues of one
+//! Each I/O queue ([`IoQueue`], one connection) sits behind a lock, with
+//! a thread of its own. A caller issues its request on the calling thread
+//! when it finds a queue nobody holds: the command goes to the socket from
+//! there, with no hand-off and no wake-up of another thread. The queue's
+//! thread sleeps in poll(2) on the socket (even with nothing outstanding,
+//! so a caller's command needs no wake-up) and an eventfd; it reads the
+//! completions, wakes the callers after letting go of the lock (a woken
+//! task may submit again at once), reconnects a broken connection (a
+//! caller never blocks on that: it leaves the failure for this thread),
+//! and takes the requests callers hand over the channel when every queue
+//! was held. A request carries its NSID, so the queues of one
 //! controller serve every namespace the host reaches through it: the
 //! connections to a target grow with the controllers, not with the
 //! namespaces (a pooled volume has one namespace per extent). The queues
@@ -20,13 +30,15 @@
 //!
 //! Requests are split at the controller's maximum transfer (Write Zeroes and
 //! Deallocate at 65536 blocks); unsplit reads and writes travel in the
-//! caller's own buffer, which comes back with the result. Completion cells
+//! caller's own buffer, which comes back with the result; a write may also
+//! send a buffer it shares with other writes (the copies of a mirrored
+//! write, [`Device::write_shared`]). Completion cells
 //! are pooled and the number of requests in flight is bounded (callers wait
 //! for a permit), so the steady state allocates nothing per I/O.
 //!
 //! When the controller is lost (no reconnect within its controller-loss
 //! timeout) every outstanding and later request fails with
-//! [`IoError::ControllerLost`]. A worker whose commands see no traffic for a
+//! [`IoError::ControllerLost`]. A queue whose commands see no traffic for a
 //! second also asks the controller whether it was declared lost (its
 //! keep-alive notices a silent target even when the I/O sockets do not) and
 //! then fails its commands too, so a dead target never holds I/O forever.
