@@ -4,6 +4,7 @@
 use crate::api::VolumeStatsOut;
 use nvpool_initiator::blockdev::{BlockDev, BufResult, IoFuture};
 use nvpool_initiator::error::IoError;
+use nvpool_initiator::Volume;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -114,13 +115,16 @@ impl VolumeStats {
     }
 }
 
-/// A block device whose requests are counted: what the front-end serves.
-pub struct Metered<D: ?Sized> {
-    pub dev: Arc<D>,
+/// A volume whose requests are counted: what the front-end serves. It
+/// calls the volume's own async methods, so a request costs one boxed
+/// future (the front-end's), not one for the counting and one for the
+/// volume.
+pub struct Metered {
+    pub dev: Arc<Volume>,
     pub stats: Arc<VolumeStats>,
 }
 
-impl<D: ?Sized> std::fmt::Debug for Metered<D> {
+impl std::fmt::Debug for Metered {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Metered")
             .field("stats", &self.stats)
@@ -128,21 +132,21 @@ impl<D: ?Sized> std::fmt::Debug for Metered<D> {
     }
 }
 
-impl<D: BlockDev + ?Sized> BlockDev for Metered<D> {
+impl BlockDev for Metered {
     fn size(&self) -> u64 {
-        self.dev.size()
+        BlockDev::size(&*self.dev)
     }
 
     fn block_size(&self) -> u32 {
-        self.dev.block_size()
+        BlockDev::block_size(&*self.dev)
     }
 
     fn optimal_io_bytes(&self) -> u32 {
-        self.dev.optimal_io_bytes()
+        BlockDev::optimal_io_bytes(&*self.dev)
     }
 
     fn max_io_bytes(&self) -> u32 {
-        self.dev.max_io_bytes()
+        BlockDev::max_io_bytes(&*self.dev)
     }
 
     fn read(&self, offset: u64, buf: Vec<u8>) -> IoFuture<'_, BufResult> {
