@@ -154,14 +154,20 @@ impl QueueShared {
         };
         s.accept(job);
         s.issue();
-        if let Some(q) = s.q.as_mut() {
-            q.send_nowait();
+        // Read under the lock, which the queue's thread holds when it
+        // decides to sleep: awake, it sends what is queued on its next
+        // turn, together with whatever else came meanwhile (one send for
+        // many commands under load); asleep, the command goes now.
+        let a = self.asleep.load(Ordering::SeqCst);
+        if a & ASLEEP != 0 {
+            if let Some(q) = s.q.as_mut() {
+                q.send_nowait();
+            }
         }
         let needs = s.needs();
         let done = take_done(&mut s);
         drop(s);
         complete_all(done);
-        let a = self.asleep.load(Ordering::SeqCst);
         if a & ASLEEP != 0 && needs & !a != 0 {
             self.wake();
         }
