@@ -32,7 +32,7 @@ pub struct StartOptions {
     pub rdma_listeners: Vec<SocketAddr>,
     /// Reactor threads; 0 = one per core.
     pub reactors: usize,
-    /// Drive file backends through io_uring (when the kernel has it).
+    /// Drive file backends through io_uring (sockets always use it).
     pub io_uring: bool,
     /// Admin API address; None = no admin API.
     pub admin_listen: Option<SocketAddr>,
@@ -121,14 +121,13 @@ pub struct Running {
 impl Running {
     /// Binds the listeners and starts acceptor, reactors and admin API.
     pub fn start(target: Arc<Target>, opts: &StartOptions) -> anyhow::Result<Running> {
-        let use_uring = opts.io_uring
-            && match Ring::new(8) {
-                Ok(_) => true,
-                Err(e) => {
-                    tracing::warn!(error = %e, "io_uring is unavailable: file backends fall back to synchronous pread/pwrite on the reactor threads; expect much lower throughput");
-                    false
-                }
-            };
+        // The reactors' sockets need io_uring whatever the backends do:
+        // fail at once, with the reason, where it is missing.
+        Ring::new(8).context(
+            "io_uring is unavailable (nvpool-target needs it, with multishot receive: \
+             Linux 6.0 or later, io_uring not disabled by sysctl or a seccomp filter)",
+        )?;
+        let use_uring = opts.io_uring;
         let n = if opts.reactors == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
@@ -409,9 +408,15 @@ pub struct Cli {
     /// Reactor threads (default: one per core).
     #[arg(long)]
     pub reactors: Option<usize>,
-    /// Run backend I/O synchronously instead of through io_uring.
+    /// Run backend I/O synchronously instead of through io_uring (sockets still use it).
     #[arg(long)]
     pub no_io_uring: bool,
+    /// Microseconds a busy reactor watches its completion queue before it
+    /// sleeps (0..=100; 0, the default, never): worth it only where the
+    /// reactors have cores to themselves.
+    #[arg(long, hide = true, default_value_t = crate::limits::REACTOR_SPIN_US_DEFAULT,
+          value_parser = clap::value_parser!(u64).range(0..=crate::limits::REACTOR_SPIN_US_MAX))]
+    pub reactor_spin_us: u64,
     /// Register with this control plane and heartbeat to it, e.g. http://10.0.0.5:4430 (plain HTTP only).
     #[arg(long, env = "NVPOOL_CONTROL_PLANE", value_name = "URL")]
     pub control_plane: Option<String>,
@@ -552,6 +557,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
     let target = Target::new(state_dir.clone())?;
     target.apply_config(&cfg)?;
+    target.set_reactor_spin_us(cli.reactor_spin_us);
     let of = |t: crate::config::Transport| -> Vec<SocketAddr> {
         cfg.listeners
             .iter()

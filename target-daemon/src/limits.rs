@@ -33,9 +33,15 @@ pub const IOCCSZ_UNITS: u32 = ((64 + IO_INLINE_DATA_BYTES) / 16) as u32;
 /// each write as one data PDU.
 pub const MAXH2CDATA_BYTES: u32 = MDTS_BYTES as u32;
 
-/// Receive buffer per connection: one whole PDU of the largest kind must fit
-/// (header, digests, MAXH2CDATA or in-capsule data).
+/// Staging buffer per connection for a PDU that arrives split across
+/// received buffers: one whole PDU of the largest kind must fit (header,
+/// digests, MAXH2CDATA or in-capsule data).
 pub const RX_BUF_BYTES: usize = 2 * MDTS_BYTES;
+/// A connection's transmit queue copies PDU headers into chunks of this
+/// (a larger piece gets a chunk of its own size). Chunks never move, so a
+/// send in flight can point into one while responses are appended behind
+/// it; 16 KiB holds a full queue's worth of 24-byte responses and headers.
+pub const TX_CHUNK_BYTES: usize = 16 << 10;
 /// Transmit backlog above which the connection stops reading new commands
 /// until the socket drains (back-pressure instead of unbounded buffering).
 pub const TX_HIGH_WATER_BYTES: usize = 4 << 20;
@@ -94,6 +100,29 @@ pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
 pub const TICK_MS: u64 = 50;
 /// On SIGTERM, in-flight commands get this long to complete.
 pub const SHUTDOWN_DRAIN_MS: u64 = 10_000;
+
+/// Provided buffers of a reactor's multishot receives (one buffer ring per
+/// reactor, shared by its connections), and their size. A completion holds
+/// one until its bytes are parsed, in the same loop iteration, so this
+/// bounds how many receives can complete between two iterations; when all
+/// are taken a connection's receive ends (ENOBUFS) and is armed again once
+/// they are back. 256 × 32 KiB = 8 MiB per reactor, an eighth of its data
+/// buffer budget; 32 KiB takes a burst of small commands or a good part of
+/// an MDTS H2CData PDU in one completion.
+pub const RECV_BUF_COUNT: u16 = 256;
+pub const RECV_BUF_BYTES: u32 = 32 << 10;
+/// How long a reactor that had work in its last iteration may watch its
+/// completion queue before it sleeps in the kernel (`--reactor-spin-us`,
+/// `Target::set_reactor_spin_us`). Off by default: measured on a 2-core
+/// host shared with the load generator, a 20 µs spin doubled the target
+/// CPU per 4K read at QD32 and the QD1 latency, because every microsecond
+/// spun is taken from the peer. On cores given to the reactors alone, 20
+/// saves the sleep and wake-up (a few µs each) at queue depth. A spin that
+/// keeps finding nothing backs off (reactor.rs), and an idle reactor
+/// always sleeps, interrupt-driven.
+pub const REACTOR_SPIN_US_DEFAULT: u64 = 0;
+/// The longest spin one may set: beyond it a sleep and wake-up cost less.
+pub const REACTOR_SPIN_US_MAX: u64 = 100;
 
 /// io_uring entries per reactor. Completions beyond what the ring holds wait
 /// in a bounded backlog rather than overflowing the completion queue.
@@ -244,6 +273,14 @@ const _: () = assert!(
 const _: () =
     assert!(COPY_DEST_BYTES_MAX / COPY_GUARD_UNIT_BYTES <= crate::sync::SYNC_GUARD_UNITS_MAX);
 const _: () = assert!(PARKED_RETRY_MS < TICK_MS);
+// The completion queue (2 × RING_ENTRIES) holds one completion per
+// provided buffer beside one per operation in flight; a buffer ring's size
+// is a power of two.
+const _: () = assert!((RECV_BUF_COUNT as u32) < RING_ENTRIES);
+const _: () = assert!(RECV_BUF_COUNT.is_power_of_two());
+const _: () =
+    assert!(RECV_BUF_COUNT as usize * RECV_BUF_BYTES as usize <= REACTOR_BUF_BUDGET_BYTES / 8);
+const _: () = assert!(REACTOR_SPIN_US_MAX * 1000 < TICK_MS * 1_000_000);
 const _: () = assert!(ANA_MNAN >= 1 && ANA_MNAN <= NAMESPACES_PER_SUBSYS_MAX);
 const _: () = assert!(ANA_LOG_BYTES_MAX <= MDTS_BYTES as u64);
 const _: () = assert!(ANA_LOG_BYTES_MAX <= CMD_BUF_BYTES_MAX as u64);

@@ -2805,7 +2805,7 @@ mod tests {
             ring.submit().unwrap();
             out.clear();
             ring.reap(&mut out);
-            for &(u, res) in &out {
+            for &(u, res, _) in &out {
                 assert_eq!(split_user_data(u), (7, 3));
                 inflight -= 1;
                 let job = slot.zero.as_mut().unwrap();

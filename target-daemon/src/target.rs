@@ -243,6 +243,7 @@ pub struct Target {
     ana: Mutex<HashMap<String, Arc<AnaRuntime>>>,
     /// The buffer budget of reactors started from now on (bytes).
     reactor_buf_budget: AtomicUsize,
+    reactor_spin_us: AtomicU64,
     /// Every running reactor's buffer figures (a reactor that stopped
     /// leaves a dead entry, passed over and pruned).
     buffers: Mutex<Vec<Weak<BufStats>>>,
@@ -281,6 +282,7 @@ impl Target {
             volumes: VolumeContext::new(),
             ana: Mutex::new(HashMap::new()),
             reactor_buf_budget: AtomicUsize::new(limits::REACTOR_BUF_BUDGET_BYTES),
+            reactor_spin_us: AtomicU64::new(limits::REACTOR_SPIN_US_DEFAULT),
             buffers: Mutex::new(Vec::new()),
         }))
     }
@@ -350,6 +352,18 @@ impl Target {
 
     pub fn reactor_buffer_budget(&self) -> usize {
         self.reactor_buf_budget.load(Ordering::Relaxed)
+    }
+
+    /// Sets how long a busy reactor started afterwards spins on its
+    /// completion queue before it sleeps (D2), at most
+    /// `limits::REACTOR_SPIN_US_MAX` (longer is cut to that).
+    pub fn set_reactor_spin_us(&self, us: u64) {
+        self.reactor_spin_us
+            .store(us.min(limits::REACTOR_SPIN_US_MAX), Ordering::Relaxed);
+    }
+
+    pub fn reactor_spin_us(&self) -> u64 {
+        self.reactor_spin_us.load(Ordering::Relaxed)
     }
 
     /// A reactor publishes its buffer figures.

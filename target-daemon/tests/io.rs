@@ -104,6 +104,28 @@ fn run_ram(dg: Digests) {
     exercise(&mut q, 2, 4096, (4 << 20) / 4096);
 }
 
+/// The same I/O with reactors that spin on their completion queues before
+/// sleeping (the spin, its back-off and the sleep after it all run).
+#[test]
+fn ram_namespaces_with_spinning_reactors() {
+    let target = nvpool_target::Target::new(None).expect("target");
+    target.set_reactor_spin_us(20);
+    let d = Daemon::start_with(
+        target,
+        &[subsystem(
+            SUBNQN,
+            &[],
+            &[(1, RAM_SPEC), (2, "ram:4M,block_size=4096")],
+        )],
+    );
+    let (_a, mut q) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    exercise(&mut q, 1, 512, RAM_BLOCKS);
+    exercise(&mut q, 2, 4096, (4 << 20) / 4096);
+    // Idle for a while (the reactor sleeps), then busy again.
+    std::thread::sleep(std::time::Duration::from_millis(120));
+    exercise(&mut q, 1, 512, RAM_BLOCKS);
+}
+
 /// File namespaces: 512-byte and 4 KiB blocks, and an extent of a file.
 /// After a flush the bytes are in the file where the namespace maps them.
 fn run_file(dg: Digests) {
