@@ -124,7 +124,7 @@ const NEEDS_RUN: u8 = 8;
 /// queue's thread's wake-up.
 #[derive(Debug)]
 struct QueueShared {
-    state: Mutex<WorkerLoop>,
+    state: Mutex<QueueState>,
     efd: OwnedFd,
     /// `ASLEEP` and what it waits for while the queue's thread sleeps in
     /// poll(2); 0 while it runs. Set under the state lock.
@@ -132,7 +132,7 @@ struct QueueShared {
 }
 
 impl QueueShared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, WorkerLoop> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -142,10 +142,11 @@ impl QueueShared {
         unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
     }
 
-    /// Issues `job` on the calling thread when nobody holds the queue:
-    /// the command goes to the socket from here, with no hand-off to the
-    /// queue's thread and no wake-up of it unless it sleeps without
-    /// watching the socket. Hands the job back when the queue is busy.
+    /// Issues `job` on the calling thread when nobody holds the queue: no
+    /// hand-off to the queue's thread, and no wake-up of it unless it
+    /// sleeps without watching what the command needs (the socket's
+    /// writability when the command did not fit, or a broken connection).
+    /// Hands the job back when the queue is held.
     fn try_submit(&self, job: Job) -> Result<(), Job> {
         let mut s = match self.state.try_lock() {
             Ok(s) => s,
@@ -185,7 +186,7 @@ thread_local! {
     static SPARE_DONE: std::cell::RefCell<Vec<Done>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-fn take_done(s: &mut WorkerLoop) -> Vec<Done> {
+fn take_done(s: &mut QueueState) -> Vec<Done> {
     if s.done.is_empty() {
         return Vec::new();
     }
@@ -309,7 +310,7 @@ impl ControllerIo {
                 )));
             }
             let shared = Arc::new(QueueShared {
-                state: Mutex::new(WorkerLoop::new(
+                state: Mutex::new(QueueState::new(
                     q,
                     block_size,
                     rx,
@@ -696,7 +697,7 @@ struct Parent {
 /// its own request, or the queue's thread ([`run_queue`]), which reads the
 /// completions, reconnects, and takes requests handed over the channel.
 #[derive(Debug)]
-struct WorkerLoop {
+struct QueueState {
     /// None once the controller is lost: every request then fails at once.
     q: Option<IoQueue>,
     rx: Receiver<Job>,
@@ -722,17 +723,17 @@ struct WorkerLoop {
     socket_ready: bool,
 }
 
-impl WorkerLoop {
+impl QueueState {
     fn new(
         q: IoQueue,
         bs: u32,
         rx: Receiver<Job>,
         stop: Arc<AtomicBool>,
         lost: Arc<AtomicBool>,
-    ) -> WorkerLoop {
+    ) -> QueueState {
         let max_blocks = (q.max_transfer() / bs as usize).max(1) as u64;
         let comps = Vec::with_capacity(q.depth());
-        WorkerLoop {
+        QueueState {
             q: Some(q),
             rx,
             stop,
@@ -807,7 +808,7 @@ impl WorkerLoop {
 
     /// Issues commands for open jobs while the queue has room.
     fn issue(&mut self) {
-        let WorkerLoop {
+        let QueueState {
             q,
             bs,
             max_blocks,
@@ -904,7 +905,7 @@ impl WorkerLoop {
     /// Handles the socket; returns the completions it saw.
     fn reap(&mut self) -> usize {
         let socket_ready = std::mem::take(&mut self.socket_ready);
-        let WorkerLoop {
+        let QueueState {
             q,
             bs,
             parents,

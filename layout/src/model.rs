@@ -13,8 +13,8 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 
 /// Why a UUID, a layout, a size or a connection plan is invalid. The
-/// control plane's `LayoutError` has a variant of the same name and text
-/// for each, and converts from this.
+/// control plane's `ModelError` has a variant of the same name and text
+/// for each (and more for its stored records), and converts from this.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
     #[error("{kind} {value:?} is not a valid identifier (1..={max} bytes of A-Z a-z 0-9 . _ : -)")]
