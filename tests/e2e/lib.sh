@@ -135,3 +135,19 @@ summary() {
     echo "e2e: $pass passed, $fail failed"
     [[ $fail -eq 0 ]]
 }
+
+# CPU accounting for the benchmarks that bring a cluster up with this file
+# (scripts/bench-epoch, scripts/bench-device), in clock ticks: the whole
+# machine's busy time (/proc/stat) and that of given processes (utime +
+# stime; a process gone counts 0).
+busy_ticks() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat; }
+proc_ticks() {
+    local p sum=0
+    for p in "$@"; do
+        sum=$((sum + $(awk '{ print $14 + $15 }' "/proc/$p/stat" 2>/dev/null || echo 0)))
+    done
+    echo "$sum"
+}
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
+# The median of the numbers on stdin (separated by spaces or newlines).
+median() { tr ' ' '\n' | grep . | sort -g | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
