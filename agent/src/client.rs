@@ -1,7 +1,7 @@
 //! A blocking client of the control plane's REST API (`nvpool-control`).
 //!
-//! JSON over plain HTTP/1.1 (ureq, no TLS stack). Reads are open; mutating
-//! calls carry the admin bearer token when one is configured. Failures come
+//! JSON over plain HTTP/1.1 (ureq, no TLS stack). Every call carries the
+//! bearer token when one is configured. Failures come
 //! back as one [`ClientError`] whose `Display` is the one line the command
 //! prints: the control plane's own `message` for an API error, or "cannot
 //! reach the control plane at URL: …" when no HTTP answer arrived.
@@ -195,7 +195,7 @@ impl Client {
     }
 
     pub fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
-        let r = self.agent.get(self.url(path)).call();
+        let r = self.auth(self.agent.get(self.url(path))).call();
         self.json("GET", path, r).map(|(_, v)| v)
     }
 
@@ -306,7 +306,7 @@ impl Client {
             .unwrap_or_default();
         let hint = match status {
             401 if self.token.is_none() => {
-                " (give the admin token with --token-file or NVPOOL_TOKEN_FILE)".to_owned()
+                " (give a token with --token-file or NVPOOL_TOKEN_FILE)".to_owned()
             }
             _ => String::new(),
         };
@@ -349,13 +349,12 @@ impl Client {
     }
 }
 
-/// The copy follower's calls: reads open, with their own timeout (a
-/// long-poll); PUTs with the admin token.
+/// The copy follower's calls, with the token: reads with their own
+/// timeout (a long-poll), PUTs.
 impl ControlPlane for Client {
     fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String> {
         let r = self
-            .agent
-            .get(self.url(path))
+            .auth(self.agent.get(self.url(path)))
             .config()
             .timeout_global(Some(timeout))
             .build()

@@ -597,7 +597,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
     if a.verify || matches!(a.rw, Rw::Read | Rw::Write) {
         bail!("--volume runs randread, randwrite or randrw");
     }
-    let c = conn.client(true)?;
+    let c = conn.client()?;
     let (uuid, _) = crate::volume::resolve(&c, volume)?;
     let host = crate::volume::host_nqn(a.hostnqn.clone())?;
     let path = follow::attachment_path(&uuid, &host);

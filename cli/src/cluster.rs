@@ -27,12 +27,12 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// A client; `mutating` calls read the token file (reads never need it,
-    /// so a missing token file does not break `ls`).
-    pub fn client(&self, mutating: bool) -> Result<Client, ClientError> {
-        let token = match (&self.token_file, mutating) {
-            (Some(p), true) => Some(crate::client::read_token(p)?),
-            _ => None,
+    /// A client with the token file's token, when there is one: every
+    /// call carries it (reads need a reader token at least).
+    pub fn client(&self) -> Result<Client, ClientError> {
+        let token = match &self.token_file {
+            Some(p) => Some(crate::client::read_token(p)?),
+            None => None,
         };
         Client::new(&self.endpoint, token)
     }
@@ -290,7 +290,7 @@ fn targets_table(targets: &[TargetOut]) -> Table {
 }
 
 pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
-    let c = conn.client(false)?;
+    let c = conn.client()?;
     let fmt = a.out.output;
     match a.cmd {
         TargetCmd::Ls => {
@@ -343,7 +343,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
             println!("{t}");
         }
         TargetCmd::Drain { id, wait } => {
-            let mc = conn.client(true)?;
+            let mc = conn.client()?;
             let v = set_state(&mc, &id, TargetState::Draining)?;
             if fmt == Format::Json && !wait {
                 return print_json(&v);
@@ -369,7 +369,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
             } else {
                 (TargetState::Active, "active")
             };
-            let v = set_state(&conn.client(true)?, id, state)?;
+            let v = set_state(&conn.client()?, id, state)?;
             if fmt == Format::Json {
                 return print_json(&v);
             }
@@ -377,7 +377,7 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
         }
         TargetCmd::Rm { id, force } => {
             let q = if force { "?force=true" } else { "" };
-            conn.client(true)?
+            conn.client()?
                 .delete(&format!("/v1/targets/{}{q}", segment(&id)))?;
             match fmt {
                 Format::Json => {
@@ -538,13 +538,13 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
             if name.is_empty() {
                 return Err(Usage("pool create: the name is empty".into()).into());
             }
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let body = PoolBody { devices };
             let (_, v): (u16, Value) = c.put(&format!("/v1/pools/{}", segment(&name)), &body)?;
             print_pool(&v, fmt)
         }
         PoolCmd::Ls => {
-            let v: Value = conn.client(false)?.get("/v1/pools")?;
+            let v: Value = conn.client()?.get("/v1/pools")?;
             if fmt == Format::Json {
                 return print_json(&v);
             }
@@ -564,7 +564,7 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
         }
         PoolCmd::Info { name } => {
             let v: Value = conn
-                .client(false)?
+                .client()?
                 .get(&format!("/v1/pools/{}", segment(&name)))?;
             print_pool(&v, fmt)
         }
@@ -576,7 +576,7 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
             if name.as_deref() == Some("") {
                 return Err(Usage("pool rebalance: the name is empty".into()).into());
             }
-            let c = conn.client(!dry_run)?;
+            let c = conn.client()?;
             let body = RebalanceBody {
                 pool: name,
                 dry_run,
@@ -599,7 +599,7 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
             Ok(())
         }
         PoolCmd::Delete { name } => {
-            conn.client(true)?
+            conn.client()?
                 .delete(&format!("/v1/pools/{}", segment(&name)))?;
             match fmt {
                 Format::Json => print_json(&serde_json::json!({ "pool": name, "deleted": true })),

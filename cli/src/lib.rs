@@ -39,7 +39,7 @@ pub struct Cli {
     /// Control plane URL (target, pool and volume commands).
     #[arg(long, global = true, env = "NVPOOL_ENDPOINT", default_value = client::DEFAULT_ENDPOINT, value_name = "URL")]
     pub endpoint: String,
-    /// File holding the admin bearer token for changes (target, pool and volume commands).
+    /// File holding the bearer token for the control plane (an admin token for changes; a reader token can list and show).
     #[arg(long, global = true, env = "NVPOOL_TOKEN_FILE", value_name = "PATH")]
     pub token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]

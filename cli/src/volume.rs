@@ -600,7 +600,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
         VolumeCmd::Create(args) => {
             check_size(args.size)?;
             let layout = layout_of(&args)?;
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let uuid = match args.uuid {
                 Some(u) => u,
                 None => random_uuid()?,
@@ -615,7 +615,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             print_volume(&v, fmt)
         }
         VolumeCmd::Ls => {
-            let v: Value = conn.client(false)?.get("/v1/volumes")?;
+            let v: Value = conn.client()?.get("/v1/volumes")?;
             if fmt == Format::Json {
                 return print_json(&v);
             }
@@ -649,7 +649,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             Ok(())
         }
         VolumeCmd::Info { volume } => {
-            let c = conn.client(false)?;
+            let c = conn.client()?;
             let (uuid, mut v) = resolve(&c, &volume)?;
             // Served by its targets to stock hosts (404: it is not).
             if let Ok(served) = c.get::<Value>(&format!("/v1/volumes/{uuid}/exports")) {
@@ -658,7 +658,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             print_volume(&v, fmt)
         }
         VolumeCmd::Verify { volume, rate } => {
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, _) = resolve(&c, &volume)?;
             let opts = crate::verify::VerifyOptions {
                 rate_bytes_per_sec: rate,
@@ -708,7 +708,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             extent,
             wait,
         } => {
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, _) = resolve(&c, &volume)?;
             let v: Value = c.post(
                 &format!("/v1/volumes/{uuid}/extents/{extent}/resync"),
@@ -722,7 +722,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             print_volume(&v, fmt)
         }
         VolumeCmd::History { volume } => {
-            let c = conn.client(false)?;
+            let c = conn.client()?;
             let (uuid, _) = resolve(&c, &volume)?;
             let v: Value = c.get(&format!("/v1/volumes/{uuid}/history"))?;
             if fmt == Format::Json {
@@ -758,7 +758,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
         }
         VolumeCmd::Resize { volume, size } => {
             check_size(size)?;
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, _) = resolve(&c, &volume)?;
             let v: Value = c.post(
                 &format!("/v1/volumes/{uuid}/resize"),
@@ -767,7 +767,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             print_volume(&v, fmt)
         }
         VolumeCmd::Delete { volume, force } => {
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, v) = resolve(&c, &volume)?;
             let q = if force { "?force=true" } else { "" };
             c.delete(&format!("/v1/volumes/{uuid}{q}"))
@@ -793,7 +793,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             } else {
                 attach::frontend_choice(frontend)?
             };
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, v) = resolve(&c, &volume)?;
             let progress = std::io::stderr().is_terminal();
             if frontend == Frontend::Nvme && !plan_only {
@@ -862,7 +862,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 ))
                 .into());
             }
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, v) = resolve(&c, &volume)?;
             let (status, out): (u16, Value) = c.put(
                 &export_path(&uuid, &host_nqn),
@@ -891,7 +891,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             done(fmt, json, text)
         }
         VolumeCmd::Unexport { volume, host_nqn } => {
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, v) = resolve(&c, &volume)?;
             c.delete(&export_path(&uuid, &host_nqn))?;
             let name = v["name"].as_str().unwrap_or(&volume).to_owned();
@@ -908,7 +908,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             force,
         } => {
             let host = host_nqn(h)?;
-            let c = conn.client(true)?;
+            let c = conn.client()?;
             let (uuid, v) = resolve(&c, &volume)?;
             if let Some(out) = detach_nvme(&c, &uuid, &v, &volume, &host, force)? {
                 return done(fmt, out.0, out.1);

@@ -9,6 +9,7 @@
 //! placement needs.
 
 use nvpool_control::api::{ApiServer, AuthConfig};
+use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use serde_json::{json, Value};
@@ -18,7 +19,7 @@ use std::process::{Command, Output};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
-const ADMIN: &str = "admin-secret";
+const ADMIN: &str = "admin-secret-0123456789";
 
 struct ControlPlane {
     addr: SocketAddr,
@@ -43,10 +44,7 @@ fn control_plane(targets: usize) -> ControlPlane {
     };
     let clock = Arc::new(ManualClock::new(now_ms()));
     let cluster = Cluster::new(Arc::new(MemStore::new()), clock, config).unwrap();
-    let auth = AuthConfig {
-        admin_token: Some(ADMIN.into()),
-        target_token: None,
-    };
+    let auth = AuthConfig::new(Tokens::new().with(Principal::Admin, ADMIN));
     let api = ApiServer::start(Arc::new(cluster), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
@@ -258,7 +256,16 @@ fn target_ls_and_info_as_tables_and_json() {
     cp.run(&["target", "info", "t9"]).expect_error(1, "t9");
     // The global options work before the subcommand too.
     let r = run_with(
-        &["--endpoint", &cp.url(), "target", "-o", "json", "ls"],
+        &[
+            "--endpoint",
+            &cp.url(),
+            "--token-file",
+            cp.token_file.to_str().unwrap(),
+            "target",
+            "-o",
+            "json",
+            "ls",
+        ],
         &[],
     );
     r.expect_ok();
@@ -536,7 +543,7 @@ fn errors_are_one_line_with_the_documented_exit_codes() {
             ("NVPOOL_TOKEN_FILE", wrong.to_str().unwrap()),
         ],
     )
-    .expect_error(1, "not valid");
+    .expect_error(1, "not known");
     run_with(
         &[
             "--token-file",
@@ -548,7 +555,8 @@ fn errors_are_one_line_with_the_documented_exit_codes() {
         &[("NVPOOL_ENDPOINT", &cp.url())],
     )
     .expect_error(1, "cannot read the token");
-    // Reads need no token.
-    cp.run_without_token(&["volume", "ls"]).expect_ok();
+    // Reads need a token too.
+    cp.run_without_token(&["volume", "ls"])
+        .expect_error(1, "Bearer");
     assert_eq!(cp.json(&["volume", "ls"]), json!([]));
 }

@@ -3,27 +3,27 @@
 //! cluster operation on the blocking pool (every store call may fsync),
 //! and shape the answer.
 //!
-//! | method and path | does | auth |
-//! |---|---|---|
-//! | `GET /healthz` | liveness | — |
-//! | `GET /metrics` | Prometheus text: volumes, capacity, target health | — |
-//! | `GET /v1/openapi.json` | this API as OpenAPI 3 (also `docs/openapi.json`) | — |
-//! | `POST /v1/targets` | a target registers (or re-registers) itself | target |
-//! | `PUT /v1/targets/{id}/heartbeat` | a target is alive | target |
-//! | `GET /v1/targets`, `GET /v1/targets/{id}` | health and capacity | — |
-//! | `PUT /v1/pools/{name}` | create a pool (idempotent; body: devices) | admin |
-//! | `GET /v1/pools`, `GET /v1/pools/{name}` | pools and their capacity | — |
-//! | `DELETE /v1/pools/{name}` | delete an unused pool | admin |
-//! | `PUT /v1/volumes/{uuid}` | idempotent create: 201, or 200 when the same spec exists | admin |
-//! | `GET /v1/volumes`, `GET /v1/volumes/{uuid}` | volumes with status and extents | — |
-//! | `POST /v1/volumes/{uuid}/resize` | grow (body: size_bytes) | admin |
-//! | `DELETE /v1/volumes/{uuid}` | delete | admin |
-//! | `GET /v1/volumes/{uuid}/history` | copies of the volume: running and past | — |
-//! | `POST /v1/volumes/{uuid}/extents/{index}/resync` | mark a copy stale: it is copied whole | admin |
-//! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach | admin / — |
-//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy | admin (target for an owner's host NQN) |
-//! | `PUT/DELETE /v1/volumes/{uuid}/exports/{host}`, `GET /v1/volumes/{uuid}/exports` | serve the volume to a stock host through targets (ANA paths) | admin / — |
-//! | `POST /v1/targets/{id}/lease` | an owner of served volumes renews its lease | target |
+//! | method and path | does |
+//! |---|---|
+//! | `GET /healthz` | liveness |
+//! | `GET /metrics` | Prometheus text: volumes, capacity, target health |
+//! | `GET /v1/openapi.json` | this API as OpenAPI 3 (also `docs/openapi.json`) |
+//! | `POST /v1/targets` | a target registers (or re-registers) itself |
+//! | `PUT /v1/targets/{id}/heartbeat` | a target is alive |
+//! | `GET /v1/targets`, `GET /v1/targets/{id}` | health and capacity |
+//! | `PUT /v1/pools/{name}` | create a pool (idempotent; body: devices) |
+//! | `GET /v1/pools`, `GET /v1/pools/{name}` | pools and their capacity |
+//! | `DELETE /v1/pools/{name}` | delete an unused pool |
+//! | `PUT /v1/volumes/{uuid}` | idempotent create: 201, or 200 when the same spec exists |
+//! | `GET /v1/volumes`, `GET /v1/volumes/{uuid}` | volumes with status and extents |
+//! | `POST /v1/volumes/{uuid}/resize` | grow (body: size_bytes) |
+//! | `DELETE /v1/volumes/{uuid}` | delete |
+//! | `GET /v1/volumes/{uuid}/history` | copies of the volume: running and past |
+//! | `POST /v1/volumes/{uuid}/extents/{index}/resync` | mark a copy stale: it is copied whole |
+//! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach |
+//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy |
+//! | `PUT/DELETE /v1/volumes/{uuid}/exports/{host}`, `GET /v1/volumes/{uuid}/exports` | serve the volume to a stock host through targets (ANA paths) |
+//! | `POST /v1/targets/{id}/lease` | an owner of served volumes renews its lease |
 //!
 //! Every error is `{"kind", "message", "details"}` with a 4xx status for
 //! anything the request got wrong (see [`ApiError::from_state`], the one
@@ -31,11 +31,14 @@
 //! busy or unavailable, and 500 only for a corrupt store or a bug. Sizes
 //! are bytes (u64) everywhere.
 //!
-//! When tokens are configured, mutating calls need `Authorization: Bearer
-//! TOKEN`: the admin token for pools and volumes, the target token (or the
-//! admin token) for registration and heartbeats. Reads are open.
+//! Every call but `/healthz` and `/v1/openapi.json` needs `Authorization:
+//! Bearer TOKEN`, whose role (admin, reader, target or host) the
+//! [`crate::auth`] table checks before the handler runs; the document's
+//! security requirements are written from the same table. A daemon
+//! without tokens (loopback only) allows every call.
 
 use crate::attach::Attachment;
+use crate::auth::{self, Access};
 use crate::model::{Device, DeviceRef, Health, TargetState, Uuid, VolumeStatus};
 use crate::placement::{DeviceUsage, PlacementError};
 use crate::plan::ConnectionPlan;
@@ -49,10 +52,12 @@ use crate::rest::{
 use crate::state::{Cluster, StateError, TargetRegistration, TargetView, VolumeView};
 use crate::store::StoreError;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{FromRequest, Path, Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{FromRequest, MatchedPath, Path, Query, RawPathParams, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
+use axum::RequestPartsExt as _;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -62,39 +67,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use utoipa::{OpenApi, ToSchema};
 
-/// Bearer tokens. `None` leaves that class of calls unauthenticated (a
-/// loopback-only development setup).
-#[derive(Clone, Default)]
-pub struct AuthConfig {
-    /// Required by every mutating pool and volume call; also accepted for
-    /// target calls.
-    pub admin_token: Option<String>,
-    /// Required by target registration and heartbeats.
-    pub target_token: Option<String>,
-}
-
-impl std::fmt::Debug for AuthConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never print the secrets themselves.
-        f.debug_struct("AuthConfig")
-            .field("admin_token", &self.admin_token.as_ref().map(|_| "…"))
-            .field("target_token", &self.target_token.as_ref().map(|_| "…"))
-            .finish()
-    }
-}
+pub use crate::auth::AuthConfig;
 
 #[derive(Debug, Clone)]
 struct Api {
     cluster: Arc<Cluster>,
-    auth: Arc<AuthConfig>,
+    auth: AuthConfig,
 }
 
 /// The API's routes over `cluster`.
 pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
-    let api = Api {
-        cluster,
-        auth: Arc::new(auth),
-    };
+    let api = Api { cluster, auth };
     Router::new()
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))
@@ -150,6 +133,7 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
             post(post_resync),
         )
         .route("/v1/targets/{id}/reconcile", post(reconcile_target))
+        .route_layer(axum::middleware::from_fn_with_state(api.clone(), authorize))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
@@ -473,58 +457,99 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for JsonBody
 
 // ----- auth -----
 
-#[derive(Debug, Clone, Copy)]
-enum Role {
-    Admin,
-    Target,
+/// Checks the caller's bearer token against the route's entry in
+/// [`auth::access`] before any handler runs (a `route_layer`, so it sees
+/// the matched route template). 401: no known token; 403: a known token
+/// whose role may not make this call.
+async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let Some(template) = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_owned())
+    else {
+        return next.run(Request::from_parts(parts, body)).await;
+    };
+    let need = auth::access(parts.method.as_str(), &template);
+    let tokens = api.auth.current();
+    if need == Access::Public || tokens.is_empty() {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    let presented = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(presented) = presented else {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "this call needs an Authorization: Bearer token",
+        )
+        .into_response();
+    };
+    let Some(who) = tokens.identify(presented) else {
+        note_refused_token(&parts.method, &template);
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "the bearer token is not known",
+        )
+        .into_response();
+    };
+    let host = if need == Access::Host {
+        match parts.extract::<RawPathParams>().await {
+            Ok(params) => params
+                .iter()
+                .find(|(k, _)| *k == "host_nqn")
+                .map(|(_, v)| v.to_owned()),
+            Err(e) => return ApiError::invalid(e.body_text()).into_response(),
+        }
+    } else {
+        None
+    };
+    if !auth::permits(who, need, host.as_deref()) {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "a {} token may not call {} {template}",
+                who.role().name(),
+                parts.method
+            ),
+        )
+        .into_response();
+    }
+    next.run(Request::from_parts(parts, body)).await
 }
 
-/// Equal in time independent of where the strings first differ.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Logs an unknown token at most once per [`REFUSED_TOKEN_LOG_INTERVAL_MS`],
+/// with the number of refusals since the last line: a client looping on a
+/// wrong token cannot flood the log. The token is never logged.
+fn note_refused_token(method: &axum::http::Method, template: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST_MS: AtomicU64 = AtomicU64::new(0);
+    static REFUSED: AtomicU64 = AtomicU64::new(0);
+    let refused = REFUSED.fetch_add(1, Ordering::Relaxed) + 1;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let last = LAST_MS.load(Ordering::Relaxed);
+    if now.saturating_sub(last) >= REFUSED_TOKEN_LOG_INTERVAL_MS
+        && LAST_MS
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        REFUSED.fetch_sub(refused, Ordering::Relaxed);
+        tracing::warn!(%method, route = template, refused, "unknown bearer token refused");
+    }
 }
+
+/// How often a refused token may be logged.
+const REFUSED_TOKEN_LOG_INTERVAL_MS: u64 = 10_000;
 
 impl Api {
-    fn authorize(&self, headers: &HeaderMap, role: Role) -> Result<(), ApiError> {
-        let admin = self.auth.admin_token.as_deref();
-        let accepted: Vec<&str> = match role {
-            Role::Admin => admin.into_iter().collect(),
-            Role::Target => match self.auth.target_token.as_deref() {
-                // Without a target token, target calls are as open as the
-                // admin ones: guarded by the admin token if there is one.
-                Some(t) => [Some(t), admin].into_iter().flatten().collect(),
-                None => admin.into_iter().collect(),
-            },
-        };
-        if accepted.is_empty() {
-            return Ok(());
-        }
-        let presented = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        match presented {
-            Some(p)
-                if accepted
-                    .iter()
-                    .any(|a| same_secret(a.as_bytes(), p.as_bytes())) =>
-            {
-                Ok(())
-            }
-            Some(_) => Err(ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "the bearer token is not valid for this call",
-            )),
-            None => Err(ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "this call needs an Authorization: Bearer token",
-            )),
-        }
-    }
-
     /// Runs an operation that programs targets on the blocking pool.
     async fn program<T: Send + 'static>(
         &self,
@@ -767,13 +792,11 @@ async fn openapi() -> Response {
         .into_response()
 }
 
-#[utoipa::path(post, path = "/v1/targets", tag = "targets", request_body = RegisterTargetBody, security(("target_token" = []), ("admin_token" = [])), responses((status = 200, description = "registered (or re-registered)", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets", tag = "targets", request_body = RegisterTargetBody, responses((status = 200, description = "registered (or re-registered)", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn register_target(
     State(api): State<Api>,
-    headers: HeaderMap,
     JsonBody(body): JsonBody<RegisterTargetBody>,
 ) -> Result<Json<TargetOut>, ApiError> {
-    api.authorize(&headers, Role::Target)?;
     let reg = TargetRegistration {
         id: body.id,
         name: body.name,
@@ -806,13 +829,11 @@ async fn register_target(
     Ok(Json(out))
 }
 
-#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), security(("target_token" = []), ("admin_token" = [])), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn heartbeat(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<TargetOut>, ApiError> {
-    api.authorize(&headers, Role::Target)?;
     let out = api
         .run(move |c| {
             c.heartbeat(&id)?;
@@ -865,14 +886,12 @@ fn pools_out(c: &Cluster) -> Result<Vec<PoolOut>, StateError> {
         .collect())
 }
 
-#[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), request_body = PoolBody, security(("admin_token" = [])), responses((status = 201, description = "created", body = PoolOut), (status = 200, description = "already existed with these devices", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), request_body = PoolBody, responses((status = 201, description = "created", body = PoolOut), (status = 200, description = "already existed with these devices", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_pool(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(name): Path<String>,
     JsonBody(body): JsonBody<PoolBody>,
 ) -> Result<(StatusCode, Json<PoolOut>), ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let (existed, out) = api
         .run(move |c| {
             // Only for the status code: a racing identical create makes
@@ -921,25 +940,21 @@ async fn get_pool(
     Ok(Json(out))
 }
 
-#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), security(("admin_token" = [])), responses((status = 204, description = "deleted"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 204, description = "deleted"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_pool(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     api.run(move |c| c.delete_pool(&name)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, security(("admin_token" = [])), responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_volume(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(uuid): Path<String>,
     JsonBody(body): JsonBody<VolumeSpecBody>,
 ) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let spec = crate::model::VolumeSpec {
         uuid,
@@ -990,14 +1005,12 @@ async fn get_volume(
     Ok(Json(out))
 }
 
-#[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, security(("admin_token" = [])), responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink, or the volume is served to hosts by its targets (unexport first)", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink, or the volume is served to hosts by its targets (unexport first)", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn resize_volume(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(uuid): Path<String>,
     JsonBody(body): JsonBody<ResizeBody>,
 ) -> Result<Json<VolumeOut>, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let out = api
         .program(move |c| {
@@ -1041,14 +1054,12 @@ async fn resize_volume(
 /// (409 `attached`) unless `force`, which detaches it from every host
 /// first (forcibly: an unreachable target's leftovers keep their extents
 /// allocated until it is reconciled).
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), security(("admin_token" = [])), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "attached (use force)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "attached (use force)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_volume(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(uuid): Path<String>,
     query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let force = force_of(query)?;
     api.program(move |c| {
@@ -1086,13 +1097,11 @@ fn parse_host(s: &str) -> Result<String, ApiError> {
 /// alone; the answer is the connection plan. Idempotent: attaching again
 /// returns the same plan (200) and re-exports anything missing. If a
 /// target fails, whatever this call set up is taken back.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), security(("admin_token" = [])), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
 async fn put_attachment(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
 ) -> Result<(StatusCode, Json<AttachmentOut>), ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let r = api
@@ -1162,14 +1171,12 @@ async fn list_attachments(
 /// Detaches a volume from a host: the targets stop exporting its extents
 /// to that host. An unreachable target fails the detach (503; the
 /// attachment stays `detaching`, retry) unless `force`.
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), security(("admin_token" = [])), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
 async fn delete_attachment(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
     query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let force = force_of(query)?;
@@ -1178,29 +1185,17 @@ async fn delete_attachment(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Who may act for `host`'s serving process: an owner of a served volume
-/// is a target, every other host is the admin's.
-fn host_role(host: &str) -> Role {
-    if crate::paths::parse_owner_host(host).is_some() {
-        Role::Target
-    } else {
-        Role::Admin
-    }
-}
-
 /// Serves the volume to a stock host: the host's NQN joins the access
 /// list of the volume's subsystem, which a few targets present as ANA
 /// paths (one optimized, the owner running the volume engine; the others
 /// inaccessible until a failover). Connect with `nvme connect` to every
 /// path. Idempotent: again, 200 with the same view.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), security(("admin_token" = [])), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
 async fn put_export(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<crate::failover::ServedView>), ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let body: ExportBody = if body.iter().all(u8::is_ascii_whitespace) {
@@ -1243,13 +1238,11 @@ async fn get_exports(
 /// Stops serving the volume to the host (its NQN leaves the access list;
 /// the host sees its paths go). The last host gone, the volume's
 /// subsystem is removed from every target and the owner stops.
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), security(("admin_token" = [])), responses((status = 204, description = "no longer exported to that host"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not exported to that host", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 204, description = "no longer exported to that host"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not exported to that host", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
 async fn delete_export(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     api.program(move |c| crate::failover::unexport(c, &uuid, &host))
@@ -1261,13 +1254,11 @@ async fn delete_export(
 /// subsystems it may serve, for `valid_ms` counted from when it sent this
 /// request (so its expiry is never later than the control plane's idea of
 /// it). Another path is promoted only after the lease has run out.
-#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), security(("target_token" = []), ("admin_token" = [])), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn post_lease(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<crate::paths::LeaseGrant>, ApiError> {
-    api.authorize(&headers, Role::Target)?;
     let out = api.run(move |c| c.grant_lease(&id)).await?;
     Ok(Json(out))
 }
@@ -1277,14 +1268,12 @@ async fn post_lease(
 /// volume's: it turns degraded and stays so after detach, and every later
 /// attach, by any host, carries the list so the stale copies are never read.
 /// Failures accumulate until the extent is rebuilt.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, security(("admin_token" = [])), responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_failed_extents(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
     JsonBody(body): JsonBody<FailedExtentsBody>,
 ) -> Result<Json<AttachmentOut>, ApiError> {
-    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let out = api
@@ -1302,14 +1291,12 @@ async fn put_failed_extents(
 /// revision it opened the volume at. A different earlier session of the
 /// same host that never handed over its records loses them (its stale
 /// copies are then copied whole).
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/session", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = SessionBody, security(("admin_token" = [])), responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/session", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = SessionBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_session(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
     JsonBody(body): JsonBody<SessionBody>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     api.run(move |c| c.register_session(&uuid, &host, body.session, body.revision))
@@ -1319,14 +1306,12 @@ async fn put_session(
 
 /// A host's serving process stops and hands over what each stale copy
 /// missed from it.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/missed", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = MissedBody, security(("admin_token" = [])), responses((status = 204, description = "merged"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/missed", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = MissedBody, responses((status = 204, description = "merged"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_missed(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host)): Path<(String, String)>,
     JsonBody(body): JsonBody<MissedBody>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let mut extents = BTreeMap::new();
@@ -1343,14 +1328,12 @@ async fn put_missed(
 
 /// A host writes to job `job`'s copy and every write it issued before has
 /// completed. The copier starts once every host writing the volume said so.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ("job" = u64, Path, description = "the copy job")), request_body = SyncBody, security(("admin_token" = [])), responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume, or the job is over", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ("job" = u64, Path, description = "the copy job")), request_body = SyncBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume, or the job is over", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_sync(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, host, job)): Path<(String, String, String)>,
     JsonBody(body): JsonBody<SyncBody>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, host_role(&host))?;
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
     let job = crate::resync::validate_job_id(&job).map_err(|e| ApiError::invalid(e.to_string()))?;
@@ -1383,13 +1366,11 @@ async fn put_sync(
 /// differing, say): hosts stop reading it at once and the heal loop copies
 /// it whole from an in-sync copy. Refused for the last copy in sync of its
 /// row; a copy already stale is left as it is.
-#[utoipa::path(post, path = "/v1/volumes/{uuid}/extents/{index}/resync", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID"), ("index" = u32, Path, description = "the copy: an index into the volume's extents")), security(("admin_token" = [])), responses((status = 202, description = "stale; it will be copied whole", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the last copy in sync of its row", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/extents/{index}/resync", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID"), ("index" = u32, Path, description = "the copy: an index into the volume's extents")), responses((status = 202, description = "stale; it will be copied whole", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the last copy in sync of its row", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn post_resync(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((uuid, index)): Path<(String, String)>,
 ) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let uuid = parse_uuid(&uuid)?;
     let index: u32 = index
         .parse()
@@ -1457,14 +1438,12 @@ async fn get_history(
 /// through copy jobs; it serves each until the move is done), `cordoned`
 /// only stops new extents, `active` takes new extents again (and stops a
 /// drain; moves under way finish).
-#[utoipa::path(put, path = "/v1/targets/{id}/state", tag = "targets", params(("id" = String, Path, description = "target id")), request_body = TargetStateBody, security(("admin_token" = [])), responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/targets/{id}/state", tag = "targets", params(("id" = String, Path, description = "target id")), request_body = TargetStateBody, responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_target_state(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<TargetStateBody>,
 ) -> Result<Json<TargetOut>, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let out = api
         .run(move |c| {
             c.set_target_state(&id, body.state)?;
@@ -1479,14 +1458,12 @@ async fn put_target_state(
 /// Forgets a target that holds no extents (drain it first). Old extents
 /// it may still export keep it until it has been reconciled, unless
 /// `force` (a target gone for good).
-#[utoipa::path(delete, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id"), ForceQuery), security(("admin_token" = [])), responses((status = 204, description = "removed"), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the target holds extents", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id"), ForceQuery), responses((status = 204, description = "removed"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the target holds extents", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_target(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(id): Path<String>,
     query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
     let t = id.clone();
     api.run(move |c| c.remove_target(&t, q.force)).await?;
@@ -1555,15 +1532,11 @@ fn rebalance_scopes(c: &Cluster, pool: Option<String>) -> Result<Vec<Option<Stri
 /// pool): the plan is recomputed as moves finish, placement rules holding
 /// at every step, until nothing is worth moving. `dry_run` only returns
 /// the plan.
-#[utoipa::path(post, path = "/v1/rebalance", tag = "pools", request_body = RebalanceBody, security(("admin_token" = [])), responses((status = 200, description = "the plan (dry run)", body = RebalanceOut), (status = 202, description = "started", body = RebalanceOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "no such pool", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/rebalance", tag = "pools", request_body = RebalanceBody, responses((status = 200, description = "the plan (dry run)", body = RebalanceOut), (status = 202, description = "started", body = RebalanceOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such pool", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn post_rebalance(
     State(api): State<Api>,
-    headers: HeaderMap,
     JsonBody(body): JsonBody<RebalanceBody>,
 ) -> Result<(StatusCode, Json<RebalanceOut>), ApiError> {
-    if !body.dry_run {
-        api.authorize(&headers, Role::Admin)?;
-    }
     let out = api
         .run(move |c| {
             if let Some(p) = &body.pool {
@@ -1605,13 +1578,11 @@ async fn get_rebalance(State(api): State<Api>) -> Result<Json<RebalanceOut>, Api
 /// Makes the target's host subsystems match the attachment records now
 /// (the control plane also does this when a target registers, and
 /// periodically).
-#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), security(("admin_token" = [])), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 401, description = "missing or wrong bearer token", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
 async fn reconcile_target(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<ReconcileOut>, ApiError> {
-    api.authorize(&headers, Role::Admin)?;
     let r = api.program(move |c| program::reconcile(c, &id)).await?;
     Ok(Json(ReconcileOut {
         subsystems_removed: r.subsystems_removed,
@@ -1745,19 +1716,76 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
 )]
 struct ApiDoc;
 
-/// Declares the two bearer-token schemes the paths refer to.
+/// Declares the bearer-token schemes and writes every operation's
+/// security requirements, and its 401 and 403 answers, from
+/// [`auth::access`]: the same table the server enforces.
 #[derive(Debug)]
 struct BearerSchemes;
 
 impl utoipa::Modify for BearerSchemes {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        use utoipa::openapi::security::{
+            HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+        };
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        let schemes = [
+            ("admin_token", "an admin token: every call"),
+            ("reader_token", "a reader token: every GET"),
+            ("target_token", "a target token: registration, heartbeats, leases, and the owner host NQNs of served volumes"),
+            ("host_token", "a host token, bound to one host NQN: attach, detach and report for that NQN"),
+        ];
         let components = doc.components.get_or_insert_with(Default::default);
-        for name in ["admin_token", "target_token"] {
+        for (name, what) in schemes {
             components.add_security_scheme(
                 name,
-                SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+                SecurityScheme::Http(
+                    HttpBuilder::new()
+                        .scheme(HttpAuthScheme::Bearer)
+                        .description(Some(what))
+                        .build(),
+                ),
             );
+        }
+        for (name, what) in [
+            ("Unauthorized", "no bearer token, or an unknown one"),
+            ("Forbidden", "the token's role may not make this call"),
+        ] {
+            let answer = ResponseBuilder::new()
+                .description(what)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ApiError")))
+                        .build(),
+                )
+                .build();
+            components.responses.insert(name.into(), answer.into());
+        }
+        for (path, item) in doc.paths.paths.iter_mut() {
+            for (method, op) in [
+                ("GET", &mut item.get),
+                ("PUT", &mut item.put),
+                ("POST", &mut item.post),
+                ("DELETE", &mut item.delete),
+            ] {
+                let Some(op) = op else { continue };
+                let allowed: &[&str] = match auth::access(method, path) {
+                    Access::Public => continue,
+                    Access::Read => &["admin_token", "reader_token", "target_token", "host_token"],
+                    Access::Target => &["admin_token", "target_token"],
+                    Access::Host => &["admin_token", "host_token", "target_token"],
+                    Access::Admin => &["admin_token"],
+                };
+                op.security = Some(
+                    allowed
+                        .iter()
+                        .map(|n| SecurityRequirement::new(*n, Vec::<String>::new()))
+                        .collect(),
+                );
+                let answers = &mut op.responses.responses;
+                answers.insert("401".into(), Ref::from_response_name("Unauthorized").into());
+                answers.insert("403".into(), Ref::from_response_name("Forbidden").into());
+            }
         }
     }
 }
@@ -1817,12 +1845,5 @@ mod tests {
         }
         let r = ApiError::from_state(StateError::Contention { attempts: 1 }).into_response();
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
-    }
-
-    #[test]
-    fn secrets_compare_whole() {
-        assert!(same_secret(b"abc", b"abc"));
-        assert!(!same_secret(b"abc", b"abd"));
-        assert!(!same_secret(b"abc", b"abcd"));
     }
 }

@@ -1,7 +1,8 @@
 //! The `nvpool-control` daemon: command line, store, REST API, shutdown.
 //! `main.rs` only calls [`main_exit_code`].
 
-use crate::api::{router, AuthConfig};
+use crate::api::router;
+use crate::auth::{AuthConfig, Role, TokenFiles};
 use crate::clock::SystemClock;
 use crate::limits::EXTENT_BYTES;
 use crate::state::{Cluster, StateConfig};
@@ -9,13 +10,13 @@ use crate::store::RedbStore;
 use anyhow::Context as _;
 use clap::Parser;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// Default state directory when running as root.
 const STATE_DIR_DEFAULT: &str = "/var/lib/nvpool-control";
-/// A token file larger than this is a mistake (a key file, a log).
-const TOKEN_FILE_BYTES_MAX: u64 = 4096;
+/// How often token files are checked for a change.
+const TOKEN_FILES_CHECK_MS: u64 = 2_000;
 
 /// nvpool control plane: targets, pools and volumes over a REST API.
 #[derive(Debug, Parser)]
@@ -28,11 +29,21 @@ pub struct Args {
     /// when running as root; required otherwise).
     #[arg(long, env = "NVPOOL_CONTROL_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
-    /// File holding the bearer token of admin (pool and volume) calls.
-    #[arg(long)]
+    /// File of bearer tokens with their roles, one per line: `admin TOKEN`,
+    /// `reader TOKEN`, `target TOKEN` or `host TOKEN HOSTNQN` (repeatable).
+    /// Files are read again when they change, so a token is rotated by
+    /// adding the new one, moving clients, then removing the old.
+    #[arg(
+        long = "tokens-file",
+        value_name = "PATH",
+        env = "NVPOOL_CONTROL_TOKENS_FILE"
+    )]
+    pub tokens_file: Vec<PathBuf>,
+    /// File holding one admin token (as a line `admin TOKEN` would).
+    #[arg(long, value_name = "PATH")]
     pub admin_token_file: Option<PathBuf>,
-    /// File holding the bearer token targets present.
-    #[arg(long)]
+    /// File holding one target token (as a line `target TOKEN` would).
+    #[arg(long, value_name = "PATH")]
     pub target_token_file: Option<PathBuf>,
     /// Extent size of new volumes, in bytes (power of two, 1 MiB..=64 GiB).
     #[arg(long, default_value_t = EXTENT_BYTES, value_parser = parse_extent_size)]
@@ -98,23 +109,6 @@ fn parse_log_filter(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
-fn read_token(path: &Path) -> anyhow::Result<String> {
-    let len = std::fs::metadata(path)
-        .with_context(|| format!("reading token file {}", path.display()))?
-        .len();
-    anyhow::ensure!(
-        len <= TOKEN_FILE_BYTES_MAX,
-        "token file {} is {len} bytes; at most {TOKEN_FILE_BYTES_MAX}",
-        path.display()
-    );
-    let token = std::fs::read_to_string(path)
-        .with_context(|| format!("reading token file {}", path.display()))?
-        .trim()
-        .to_owned();
-    anyhow::ensure!(!token.is_empty(), "token file {} is empty", path.display());
-    Ok(token)
-}
-
 fn is_root() -> bool {
     // No libc dependency for this: root's /proc/self is owned by uid 0.
     std::fs::metadata("/proc/self")
@@ -136,18 +130,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None if is_root() => PathBuf::from(STATE_DIR_DEFAULT),
         None => anyhow::bail!("--state-dir is required when not running as root"),
     };
-    let auth = AuthConfig {
-        admin_token: args
-            .admin_token_file
-            .as_deref()
-            .map(read_token)
-            .transpose()?,
-        target_token: args
-            .target_token_file
-            .as_deref()
-            .map(read_token)
-            .transpose()?,
+    let token_files = TokenFiles {
+        tokens: args.tokens_file.clone(),
+        admin: args.admin_token_file.clone(),
+        target: args.target_token_file.clone(),
     };
+    let tokens = token_files.load().context("reading the tokens")?;
+    if tokens.is_empty() {
+        anyhow::ensure!(
+            args.listen.ip().is_loopback(),
+            "no tokens: anyone reaching {} could change the cluster; give --tokens-file \
+             (or --admin-token-file), or listen on a loopback address",
+            args.listen
+        );
+        tracing::warn!("no tokens configured: every call is allowed (loopback only)");
+    } else if !tokens.has(Role::Admin) {
+        tracing::warn!("no admin token configured: pools, volumes and targets cannot be changed");
+    }
+    let auth = AuthConfig::new(tokens);
     let config = StateConfig {
         extent_bytes: args.extent_size,
         rebuild_rate_bytes_per_sec: args.rebuild_rate,
@@ -159,11 +159,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let store = RedbStore::open_in_dir(&state_dir)
         .with_context(|| format!("opening the store in {}", state_dir.display()))?;
     let cluster = Cluster::new(Arc::new(store), Arc::new(SystemClock), config)?;
-    if auth.admin_token.is_none() {
-        tracing::warn!("no --admin-token-file: mutating calls are unauthenticated");
-    }
     let cluster = Arc::new(cluster);
-    let app = router(cluster.clone(), auth);
+    let app = router(cluster.clone(), auth.clone());
     let heal_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let heal = crate::heal::spawn(
         cluster.clone(),
@@ -186,6 +183,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
         tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
         tokio::spawn(crate::failover::watch_loop(cluster.clone()));
+        if !token_files.is_empty() {
+            tokio::spawn(reload_tokens(token_files, auth));
+        }
         axum::serve(listener, app)
             .with_graceful_shutdown({
                 let c = cluster.clone();
@@ -202,6 +202,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let _ = heal.join();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Puts the token files' new content in force when they change. A file
+/// that no longer parses keeps the old set in force, with an error logged.
+async fn reload_tokens(files: TokenFiles, auth: AuthConfig) {
+    let mut stamp = files.stamp();
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(TOKEN_FILES_CHECK_MS)).await;
+        let now = files.stamp();
+        if now == stamp {
+            continue;
+        }
+        stamp = now;
+        match files.load() {
+            Ok(tokens) => {
+                tracing::info!(?tokens, "token files changed: new tokens in force");
+                auth.replace(tokens);
+            }
+            Err(e) => tracing::error!(
+                "token files changed but cannot be used (the old tokens stay in force): {e}"
+            ),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -29,6 +29,7 @@
 #[cfg(feature = "server")]
 pub mod api;
 pub mod attach;
+pub mod auth;
 pub mod clock;
 #[cfg(feature = "server")]
 pub mod daemon;

@@ -4,17 +4,20 @@
 
 mod common;
 
-use common::{serve, Server, ADMIN, MIB, TARGET};
+use common::{serve, Server, ADMIN, MIB, READER, TARGET};
 use nvpool_control::api::AuthConfig;
+use nvpool_control::auth::{Principal, Tokens};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 
 fn tokens() -> AuthConfig {
-    AuthConfig {
-        admin_token: Some(ADMIN.into()),
-        target_token: Some(TARGET.into()),
-    }
+    AuthConfig::new(
+        Tokens::new()
+            .with(Principal::Admin, ADMIN)
+            .with(Principal::Target, TARGET)
+            .with(Principal::Reader, READER),
+    )
 }
 
 fn registration(i: usize, rack: &str, devices: usize, extents: u64) -> Value {
@@ -56,9 +59,9 @@ fn volume(name: &str, size_bytes: u64, layout: Value) -> Value {
 #[test]
 fn health_and_unknown_paths() {
     let s = serve(AuthConfig::default());
-    let r = s.call("GET", "/healthz", None, None);
+    let r = s.read("/healthz");
     assert_eq!((r.status, r.json()["status"].clone()), (200, json!("ok")));
-    let r = s.call("GET", "/v2/nothing", None, None);
+    let r = s.read("/v2/nothing");
     s.expect_error(&r, 404, "not_found");
 }
 
@@ -66,7 +69,7 @@ fn health_and_unknown_paths() {
 fn targets_register_list_and_expire() {
     let s = serve(tokens());
     cluster_of_four(&s);
-    let list = s.call("GET", "/v1/targets", None, None).json();
+    let list = s.read("/v1/targets").json();
     let list = list.as_array().unwrap();
     assert_eq!(list.len(), 4);
     assert_eq!(list[0]["health"], "online");
@@ -83,9 +86,7 @@ fn targets_register_list_and_expire() {
     assert_eq!(r.status, 201, "{}", r.body);
     let v = r.json();
     let down = v["extents"][0]["target"].as_str().unwrap().to_owned();
-    let t = s
-        .call("GET", &format!("/v1/targets/{down}"), None, None)
-        .json();
+    let t = s.read(&format!("/v1/targets/{down}")).json();
     assert_eq!(t["capacity"]["used_bytes"], 2 * MIB);
 
     // Everyone but `down` keeps heartbeating past the timeout.
@@ -104,15 +105,11 @@ fn targets_register_list_and_expire() {
             assert_eq!(r.json()["health"], "online");
         }
     }
-    let t = s
-        .call("GET", &format!("/v1/targets/{down}"), None, None)
-        .json();
+    let t = s.read(&format!("/v1/targets/{down}")).json();
     assert_eq!(t["health"], "offline");
-    let v = s
-        .call("GET", &format!("/v1/volumes/{}", uuid(1)), None, None)
-        .json();
+    let v = s.read(&format!("/v1/volumes/{}", uuid(1))).json();
     assert_eq!(v["status"], "degraded");
-    let m = s.call("GET", "/metrics", None, None);
+    let m = s.read("/metrics");
     assert_eq!(m.status, 200);
     assert!(m.headers.contains("text/plain"), "{}", m.headers);
     assert!(
@@ -129,7 +126,7 @@ fn targets_register_list_and_expire() {
 
     let r = s.call("PUT", "/v1/targets/nope/heartbeat", Some(TARGET), None);
     s.expect_error(&r, 404, "not_found");
-    let r = s.call("GET", "/v1/targets/nope", None, None);
+    let r = s.read("/v1/targets/nope");
     s.expect_error(&r, 404, "not_found");
     let mut bad = registration(9, "r0", 1, 8);
     bad["id"] = json!("a/b");
@@ -157,7 +154,7 @@ fn targets_register_an_rdma_listener() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["rdma_addr"], Value::Null, "TCP only");
-    let list = s.call("GET", "/v1/targets", None, None).json();
+    let list = s.read("/v1/targets").json();
     let rdma: Vec<&Value> = list
         .as_array()
         .unwrap()
@@ -165,7 +162,7 @@ fn targets_register_an_rdma_listener() {
         .map(|t| &t["rdma_addr"])
         .collect();
     assert_eq!(rdma, [&json!("10.0.0.1:4421"), &Value::Null]);
-    let t = s.call("GET", "/v1/targets/t1", None, None).json();
+    let t = s.read("/v1/targets/t1").json();
     assert_eq!(t["rdma_addr"], "10.0.0.1:4421");
 
     // Addresses nobody can connect to, or no address: 400, and the
@@ -188,7 +185,7 @@ fn targets_register_an_rdma_listener() {
             r.body
         );
     }
-    let t = s.call("GET", "/v1/targets/t1", None, None).json();
+    let t = s.read("/v1/targets/t1").json();
     assert_eq!(t["rdma_addr"], "10.0.0.1:4421");
 
     // Re-registering without it: the target no longer offers RDMA.
@@ -230,8 +227,7 @@ fn a_target_daemon_registers_its_rdma_listener() {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         r.stop();
-        s.call("GET", &format!("/v1/targets/{id}"), None, None)
-            .json()
+        s.read(&format!("/v1/targets/{id}")).json()
     };
     assert_eq!(
         register("t7", Some("10.0.0.7:4421"))["rdma_addr"],
@@ -264,7 +260,7 @@ fn a_target_registers_again_when_its_rdma_listeners_change() {
     let l = listeners.clone();
     rc.rdma_listeners = Some(RdmaListeners(Arc::new(move || l.lock().unwrap().clone())));
     let r = Registrar::start(rc).unwrap();
-    let rdma_of = || s.call("GET", "/v1/targets/t9", None, None).json()["rdma_addr"].clone();
+    let rdma_of = || s.read("/v1/targets/t9").json()["rdma_addr"].clone();
     let wait = |what: &str, want: Value| {
         let deadline = Instant::now() + Duration::from_secs(10);
         while rdma_of() != want {
@@ -304,10 +300,10 @@ fn every_layout_and_idempotent_create() {
         let again = s.admin("PUT", &path, Some(body));
         assert_eq!(again.status, 200, "a retried create is OK");
         assert_eq!(again.json()["extents"], v["extents"], "and changes nothing");
-        let got = s.call("GET", &path, None, None).json();
+        let got = s.read(&path).json();
         assert_eq!(got["extents"], v["extents"]);
     }
-    let list = s.call("GET", "/v1/volumes", None, None).json();
+    let list = s.read("/v1/volumes").json();
     assert_eq!(list.as_array().unwrap().len(), 4);
 
     // Same UUID, different spec.
@@ -326,7 +322,7 @@ fn every_layout_and_idempotent_create() {
     );
     s.expect_error(&r, 409, "name_taken");
 
-    let m = s.call("GET", "/metrics", None, None).body;
+    let m = s.read("/metrics").body;
     assert!(m.contains("nvpool_volumes{status=\"online\"} 4"), "{m}");
     assert!(
         m.contains(&format!(
@@ -367,9 +363,9 @@ fn impossible_placement_is_422_and_creates_nothing() {
     let huge = volume("huge", 65 * MIB, json!({"type": "concat"}));
     let r = s.admin("PUT", &format!("/v1/volumes/{}", uuid(2)), Some(huge));
     s.expect_error(&r, 422, "no_space");
-    let list = s.call("GET", "/v1/volumes", None, None).json();
+    let list = s.read("/v1/volumes").json();
     assert_eq!(list, json!([]), "nothing half-created");
-    let r = s.call("GET", &format!("/v1/volumes/{}", uuid(1)), None, None);
+    let r = s.read(&format!("/v1/volumes/{}", uuid(1)));
     s.expect_error(&r, 404, "not_found");
 }
 
@@ -425,7 +421,7 @@ fn bad_input_is_400_never_500() {
         Some(volume("v", MIB, concat.clone())),
     );
     s.expect_error(&r, 400, "invalid");
-    let r = s.call("GET", "/v1/volumes/not-a-uuid", None, None);
+    let r = s.read("/v1/volumes/not-a-uuid");
     s.expect_error(&r, 400, "invalid");
     let r = s.raw("PUT", &path, Some(ADMIN), Some("{\"name\": "));
     s.expect_error(&r, 400, "invalid");
@@ -445,7 +441,7 @@ fn bad_input_is_400_never_500() {
     stream.read_to_string(&mut out).unwrap();
     assert!(out.starts_with("HTTP/1.1 415"), "{out}");
     assert!(out.contains("unsupported_media_type"), "{out}");
-    assert_eq!(s.call("GET", "/v1/volumes", None, None).json(), json!([]));
+    assert_eq!(s.read("/v1/volumes").json(), json!([]));
 }
 
 #[test]
@@ -468,9 +464,9 @@ fn resync_endpoints_refuse_bad_input() {
         Some(json!({"session": 1, "revision": 0})),
     );
     s.expect_error(&r, 404, "not_found");
-    let r = s.call("GET", &format!("{base}?after_revision=0"), None, None);
+    let r = s.read(&format!("{base}?after_revision=0"));
     s.expect_error(&r, 404, "not_found");
-    let r = s.call("GET", &format!("{base}?after_revision=x"), None, None);
+    let r = s.read(&format!("{base}?after_revision=x"));
     assert_eq!(r.status, 400, "{}", r.body);
     // Malformed bodies and ids.
     let r = s.admin(
@@ -513,72 +509,147 @@ fn resync_endpoints_refuse_bad_input() {
     );
     assert_eq!(r.status, 401, "{}", r.body);
     // History: empty for a new volume, 404 for none.
-    let r = s.call("GET", &format!("/v1/volumes/{v}/history"), None, None);
+    let r = s.read(&format!("/v1/volumes/{v}/history"));
     assert_eq!((r.status, r.json()), (200, json!([])));
-    let r = s.call(
-        "GET",
-        &format!("/v1/volumes/{}/history", uuid(10)),
-        None,
-        None,
-    );
+    let r = s.read(&format!("/v1/volumes/{}/history", uuid(10)));
     s.expect_error(&r, 404, "not_found");
-    let m = s.call("GET", "/metrics", None, None).body;
+    let m = s.read("/metrics").body;
     assert!(m.contains("nvpool_copies_running 0"), "{m}");
     assert!(m.contains("nvpool_stale_extents 0"), "{m}");
 }
 
+/// Every operation of the OpenAPI document (the routes the server
+/// serves, see `openapi_names_every_route`), with every kind of token:
+/// none and unknown ones get 401, a known token whose role may not make
+/// the call 403, and the roles the document lists get past the check.
+/// Generated from the document, so a new route is checked without being
+/// named here.
 #[test]
-fn tokens_guard_every_mutation() {
-    let s = serve(tokens());
-    let reg = registration(0, "r0", 1, 8);
-    let r = s.call("POST", "/v1/targets", None, Some(reg.clone()));
-    s.expect_error(&r, 401, "unauthorized");
-    assert!(
-        r.headers.contains("www-authenticate: Bearer"),
-        "{}",
-        r.headers
-    );
-    let r = s.call("POST", "/v1/targets", Some("wrong"), Some(reg.clone()));
-    s.expect_error(&r, 401, "unauthorized");
-    assert_eq!(
-        s.call("POST", "/v1/targets", Some(ADMIN), Some(reg.clone()))
-            .status,
-        200,
-        "admin may register too"
-    );
-    assert_eq!(
-        s.call("POST", "/v1/targets", Some(TARGET), Some(reg))
-            .status,
-        200
-    );
-    let r = s.call("PUT", "/v1/targets/t0/heartbeat", None, None);
-    s.expect_error(&r, 401, "unauthorized");
-
-    let path = format!("/v1/volumes/{}", uuid(1));
-    let body = volume("v", MIB, json!({"type": "concat"}));
-    for token in [None, Some(TARGET)] {
-        let r = s.call("PUT", &path, token, Some(body.clone()));
-        s.expect_error(&r, 401, "unauthorized");
-        let r = s.call("PUT", "/v1/pools/p", token, Some(json!({"devices": []})));
-        s.expect_error(&r, 401, "unauthorized");
-        let r = s.call("DELETE", "/v1/pools/p", token, None);
-        s.expect_error(&r, 401, "unauthorized");
-        let r = s.call(
-            "POST",
-            &format!("{path}/resize"),
-            token,
-            Some(json!({"size_bytes": MIB})),
-        );
-        s.expect_error(&r, 401, "unauthorized");
-        let r = s.call("DELETE", &path, token, None);
-        s.expect_error(&r, 401, "unauthorized");
+fn every_route_checks_the_token_and_its_role() {
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
+    const OTHER: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000002";
+    const HOST_TOKEN: &str = "host-secret-0123456789";
+    const OTHER_TOKEN: &str = "other-host-secret-0123456789";
+    let s = serve(AuthConfig::new(
+        Tokens::new()
+            .with(Principal::Admin, ADMIN)
+            .with(Principal::Target, TARGET)
+            .with(Principal::Reader, READER)
+            .with(Principal::Host(HOST.into()), HOST_TOKEN)
+            .with(Principal::Host(OTHER.into()), OTHER_TOKEN),
+    ));
+    let owner = format!("nqn.2026-11.io.nvpool:owner:{}:t0", uuid(1));
+    let doc: Value = serde_json::from_str(&nvpool_control::api::openapi_json()).unwrap();
+    let mut checked = 0;
+    for (template, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let method = method.to_ascii_uppercase();
+            let fill = |host: &str| {
+                template
+                    .replace("{uuid}", &uuid(1))
+                    .replace("{id}", "t0")
+                    .replace("{name}", "p")
+                    .replace("{index}", "0")
+                    .replace("{job}", "1")
+                    .replace("{host_nqn}", &host.replace(':', "%3A"))
+            };
+            let call = |token: Option<&str>, host: &str| {
+                let body = (method != "GET" && method != "DELETE").then(|| json!({}));
+                s.call(&method, &fill(host), token, body)
+            };
+            let allowed: Vec<&str> = op["security"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .flat_map(|r| r.as_object().unwrap().keys())
+                        .map(String::as_str)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let what = format!("{method} {template}");
+            if allowed.is_empty() {
+                assert!(
+                    ["/healthz", "/v1/openapi.json"].contains(&template.as_str()),
+                    "{what} is public"
+                );
+                assert_eq!(call(None, HOST).status, 200, "{what}");
+                continue;
+            }
+            for r in [call(None, HOST), call(Some("not-a-known-token-000"), HOST)] {
+                s.expect_error(&r, 401, "unauthorized");
+                assert!(r.headers.contains("www-authenticate: Bearer"), "{what}");
+            }
+            for (scheme, token) in [
+                ("admin_token", ADMIN),
+                ("reader_token", READER),
+                ("target_token", TARGET),
+                ("host_token", HOST_TOKEN),
+            ] {
+                let r = call(Some(token), HOST);
+                let passes = allowed.contains(&scheme)
+                    && (scheme != "target_token"
+                        || method == "GET"
+                        || !template.contains("{host_nqn}"));
+                if passes {
+                    assert!(
+                        r.status != 401 && r.status != 403,
+                        "{what} with a {scheme}: {} {}",
+                        r.status,
+                        r.body
+                    );
+                    assert!(!r.body.contains("no such endpoint"), "{what} is not served");
+                } else {
+                    s.expect_error(&r, 403, "forbidden");
+                }
+            }
+            if template.contains("{host_nqn}") && method != "GET" && allowed.contains(&"host_token")
+            {
+                // A host acts for itself only; a target for owner NQNs only.
+                s.expect_error(&call(Some(OTHER_TOKEN), HOST), 403, "forbidden");
+                s.expect_error(&call(Some(HOST_TOKEN), &owner), 403, "forbidden");
+                let r = call(Some(TARGET), &owner);
+                assert!(
+                    r.status != 401 && r.status != 403,
+                    "{what} for an owner: {}",
+                    r.body
+                );
+            }
+            checked += 1;
+        }
     }
-    assert_eq!(
-        s.call("GET", "/v1/volumes", None, None).json(),
-        json!([]),
-        "reads are open"
-    );
-    assert_eq!(s.admin("PUT", &path, Some(body)).status, 201);
+    assert!(checked >= 30, "only {checked} operations checked");
+}
+
+/// The router's routes, read from its source, are the document's paths:
+/// a route added to the router but not to the document would escape
+/// `every_route_checks_the_token_and_its_role`.
+#[test]
+fn openapi_names_every_route() {
+    let source = include_str!("../src/api.rs");
+    let router = &source[source.find("pub fn router(").unwrap()..];
+    let router = &router[..router.find("\n}\n").unwrap()];
+    let mut routes: Vec<&str> = router
+        .split(".route(")
+        .skip(1)
+        .map(|r| {
+            r.trim_start()
+                .trim_start_matches('"')
+                .split('"')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    routes.sort_unstable();
+    let doc: Value = serde_json::from_str(&nvpool_control::api::openapi_json()).unwrap();
+    let mut paths: Vec<&str> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    paths.sort_unstable();
+    assert!(routes.len() > 20, "{routes:?}");
+    assert_eq!(routes, paths);
 }
 
 #[test]
@@ -626,17 +697,10 @@ fn pools_resize_and_delete() {
             .all(|e| e["device"] == "d1"),
         "{v}"
     );
-    let p = s.call("GET", "/v1/pools/fast", None, None).json();
+    let p = s.read("/v1/pools/fast").json();
     assert_eq!(p["capacity"]["used_bytes"], 4 * MIB);
-    assert_eq!(
-        s.call("GET", "/v1/pools", None, None)
-            .json()
-            .as_array()
-            .unwrap()
-            .len(),
-        1
-    );
-    let r = s.call("GET", "/v1/pools/none", None, None);
+    assert_eq!(s.read("/v1/pools").json().as_array().unwrap().len(), 1);
+    let r = s.read("/v1/pools/none");
     s.expect_error(&r, 404, "not_found");
     let mut body = volume("lost", MIB, json!({"type": "concat"}));
     body["pool"] = json!("none");
@@ -686,8 +750,8 @@ fn pools_resize_and_delete() {
     assert_eq!(s.admin("DELETE", "/v1/pools/fast", None).status, 204);
     let r = s.admin("DELETE", "/v1/pools/fast", None);
     s.expect_error(&r, 404, "not_found");
-    assert_eq!(s.call("GET", "/v1/pools", None, None).json(), json!([]));
-    let m = s.call("GET", "/metrics", None, None).body;
+    assert_eq!(s.read("/v1/pools").json(), json!([]));
+    let m = s.read("/metrics").body;
     assert!(m.contains("nvpool_capacity_bytes{kind=\"used\"} 0"), "{m}");
 }
 
@@ -709,7 +773,7 @@ fn openapi_is_current() {
         path.display()
     );
     let s = serve(AuthConfig::default());
-    let r = s.call("GET", "/v1/openapi.json", None, None);
+    let r = s.read("/v1/openapi.json");
     assert_eq!(r.status, 200);
     assert_eq!(r.body, generated, "the daemon serves the same document");
     let doc = r.json();

@@ -93,9 +93,7 @@ fn attach_exports_every_extent_to_that_host_alone() {
     let again = attach(s, &vol, HOST_A);
     assert_eq!(again.status, 200, "{}", again.body);
     assert_eq!(again.json()["plan"], a["plan"]);
-    let listed = s
-        .call("GET", &format!("/v1/volumes/{vol}"), None, None)
-        .json();
+    let listed = s.read(&format!("/v1/volumes/{vol}")).json();
     assert_eq!(listed["attachments"], json!([HOST_A]));
 }
 
@@ -179,7 +177,7 @@ fn attached_volumes_are_not_deleted_without_force() {
     for n in &c.nodes {
         assert!(n.host_subsystems().is_empty(), "{}", n.id);
     }
-    let cap = s.call("GET", "/v1/targets", None, None).json();
+    let cap = s.read("/v1/targets").json();
     for t in cap.as_array().unwrap() {
         assert_eq!(t["capacity"]["used_bytes"], 0, "{t}");
     }
@@ -203,9 +201,7 @@ fn a_refusing_target_rolls_the_whole_attach_back() {
     for n in &c.nodes[..2] {
         assert!(n.host_subsystems().is_empty(), "{}", n.id);
     }
-    let r = c
-        .server
-        .call("GET", &format!("/v1/volumes/{vol}/attachments"), None, None);
+    let r = c.server.read(&format!("/v1/volumes/{vol}/attachments"));
     assert_eq!(r.json(), json!([]));
     assert_eq!(c.server.cluster.check().unwrap(), Vec::<String>::new());
     // With the target back, the same attach succeeds.
@@ -224,12 +220,9 @@ fn forced_detach_keeps_extents_until_the_target_is_reconciled() {
     // attachment stays (detaching).
     let r = detach(&c.server, &vol, HOST_A, false);
     c.server.expect_error(&r, 503, "target_unreachable");
-    let r = c.server.call(
-        "GET",
-        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
-        None,
-        None,
-    );
+    let r = c
+        .server
+        .read(&format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)));
     assert_eq!(r.json()["state"], "detaching");
     // Forced: gone from the records, and the volume can be deleted...
     assert_eq!(detach(&c.server, &vol, HOST_A, true).status, 204);
@@ -240,10 +233,7 @@ fn forced_detach_keeps_extents_until_the_target_is_reconciled() {
     assert_eq!(r.status, 204, "{}", r.body);
     // ...but the extent t1 may still export stays allocated.
     let used = |c: &Cluster, id: &str| -> u64 {
-        let t = c
-            .server
-            .call("GET", &format!("/v1/targets/{id}"), None, None)
-            .json();
+        let t = c.server.read(&format!("/v1/targets/{id}")).json();
         t["capacity"]["used_bytes"].as_u64().unwrap()
     };
     assert_eq!(used(&c, "t0"), 0);
@@ -310,18 +300,14 @@ fn a_target_going_offline_degrades_its_volumes() {
     let c = cluster(2);
     let s = &c.server;
     let vol = create(s, 1, MIB, json!({"type": "raid1", "copies": 2}));
-    let status = || {
-        s.call("GET", &format!("/v1/volumes/{vol}"), None, None)
-            .json()["status"]
-            .clone()
-    };
+    let status = || s.read(&format!("/v1/volumes/{vol}")).json()["status"].clone();
     assert_eq!(status(), "online");
     // t0 keeps heartbeating, t1 falls silent past the timeout.
     s.clock.advance(10_000);
     assert_eq!(s.admin("PUT", "/v1/targets/t0/heartbeat", None).status, 200);
     s.clock.advance(10_000);
     assert_eq!(status(), "degraded");
-    let metrics = s.call("GET", "/metrics", None, None).body;
+    let metrics = s.read("/metrics").body;
     assert!(
         metrics.contains("nvpool_target_up{target=\"t1\"} 0"),
         "{metrics}"
@@ -351,12 +337,7 @@ fn bad_attach_requests_get_4xx() {
         None,
     );
     s.expect_error(&r, 401, "unauthorized");
-    let r = s.call(
-        "GET",
-        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
-        None,
-        None,
-    );
+    let r = s.read(&format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)));
     s.expect_error(&r, 404, "not_found");
     for n in &c.nodes {
         assert!(n.host_subsystems().is_empty());
@@ -378,11 +359,7 @@ fn failed_extents_reported_by_a_host_degrade_the_volume_and_stick() {
     let r = s.admin("PUT", &path, Some(json!({"failed_extents": [1]})));
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(r.json()["failed_extents"], json!([1]));
-    let status = || {
-        s.call("GET", &format!("/v1/volumes/{vol}"), None, None)
-            .json()["status"]
-            .clone()
-    };
+    let status = || s.read(&format!("/v1/volumes/{vol}")).json()["status"].clone();
     assert_eq!(status(), "degraded");
     // Both copies of row 0 failed: offline.
     let r = s.admin("PUT", &path, Some(json!({"failed_extents": [0]})));
@@ -399,11 +376,7 @@ fn failed_copies_outlive_detach_and_reach_every_later_attach() {
     let c = cluster(2);
     let s = &c.server;
     let vol = create(s, 1, 2 * MIB, json!({"type": "raid1", "copies": 2}));
-    let status = || {
-        s.call("GET", &format!("/v1/volumes/{vol}"), None, None)
-            .json()["status"]
-            .clone()
-    };
+    let status = || s.read(&format!("/v1/volumes/{vol}")).json()["status"].clone();
     assert_eq!(attach(s, &vol, HOST_A).status, 201);
     let path = format!(
         "/v1/volumes/{vol}/attachments/{}/failed-extents",
@@ -415,9 +388,9 @@ fn failed_copies_outlive_detach_and_reach_every_later_attach() {
     // The copy missed writes whoever attaches next: still degraded with
     // nobody attached, and both hosts are told not to read it.
     assert_eq!(status(), "degraded");
-    let r = s.call("GET", &format!("/v1/volumes/{vol}"), None, None);
+    let r = s.read(&format!("/v1/volumes/{vol}"));
     assert_eq!(r.json()["failed_extents"], json!([1]));
-    let listed = s.call("GET", "/v1/volumes", None, None).json();
+    let listed = s.read("/v1/volumes").json();
     let me = listed
         .as_array()
         .unwrap()

@@ -55,18 +55,14 @@ fn export(c: &Cluster, vol: &str, host: &str) -> common::Reply {
 }
 
 fn view(c: &Cluster, vol: &str) -> Value {
-    let r = c
-        .server
-        .call("GET", &format!("/v1/volumes/{vol}/exports"), None, None);
+    let r = c.server.read(&format!("/v1/volumes/{vol}/exports"));
     assert_eq!(r.status, 200, "{}", r.body);
     r.json()
 }
 
 /// `GET /v1/volumes/{vol}`.
 fn volume_info(c: &Cluster, vol: &str) -> Value {
-    c.server
-        .call("GET", &format!("/v1/volumes/{vol}"), None, None)
-        .json()
+    c.server.read(&format!("/v1/volumes/{vol}")).json()
 }
 
 fn connect(n: &Node, vol: &str) -> (Arc<Controller>, Device) {
@@ -166,9 +162,7 @@ fn the_owner_serves_and_the_other_path_refuses_with_a_path_error() {
             .subsystem(&host_subsystem_nqn(&owner_host_nqn(&uuid, &owner)))
             .is_none());
     }
-    let r =
-        s.c.server
-            .call("GET", &format!("/v1/volumes/{vol}/exports"), None, None);
+    let r = s.c.server.read(&format!("/v1/volumes/{vol}/exports"));
     assert_eq!(r.status, 404, "{}", r.body);
 }
 
@@ -343,11 +337,7 @@ fn bad_export_requests_get_a_4xx() {
     );
     check(srv.admin("DELETE", &path(HOST_B), None), 404, "not_found");
     // Nothing was recorded by the refused calls.
-    assert_eq!(
-        srv.call("GET", &format!("/v1/volumes/{vol}/exports"), None, None)
-            .status,
-        404
-    );
+    assert_eq!(srv.read(&format!("/v1/volumes/{vol}/exports")).status, 404);
     // Without the admin token: 401.
     let r = srv.raw("PUT", &path(HOST_A), None, None);
     assert_eq!(r.status, 401, "{}", r.body);

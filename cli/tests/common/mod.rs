@@ -7,6 +7,7 @@
 
 use nvpool_cli::client::Client;
 use nvpool_control::api::{ApiServer, AuthConfig};
+use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use nvpool_initiator::follow::{new_session, AttachmentView, Watcher};
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub const MIB: u64 = 1 << 20;
-pub const ADMIN: &str = "admin-secret";
+pub const ADMIN: &str = "admin-secret-0123456789";
 pub const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:12345678-aaaa-4bbb-8ccc-1234567890ab";
 /// Size of each target's file device.
 pub const DEVICE_BYTES: u64 = 64 * MIB;
@@ -50,10 +51,7 @@ pub fn control_plane_clocked(extent_bytes: u64) -> (ApiServer, Arc<Cluster>, Arc
     };
     let clock = Arc::new(ManualClock::new(now));
     let cluster = Arc::new(Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap());
-    let auth = AuthConfig {
-        admin_token: Some(ADMIN.into()),
-        target_token: None,
-    };
+    let auth = AuthConfig::new(Tokens::new().with(Principal::Admin, ADMIN));
     let server = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
     (server, cluster, clock)
 }

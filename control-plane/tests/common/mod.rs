@@ -16,8 +16,9 @@ use std::sync::Arc;
 
 pub const MIB: u64 = 1 << 20;
 pub const T0: u64 = 1_000_000;
-pub const ADMIN: &str = "admin-secret";
-pub const TARGET: &str = "target-secret";
+pub const ADMIN: &str = "admin-secret-0123456789";
+pub const TARGET: &str = "target-secret-0123456789";
+pub const READER: &str = "reader-secret-0123456789";
 
 pub struct Server {
     pub cluster: Arc<Cluster>,
@@ -95,6 +96,11 @@ impl Server {
     ) -> Reply {
         let text = body.map(|b| b.to_string());
         self.raw(method, path, token, text.as_deref())
+    }
+
+    /// A GET with the reader token.
+    pub fn read(&self, path: &str) -> Reply {
+        self.call("GET", path, Some(READER), None)
     }
 
     pub fn admin(&self, method: &str, path: &str, body: Option<Value>) -> Reply {

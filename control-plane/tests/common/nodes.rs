@@ -3,8 +3,9 @@
 //! with a control plane served by [`super::serve`], and helpers to create,
 //! attach and detach volumes and to reach them as a host.
 
-use super::{serve, Server, ADMIN, MIB};
+use super::{serve, Server, ADMIN, MIB, READER};
 use nvpool_control::api::AuthConfig;
+use nvpool_control::auth::{Principal, Tokens};
 use nvpool_initiator::ConnectParams;
 use nvpool_target::daemon::{Running, StartOptions};
 use nvpool_target::target::Target;
@@ -141,10 +142,11 @@ pub struct Cluster {
 }
 
 pub fn cluster(n: usize) -> Cluster {
-    let server = serve(AuthConfig {
-        admin_token: Some(ADMIN.into()),
-        target_token: None,
-    });
+    let server = serve(AuthConfig::new(
+        Tokens::new()
+            .with(Principal::Admin, ADMIN)
+            .with(Principal::Reader, READER),
+    ));
     let nodes: Vec<Node> = (0..n).map(Node::start).collect();
     for (i, node) in nodes.iter().enumerate() {
         let r = server.admin(

@@ -1,0 +1,510 @@
+//! Who may call what: bearer tokens with roles, and the one table that
+//! says which role each route needs.
+//!
+//! A token is a secret string; the control plane knows it only from files
+//! (never from the command line, where `ps` would show it). Each token
+//! has one role:
+//!
+//! | role | may |
+//! |---|---|
+//! | `admin` | everything |
+//! | `reader` | every `GET` (lists, views, `/metrics`) |
+//! | `target` | read; register, heartbeat, renew owner leases; act for the owner host NQNs of served volumes |
+//! | `host` (bound to one host NQN) | read; attach, detach and report (session, missed regions, failed copies, sync) for its own NQN only |
+//!
+//! `GET /healthz` and `GET /v1/openapi.json` need no token. A request
+//! without a known token gets 401; a known token whose role does not allow
+//! the call gets 403. When no token is configured at all, every call is
+//! allowed: a development setup, which the daemon only serves on
+//! loopback.
+//!
+//! Tokens are looked up by their SHA-256, so finding one costs the same
+//! whichever token is presented and how much of it matches, and the table
+//! holds digests rather than the secrets.
+//!
+//! [`access`] is the table: every route the API serves is classified by
+//! its method and path template, and the OpenAPI document's security
+//! requirements are written from the same table, so what the document
+//! says is what the server enforces. A route the table does not name is
+//! admin-only (a `GET`: any token), so a new route cannot be left open by
+//! forgetting it.
+
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+/// A token file larger than this is a mistake (a key file, a log).
+pub const TOKEN_FILE_BYTES_MAX: u64 = 1 << 20;
+/// Shortest token accepted: 16 characters, 64 bits of a hex secret at
+/// least; `openssl rand -hex 32` gives 64.
+pub const TOKEN_CHARS_MIN: usize = 16;
+/// Longest token accepted; a longer `Authorization` header is refused
+/// without hashing it.
+pub const TOKEN_CHARS_MAX: usize = 512;
+
+/// What a token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Admin,
+    Reader,
+    Target,
+    Host,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Admin => "admin",
+            Role::Reader => "reader",
+            Role::Target => "target",
+            Role::Host => "host",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Role> {
+        Some(match s {
+            "admin" => Role::Admin,
+            "reader" => Role::Reader,
+            "target" => Role::Target,
+            "host" => Role::Host,
+            _ => return None,
+        })
+    }
+}
+
+/// Who presented a token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Principal {
+    Admin,
+    Reader,
+    Target,
+    /// A host's agent, for this host NQN only.
+    Host(String),
+}
+
+impl Principal {
+    pub fn role(&self) -> Role {
+        match self {
+            Principal::Admin => Role::Admin,
+            Principal::Reader => Role::Reader,
+            Principal::Target => Role::Target,
+            Principal::Host(_) => Role::Host,
+        }
+    }
+}
+
+/// What a route needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// No token.
+    Public,
+    /// Any known token.
+    Read,
+    /// A target's token (or the admin's).
+    Target,
+    /// The host named by the path's `{host_nqn}`; a target when that NQN
+    /// is the owner host of a served volume; or the admin.
+    Host,
+    /// The admin's token.
+    Admin,
+}
+
+/// The access table: what a call of `method` on the route `template`
+/// (axum's path template, e.g. `/v1/volumes/{uuid}`) needs.
+pub fn access(method: &str, template: &str) -> Access {
+    if matches!(template, "/healthz" | "/v1/openapi.json") {
+        return Access::Public;
+    }
+    if method == "GET" || method == "HEAD" {
+        return Access::Read;
+    }
+    match (method, template) {
+        ("POST", "/v1/targets")
+        | ("PUT", "/v1/targets/{id}/heartbeat")
+        | ("POST", "/v1/targets/{id}/lease") => Access::Target,
+        (_, t) if t.starts_with("/v1/volumes/{uuid}/attachments/{host_nqn}") => Access::Host,
+        _ => Access::Admin,
+    }
+}
+
+/// Whether `who` may make a call that needs `access`; `host_nqn` is the
+/// path's `{host_nqn}`, percent-decoded, for [`Access::Host`].
+pub fn permits(who: &Principal, access: Access, host_nqn: Option<&str>) -> bool {
+    match (who, access) {
+        (_, Access::Public | Access::Read) | (Principal::Admin, _) => true,
+        (Principal::Target, Access::Target) => true,
+        (Principal::Target, Access::Host) => {
+            host_nqn.is_some_and(|h| crate::paths::parse_owner_host(h).is_some())
+        }
+        (Principal::Host(mine), Access::Host) => host_nqn == Some(mine.as_str()),
+        _ => false,
+    }
+}
+
+/// A malformed token file or entry.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {bytes} bytes; a token file is at most {TOKEN_FILE_BYTES_MAX}")]
+    TooLarge { path: String, bytes: u64 },
+    #[error("{where_}: {why}")]
+    Invalid { where_: String, why: String },
+}
+
+/// A set of tokens and their principals, keyed by the token's SHA-256.
+/// Debug output shows roles, never a token or its digest.
+#[derive(Clone, Default)]
+pub struct Tokens {
+    by_digest: HashMap<[u8; 32], Principal>,
+}
+
+impl fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut roles: Vec<&str> = self.by_digest.values().map(|p| p.role().name()).collect();
+        roles.sort_unstable();
+        f.debug_struct("Tokens").field("roles", &roles).finish()
+    }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl Tokens {
+    pub fn new() -> Tokens {
+        Tokens::default()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_digest.is_empty()
+    }
+
+    /// Whether some token has this role.
+    pub fn has(&self, role: Role) -> bool {
+        self.by_digest.values().any(|p| p.role() == role)
+    }
+
+    /// Adds `token` for `who`. The same token twice is refused: it would
+    /// be ambiguous which principal presents it.
+    pub fn add(&mut self, who: Principal, token: &str) -> Result<(), String> {
+        check_token(token)?;
+        if let Principal::Host(nqn) = &who {
+            crate::attach::validate_host_nqn(nqn).map_err(|e| e.to_string())?;
+        }
+        match self.by_digest.entry(digest(token)) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                Err("the same token appears twice".to_owned())
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(who);
+                Ok(())
+            }
+        }
+    }
+
+    /// `add`, for code and tests that build a set by hand.
+    pub fn with(mut self, who: Principal, token: &str) -> Tokens {
+        if let Err(why) = self.add(who, token) {
+            panic!("Tokens::with: {why}");
+        }
+        self
+    }
+
+    /// The principal that holds `token`, if any.
+    pub fn identify(&self, token: &str) -> Option<&Principal> {
+        if token.len() > TOKEN_CHARS_MAX {
+            return None;
+        }
+        self.by_digest.get(&digest(token))
+    }
+
+    /// Adds the entries of a tokens file: one per line, `ROLE TOKEN` or
+    /// `host TOKEN HOSTNQN`, separated by blanks; blank lines and lines
+    /// starting with `#` are skipped. `origin` names the file in errors,
+    /// which never quote a token.
+    pub fn add_file_text(&mut self, origin: &str, text: &str) -> Result<(), TokenError> {
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let invalid = |why: String| TokenError::Invalid {
+                where_: format!("{origin} line {}", i + 1),
+                why,
+            };
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let role = Role::parse(fields[0]).ok_or_else(|| {
+                invalid(format!(
+                    "unknown role {:?} (admin, reader, target or host)",
+                    fields[0]
+                ))
+            })?;
+            let who = match (role, fields.len()) {
+                (Role::Host, 3) => Principal::Host(fields[2].to_owned()),
+                (Role::Host, _) => return Err(invalid("expected `host TOKEN HOSTNQN`".into())),
+                (_, 2) => match role {
+                    Role::Admin => Principal::Admin,
+                    Role::Reader => Principal::Reader,
+                    _ => Principal::Target,
+                },
+                _ => return Err(invalid(format!("expected `{} TOKEN`", role.name()))),
+            };
+            self.add(who, fields[1]).map_err(invalid)?;
+        }
+        Ok(())
+    }
+}
+
+fn check_token(token: &str) -> Result<(), String> {
+    let n = token.chars().count();
+    if !(TOKEN_CHARS_MIN..=TOKEN_CHARS_MAX).contains(&n) {
+        return Err(format!(
+            "a token is {TOKEN_CHARS_MIN}..={TOKEN_CHARS_MAX} characters; this one has {n}"
+        ));
+    }
+    if !token.chars().all(|c| c.is_ascii_graphic()) {
+        return Err("a token is printable ASCII without blanks".to_owned());
+    }
+    Ok(())
+}
+
+/// Reads a file of at most [`TOKEN_FILE_BYTES_MAX`] bytes.
+pub fn read_token_file(path: &Path) -> Result<String, TokenError> {
+    let shown = path.display().to_string();
+    let bytes = std::fs::metadata(path)
+        .map_err(|source| TokenError::Read {
+            path: shown.clone(),
+            source,
+        })?
+        .len();
+    if bytes > TOKEN_FILE_BYTES_MAX {
+        return Err(TokenError::TooLarge { path: shown, bytes });
+    }
+    std::fs::read_to_string(path).map_err(|source| TokenError::Read {
+        path: shown,
+        source,
+    })
+}
+
+/// Where the daemon's tokens come from: files, re-read when they change.
+#[derive(Debug, Clone, Default)]
+pub struct TokenFiles {
+    /// Files of `ROLE TOKEN [HOSTNQN]` lines.
+    pub tokens: Vec<PathBuf>,
+    /// A file holding one admin token.
+    pub admin: Option<PathBuf>,
+    /// A file holding one target token.
+    pub target: Option<PathBuf>,
+}
+
+impl TokenFiles {
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty() && self.admin.is_none() && self.target.is_none()
+    }
+
+    /// Reads every file into one set.
+    pub fn load(&self) -> Result<Tokens, TokenError> {
+        let mut set = Tokens::new();
+        for path in &self.tokens {
+            set.add_file_text(&path.display().to_string(), &read_token_file(path)?)?;
+        }
+        for (path, who) in [
+            (&self.admin, Principal::Admin),
+            (&self.target, Principal::Target),
+        ] {
+            let Some(path) = path else { continue };
+            let text = read_token_file(path)?;
+            set.add(who, text.trim())
+                .map_err(|why| TokenError::Invalid {
+                    where_: path.display().to_string(),
+                    why,
+                })?;
+        }
+        Ok(set)
+    }
+
+    /// A fingerprint of the files' state (length and modification time of
+    /// each), to notice a change without reading them.
+    pub fn stamp(&self) -> Vec<Option<(u64, std::time::SystemTime)>> {
+        self.tokens
+            .iter()
+            .chain(self.admin.iter())
+            .chain(self.target.iter())
+            .map(|p| {
+                let m = std::fs::metadata(p).ok()?;
+                Some((m.len(), m.modified().ok()?))
+            })
+            .collect()
+    }
+}
+
+/// The API's tokens, replaceable while it serves (a rotated file is read
+/// again). Clones share the set.
+#[derive(Clone, Default)]
+pub struct AuthConfig {
+    tokens: Arc<RwLock<Arc<Tokens>>>,
+}
+
+impl fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AuthConfig").field(&self.current()).finish()
+    }
+}
+
+impl AuthConfig {
+    pub fn new(tokens: Tokens) -> AuthConfig {
+        AuthConfig {
+            tokens: Arc::new(RwLock::new(Arc::new(tokens))),
+        }
+    }
+
+    /// No tokens: every call is allowed.
+    pub fn open() -> AuthConfig {
+        AuthConfig::default()
+    }
+
+    /// The set in force now.
+    pub fn current(&self) -> Arc<Tokens> {
+        match self.tokens.read() {
+            Ok(t) => t.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Puts `tokens` in force for every later request.
+    pub fn replace(&self, tokens: Tokens) {
+        let new = Arc::new(tokens);
+        match self.tokens.write() {
+            Ok(mut t) => *t = new,
+            Err(poisoned) => *poisoned.into_inner() = new,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "admin-0123456789abcdef";
+    const R: &str = "reader-0123456789abcdef";
+    const T: &str = "target-0123456789abcdef";
+    const H: &str = "host-0123456789abcdef";
+    const NQN: &str = "nqn.2014-08.org.nvmexpress:uuid:11111111-2222-3333-4444-555555555555";
+
+    #[test]
+    fn file_format() {
+        let mut t = Tokens::new();
+        let text = format!("# roles\nadmin {A}\n\nreader   {R}\ntarget\t{T}\nhost {H} {NQN}\n");
+        t.add_file_text("f", &text).unwrap();
+        assert_eq!(t.identify(A), Some(&Principal::Admin));
+        assert_eq!(t.identify(R), Some(&Principal::Reader));
+        assert_eq!(t.identify(T), Some(&Principal::Target));
+        assert_eq!(t.identify(H), Some(&Principal::Host(NQN.into())));
+        assert_eq!(t.identify("admin-0123456789abcdeX"), None);
+        assert_eq!(t.identify(""), None);
+        assert!(!format!("{t:?}").contains("0123"), "{t:?}");
+        for bad in [
+            format!("root {A}"),
+            format!("host {H}"),
+            format!("admin {A} extra"),
+            "admin short".to_owned(),
+            format!("admin {A}\nreader {A}"),
+            format!("host {H} not-an-nqn"),
+        ] {
+            let e = Tokens::new().add_file_text("f", &bad).unwrap_err();
+            assert!(
+                !e.to_string().contains("0123"),
+                "an error quotes a token: {e}"
+            );
+        }
+        assert!(Tokens::new()
+            .add_file_text("f", "admin short")
+            .unwrap_err()
+            .to_string()
+            .contains("f line 1"));
+    }
+
+    #[test]
+    fn table() {
+        assert_eq!(access("GET", "/healthz"), Access::Public);
+        assert_eq!(access("GET", "/v1/openapi.json"), Access::Public);
+        assert_eq!(access("GET", "/metrics"), Access::Read);
+        assert_eq!(access("GET", "/v1/volumes/{uuid}"), Access::Read);
+        assert_eq!(access("POST", "/v1/targets"), Access::Target);
+        assert_eq!(access("PUT", "/v1/targets/{id}/heartbeat"), Access::Target);
+        assert_eq!(access("DELETE", "/v1/targets/{id}"), Access::Admin);
+        assert_eq!(
+            access("PUT", "/v1/volumes/{uuid}/attachments/{host_nqn}/missed"),
+            Access::Host
+        );
+        assert_eq!(
+            access("PUT", "/v1/volumes/{uuid}/exports/{host_nqn}"),
+            Access::Admin
+        );
+        assert_eq!(access("PATCH", "/v1/some/new/route"), Access::Admin);
+    }
+
+    #[test]
+    fn roles() {
+        let host = Principal::Host(NQN.into());
+        let owner = "nqn.2026-11.io.nvpool:owner:11111111-2222-3333-4444-555555555555:t1";
+        assert!(crate::paths::parse_owner_host(owner).is_some());
+        for who in [
+            &Principal::Admin,
+            &Principal::Reader,
+            &Principal::Target,
+            &host,
+        ] {
+            assert!(permits(who, Access::Read, None));
+            assert!(permits(who, Access::Public, None));
+        }
+        assert!(permits(&Principal::Admin, Access::Admin, None));
+        for who in [&Principal::Reader, &Principal::Target, &host] {
+            assert!(!permits(who, Access::Admin, None));
+        }
+        assert!(permits(&Principal::Target, Access::Target, None));
+        assert!(!permits(&Principal::Reader, Access::Target, None));
+        assert!(!permits(&host, Access::Target, None));
+        assert!(permits(&host, Access::Host, Some(NQN)));
+        assert!(!permits(&host, Access::Host, Some(owner)));
+        assert!(!permits(&host, Access::Host, None));
+        assert!(permits(&Principal::Target, Access::Host, Some(owner)));
+        assert!(!permits(&Principal::Target, Access::Host, Some(NQN)));
+        assert!(!permits(&Principal::Reader, Access::Host, Some(NQN)));
+    }
+
+    #[test]
+    fn files_reload_by_stamp() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens");
+        std::fs::write(&path, format!("admin {A}\n")).unwrap();
+        let files = TokenFiles {
+            tokens: vec![path.clone()],
+            ..TokenFiles::default()
+        };
+        let auth = AuthConfig::new(files.load().unwrap());
+        assert!(auth.current().has(Role::Admin));
+        let before = files.stamp();
+        std::fs::write(&path, format!("admin {A}\nreader {R}\n")).unwrap();
+        assert_ne!(files.stamp(), before, "a longer file has another stamp");
+        auth.replace(files.load().unwrap());
+        assert_eq!(auth.current().identify(R), Some(&Principal::Reader));
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![b'#'; TOKEN_FILE_BYTES_MAX as usize + 1]).unwrap();
+        assert!(matches!(
+            TokenFiles {
+                admin: Some(big),
+                ..TokenFiles::default()
+            }
+            .load(),
+            Err(TokenError::TooLarge { .. })
+        ));
+    }
+}
