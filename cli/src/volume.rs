@@ -333,7 +333,7 @@ pub fn layout_of(a: &CreateArgs) -> Result<LayoutBody, Usage> {
     let stripe_bytes = a.stripe_size.unwrap_or(DEFAULT_STRIPE_BYTES);
     let copies = a.copies.unwrap_or(DEFAULT_COPIES);
     let body = match a.layout {
-        LayoutArg::Concat => LayoutBody::Concat,
+        LayoutArg::Concat => LayoutBody::Concat {},
         LayoutArg::Raid0 => LayoutBody::Raid0 {
             stripe_bytes,
             width,
@@ -366,7 +366,7 @@ fn check_size(size: u64) -> Result<(), Usage> {
 pub fn layout_text(l: &LayoutBody) -> String {
     let s = |b: u64| format_iec(b).replace(".0 ", "").replace("iB", "");
     match *l {
-        LayoutBody::Concat => "concat".into(),
+        LayoutBody::Concat {} => "concat".into(),
         LayoutBody::Raid0 {
             stripe_bytes,
             width,
@@ -1096,7 +1096,7 @@ mod tests {
     fn layouts_get_defaults_and_reject_foreign_flags() {
         assert_eq!(
             layout_of(&args(LayoutArg::Concat)).unwrap(),
-            LayoutBody::Concat
+            LayoutBody::Concat {}
         );
         assert_eq!(
             layout_of(&args(LayoutArg::Raid10)).unwrap(),

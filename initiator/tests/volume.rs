@@ -265,7 +265,7 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
 #[test]
 fn concat_maps_every_byte_to_its_extent() {
     // 4 rows, the last one short of 64 KiB.
-    exercise(2, LayoutBody::Concat, 4 * MIB - 64 * K, "ram:1M", 1);
+    exercise(2, LayoutBody::Concat {}, 4 * MIB - 64 * K, "ram:1M", 1);
 }
 
 #[test]
@@ -650,7 +650,7 @@ fn volumes_sharing_connections_share_one_controller_per_target() {
     let mut second = s.plan.clone();
     second.volume = Uuid([8; 16]);
     second.name = "second".into();
-    second.layout = LayoutBody::Concat;
+    second.layout = LayoutBody::Concat {};
     second.size_bytes = 3 * MIB;
     second.extents = (0..3u32)
         .map(|row| {
@@ -1075,7 +1075,7 @@ fn a_grow_that_does_not_fit_the_volume_is_refused_and_changes_nothing() {
 
 #[test]
 fn a_grow_within_the_last_row_adds_no_extent() {
-    let mut s = setup(1, LayoutBody::Concat, 512 * K, "ram:1M");
+    let mut s = setup(1, LayoutBody::Concat {}, 512 * K, "ram:1M");
     let v = Volume::open(&s.plan, opts()).unwrap();
     let mut model = vec![0u8; MIB as usize];
     write(&v, &mut model, 0, 512 * K, 81, false);

@@ -32,9 +32,12 @@ pub const RESYNC_REGION_BYTES: u64 = 1 << 20;
 /// `{"type": "raid10", "stripe_bytes": 65536, "width": 2, "copies": 2}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+// Every variant is a struct, even `concat`'s empty one: serde ignores the
+// extra fields of a unit variant, so `{"type": "concat", "copies": 2}`
+// would pass for a concat.
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum LayoutBody {
-    Concat,
+    Concat {},
     Raid0 {
         stripe_bytes: u64,
         width: u32,
@@ -52,7 +55,7 @@ pub enum LayoutBody {
 impl From<LayoutBody> for Layout {
     fn from(l: LayoutBody) -> Layout {
         match l {
-            LayoutBody::Concat => Layout::Concat,
+            LayoutBody::Concat {} => Layout::Concat,
             LayoutBody::Raid0 {
                 stripe_bytes,
                 width,
@@ -77,7 +80,7 @@ impl From<LayoutBody> for Layout {
 impl From<Layout> for LayoutBody {
     fn from(l: Layout) -> LayoutBody {
         match l {
-            Layout::Concat => LayoutBody::Concat,
+            Layout::Concat => LayoutBody::Concat {},
             Layout::Raid0 {
                 stripe_bytes,
                 width,
