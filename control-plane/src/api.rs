@@ -367,6 +367,7 @@ impl ApiError {
                 "attached",
                 json!({"volume": volume, "hosts": hosts}),
             ),
+            StateError::Deleting(volume) => (S::CONFLICT, "deleting", json!({"volume": volume})),
             StateError::NotAttached { volume, host } => (
                 S::NOT_FOUND,
                 "not_found",
@@ -430,6 +431,27 @@ impl IntoResponse for ApiError {
             _ => {}
         }
         r
+    }
+}
+
+/// Path parameters whose rejections (a segment that is not UTF-8 once
+/// percent-decoded, say) are JSON errors like every other 400.
+#[derive(Debug)]
+struct Segments<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> axum::extract::FromRequestParts<S>
+    for Segments<T>
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(Segments(v)),
+            Err(e) => Err(ApiError::invalid(e.body_text())),
+        }
     }
 }
 
@@ -607,9 +629,9 @@ fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
             let (used, free, free_extents, pool) = u.map_or((0, d.capacity_bytes, 0, None), |u| {
                 (u.used_bytes, u.free_bytes, u.free_extents, u.pool.clone())
             });
-            capacity.total_bytes += d.capacity_bytes;
-            capacity.used_bytes += used;
-            capacity.free_bytes += free;
+            capacity.total_bytes = capacity.total_bytes.saturating_add(d.capacity_bytes);
+            capacity.used_bytes = capacity.used_bytes.saturating_add(used);
+            capacity.free_bytes = capacity.free_bytes.saturating_add(free);
             capacity.free_extents += free_extents;
             DeviceOut {
                 id: d.id.clone(),
@@ -832,7 +854,7 @@ async fn register_target(
 #[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn heartbeat(
     State(api): State<Api>,
-    Path(id): Path<String>,
+    Segments(id): Segments<String>,
 ) -> Result<Json<TargetOut>, ApiError> {
     let out = api
         .run(move |c| {
@@ -858,7 +880,7 @@ async fn list_targets(State(api): State<Api>) -> Result<Json<Vec<TargetOut>>, Ap
 #[utoipa::path(get, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_target(
     State(api): State<Api>,
-    Path(id): Path<String>,
+    Segments(id): Segments<String>,
 ) -> Result<Json<TargetOut>, ApiError> {
     let out = api
         .run(move |c| {
@@ -889,7 +911,7 @@ fn pools_out(c: &Cluster) -> Result<Vec<PoolOut>, StateError> {
 #[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), request_body = PoolBody, responses((status = 201, description = "created", body = PoolOut), (status = 200, description = "already existed with these devices", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_pool(
     State(api): State<Api>,
-    Path(name): Path<String>,
+    Segments(name): Segments<String>,
     JsonBody(body): JsonBody<PoolBody>,
 ) -> Result<(StatusCode, Json<PoolOut>), ApiError> {
     let (existed, out) = api
@@ -926,7 +948,7 @@ async fn list_pools(State(api): State<Api>) -> Result<Json<Vec<PoolOut>>, ApiErr
 #[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 200, description = "the pool", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_pool(
     State(api): State<Api>,
-    Path(name): Path<String>,
+    Segments(name): Segments<String>,
 ) -> Result<Json<PoolOut>, ApiError> {
     let out = api
         .run(move |c| {
@@ -943,7 +965,7 @@ async fn get_pool(
 #[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 204, description = "deleted"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_pool(
     State(api): State<Api>,
-    Path(name): Path<String>,
+    Segments(name): Segments<String>,
 ) -> Result<StatusCode, ApiError> {
     api.run(move |c| c.delete_pool(&name)).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -952,7 +974,7 @@ async fn delete_pool(
 #[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_volume(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
     JsonBody(body): JsonBody<VolumeSpecBody>,
 ) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -996,7 +1018,7 @@ async fn list_volumes(State(api): State<Api>) -> Result<Json<Vec<VolumeOut>>, Ap
 #[utoipa::path(get, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), responses((status = 200, description = "the volume", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_volume(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
 ) -> Result<Json<VolumeOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let out = api
@@ -1008,7 +1030,7 @@ async fn get_volume(
 #[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink, or the volume is served to hosts by its targets (unexport first)", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn resize_volume(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
     JsonBody(body): JsonBody<ResizeBody>,
 ) -> Result<Json<VolumeOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1057,29 +1079,53 @@ async fn resize_volume(
 #[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "attached (use force)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_volume(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
     query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let force = force_of(query)?;
     api.program(move |c| {
         if force {
-            // Hosts the targets serve it to first: that also detaches the
-            // owner.
-            if let Some((served, _)) = c.served(&uuid)? {
-                for h in &served.hosts {
-                    crate::failover::unexport(c, &uuid, h)?;
-                }
-            }
-            for a in c.volume_attachments(&uuid)? {
-                program::detach(c, &uuid, &a.host_nqn, true)?;
-            }
+            delete_volume_forced(c, &uuid)
+        } else {
+            Ok(c.delete_volume(&uuid)?)
         }
-        Ok(c.delete_volume(&uuid)?)
     })
     .await?;
     tracing::info!(volume = %uuid, force, "volume deleted");
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// Deletes a volume whoever uses it: marks it deleting (attaches are
+/// refused from then on, so none can outrun the delete), unexports it
+/// from every host the targets serve it to (which also detaches the
+/// owner), detaches every host, then deletes it with the mark. A host
+/// that a concurrent detach removed first is not an error, so the answer
+/// is never "not found" for a volume that exists. A failure takes the
+/// mark back.
+fn delete_volume_forced(c: &Cluster, uuid: &Uuid) -> Result<crate::model::Volume, ProgramError> {
+    let gone = |r: Result<(), ProgramError>| match r {
+        Err(ProgramError::State(StateError::NotAttached { .. })) => Ok(()),
+        other => other,
+    };
+    c.mark_deleting(uuid)?;
+    let detached = (|| {
+        if let Some((served, _)) = c.served(uuid)? {
+            for h in &served.hosts {
+                gone(crate::failover::unexport(c, uuid, h).map(drop))?;
+            }
+        }
+        for a in c.volume_attachments(uuid)? {
+            gone(program::detach(c, uuid, &a.host_nqn, true))?;
+        }
+        Ok(c.delete_volume(uuid)?)
+    })();
+    if detached.is_err() {
+        if let Err(e) = c.unmark_deleting(uuid) {
+            tracing::warn!(volume = %uuid, "a failed forced delete could not take its mark back: {e}");
+        }
+    }
+    detached
 }
 
 fn force_of(q: Result<Query<ForceQuery>, QueryRejection>) -> Result<bool, ApiError> {
@@ -1100,7 +1146,7 @@ fn parse_host(s: &str) -> Result<String, ApiError> {
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
 async fn put_attachment(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
 ) -> Result<(StatusCode, Json<AttachmentOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
@@ -1118,7 +1164,7 @@ async fn put_attachment(
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_attachment(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
     query: Result<Query<WatchQuery>, QueryRejection>,
 ) -> Result<Json<AttachmentOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1154,7 +1200,7 @@ const WATCH_STEP: std::time::Duration = std::time::Duration::from_millis(250);
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "every host the volume is attached to", body = Vec<AttachmentOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn list_attachments(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
 ) -> Result<Json<Vec<AttachmentOut>>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let out = api
@@ -1174,7 +1220,7 @@ async fn list_attachments(
 #[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
 async fn delete_attachment(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
     query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1193,7 +1239,7 @@ async fn delete_attachment(
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
 async fn put_export(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
     body: axum::body::Bytes,
 ) -> Result<(StatusCode, Json<crate::failover::ServedView>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1221,7 +1267,7 @@ async fn put_export(
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/exports", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "the served volume", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "the volume is not served", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_exports(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
 ) -> Result<Json<crate::failover::ServedView>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let out = api
@@ -1241,7 +1287,7 @@ async fn get_exports(
 #[utoipa::path(delete, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 204, description = "no longer exported to that host"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not exported to that host", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
 async fn delete_export(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
@@ -1257,7 +1303,7 @@ async fn delete_export(
 #[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn post_lease(
     State(api): State<Api>,
-    Path(id): Path<String>,
+    Segments(id): Segments<String>,
 ) -> Result<Json<crate::paths::LeaseGrant>, ApiError> {
     let out = api.run(move |c| c.grant_lease(&id)).await?;
     Ok(Json(out))
@@ -1271,7 +1317,7 @@ async fn post_lease(
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_failed_extents(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
     JsonBody(body): JsonBody<FailedExtentsBody>,
 ) -> Result<Json<AttachmentOut>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1294,7 +1340,7 @@ async fn put_failed_extents(
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/session", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = SessionBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_session(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
     JsonBody(body): JsonBody<SessionBody>,
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1309,7 +1355,7 @@ async fn put_session(
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/missed", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = MissedBody, responses((status = 204, description = "merged"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_missed(
     State(api): State<Api>,
-    Path((uuid, host)): Path<(String, String)>,
+    Segments((uuid, host)): Segments<(String, String)>,
     JsonBody(body): JsonBody<MissedBody>,
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1331,7 +1377,7 @@ async fn put_missed(
 #[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ("job" = u64, Path, description = "the copy job")), request_body = SyncBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume, or the job is over", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_sync(
     State(api): State<Api>,
-    Path((uuid, host, job)): Path<(String, String, String)>,
+    Segments((uuid, host, job)): Segments<(String, String, String)>,
     JsonBody(body): JsonBody<SyncBody>,
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
@@ -1369,7 +1415,7 @@ async fn put_sync(
 #[utoipa::path(post, path = "/v1/volumes/{uuid}/extents/{index}/resync", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID"), ("index" = u32, Path, description = "the copy: an index into the volume's extents")), responses((status = 202, description = "stale; it will be copied whole", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the last copy in sync of its row", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn post_resync(
     State(api): State<Api>,
-    Path((uuid, index)): Path<(String, String)>,
+    Segments((uuid, index)): Segments<(String, String)>,
 ) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let index: u32 = index
@@ -1389,7 +1435,7 @@ async fn post_resync(
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/history", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "running and past copies", body = Vec<CopyHistoryOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_history(
     State(api): State<Api>,
-    Path(uuid): Path<String>,
+    Segments(uuid): Segments<String>,
 ) -> Result<Json<Vec<CopyHistoryOut>>, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let out = api
@@ -1441,7 +1487,7 @@ async fn get_history(
 #[utoipa::path(put, path = "/v1/targets/{id}/state", tag = "targets", params(("id" = String, Path, description = "target id")), request_body = TargetStateBody, responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn put_target_state(
     State(api): State<Api>,
-    Path(id): Path<String>,
+    Segments(id): Segments<String>,
     JsonBody(body): JsonBody<TargetStateBody>,
 ) -> Result<Json<TargetOut>, ApiError> {
     let out = api
@@ -1461,7 +1507,7 @@ async fn put_target_state(
 #[utoipa::path(delete, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id"), ForceQuery), responses((status = 204, description = "removed"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the target holds extents", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn delete_target(
     State(api): State<Api>,
-    Path(id): Path<String>,
+    Segments(id): Segments<String>,
     query: Result<Query<ForceQuery>, QueryRejection>,
 ) -> Result<StatusCode, ApiError> {
     let Query(q) = query.map_err(|e| ApiError::invalid(e.body_text()))?;
@@ -1498,7 +1544,7 @@ fn rebalance_out(
             });
         }
     }
-    let bytes_total: u64 = moves.iter().map(|m| m.bytes).sum();
+    let bytes_total = moves.iter().fold(0u64, |t, m| t.saturating_add(m.bytes));
     let rate = c.rebuild_rate();
     let lanes = (parallel.len() * crate::limits::COPIES_PER_TARGET_MAX).max(1) as u64;
     let eta_s = (rate > 0).then(|| bytes_total.div_ceil(rate.saturating_mul(lanes)));
@@ -1581,7 +1627,7 @@ async fn get_rebalance(State(api): State<Api>) -> Result<Json<RebalanceOut>, Api
 #[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
 async fn reconcile_target(
     State(api): State<Api>,
-    Path(id): Path<String>,
+    Segments(id): Segments<String>,
 ) -> Result<Json<ReconcileOut>, ApiError> {
     let r = api.program(move |c| program::reconcile(c, &id)).await?;
     Ok(Json(ReconcileOut {
@@ -1655,11 +1701,18 @@ fn render_metrics(c: &Cluster) -> Result<String, StateError> {
     for v in &volumes {
         running += v.jobs.len() as u64;
         stale += v.failed_extents.len() as u64;
-        copied += v.jobs.iter().map(|j| j.bytes_copied).sum::<u64>();
+        copied = v
+            .jobs
+            .iter()
+            .fold(copied, |t, j| t.saturating_add(j.bytes_copied));
     }
     // Finished copies, from one read of every copy-state record.
     for cs in c.snapshot()?.copy_states.values() {
-        copied += cs.value.history.iter().map(|r| r.bytes_copied).sum::<u64>();
+        copied = cs
+            .value
+            .history
+            .iter()
+            .fold(copied, |t, r| t.saturating_add(r.bytes_copied));
     }
     let _ = writeln!(out, "# HELP nvpool_copies_running Copy jobs under way.");
     let _ = writeln!(out, "# TYPE nvpool_copies_running gauge");

@@ -358,6 +358,10 @@ impl Cluster {
                 .volumes
                 .get(volume)
                 .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
+            let deleting = keys::deleting(volume);
+            if self.store().get(&deleting)?.is_some() {
+                return Err(StateError::Deleting(*volume));
+            }
             let existing = s.attachments.get(&(*volume, host.to_owned()));
             let mut a = existing.map_or_else(
                 || Attachment {
@@ -423,6 +427,7 @@ impl Cluster {
             let vkey = keys::volume(volume);
             let conds = vec![
                 Condition::VersionIs(vkey.clone(), v.version),
+                Condition::Missing(deleting),
                 match existing {
                     Some(e) => Condition::VersionIs(key.clone(), e.version),
                     None => Condition::Missing(key.clone()),

@@ -36,6 +36,15 @@ pub const DEVICES_PER_TARGET_MAX: usize = 64;
 /// Targets in one cluster. Every mutation reads the whole cluster state
 /// (one consistent snapshot), so the cluster's size is bounded.
 pub const TARGETS_MAX: usize = 1024;
+/// A device's capacity: 256 TiB, beyond the largest NVMe drives of 2026
+/// (245 TB). Bounded so that a cluster's totals fit in a u64 (below); the
+/// sums saturate besides, so a bound raised carelessly shows a capped
+/// total rather than a wrapped one.
+pub const DEVICE_BYTES_MAX: u64 = 1 << 48;
+const _: () = assert!(
+    (TARGETS_MAX as u128) * (DEVICES_PER_TARGET_MAX as u128) * (DEVICE_BYTES_MAX as u128)
+        <= 1u128 << 64
+);
 /// Pools in one cluster.
 pub const POOLS_MAX: usize = 256;
 /// Devices named by one pool: every device of `TARGETS_MAX` targets at a

@@ -24,8 +24,8 @@
 //! not downgrade.
 
 use crate::limits::{
-    BACKEND_SPEC_BYTES_MAX, DEVICES_PER_TARGET_MAX, ID_BYTES_MAX, LABELS_MAX, LABEL_BYTES_MAX,
-    NAME_BYTES_MAX,
+    BACKEND_SPEC_BYTES_MAX, DEVICES_PER_TARGET_MAX, DEVICE_BYTES_MAX, ID_BYTES_MAX, LABELS_MAX,
+    LABEL_BYTES_MAX, NAME_BYTES_MAX,
 };
 use crate::mapping::Geometry;
 use nvpool_layout::model::LayoutError;
@@ -348,6 +348,12 @@ impl Device {
             return Err(ModelError::Invalid(format!(
                 "device {}: backend spec must be 1..={BACKEND_SPEC_BYTES_MAX} bytes",
                 self.id
+            )));
+        }
+        if self.capacity_bytes > DEVICE_BYTES_MAX {
+            return Err(ModelError::Invalid(format!(
+                "device {}: capacity {} bytes, at most {DEVICE_BYTES_MAX} (256 TiB)",
+                self.id, self.capacity_bytes
             )));
         }
         validate_labels(&self.labels)

@@ -250,7 +250,7 @@ pub fn usage_after(a: &Allocator, moves: &[Move], pool: Option<&str>) -> Vec<Dev
 /// per copy with `parallel` copies at once, rounded up to whole seconds
 /// (0 when the rate is unknown, 0; `parallel` 0 counts as 1).
 pub fn describe(moves: &[Move], rate_bytes_per_sec: u64, parallel: usize) -> (u64, u64) {
-    let total: u64 = moves.iter().map(|m| m.bytes).sum();
+    let total = moves.iter().fold(0u64, |t, m| t.saturating_add(m.bytes));
     if rate_bytes_per_sec == 0 {
         return (total, 0);
     }

@@ -86,6 +86,12 @@ pub mod keys {
     pub fn volume_name(name: &str) -> String {
         format!("{VOLUME_NAMES}{name}")
     }
+
+    /// Present while a forced delete of the volume detaches its hosts:
+    /// attaches are refused, so they cannot outrun it.
+    pub fn deleting(uuid: &Uuid) -> String {
+        format!("/deleting/{uuid}")
+    }
 }
 
 /// Why a cluster operation failed.
@@ -132,6 +138,11 @@ pub enum StateError {
     Attached { volume: Uuid, hosts: Vec<String> },
     #[error("volume {volume} is not attached to {host}")]
     NotAttached { volume: Uuid, host: String },
+    #[error(
+        "volume {0} is being deleted (a forced delete is under way, or was interrupted: \
+         finish it with `nvpool volume delete --force`)"
+    )]
+    Deleting(Uuid),
     /// Marking this copy stale would leave its row without a copy in sync.
     #[error("extent {extent} of volume {volume} is the last copy in sync of its row")]
     LastInSyncCopy { volume: Uuid, extent: u32 },
@@ -300,9 +311,9 @@ pub struct Capacity {
 
 impl Capacity {
     fn add(&mut self, u: &DeviceUsage) {
-        self.total_bytes += u.capacity_bytes;
-        self.used_bytes += u.used_bytes;
-        self.free_bytes += u.free_bytes;
+        self.total_bytes = self.total_bytes.saturating_add(u.capacity_bytes);
+        self.used_bytes = self.used_bytes.saturating_add(u.used_bytes);
+        self.free_bytes = self.free_bytes.saturating_add(u.free_bytes);
         self.free_extents += u.free_extents;
     }
 }
@@ -1041,7 +1052,11 @@ impl Cluster {
             let key = keys::volume(uuid);
             let name_key = keys::volume_name(&v.value.name);
             let mut conds = vec![Condition::VersionIs(key.clone(), v.version)];
-            let mut ops = vec![Op::Delete(key), Op::Delete(name_key)];
+            let mut ops = vec![
+                Op::Delete(key),
+                Op::Delete(name_key),
+                Op::Delete(keys::deleting(uuid)),
+            ];
             if let Some(f) = s.failed_copies.get(uuid) {
                 let fkey = ak::failed_copies(uuid);
                 conds.push(Condition::VersionIs(fkey.clone(), f.version));
@@ -1054,6 +1069,31 @@ impl Cluster {
             }
             self.commit_allocation(&s, conds, ops, v.value.clone())
         })
+    }
+
+    /// Marks `uuid` as being deleted: attaches are refused until the
+    /// delete removes the mark with the volume, or [`Self::unmark_deleting`].
+    pub fn mark_deleting(&self, uuid: &Uuid) -> Result<(), StateError> {
+        self.retry(|| {
+            let v = self
+                .store
+                .get(&keys::volume(uuid))?
+                .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
+            let cond = [Condition::VersionIs(v.key, v.version)];
+            Ok(
+                if self.commit(&cond, &[Op::Put(keys::deleting(uuid), Vec::new())])? {
+                    Attempt::Done(())
+                } else {
+                    Attempt::Retry
+                },
+            )
+        })
+    }
+
+    /// Takes the mark of [`Self::mark_deleting`] back (a forced delete
+    /// that failed).
+    pub fn unmark_deleting(&self, uuid: &Uuid) -> Result<(), StateError> {
+        self.delete_if_present(&keys::deleting(uuid))
     }
 
     fn view(

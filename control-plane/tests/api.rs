@@ -406,6 +406,18 @@ fn bad_input_is_400_never_500() {
             json!({"name": "v", "size_bytes": MIB, "layout": concat, "colour": "red"}),
         ),
         (
+            "concat with a width",
+            volume("v", MIB, json!({"type": "concat", "width": 2})),
+        ),
+        (
+            "concat with copies",
+            volume("v", MIB, json!({"type": "concat", "copies": 2})),
+        ),
+        (
+            "raid1 with a width",
+            volume("v", MIB, json!({"type": "raid1", "copies": 2, "width": 2})),
+        ),
+        (
             "bad pool name",
             json!({"name": "v", "size_bytes": MIB, "layout": concat, "pool": "a/b"}),
         ),
@@ -422,6 +434,11 @@ fn bad_input_is_400_never_500() {
     );
     s.expect_error(&r, 400, "invalid");
     let r = s.read("/v1/volumes/not-a-uuid");
+    s.expect_error(&r, 400, "invalid");
+    // A segment that is not UTF-8 once percent-decoded: a JSON 400 as well.
+    let r = s.read("/v1/volumes/%FF%FE");
+    s.expect_error(&r, 400, "invalid");
+    let r = s.read("/v1/volumes/x/attachments/%C3%28");
     s.expect_error(&r, 400, "invalid");
     let r = s.raw("PUT", &path, Some(ADMIN), Some("{\"name\": "));
     s.expect_error(&r, 400, "invalid");
@@ -623,6 +640,32 @@ fn every_route_checks_the_token_and_its_role() {
 /// The router's routes, read from its source, are the document's paths:
 /// a route added to the router but not to the document would escape
 /// `every_route_checks_the_token_and_its_role`.
+/// A device's capacity is bounded, and the totals are exact at the bound:
+/// a device of 2^64-1 bytes once made `/metrics` wrap.
+#[test]
+fn capacities_are_bounded_and_totals_do_not_wrap() {
+    let s = serve(tokens());
+    let mut reg = registration(0, "r0", 1, 1);
+    reg["devices"][0]["capacity_bytes"] = json!(u64::MAX);
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg.clone()));
+    s.expect_error(&r, 400, "invalid");
+    assert!(r.body.contains("at most"), "{}", r.body);
+    let max = nvpool_control::limits::DEVICE_BYTES_MAX;
+    for i in 0..4 {
+        let mut reg = registration(i, "r0", 2, 1);
+        for d in 0..2 {
+            reg["devices"][d]["capacity_bytes"] = json!(max);
+        }
+        let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let m = s.read("/metrics").body;
+    let total = format!("nvpool_capacity_bytes{{kind=\"total\"}} {}", 8 * max);
+    assert!(m.contains(&total), "{m}");
+    let t = s.read("/v1/targets/t3").json();
+    assert_eq!(t["devices"][1]["capacity_bytes"], json!(max), "{t}");
+}
+
 #[test]
 fn openapi_names_every_route() {
     let source = include_str!("../src/api.rs");

@@ -183,6 +183,36 @@ fn attached_volumes_are_not_deleted_without_force() {
     }
 }
 
+/// A forced delete while other clients attach and detach the volume: it
+/// deletes (204), never answering 404 for a volume that exists because a
+/// host it meant to detach was detached by someone else first.
+#[test]
+fn a_forced_delete_racing_attach_and_detach_deletes() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let c = cluster(2);
+    let s = &c.server;
+    for n in 1..=3u8 {
+        let vol = create(s, n, 2 * MIB, json!({"type": "raid1", "copies": 2}));
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            for host in [HOST_A, HOST_B] {
+                let (vol, stop) = (&vol, &stop);
+                scope.spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let _ = attach(s, vol, host);
+                        let _ = detach(s, vol, host, false);
+                    }
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let r = s.admin("DELETE", &format!("/v1/volumes/{vol}?force=true"), None);
+            stop.store(true, Ordering::Relaxed);
+            assert_eq!(r.status, 204, "round {n}: {}", r.body);
+        });
+        s.expect_error(&s.read(&format!("/v1/volumes/{vol}")), 404, "not_found");
+    }
+}
+
 #[test]
 fn a_refusing_target_rolls_the_whole_attach_back() {
     let mut c = cluster(3);
