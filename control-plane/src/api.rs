@@ -1765,7 +1765,7 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
         reconcile_target, put_target_state, delete_target, post_rebalance, get_rebalance,
         put_export, get_exports, delete_export, post_lease
     ),
-    modifiers(&BearerSchemes)
+    modifiers(&BearerSchemes, &Formats)
 )]
 struct ApiDoc;
 
@@ -1838,6 +1838,131 @@ impl utoipa::Modify for BearerSchemes {
                 let answers = &mut op.responses.responses;
                 answers.insert("401".into(), Ref::from_response_name("Unauthorized").into());
                 answers.insert("403".into(), Ref::from_response_name("Forbidden").into());
+            }
+        }
+    }
+}
+
+/// What the server checks of identifiers, sizes and layouts, stated in
+/// the document: patterns of path parameters and body fields, ranges of
+/// layout fields, no extra properties in a layout, and the 415 answer of
+/// every call with a body.
+#[derive(Debug)]
+struct Formats;
+
+/// Ids (targets, devices, pools): see `model::validate_id`.
+const ID_PATTERN: &str = "^[A-Za-z0-9._:-]+$";
+const UUID_PATTERN: &str =
+    "^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$";
+/// `nqn.` then printable ASCII without `/`: see `attach::validate_host_nqn`.
+const NQN_PATTERN: &str = "^nqn\\.[!-.0-~]+$";
+
+impl utoipa::Modify for Formats {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use crate::attach::NQN_BYTES_MAX;
+        use crate::limits::{DEVICE_BYTES_MAX, ID_BYTES_MAX, NAME_BYTES_MAX};
+        use nvpool_layout::limits::{COPIES_MAX, COPIES_MIN, STRIPE_BYTES_MIN, STRIPE_WIDTH_MAX};
+        use utoipa::openapi::schema::{AdditionalProperties, Object, Schema};
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        fn text(o: &mut Object, pattern: &str, max: usize) {
+            o.pattern = Some(pattern.into());
+            o.min_length = Some(1);
+            o.max_length = Some(max);
+        }
+        fn object(schema: Option<&mut RefOr<Schema>>) -> Option<&mut Object> {
+            match schema {
+                Some(RefOr::T(Schema::Object(o))) => Some(o),
+                _ => None,
+            }
+        }
+        let uuid = |o: &mut Object| {
+            text(o, UUID_PATTERN, 36);
+            o.format = Some(utoipa::openapi::SchemaFormat::Custom("uuid".into()));
+        };
+        for item in doc.paths.paths.values_mut() {
+            for op in [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                for p in op.parameters.iter_mut().flatten() {
+                    let RefOr::T(p) = p else { continue };
+                    let Some(o) = object(p.schema.as_mut()) else {
+                        continue;
+                    };
+                    match p.name.as_str() {
+                        "uuid" => uuid(o),
+                        "id" | "name" => text(o, ID_PATTERN, ID_BYTES_MAX),
+                        "host_nqn" => text(o, NQN_PATTERN, NQN_BYTES_MAX),
+                        _ => {}
+                    }
+                }
+                if op.request_body.is_some() {
+                    op.responses.responses.insert(
+                        "415".into(),
+                        Ref::from_response_name("UnsupportedMediaType").into(),
+                    );
+                }
+            }
+        }
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.responses.insert(
+            "UnsupportedMediaType".into(),
+            ResponseBuilder::new()
+                .description("the body is not sent as application/json")
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ApiError")))
+                        .build(),
+                )
+                .build()
+                .into(),
+        );
+        let fields: [(&str, &str, &str, usize); 8] = [
+            ("VolumeSpecBody", "name", ID_PATTERN, NAME_BYTES_MAX),
+            ("VolumeSpecBody", "pool", ID_PATTERN, ID_BYTES_MAX),
+            ("RegisterTargetBody", "id", ID_PATTERN, ID_BYTES_MAX),
+            ("RegisterTargetBody", "name", ID_PATTERN, NAME_BYTES_MAX),
+            ("DeviceBody", "id", ID_PATTERN, ID_BYTES_MAX),
+            ("DeviceRefBody", "target", ID_PATTERN, ID_BYTES_MAX),
+            ("DeviceRefBody", "device", ID_PATTERN, ID_BYTES_MAX),
+            ("RebalanceBody", "pool", ID_PATTERN, ID_BYTES_MAX),
+        ];
+        for (schema, field, pattern, max) in fields {
+            let Some(o) = object(components.schemas.get_mut(schema)) else {
+                continue;
+            };
+            if let Some(f) = object(o.properties.get_mut(field)) {
+                text(f, pattern, max);
+            }
+        }
+        if let Some(o) = object(components.schemas.get_mut("DeviceBody")) {
+            if let Some(f) = object(o.properties.get_mut("capacity_bytes")) {
+                f.maximum = Some(utoipa::Number::UInt(DEVICE_BYTES_MAX as usize));
+            }
+        }
+        if let Some(RefOr::T(Schema::OneOf(layouts))) = components.schemas.get_mut("LayoutBody") {
+            for variant in layouts.items.iter_mut() {
+                let RefOr::T(Schema::Object(v)) = variant else {
+                    continue;
+                };
+                v.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+                let ranges: [(&str, usize, usize); 3] = [
+                    ("copies", COPIES_MIN.into(), COPIES_MAX.into()),
+                    ("width", 2, STRIPE_WIDTH_MAX as usize),
+                    ("stripe_bytes", STRIPE_BYTES_MIN as usize, usize::MAX),
+                ];
+                for (field, min, max) in ranges {
+                    if let Some(f) = object(v.properties.get_mut(field)) {
+                        f.minimum = Some(utoipa::Number::UInt(min));
+                        f.maximum = (max != usize::MAX).then_some(utoipa::Number::UInt(max));
+                    }
+                }
             }
         }
     }
