@@ -434,6 +434,42 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A request body as its type, integers written as `3.0` included.
+fn decode_body<T: serde::de::DeserializeOwned>(mut v: Value) -> Result<T, ApiError> {
+    integral_floats_as_integers(&mut v);
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let at = e.path().to_string();
+        ApiError::invalid(match at.as_str() {
+            "." => format!("invalid JSON body: {}", e.inner()),
+            _ => format!("invalid JSON body: {at}: {}", e.inner()),
+        })
+    })
+}
+
+/// JSON Schema counts `3.0` as an integer, and the document says
+/// "integer": such numbers become integers before the body is decoded
+/// (serde would refuse a float where it wants a u64). Others stay floats.
+fn integral_floats_as_integers(v: &mut Value) {
+    match v {
+        Value::Number(n) if !n.is_u64() && !n.is_i64() => {
+            if let Some(f) = n.as_f64() {
+                // Exactly representable and integral: below 2^53 every such
+                // float is an exact integer.
+                if f.fract() == 0.0 && f.abs() < (1u64 << 53) as f64 {
+                    *v = if f < 0.0 {
+                        Value::from(f as i64)
+                    } else {
+                        Value::from(f as u64)
+                    };
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
+        Value::Object(fields) => fields.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
+}
+
 /// Path parameters whose rejections (a segment that is not UTF-8 once
 /// percent-decoded, say) are JSON errors like every other 400.
 #[derive(Debug)]
@@ -465,8 +501,8 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for JsonBody
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(v)) => Ok(JsonBody(v)),
+        match Json::<Value>::from_request(req, state).await {
+            Ok(Json(v)) => decode_body(v).map(JsonBody),
             Err(e) if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE => Err(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
@@ -1248,7 +1284,8 @@ async fn put_export(
         ExportBody::default()
     } else {
         serde_json::from_slice(&body)
-            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?
+            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+            .and_then(decode_body)?
     };
     let paths = body.paths.unwrap_or(crate::paths::PATHS_DEFAULT);
     let (view, created) = api
@@ -1860,7 +1897,10 @@ const NQN_PATTERN: &str = "^nqn\\.[!-.0-~]+$";
 impl utoipa::Modify for Formats {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
         use crate::attach::NQN_BYTES_MAX;
-        use crate::limits::{DEVICE_BYTES_MAX, ID_BYTES_MAX, NAME_BYTES_MAX};
+        use crate::limits::{
+            DEVICE_BYTES_MAX, ID_BYTES_MAX, LABELS_MAX, LABEL_BYTES_MAX, NAME_BYTES_MAX,
+        };
+        use nvpool_layout::limits::{BLOCK_BYTES, EXTENTS_PER_VOLUME_MAX};
         use nvpool_layout::limits::{COPIES_MAX, COPIES_MIN, STRIPE_BYTES_MIN, STRIPE_WIDTH_MAX};
         use utoipa::openapi::schema::{AdditionalProperties, Object, Schema};
         use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
@@ -1944,6 +1984,60 @@ impl utoipa::Modify for Formats {
         if let Some(o) = object(components.schemas.get_mut("DeviceBody")) {
             if let Some(f) = object(o.properties.get_mut("capacity_bytes")) {
                 f.maximum = Some(utoipa::Number::UInt(DEVICE_BYTES_MAX as usize));
+            }
+        }
+        // Labels (`model::validate_labels`): keys may hold `/`, values may
+        // be empty.
+        for schema in ["RegisterTargetBody", "DeviceBody"] {
+            let Some(o) = object(components.schemas.get_mut(schema)) else {
+                continue;
+            };
+            let Some(labels) = object(o.properties.get_mut("labels")) else {
+                continue;
+            };
+            labels.max_properties = Some(LABELS_MAX);
+            if let Some(Schema::Object(k)) = labels.property_names.as_deref_mut() {
+                text(k, "^[A-Za-z0-9._/-]+$", LABEL_BYTES_MAX);
+            }
+            if let Some(AdditionalProperties::RefOr(RefOr::T(Schema::Object(v)))) =
+                labels.additional_properties.as_deref_mut()
+            {
+                v.pattern = Some("^[A-Za-z0-9._-]*$".into());
+                v.max_length = Some(LABEL_BYTES_MAX);
+            }
+        }
+        // A volume is at most EXTENTS_PER_VOLUME_MAX extents: the bound
+        // below is for the default extent size (a daemon with smaller
+        // extents answers 400 above its own bound).
+        for schema in ["VolumeSpecBody", "ResizeBody"] {
+            let Some(o) = object(components.schemas.get_mut(schema)) else {
+                continue;
+            };
+            if let Some(f) = object(o.properties.get_mut("size_bytes")) {
+                f.minimum = Some(utoipa::Number::UInt(BLOCK_BYTES as usize));
+                f.maximum = Some(utoipa::Number::UInt(
+                    (u64::from(EXTENTS_PER_VOLUME_MAX) * crate::limits::EXTENT_BYTES) as usize,
+                ));
+                f.multiple_of = Some(utoipa::Number::UInt(BLOCK_BYTES as usize));
+            }
+        }
+        if let Some(o) = object(components.schemas.get_mut("DeviceBody")) {
+            if let Some(f) = object(o.properties.get_mut("backend")) {
+                f.min_length = Some(1);
+                f.max_length = Some(crate::limits::BACKEND_SPEC_BYTES_MAX);
+            }
+        }
+        if let Some(o) = object(components.schemas.get_mut("ExportBody")) {
+            if let Some(f) = object(o.properties.get_mut("paths")) {
+                f.minimum = Some(utoipa::Number::UInt(1));
+                f.maximum = Some(utoipa::Number::UInt(crate::paths::PATHS_MAX));
+            }
+        }
+        if let Some(o) = object(components.schemas.get_mut("MissedBody")) {
+            if let Some(extents) = object(o.properties.get_mut("extents")) {
+                if let Some(Schema::Object(k)) = extents.property_names.as_deref_mut() {
+                    k.pattern = Some("^(0|[1-9][0-9]{0,9})$".into());
+                }
             }
         }
         if let Some(RefOr::T(Schema::OneOf(layouts))) = components.schemas.get_mut("LayoutBody") {

@@ -406,6 +406,10 @@ fn bad_input_is_400_never_500() {
             json!({"name": "v", "size_bytes": MIB, "layout": concat, "colour": "red"}),
         ),
         (
+            "fractional size",
+            json!({"name": "v", "size_bytes": 1048576.5, "layout": concat}),
+        ),
+        (
             "concat with a width",
             volume("v", MIB, json!({"type": "concat", "width": 2})),
         ),
@@ -427,6 +431,15 @@ fn bad_input_is_400_never_500() {
         assert_eq!(r.status, 400, "{what}: {}", r.body);
         assert!(r.json()["kind"].is_string(), "{what}");
     }
+    // JSON Schema's integers include 1048576.0.
+    let r = s.admin(
+        "PUT",
+        &format!("/v1/volumes/{}", uuid(9)),
+        Some(json!({"name": "w", "size_bytes": 1048576.0, "layout": {"type": "raid1", "copies": 2.0}})),
+    );
+    assert_eq!(r.status, 201, "{}", r.body);
+    let r = s.admin("DELETE", &format!("/v1/volumes/{}", uuid(9)), None);
+    assert_eq!(r.status, 204, "{}", r.body);
     let r = s.admin(
         "PUT",
         "/v1/volumes/not-a-uuid",

@@ -66,7 +66,8 @@ start_control_plane() {
 }
 
 # start_target I SIZE: target tI with one sparse file device of SIZE (the
-# binary is $TARGET_BIN when set, for upgrades).
+# binary is $TARGET_BIN when set, for upgrades; the array TARGET_ARGS, when
+# set, is appended to its command line).
 start_target() {
     local i=$1 size=$2
     local d=$E2E_DIR/t$i
@@ -77,7 +78,7 @@ start_target() {
         --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
         --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \
         --label "rack=r$i" --device "d0=file:$d/d0.img" --reactors 1 --log warn \
-        >>"$d/target.log" 2>&1 &
+        ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"} >>"$d/target.log" 2>&1 &
     TARGET_PIDS[i]=$!
 }
 
@@ -108,7 +109,7 @@ stop_all() {
     done
     # The agent last: SIGTERM, it flushes and tears down what is left.
     local p
-    p=$(cat "$NVPOOL_RUN_DIR/agent.pid" 2>/dev/null)
+    p=$(cat "$NVPOOL_RUN_DIR/agent.pid" 2>/dev/null || true)
     if [[ -n $p ]] && kill "$p" 2>/dev/null; then
         wait_for 60 bash -c "! kill -0 $p 2>/dev/null"
     fi
