@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use nvpool_control::api::{ApiServer, AuthConfig};
+use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, StateConfig, SystemClock};
 use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegistrationStatus};
@@ -23,6 +24,9 @@ const MIB: u64 = 1 << 20;
 const PATIENCE: Duration = Duration::from_secs(15);
 
 // ----- an in-process control plane -----
+
+/// The token the tests read the control plane's state with.
+const READER: &str = "reader-secret-0123456789";
 
 struct ControlPlane {
     api: ApiServer,
@@ -57,6 +61,7 @@ impl ControlPlane {
             .into();
         let mut r = agent
             .get(format!("http://{}{path}", self.api.addr))
+            .header("Authorization", format!("Bearer {READER}"))
             .call()
             .unwrap();
         let status = r.status().as_u16();
@@ -218,10 +223,12 @@ fn target_registers_its_devices_labels_and_addresses_then_heartbeats() {
 #[test]
 fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     logs();
-    let cp = ControlPlane::start(AuthConfig {
-        admin_token: Some("admin-secret".into()),
-        target_token: Some("target-secret".into()),
-    });
+    let cp = ControlPlane::start(AuthConfig::new(
+        Tokens::new()
+            .with(Principal::Admin, "admin-secret-0123456789")
+            .with(Principal::Target, "target-secret-0123456789")
+            .with(Principal::Reader, READER),
+    ));
     let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
     let mut cfg = quick(cp.url(), "t-token", &d);
     cfg.token = Some("not-the-secret".into());
@@ -231,7 +238,7 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     assert!(!s.registered, "{s:?}");
     let err = s.last_error.unwrap();
     assert!(
-        err.contains("401") && err.contains("unauthorized") && err.contains("not valid"),
+        err.contains("401") && err.contains("unauthorized") && err.contains("not known"),
         "{err}"
     );
     assert!(cp.target("t-token").is_none());
@@ -241,7 +248,7 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     let text = log_text();
     let lines: Vec<&str> = text
         .lines()
-        .filter(|l| l.contains("bearer token is not valid"))
+        .filter(|l| l.contains("bearer token is not known"))
         .collect();
     assert_eq!(lines.len(), 1, "{text}");
     assert!(
@@ -252,7 +259,7 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
 
     // The right token registers.
     let mut cfg = quick(cp.url(), "t-token", &d);
-    cfg.token = Some("target-secret".into());
+    cfg.token = Some("target-secret-0123456789".into());
     let r = Registrar::start(cfg).unwrap();
     wait_for("the target to be listed", || cp.target("t-token").is_some());
     r.stop();
@@ -377,14 +384,15 @@ fn bad_registration_options_stop_the_daemon_at_start() {
 
 #[test]
 fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
-    let cp = ControlPlane::start(AuthConfig {
-        admin_token: None,
-        target_token: Some("tok".into()),
-    });
+    let cp = ControlPlane::start(AuthConfig::new(
+        Tokens::new()
+            .with(Principal::Target, "target-token-0123456789")
+            .with(Principal::Reader, READER),
+    ));
     let (dir, f) = scratch_file(4 * MIB);
     let state = dir.path().join("state");
     let token = dir.path().join("token");
-    std::fs::write(&token, "tok\n").unwrap();
+    std::fs::write(&token, "target-token-0123456789\n").unwrap();
     let mut child = daemon_bin()
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--no-io-uring", "--reactors", "1"])
