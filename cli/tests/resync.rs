@@ -77,6 +77,7 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
     assert_eq!(v["status"], "degraded");
     let metric = |name: &str| -> u64 {
         let text = ureq::get(format!("http://{}/metrics", cp.addr))
+            .header("Authorization", format!("Bearer {ADMIN}"))
             .call()
             .unwrap()
             .into_body()
