@@ -1806,6 +1806,56 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
 )]
 struct ApiDoc;
 
+/// A documented answer whose body is an [`ApiError`].
+fn error_answer(what: &str) -> utoipa::openapi::Response {
+    use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+    ResponseBuilder::new()
+        .description(what)
+        .content(
+            "application/json",
+            ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name("ApiError")))
+                .build(),
+        )
+        .build()
+}
+
+/// The operations of a path, with their methods.
+fn operations(
+    item: &mut utoipa::openapi::PathItem,
+) -> [(&'static str, &mut Option<utoipa::openapi::path::Operation>); 4] {
+    [
+        ("GET", &mut item.get),
+        ("PUT", &mut item.put),
+        ("POST", &mut item.post),
+        ("DELETE", &mut item.delete),
+    ]
+}
+
+/// The schema of an inline object, if `schema` is one.
+fn object(
+    schema: Option<&mut utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>>,
+) -> Option<&mut utoipa::openapi::schema::Object> {
+    use utoipa::openapi::{schema::Schema, RefOr};
+    match schema {
+        Some(RefOr::T(Schema::Object(o))) => Some(o),
+        _ => None,
+    }
+}
+
+/// The property `field` of the component schema `schema`.
+fn body_field<'a>(
+    components: &'a mut utoipa::openapi::Components,
+    schema: &str,
+    field: &str,
+) -> Option<&'a mut utoipa::openapi::schema::Object> {
+    object(
+        object(components.schemas.get_mut(schema))?
+            .properties
+            .get_mut(field),
+    )
+}
+
 /// Declares the bearer-token schemes and writes every operation's
 /// security requirements, and its 401 and 403 answers, from
 /// [`auth::access`]: the same table the server enforces.
@@ -1817,7 +1867,7 @@ impl utoipa::Modify for BearerSchemes {
         use utoipa::openapi::security::{
             HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
         };
-        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        use utoipa::openapi::Ref;
         let schemes = [
             ("admin_token", "an admin token: every call"),
             ("reader_token", "a reader token: every GET"),
@@ -1840,24 +1890,12 @@ impl utoipa::Modify for BearerSchemes {
             ("Unauthorized", "no bearer token, or an unknown one"),
             ("Forbidden", "the token's role may not make this call"),
         ] {
-            let answer = ResponseBuilder::new()
-                .description(what)
-                .content(
-                    "application/json",
-                    ContentBuilder::new()
-                        .schema(Some(Ref::from_schema_name("ApiError")))
-                        .build(),
-                )
-                .build();
-            components.responses.insert(name.into(), answer.into());
+            components
+                .responses
+                .insert(name.into(), error_answer(what).into());
         }
         for (path, item) in doc.paths.paths.iter_mut() {
-            for (method, op) in [
-                ("GET", &mut item.get),
-                ("PUT", &mut item.put),
-                ("POST", &mut item.post),
-                ("DELETE", &mut item.delete),
-            ] {
+            for (method, op) in operations(item) {
                 let Some(op) = op else { continue };
                 let allowed: &[&str] = match auth::access(method, path) {
                     Access::Public => continue,
@@ -1903,31 +1941,20 @@ impl utoipa::Modify for Formats {
         use nvpool_layout::limits::{BLOCK_BYTES, EXTENTS_PER_VOLUME_MAX};
         use nvpool_layout::limits::{COPIES_MAX, COPIES_MIN, STRIPE_BYTES_MIN, STRIPE_WIDTH_MAX};
         use utoipa::openapi::schema::{AdditionalProperties, Object, Schema};
-        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        use utoipa::openapi::{Ref, RefOr};
         fn text(o: &mut Object, pattern: &str, max: usize) {
             o.pattern = Some(pattern.into());
             o.min_length = Some(1);
             o.max_length = Some(max);
-        }
-        fn object(schema: Option<&mut RefOr<Schema>>) -> Option<&mut Object> {
-            match schema {
-                Some(RefOr::T(Schema::Object(o))) => Some(o),
-                _ => None,
-            }
         }
         let uuid = |o: &mut Object| {
             text(o, UUID_PATTERN, 36);
             o.format = Some(utoipa::openapi::SchemaFormat::Custom("uuid".into()));
         };
         for item in doc.paths.paths.values_mut() {
-            for op in [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-            ]
-            .into_iter()
-            .flatten()
+            for op in operations(item)
+                .into_iter()
+                .filter_map(|(_, op)| op.as_mut())
             {
                 for p in op.parameters.iter_mut().flatten() {
                     let RefOr::T(p) = p else { continue };
@@ -1952,16 +1979,7 @@ impl utoipa::Modify for Formats {
         let components = doc.components.get_or_insert_with(Default::default);
         components.responses.insert(
             "UnsupportedMediaType".into(),
-            ResponseBuilder::new()
-                .description("the body is not sent as application/json")
-                .content(
-                    "application/json",
-                    ContentBuilder::new()
-                        .schema(Some(Ref::from_schema_name("ApiError")))
-                        .build(),
-                )
-                .build()
-                .into(),
+            error_answer("the body is not sent as application/json").into(),
         );
         let fields: [(&str, &str, &str, usize); 8] = [
             ("VolumeSpecBody", "name", ID_PATTERN, NAME_BYTES_MAX),
@@ -1974,25 +1992,17 @@ impl utoipa::Modify for Formats {
             ("RebalanceBody", "pool", ID_PATTERN, ID_BYTES_MAX),
         ];
         for (schema, field, pattern, max) in fields {
-            let Some(o) = object(components.schemas.get_mut(schema)) else {
-                continue;
-            };
-            if let Some(f) = object(o.properties.get_mut(field)) {
+            if let Some(f) = body_field(components, schema, field) {
                 text(f, pattern, max);
             }
         }
-        if let Some(o) = object(components.schemas.get_mut("DeviceBody")) {
-            if let Some(f) = object(o.properties.get_mut("capacity_bytes")) {
-                f.maximum = Some(utoipa::Number::UInt(DEVICE_BYTES_MAX as usize));
-            }
+        if let Some(f) = body_field(components, "DeviceBody", "capacity_bytes") {
+            f.maximum = Some(utoipa::Number::UInt(DEVICE_BYTES_MAX as usize));
         }
         // Labels (`model::validate_labels`): keys may hold `/`, values may
         // be empty.
         for schema in ["RegisterTargetBody", "DeviceBody"] {
-            let Some(o) = object(components.schemas.get_mut(schema)) else {
-                continue;
-            };
-            let Some(labels) = object(o.properties.get_mut("labels")) else {
+            let Some(labels) = body_field(components, schema, "labels") else {
                 continue;
             };
             labels.max_properties = Some(LABELS_MAX);
@@ -2010,10 +2020,7 @@ impl utoipa::Modify for Formats {
         // below is for the default extent size (a daemon with smaller
         // extents answers 400 above its own bound).
         for schema in ["VolumeSpecBody", "ResizeBody"] {
-            let Some(o) = object(components.schemas.get_mut(schema)) else {
-                continue;
-            };
-            if let Some(f) = object(o.properties.get_mut("size_bytes")) {
+            if let Some(f) = body_field(components, schema, "size_bytes") {
                 f.minimum = Some(utoipa::Number::UInt(BLOCK_BYTES as usize));
                 f.maximum = Some(utoipa::Number::UInt(
                     (u64::from(EXTENTS_PER_VOLUME_MAX) * crate::limits::EXTENT_BYTES) as usize,
@@ -2021,23 +2028,17 @@ impl utoipa::Modify for Formats {
                 f.multiple_of = Some(utoipa::Number::UInt(BLOCK_BYTES as usize));
             }
         }
-        if let Some(o) = object(components.schemas.get_mut("DeviceBody")) {
-            if let Some(f) = object(o.properties.get_mut("backend")) {
-                f.min_length = Some(1);
-                f.max_length = Some(crate::limits::BACKEND_SPEC_BYTES_MAX);
-            }
+        if let Some(f) = body_field(components, "DeviceBody", "backend") {
+            f.min_length = Some(1);
+            f.max_length = Some(crate::limits::BACKEND_SPEC_BYTES_MAX);
         }
-        if let Some(o) = object(components.schemas.get_mut("ExportBody")) {
-            if let Some(f) = object(o.properties.get_mut("paths")) {
-                f.minimum = Some(utoipa::Number::UInt(1));
-                f.maximum = Some(utoipa::Number::UInt(crate::paths::PATHS_MAX));
-            }
+        if let Some(f) = body_field(components, "ExportBody", "paths") {
+            f.minimum = Some(utoipa::Number::UInt(1));
+            f.maximum = Some(utoipa::Number::UInt(crate::paths::PATHS_MAX));
         }
-        if let Some(o) = object(components.schemas.get_mut("MissedBody")) {
-            if let Some(extents) = object(o.properties.get_mut("extents")) {
-                if let Some(Schema::Object(k)) = extents.property_names.as_deref_mut() {
-                    k.pattern = Some("^(0|[1-9][0-9]{0,9})$".into());
-                }
+        if let Some(extents) = body_field(components, "MissedBody", "extents") {
+            if let Some(Schema::Object(k)) = extents.property_names.as_deref_mut() {
+                k.pattern = Some("^(0|[1-9][0-9]{0,9})$".into());
             }
         }
         if let Some(RefOr::T(Schema::OneOf(layouts))) = components.schemas.get_mut("LayoutBody") {

@@ -209,7 +209,12 @@ impl Tokens {
         }
     }
 
-    /// `add`, for code and tests that build a set by hand.
+    /// `add`, for tests that build a set by hand.
+    ///
+    /// # Panics
+    ///
+    /// On a token `add` refuses; code that reads tokens from anywhere else
+    /// calls `add` and handles the error.
     pub fn with(mut self, who: Principal, token: &str) -> Tokens {
         if let Err(why) = self.add(who, token) {
             panic!("Tokens::with: {why}");
@@ -246,14 +251,12 @@ impl Tokens {
                     fields[0]
                 ))
             })?;
-            let who = match (role, fields.len()) {
-                (Role::Host, 3) => Principal::Host(fields[2].to_owned()),
+            let who = match (role, &fields[1..]) {
+                (Role::Admin, [_]) => Principal::Admin,
+                (Role::Reader, [_]) => Principal::Reader,
+                (Role::Target, [_]) => Principal::Target,
+                (Role::Host, [_, nqn]) => Principal::Host((*nqn).to_owned()),
                 (Role::Host, _) => return Err(invalid("expected `host TOKEN HOSTNQN`".into())),
-                (_, 2) => match role {
-                    Role::Admin => Principal::Admin,
-                    Role::Reader => Principal::Reader,
-                    _ => Principal::Target,
-                },
                 _ => return Err(invalid(format!("expected `{} TOKEN`", role.name()))),
             };
             self.add(who, fields[1]).map_err(invalid)?;
