@@ -6,6 +6,7 @@
 //!   state.rs ── get / list(prefix) ──────────────► Store ─┬─ RedbStore (one file, default)
 //!            ── txn(conditions, ops) ─ CAS ──────►        ├─ MemStore  (tests)
 //!   watchers ── changes_since(revision) ─ poll ──►        └─ (etcd, later)
+//!   migrate  ── copy_all(from, to) ── every key, into an empty store
 //! ```
 //!
 //! The model, and why each part is there:
@@ -45,6 +46,7 @@
 
 pub mod conformance;
 mod mem;
+pub mod migrate;
 #[cfg(feature = "redb")]
 mod redb;
 
