@@ -1,11 +1,11 @@
 //! The metadata store: a small, transactional key-value map with etcd's
-//! data model, so that the embedded redb store can later be replaced by etcd
-//! for a highly available control plane without touching the layers above.
+//! data model, embedded (redb) for one control plane or on etcd so that
+//! several control planes can share it, without touching the layers above.
 //!
 //! ```text
 //!   state.rs ── get / list(prefix) ──────────────► Store ─┬─ RedbStore (one file, default)
-//!            ── txn(conditions, ops) ─ CAS ──────►        ├─ MemStore  (tests)
-//!   watchers ── changes_since(revision) ─ poll ──►        └─ (etcd, later)
+//!            ── txn(conditions, ops) ─ CAS ──────►        ├─ EtcdStore (etcd v3, feature "etcd")
+//!   watchers ── changes_since(revision) ─ poll ──►        └─ MemStore  (tests)
 //!   migrate  ── copy_all(from, to) ── every key, into an empty store
 //! ```
 //!
@@ -45,14 +45,20 @@
 //! caller reads first and conditions on versions).
 
 pub mod conformance;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod mem;
 pub mod migrate;
 #[cfg(feature = "redb")]
 mod redb;
+pub mod url;
 
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdConfig, EtcdStore, EtcdTls};
 pub use mem::MemStore;
 #[cfg(feature = "redb")]
 pub use redb::{RedbStore, STORE_FILE};
+pub use url::{EtcdUrl, StoreUrl};
 
 use crate::limits::{
     CHANGE_LOG_BYTES_MAX, CHANGE_LOG_REVISIONS_MAX, KEY_BYTES_MAX, TXN_BYTES_MAX,
@@ -222,6 +228,16 @@ pub enum StoreError {
     /// The stored bytes do not decode.
     #[error("store is corrupt: {0}")]
     Corrupt(String),
+    /// The store's servers cannot answer: every etcd endpoint is down, etcd
+    /// lost its quorum, or no answer came within the deadline. A `txn` that
+    /// fails so may or may not have been applied: read again before
+    /// deciding (the layers above always do, they condition on versions).
+    #[error("{store} is unavailable: {reason}")]
+    Unavailable {
+        /// Which store, e.g. `etcd at 10.0.0.1:2379,10.0.0.2:2379`.
+        store: String,
+        reason: String,
+    },
     /// Another process holds the store (redb locks its file): a second
     /// control plane, or a migration, on the same directory.
     #[error("store {0} is in use by another process (is nvpool-control running on it?)")]
