@@ -4,7 +4,7 @@
 //! `nvpool-control` daemon.
 //!
 //! ```text
-//!   daemon ── command line, redb store, signals
+//!   daemon ── command line, store (redb, etcd), migrate, signals
 //!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
 //!          │      └── rest ── request and response bodies (no feature)
 //!          │
