@@ -25,7 +25,7 @@ const MAX_REQUEST_BYTES: u64 = 4 << 20;
 /// The etcd binary, or `None` (after saying so) when the test cannot run.
 pub fn etcd_binary(test: &str) -> Option<PathBuf> {
     let found = match std::env::var_os("NVPOOL_ETCD") {
-        Some(p) => Some(PathBuf::from(p)),
+        Some(p) => Some(PathBuf::from(p)).filter(|p| p.is_file()),
         None => std::env::var_os("PATH").and_then(|paths| {
             std::env::split_paths(&paths)
                 .map(|d| d.join("etcd"))
