@@ -306,6 +306,11 @@ impl ApiError {
             },
             StateError::Store(s) => match s {
                 StoreError::Backend { .. } => (S::SERVICE_UNAVAILABLE, "unavailable", json!({})),
+                StoreError::Unavailable { store, .. } => (
+                    S::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    json!({"store": store}),
+                ),
                 _ => (S::INTERNAL_SERVER_ERROR, "store", json!({})),
             },
             StateError::TargetNotFound(id) => (S::NOT_FOUND, "not_found", json!({"target": id})),

@@ -1,4 +1,5 @@
-//! The `nvpool-control` daemon: command line, store, REST API, shutdown.
+//! The `nvpool-control` daemon: command line, store, REST API, shutdown;
+//! and `nvpool-control migrate`, which copies one store into another.
 //! `main.rs` only calls [`main_exit_code`].
 
 use crate::api::router;
@@ -6,22 +7,34 @@ use crate::auth::{AuthConfig, Role, TokenFiles};
 use crate::clock::SystemClock;
 use crate::limits::EXTENT_BYTES;
 use crate::state::{Cluster, StateConfig};
-use crate::store::RedbStore;
+use crate::store::migrate::copy_all;
+use crate::store::{
+    EtcdConfig, EtcdStore, EtcdTls, MemStore, RedbStore, Store, StoreUrl, STORE_FILE,
+};
 use anyhow::Context as _;
 use clap::Parser;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Default state directory when running as root.
 const STATE_DIR_DEFAULT: &str = "/var/lib/nvpool-control";
 /// How often token files are checked for a change.
 const TOKEN_FILES_CHECK_MS: u64 = 2_000;
+/// A PEM certificate chain or key for etcd: a few KiB; anything this large
+/// is the wrong file.
+const TLS_FILE_BYTES_MAX: u64 = 1 << 20;
 
 /// nvpool control plane: targets, pools and volumes over a REST API.
 #[derive(Debug, Parser)]
-#[command(name = "nvpool-control", version)]
+#[command(
+    name = "nvpool-control",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// Address of the REST API.
     #[arg(long, default_value = "127.0.0.1:4430")]
     pub listen: SocketAddr,
@@ -29,6 +42,19 @@ pub struct Args {
     /// when running as root; required otherwise).
     #[arg(long, env = "NVPOOL_CONTROL_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
+    /// The metadata store instead: redb:DIR (the embedded store, what
+    /// --state-dir DIR means), memory: (nothing survives a restart), or
+    /// etcd://HOST:PORT[,HOST:PORT…][/PREFIX] shared by several control
+    /// planes (etcds:// for TLS; prefix /nvpool by default).
+    #[arg(
+        long,
+        env = "NVPOOL_CONTROL_STORE",
+        value_name = "URL",
+        conflicts_with = "state_dir"
+    )]
+    pub store: Option<StoreUrl>,
+    #[command(flatten)]
+    pub store_tls: StoreTlsArgs,
     /// File of bearer tokens with their roles, one per line: `admin TOKEN`,
     /// `reader TOKEN`, `target TOKEN` or `host TOKEN HOSTNQN` (repeatable).
     /// Files are read again when they change, so a token is rotated by
@@ -61,6 +87,130 @@ pub struct Args {
     /// Log filter (tracing env-filter syntax), e.g. `info` or `nvpool_control=debug`.
     #[arg(long, default_value = "info", env = "NVPOOL_LOG", value_parser = parse_log_filter)]
     pub log: String,
+}
+
+/// Subcommands; without one, the daemon runs.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Copy every key of a store into another, empty one (redb:DIR into
+    /// etcd://…, say), then read it back and compare. Stop the control
+    /// plane first: the source must not be in use.
+    Migrate(MigrateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct MigrateArgs {
+    /// The store to copy: redb:DIR or etcd://…
+    #[arg(long, value_name = "URL")]
+    pub from: StoreUrl,
+    /// The empty store to copy into: etcd://… or redb:DIR.
+    #[arg(long, value_name = "URL")]
+    pub to: StoreUrl,
+    #[command(flatten)]
+    pub store_tls: StoreTlsArgs,
+}
+
+/// TLS to etcd, for etcds:// stores.
+#[derive(Debug, Default, clap::Args)]
+pub struct StoreTlsArgs {
+    /// CA certificate (PEM) that signs the etcd servers' certificates;
+    /// required for etcds://.
+    #[arg(long, value_name = "FILE")]
+    pub store_cacert: Option<PathBuf>,
+    /// Client certificate (PEM) to present to etcd, with --store-key.
+    #[arg(long, value_name = "FILE", requires = "store_key")]
+    pub store_cert: Option<PathBuf>,
+    /// Key of --store-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "store_cert")]
+    pub store_key: Option<PathBuf>,
+}
+
+impl StoreTlsArgs {
+    /// The TLS material for the etcds:// URLs among `urls`: an error when
+    /// an etcds:// URL has no CA, or when files are given and no URL uses
+    /// TLS.
+    fn load(&self, urls: &[&StoreUrl]) -> anyhow::Result<Option<EtcdTls>> {
+        let tls_url = urls
+            .iter()
+            .find(|u| matches!(u, StoreUrl::Etcd(e) if e.tls));
+        let Some(url) = tls_url else {
+            anyhow::ensure!(
+                self.store_cacert.is_none() && self.store_cert.is_none(),
+                "--store-cacert, --store-cert and --store-key are for etcds:// stores only"
+            );
+            return Ok(None);
+        };
+        let Some(ca) = &self.store_cacert else {
+            anyhow::bail!("{url} needs --store-cacert (the CA that signs etcd's certificates)");
+        };
+        let client = match (&self.store_cert, &self.store_key) {
+            (Some(cert), Some(key)) => Some((read_pem(cert)?, read_pem(key)?)),
+            _ => None,
+        };
+        Ok(Some(EtcdTls {
+            ca_pem: read_pem(ca)?,
+            client,
+        }))
+    }
+}
+
+fn read_pem(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let len = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    anyhow::ensure!(
+        len <= TLS_FILE_BYTES_MAX,
+        "{} is {len} bytes; a PEM certificate or key is at most {TLS_FILE_BYTES_MAX}",
+        path.display()
+    );
+    std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// Opens the store `url` names; `tls` is used for an etcds:// URL.
+pub fn open_store(url: &StoreUrl, tls: Option<&EtcdTls>) -> anyhow::Result<Arc<dyn Store>> {
+    Ok(match url {
+        StoreUrl::Redb(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            Arc::new(
+                RedbStore::open_in_dir(dir)
+                    .with_context(|| format!("opening the store in {}", dir.display()))?,
+            )
+        }
+        StoreUrl::Memory => Arc::new(MemStore::new()),
+        StoreUrl::Etcd(e) => {
+            let config = EtcdConfig {
+                tls: if e.tls { tls.cloned() } else { None },
+                ..EtcdConfig::new(e.clone())
+            };
+            Arc::new(EtcdStore::connect(config).with_context(|| format!("opening {url}"))?)
+        }
+    })
+}
+
+/// `nvpool-control migrate`: copies, checks, and says what it did.
+pub fn migrate(args: &MigrateArgs) -> anyhow::Result<String> {
+    for url in [&args.from, &args.to] {
+        anyhow::ensure!(
+            !matches!(url, StoreUrl::Memory),
+            "memory: is not a store to migrate from or to (nothing outlives the process)"
+        );
+    }
+    if let StoreUrl::Redb(dir) = &args.from {
+        // Opening would create an empty store, and copy nothing.
+        let file = dir.join(STORE_FILE);
+        anyhow::ensure!(file.exists(), "no store at {}", file.display());
+    }
+    anyhow::ensure!(args.from != args.to, "--from and --to name the same store");
+    let tls = args.store_tls.load(&[&args.from, &args.to])?;
+    let from = open_store(&args.from, tls.as_ref())?;
+    let to = open_store(&args.to, tls.as_ref())?;
+    let copied = copy_all(&*from, &*to)
+        .with_context(|| format!("copying {} into {}", args.from, args.to))?;
+    Ok(format!(
+        "migrated {} keys ({} bytes) from {} (revision {}) to {} in {} transactions; read back \
+         and compared: identical",
+        copied.keys, copied.bytes, args.from, copied.source_revision, args.to, copied.transactions
+    ))
 }
 
 fn parse_extent_size(s: &str) -> Result<u64, String> {
@@ -125,11 +275,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    let state_dir = match args.state_dir {
-        Some(d) => d,
-        None if is_root() => PathBuf::from(STATE_DIR_DEFAULT),
-        None => anyhow::bail!("--state-dir is required when not running as root"),
+    let store_url = match (args.store, args.state_dir) {
+        (Some(url), _) => url,
+        (None, Some(dir)) => StoreUrl::Redb(dir),
+        (None, None) if is_root() => StoreUrl::Redb(PathBuf::from(STATE_DIR_DEFAULT)),
+        (None, None) => anyhow::bail!("--state-dir is required when not running as root"),
     };
+    let tls = args.store_tls.load(&[&store_url])?;
     let token_files = TokenFiles {
         tokens: args.tokens_file.clone(),
         admin: args.admin_token_file.clone(),
@@ -154,11 +306,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ..StateConfig::default()
     };
     config.validate().context("invalid --extent-size")?;
-    std::fs::create_dir_all(&state_dir)
-        .with_context(|| format!("creating {}", state_dir.display()))?;
-    let store = RedbStore::open_in_dir(&state_dir)
-        .with_context(|| format!("opening the store in {}", state_dir.display()))?;
-    let cluster = Cluster::new(Arc::new(store), Arc::new(SystemClock), config)?;
+    let store = open_store(&store_url, tls.as_ref())?;
+    if store_url == StoreUrl::Memory {
+        tracing::warn!("memory: store: nothing survives a restart");
+    }
+    let cluster = Cluster::new(store, Arc::new(SystemClock), config)?;
     let cluster = Arc::new(cluster);
     let app = router(cluster.clone(), auth.clone());
     let heal_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -180,7 +332,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!(addr = %listener.local_addr()?, state_dir = %state_dir.display(), "nvpool-control serving");
+        tracing::info!(addr = %listener.local_addr()?, store = %store_url, "nvpool-control serving");
         tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
         tokio::spawn(crate::failover::watch_loop(cluster.clone()));
         if !token_files.is_empty() {
@@ -259,8 +411,23 @@ pub fn main_exit_code() -> i32 {
             return 0;
         }
     };
-    if args.state_dir.is_none() && !is_root() {
-        eprintln!("nvpool-control: --state-dir is required when not running as root (see --help)");
+    if let Some(Command::Migrate(m)) = &args.command {
+        return match migrate(m) {
+            Ok(report) => {
+                println!("{report}");
+                0
+            }
+            Err(e) => {
+                eprintln!("nvpool-control migrate: {e:#}");
+                1
+            }
+        };
+    }
+    if args.state_dir.is_none() && args.store.is_none() && !is_root() {
+        eprintln!(
+            "nvpool-control: --state-dir (or --store) is required when not running as root \
+             (see --help)"
+        );
         return 2;
     }
     match run(args) {
@@ -298,8 +465,48 @@ mod tests {
             let a = Args::try_parse_from(["nvpool-control", "--replace-after", arg]).unwrap();
             assert_eq!(a.replace_after, ms, "{arg}");
         }
+        let a =
+            Args::try_parse_from(["nvpool-control", "--store", "etcd://h1,h2:2380/c1"]).unwrap();
+        assert_eq!(
+            a.store.unwrap().to_string(),
+            "etcd://h1:2379,h2:2380/c1",
+            "the URL, parsed"
+        );
+        let a = Args::try_parse_from(["nvpool-control", "--store", "redb:/tmp/s"]).unwrap();
+        assert_eq!(a.store, Some(StoreUrl::Redb("/tmp/s".into())));
+        let a = Args::try_parse_from([
+            "nvpool-control",
+            "migrate",
+            "--from",
+            "redb:/var/lib/nvpool-control",
+            "--to",
+            "etcds://10.0.0.1/prod",
+            "--store-cacert",
+            "ca.pem",
+        ])
+        .unwrap();
+        let Some(Command::Migrate(m)) = a.command else {
+            panic!("migrate");
+        };
+        assert_eq!(m.to.to_string(), "etcds://10.0.0.1:2379/prod");
+        assert_eq!(m.store_tls.store_cacert, Some("ca.pem".into()));
         for bad in [
-            &["--replace-after", "soon"][..],
+            &["--store", "etcd://"][..],
+            &["--store", "file:/x"],
+            &["--store", "memory:", "--state-dir", "/tmp/s"],
+            &["--store-cert", "c.pem"],
+            &["--store-key", "k.pem"],
+            &[
+                "--listen",
+                "127.0.0.1:1",
+                "migrate",
+                "--from",
+                "redb:/a",
+                "--to",
+                "memory:",
+            ],
+            &["migrate", "--from", "redb:/a"],
+            &["--replace-after", "soon"],
             &["--replace-after", "5d"],
             &["--rebuild-rate", "fast"],
             &["--rebuild-rate", "5X"],
@@ -311,5 +518,60 @@ mod tests {
             let argv = ["nvpool-control"].iter().chain(bad);
             assert!(Args::try_parse_from(argv).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn store_tls_flags_go_with_etcds() {
+        let plain: StoreUrl = "etcd://h".parse().unwrap();
+        let tls: StoreUrl = "etcds://h".parse().unwrap();
+        let redb: StoreUrl = "redb:/x".parse().unwrap();
+        let none = StoreTlsArgs::default();
+        assert!(none.load(&[&plain, &redb]).unwrap().is_none());
+        let err = none.load(&[&redb, &tls]).unwrap_err().to_string();
+        assert!(err.contains("needs --store-cacert"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let with_ca = StoreTlsArgs {
+            store_cacert: Some(ca.clone()),
+            ..StoreTlsArgs::default()
+        };
+        let err = with_ca.load(&[&plain]).unwrap_err().to_string();
+        assert!(err.contains("etcds:// stores only"), "{err}");
+        let loaded = with_ca.load(&[&redb, &tls]).unwrap().unwrap();
+        assert_eq!(loaded.ca_pem, b"-----BEGIN CERTIFICATE-----\n");
+        assert!(loaded.client.is_none());
+        let missing = StoreTlsArgs {
+            store_cacert: Some(dir.path().join("nope.pem")),
+            ..StoreTlsArgs::default()
+        };
+        assert!(missing.load(&[&tls]).is_err());
+    }
+
+    #[test]
+    fn migrate_refuses_what_cannot_work() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = |from: &str, to: &str| MigrateArgs {
+            from: from.parse().unwrap(),
+            to: to.parse().unwrap(),
+            store_tls: StoreTlsArgs::default(),
+        };
+        let missing = format!("redb:{}", dir.path().join("none").display());
+        let err = migrate(&args(&missing, "etcd://127.0.0.1:1")).unwrap_err();
+        assert!(err.to_string().starts_with("no store at "), "{err}");
+        assert!(
+            !dir.path().join("none").exists(),
+            "a missing source is not created"
+        );
+        let err = migrate(&args("memory:", "etcd://h")).unwrap_err();
+        assert!(err.to_string().contains("memory:"), "{err}");
+        let src = format!("redb:{}", dir.path().display());
+        RedbStore::open_in_dir(dir.path()).unwrap();
+        let err = migrate(&args(&src, &src)).unwrap_err();
+        assert!(err.to_string().contains("same store"), "{err}");
+        // redb into redb works too (and back out of etcd, the same way).
+        let to = format!("redb:{}", dir.path().join("copy").display());
+        let report = migrate(&args(&src, &to)).unwrap();
+        assert!(report.starts_with("migrated 0 keys"), "{report}");
     }
 }

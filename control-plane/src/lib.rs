@@ -4,7 +4,7 @@
 //! `nvpool-control` daemon.
 //!
 //! ```text
-//!   daemon ── command line, redb store, signals
+//!   daemon ── command line, store (redb, etcd), migrate, signals
 //!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
 //!          │      └── rest ── request and response bodies (no feature)
 //!          │
@@ -14,6 +14,7 @@
 //!      │
 //!   store::Store ── txn(conditions, ops), list, changes_since
 //!      ├── RedbStore (embedded, default; feature "redb")
+//!      ├── EtcdStore (etcd v3, shared by control planes; feature "etcd")
 //!      └── MemStore  (tests)
 //!
 //!   nvpool-layout (its own crate, shared with hosts; re-exported here as
@@ -23,7 +24,7 @@
 //!
 //! Clients of the REST API (the CLI, the agent, the target's registration)
 //! depend on this crate with `default-features = false`, which leaves out
-//! redb and the server (axum, tokio, utoipa) and keeps [`rest`]'s bodies.
+//! redb, etcd and the server (axum, tokio, utoipa) and keeps [`rest`]'s bodies.
 //! Hosts that only serve volumes (the initiator) need only `nvpool-layout`.
 
 #[cfg(feature = "server")]

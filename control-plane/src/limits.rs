@@ -144,6 +144,49 @@ pub const CHANGE_LOG_REVISIONS_MAX: u64 = 10_000;
 /// volume records cannot make the log unbounded in size.
 pub const CHANGE_LOG_BYTES_MAX: u64 = 64 << 20;
 
+/// Endpoints of one etcd store URL: etcd clusters have 3, 5 or 7 members;
+/// 16 leaves room for listing client-facing proxies too.
+pub const ETCD_ENDPOINTS_MAX: usize = 16;
+/// The key prefix of one cluster in a shared etcd (`/nvpool`): a short path.
+/// Every etcd key is this plus a store key, so keys stay within etcd's
+/// limits with room to spare.
+pub const ETCD_PREFIX_BYTES_MAX: usize = 128;
+/// Every request to etcd (a get, one page of a list, a transaction, a
+/// watch read of `changes_since`) ends within this, retries included: long
+/// enough to ride out an etcd leader election (1 s with etcd's default
+/// election timeout) and a failover to another endpoint, short enough that
+/// a REST client hears 503 instead of hanging when etcd lost its quorum.
+pub const ETCD_REQUEST_TIMEOUT_MS: u64 = 5_000;
+/// One attempt of a read: an endpoint that hangs (a stopped process, a
+/// partition) is given up for another after this, within the request's
+/// deadline. Writes get no second attempt unless the first surely never
+/// reached etcd (connection refused, no leader), so they have no attempt
+/// timeout of their own.
+pub const ETCD_READ_ATTEMPT_TIMEOUT_MS: u64 = 2_000;
+/// Connecting to one etcd endpoint: loopback or a LAN answers in
+/// milliseconds; a dead host is skipped after this.
+pub const ETCD_CONNECT_TIMEOUT_MS: u64 = 1_000;
+/// TCP keep-alive on etcd connections, so that an idle connection to a
+/// vanished host is found dead. Not HTTP/2 pings: etcd answers pings more
+/// often than every 5 s (its `--grpc-keepalive-min-time`), or any while no
+/// request is open, by closing the connection, which fails the requests on
+/// it. A member that hangs is left by the read attempt timeout instead.
+pub const ETCD_TCP_KEEPALIVE_MS: u64 = 5_000;
+/// Waits between retries of one request: from the minimum, doubling, to the
+/// maximum; a leader election takes about a second.
+pub const ETCD_RETRY_BACKOFF_MIN_MS: u64 = 10;
+pub const ETCD_RETRY_BACKOFF_MAX_MS: u64 = 250;
+/// Keys per page of a list: a page of the largest values still fits one
+/// response (below), and a cluster of small records lists in few round trips.
+pub const ETCD_LIST_PAGE_KEYS: usize = 64;
+/// Times a list starts again when etcd compacted the revision it was
+/// reading between two pages (rare: compaction runs every few minutes).
+pub const ETCD_LIST_RESTARTS_MAX: u32 = 3;
+/// One gRPC message from etcd: a full page of a list, or one fragment of a
+/// watch response (etcd splits those at its `--max-request-bytes`, which an
+/// etcd for nvpool sets to a few MiB, above `TXN_BYTES_MAX`).
+pub const ETCD_RESPONSE_BYTES_MAX: usize = 128 << 20;
+
 /// Worst-case encoded size of one extent in a volume record: two IDs with
 /// their length prefixes, offset and length as 10-byte varints, member and
 /// row as 5-byte varints, the copy index as one byte.
@@ -163,5 +206,15 @@ const _: () = assert!(HEARTBEAT_TIMEOUT_MS >= 3 * HEARTBEAT_INTERVAL_MS);
 // record, its name-index key and the allocation epoch) fits one transaction.
 const _: () = assert!(VOLUME_ENCODED_BYTES_MAX <= VALUE_BYTES_MAX);
 const _: () = assert!(VALUE_BYTES_MAX + 4 * KEY_BYTES_MAX + 1024 <= TXN_BYTES_MAX);
+// A page of the largest values fits one etcd response, with room for the
+// per-key fields (revisions, lengths) of the protocol.
+const _: () = assert!(
+    ETCD_LIST_PAGE_KEYS * (VALUE_BYTES_MAX + KEY_BYTES_MAX + ETCD_PREFIX_BYTES_MAX + 64)
+        <= ETCD_RESPONSE_BYTES_MAX
+);
+// A read gets at least two attempts within its request's deadline.
+const _: () = assert!(2 * ETCD_READ_ATTEMPT_TIMEOUT_MS <= ETCD_REQUEST_TIMEOUT_MS);
+const _: () = assert!(ETCD_CONNECT_TIMEOUT_MS < ETCD_READ_ATTEMPT_TIMEOUT_MS);
+const _: () = assert!(ETCD_RETRY_BACKOFF_MIN_MS <= ETCD_RETRY_BACKOFF_MAX_MS);
 // The newest transaction always survives trimming of the change log.
 const _: () = assert!(CHANGE_LOG_BYTES_MAX >= 2 * TXN_BYTES_MAX as u64);

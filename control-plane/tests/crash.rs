@@ -16,39 +16,25 @@
 //! set so that `crash_worker` enters worker mode; it reports each operation
 //! on stdout as `BEGIN op uuid [size]` before and `OK op uuid [size]` after.
 
+#[path = "common/workload.rs"]
+mod workload;
+
 use nvpool_control::clock::SystemClock;
-use nvpool_control::limits::EXTENT_BYTES_MIN;
-use nvpool_control::model::{Device, Layout, Uuid, VolumeSpec};
-use nvpool_control::state::{Cluster, StateConfig, StateError, TargetRegistration};
+use nvpool_control::model::Uuid;
+use nvpool_control::state::{Cluster, StateConfig};
 use nvpool_control::store::{RedbStore, Store};
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use workload::{registration, step, Rng, E};
 
 const WORKER_ENV: &str = "NVPOOL_CRASH_WORKER";
-const E: u64 = EXTENT_BYTES_MIN;
 /// Kill cycles. Each runs the child for 150..=450 ms.
 const CYCLES: u64 = 8;
 /// A worker left behind by a dead parent stops by itself after this long.
 const WORKER_LIFETIME: Duration = Duration::from_secs(30);
-
-/// xorshift64*: enough randomness for choosing operations, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn cluster(dir: &std::path::Path) -> Cluster {
     let store: Arc<dyn Store> = Arc::new(RedbStore::open_in_dir(dir).expect("store opens"));
@@ -57,25 +43,6 @@ fn cluster(dir: &std::path::Path) -> Cluster {
         ..StateConfig::default()
     };
     Cluster::new(store, Arc::new(SystemClock), config).unwrap()
-}
-
-fn registration(i: usize) -> TargetRegistration {
-    TargetRegistration {
-        id: format!("t{i}"),
-        name: format!("host{i}"),
-        addr: format!("127.0.0.1:{}", 4420 + i).parse().unwrap(),
-        admin_addr: format!("127.0.0.1:{}", 5420 + i).parse().unwrap(),
-        labels: [("rack".to_string(), format!("r{}", i % 3))].into(),
-        devices: (0..2)
-            .map(|d| Device {
-                id: format!("d{d}"),
-                backend: format!("ram:{}", 48 * E),
-                capacity_bytes: 48 * E,
-                labels: BTreeMap::new(),
-            })
-            .collect(),
-        rdma_addr: None,
-    }
 }
 
 fn worker(dir: &std::path::Path) {
@@ -112,189 +79,6 @@ fn worker(dir: &std::path::Path) {
             });
         }
     });
-}
-
-fn step(c: &Cluster, live: &Mutex<Vec<Uuid>>, rng: &mut Rng) {
-    let roll = rng.below(100);
-    let pick = {
-        let mut l = live.lock().unwrap();
-        if l.is_empty() || roll < 60 {
-            None
-        } else {
-            // Take it out so the other thread does not operate on it too.
-            let i = rng.below(l.len() as u64) as usize;
-            Some(l.swap_remove(i))
-        }
-    };
-    match pick {
-        None => {
-            let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&rng.next().to_le_bytes());
-            bytes[8..].copy_from_slice(&rng.next().to_le_bytes());
-            let uuid = Uuid(bytes);
-            let layout = match rng.below(4) {
-                0 => Layout::Concat,
-                1 => Layout::Raid0 {
-                    stripe_bytes: 65536,
-                    width: 3,
-                },
-                2 => Layout::Raid1 { copies: 2 },
-                _ => Layout::Raid10 {
-                    stripe_bytes: 4096,
-                    width: 2,
-                    copies: 3,
-                },
-            };
-            let spec = VolumeSpec {
-                uuid,
-                name: uuid.to_string(),
-                size_bytes: (1 + rng.below(4 * 256)) * 4096,
-                layout,
-                pool: None,
-            };
-            println!("@@ BEGIN create {uuid}");
-            match c.create_volume(&spec) {
-                Ok(_) => {
-                    println!("@@ OK create {uuid}");
-                    live.lock().unwrap().push(uuid);
-                }
-                Err(StateError::Placement(_)) => println!("@@ FULL create {uuid}"),
-                Err(e) => panic!("create: {e}"),
-            }
-        }
-        Some(uuid) if roll < 75 => {
-            // Detach every host first (a delete of an attached volume is
-            // refused), now and then as a forced detach that leaves stale
-            // exports behind on one target.
-            for a in c.volume_attachments(&uuid).unwrap() {
-                let host = a.host_nqn;
-                println!("@@ BEGIN detach {uuid} {host}");
-                let (a, by_target) = c.begin_detach(&uuid, &host).unwrap();
-                let mut stale = BTreeMap::new();
-                if rng.below(2) == 0 {
-                    if let Some((t, xs)) = by_target.into_iter().next() {
-                        stale.insert(t, xs);
-                    }
-                }
-                c.finish_detach(&a.volume, &host, &stale).unwrap();
-                println!("@@ OK detach {uuid} {host}");
-            }
-            println!("@@ BEGIN delete {uuid}");
-            c.delete_volume(&uuid).unwrap();
-            println!("@@ OK delete {uuid}");
-            // Sometimes a target "reconciles": its stale exports go.
-            if rng.below(3) == 0 {
-                let t = format!("t{}", rng.below(6));
-                if let Some((_, version)) = c.stale_exports(&t).unwrap() {
-                    c.clear_stale_exports(&t, version).unwrap();
-                }
-            }
-        }
-        Some(uuid) if roll < 90 => {
-            let host = format!("nqn.2014-08.org.nvmexpress:uuid:host-{}", rng.below(3));
-            println!("@@ BEGIN attach {uuid} {host}");
-            c.begin_attach(&uuid, &host).unwrap();
-            c.finish_attach(&uuid, &host).unwrap();
-            println!("@@ OK attach {uuid} {host}");
-            live.lock().unwrap().push(uuid);
-        }
-        Some(uuid) if roll < 95 => {
-            println!("@@ BEGIN resync {uuid}");
-            resync_step(c, &uuid, rng);
-            println!("@@ OK resync {uuid}");
-            live.lock().unwrap().push(uuid);
-        }
-        Some(uuid) => {
-            let size = c.volume(&uuid).unwrap().volume.size_bytes + (1 + rng.below(512)) * 4096;
-            println!("@@ BEGIN grow {uuid} {size}");
-            match c.resize_volume(&uuid, size) {
-                Ok(_) => println!("@@ OK grow {uuid} {size}"),
-                Err(StateError::Placement(_)) => println!("@@ FULL grow {uuid} {size}"),
-                Err(e) => panic!("grow: {e}"),
-            }
-            live.lock().unwrap().push(uuid);
-        }
-    }
-}
-
-/// One step of a copy's life on a mirrored volume: a host reports a copy
-/// failed, a job starts on it, moves through its states, and ends done or
-/// failed (the heal loop's transitions, without targets).
-fn resync_step(c: &Cluster, uuid: &Uuid, rng: &mut Rng) {
-    let view = c.volume(uuid).unwrap();
-    let copies = u32::from(view.volume.layout.copies());
-    if copies < 2 {
-        return;
-    }
-    let host = "nqn.2014-08.org.nvmexpress:uuid:host-0";
-    if c.attachment(uuid, host).is_err() {
-        println!("@@ BEGIN attach {uuid} {host}");
-        c.begin_attach(uuid, host).unwrap();
-        c.finish_attach(uuid, host).unwrap();
-        println!("@@ OK attach {uuid} {host}");
-    }
-    let cs = c.copy_state(uuid).unwrap();
-    match cs.jobs.first() {
-        None if view.failed_extents.is_empty() && rng.below(2) == 0 => {
-            let e = rng.below(u64::from(copies)) as u32;
-            c.report_failed_extents(uuid, host, &[e]).unwrap();
-        }
-        None if view.failed_extents.is_empty() => {
-            // Move a copy to a new extent (as a drain or a rebalance does).
-            let e = rng.below(u64::from(copies)) as u32;
-            let k = nvpool_control::resync::Candidate {
-                volume: *uuid,
-                extent: e,
-                source: e,
-                kind: nvpool_control::resync::CopyKind::Move,
-                to: None,
-            };
-            match c.create_job(&k) {
-                Ok(_) | Err(StateError::Placement(_)) => {}
-                Err(e) => panic!("create a move: {e}"),
-            }
-        }
-        None => {
-            let mine: Vec<_> = c
-                .resync_candidates(0)
-                .unwrap()
-                .into_iter()
-                .filter(|k| k.volume == *uuid)
-                .collect();
-            if let Some(k) = mine.first() {
-                c.create_job(k).unwrap();
-            }
-        }
-        Some(j) => {
-            use nvpool_control::resync::JobState;
-            match j.state {
-                JobState::Arming => {
-                    c.job_mirroring(uuid, j.id).unwrap();
-                }
-                JobState::Mirroring => {
-                    for a in c.volume_attachments(uuid).unwrap() {
-                        c.confirm_sync(uuid, &a.host_nqn, j.id, 1, Some(&[0]))
-                            .unwrap();
-                    }
-                    c.job_copying(uuid, j.id).unwrap();
-                }
-                JobState::Copying if j.dest.is_some() && rng.below(3) != 0 => {
-                    c.job_switching(uuid, j.id).unwrap();
-                }
-                JobState::Copying => {
-                    let error = (rng.below(3) == 0).then_some("copier failed");
-                    c.finish_job(uuid, j.id, error).unwrap();
-                }
-                JobState::Switching => {
-                    for a in c.volume_attachments(uuid).unwrap() {
-                        c.confirm_sync(uuid, &a.host_nqn, j.id, 1, None).unwrap();
-                    }
-                    assert!(c.job_confirmed(uuid, j.id).unwrap());
-                    c.finish_job(uuid, j.id, None).unwrap();
-                }
-            }
-        }
-    }
 }
 
 /// What the parent knows from the child's reports, across all cycles.

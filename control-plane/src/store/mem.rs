@@ -153,21 +153,21 @@ impl Store for MemStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::conformance;
+    use crate::store::conformance::{self, Revisions};
 
     #[test]
     fn conformance_suite() {
-        conformance::run(&MemStore::new());
+        conformance::run(&MemStore::new(), Revisions::Private);
     }
 
     #[test]
     fn history_suite() {
         let limits = conformance::SMALL_HISTORY;
-        conformance::history(&MemStore::with_history(limits));
+        conformance::history(&MemStore::with_history(limits), Revisions::Private);
     }
 
     #[test]
     fn concurrent_compare_and_swap() {
-        conformance::concurrent_increments(&MemStore::new(), 4, 50);
+        conformance::concurrent_increments(&MemStore::new(), Revisions::Private, 4, 50);
     }
 }

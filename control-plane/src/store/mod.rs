@@ -1,22 +1,28 @@
 //! The metadata store: a small, transactional key-value map with etcd's
-//! data model, so that the embedded redb store can later be replaced by etcd
-//! for a highly available control plane without touching the layers above.
+//! data model, embedded (redb) for one control plane or on etcd so that
+//! several control planes can share it, without touching the layers above.
 //!
 //! ```text
 //!   state.rs ── get / list(prefix) ──────────────► Store ─┬─ RedbStore (one file, default)
-//!            ── txn(conditions, ops) ─ CAS ──────►        ├─ MemStore  (tests)
-//!   watchers ── changes_since(revision) ─ poll ──►        └─ (etcd, later)
+//!            ── txn(conditions, ops) ─ CAS ──────►        ├─ EtcdStore (etcd v3, feature "etcd")
+//!   watchers ── changes_since(revision) ─ poll ──►        └─ MemStore  (tests)
+//!   migrate  ── copy_all(from, to) ── every key, into an empty store
 //! ```
 //!
 //! The model, and why each part is there:
 //!
-//! - **Keys are strings, values bytes.** Keys are paths (`/targets/{id}`,
-//!   `/volumes/{uuid}`) so that `list(prefix)` reads one kind of object.
+//! - **Keys are paths, values bytes.** Keys start with `/` (`/targets/{id}`,
+//!   `/volumes/{uuid}`) so that `list(prefix)` reads one kind of object, and
+//!   so that an etcd store can put them under its own prefix (`/nvpool` +
+//!   key) without two clusters' keys ever meeting.
 //! - **A store revision counts committed transactions that changed
 //!   something.** Every transaction that puts or deletes at least one key
-//!   gets the next revision; all its changes carry that revision. A
+//!   gets a new, higher revision; all its changes carry that revision. A
 //!   transaction that changes nothing (only deletes of missing keys, or no
-//!   operations) does not consume one.
+//!   operations) does not consume one. The embedded stores count from 0 in
+//!   steps of 1; etcd's revision is shared by everything in that etcd, so
+//!   there it grows in steps of 1 or more, and callers only ever compare
+//!   revisions.
 //! - **Every key has a version: the revision that last wrote it** (etcd's
 //!   `mod_revision`). It is never 0 for an existing key, and a deleted and
 //!   re-created key gets a new, higher one, so "unchanged since I read it"
@@ -28,23 +34,31 @@
 //!   it is all the layers above need for optimistic read → compute → commit.
 //! - **`list` returns the revision it read at.** A watcher lists, then polls
 //!   `changes_since(that revision)`; together they never miss a change.
-//! - **History is bounded.** The change log keeps at most
-//!   `CHANGE_LOG_REVISIONS_MAX` revisions and `CHANGE_LOG_BYTES_MAX` bytes;
-//!   asking for older changes fails with `Compacted`, and the watcher lists
-//!   again (etcd's watch has the same contract).
+//! - **History is bounded.** `changes_since` serves at most
+//!   `CHANGE_LOG_REVISIONS_MAX` revisions and `CHANGE_LOG_BYTES_MAX` bytes
+//!   of changes; asking for older changes fails with `Compacted`, and the
+//!   watcher lists again (etcd's watch has the same contract, and an etcd
+//!   store also answers `Compacted` when etcd compacted its own history).
 //!
 //! Deliberately absent: leases (heartbeats are timestamps in the records,
 //! judged by the reader), range deletes, and reads inside transactions (the
 //! caller reads first and conditions on versions).
 
 pub mod conformance;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod mem;
+pub mod migrate;
 #[cfg(feature = "redb")]
 mod redb;
+pub mod url;
 
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdConfig, EtcdStore, EtcdTls};
 pub use mem::MemStore;
 #[cfg(feature = "redb")]
 pub use redb::{RedbStore, STORE_FILE};
+pub use url::{EtcdUrl, StoreUrl};
 
 use crate::limits::{
     CHANGE_LOG_BYTES_MAX, CHANGE_LOG_REVISIONS_MAX, KEY_BYTES_MAX, TXN_BYTES_MAX,
@@ -214,6 +228,20 @@ pub enum StoreError {
     /// The stored bytes do not decode.
     #[error("store is corrupt: {0}")]
     Corrupt(String),
+    /// The store's servers cannot answer: every etcd endpoint is down, etcd
+    /// lost its quorum, or no answer came within the deadline. A `txn` that
+    /// fails so may or may not have been applied: read again before
+    /// deciding (the layers above always do, they condition on versions).
+    #[error("{store} is unavailable: {reason}")]
+    Unavailable {
+        /// Which store, e.g. `etcd at 10.0.0.1:2379,10.0.0.2:2379`.
+        store: String,
+        reason: String,
+    },
+    /// Another process holds the store (redb locks its file): a second
+    /// control plane, or a migration, on the same directory.
+    #[error("store {0} is in use by another process (is nvpool-control running on it?)")]
+    InUse(String),
 }
 
 /// A transactional key-value store with revisions and bounded history. See
@@ -228,11 +256,13 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// Applies every op atomically and durably if every condition holds.
     /// A key may appear in at most one op.
     fn txn(&self, conditions: &[Condition], ops: &[Op]) -> Result<TxnOutcome, StoreError>;
-    /// The current store revision (0 for an empty, never-written store).
+    /// The current store revision: 0 for a never-written embedded store;
+    /// an etcd store starts wherever that etcd's revision is.
     fn revision(&self) -> Result<Revision, StoreError>;
-    /// Every change with a revision greater than `revision`, in revision
-    /// order (changes of one transaction in op order), or `Compacted` if
-    /// some of them were trimmed from the history.
+    /// Every change with a revision greater than `revision` (up to the
+    /// current revision), in revision order (changes of one transaction in
+    /// op order), or `Compacted` if some of them were trimmed from the
+    /// history, or `FutureRevision` if `revision` is ahead of the store.
     fn changes_since(&self, revision: Revision) -> Result<Vec<Change>, StoreError>;
 }
 
@@ -284,9 +314,9 @@ pub(crate) fn validate_txn(conditions: &[Condition], ops: &[Op]) -> Result<(), S
 }
 
 fn validate_key(key: &str) -> Result<(), StoreError> {
-    if key.is_empty() || key.len() > KEY_BYTES_MAX {
+    if !key.starts_with('/') || key.len() > KEY_BYTES_MAX {
         return Err(StoreError::InvalidTxn(format!(
-            "key {key:?} must be 1..={KEY_BYTES_MAX} bytes"
+            "key {key:?} must start with '/' and be at most {KEY_BYTES_MAX} bytes"
         )));
     }
     Ok(())
@@ -340,6 +370,8 @@ mod tests {
         assert!(validate_txn(&[], &[put("/a", 10), Op::Delete("/b".into())]).is_ok());
         assert!(validate_txn(&[], &[put("/a", 1), Op::Delete("/a".into())]).is_err());
         assert!(validate_txn(&[], &[put("", 1)]).is_err());
+        assert!(validate_txn(&[], &[put("a", 1)]).is_err(), "keys are paths");
+        assert!(validate_txn(&[Condition::Missing("a".into())], &[]).is_err());
         assert!(validate_txn(&[], &[put(&"k".repeat(KEY_BYTES_MAX + 1), 1)]).is_err());
         assert!(validate_txn(&[], &[put("/a", VALUE_BYTES_MAX + 1)]).is_err());
         assert!(validate_txn(

@@ -86,7 +86,12 @@ impl RedbStore {
 
     /// Opens with explicit history limits (tests use small ones).
     pub fn open_with_history(path: &Path, limits: HistoryLimits) -> Result<RedbStore, StoreError> {
-        let db = Database::create(path).map_err(backend("open"))?;
+        let db = Database::create(path).map_err(|e| match e {
+            ::redb::DatabaseError::DatabaseAlreadyOpen => {
+                StoreError::InUse(path.display().to_string())
+            }
+            e => backend("open")(e),
+        })?;
         let store = RedbStore {
             db,
             path: path.to_owned(),
@@ -359,12 +364,15 @@ impl Store for RedbStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::conformance;
+    use crate::store::conformance::{self, Revisions};
 
     #[test]
     fn conformance_suite() {
         let dir = tempfile::tempdir().unwrap();
-        conformance::run(&RedbStore::open_in_dir(dir.path()).unwrap());
+        conformance::run(
+            &RedbStore::open_in_dir(dir.path()).unwrap(),
+            Revisions::Private,
+        );
     }
 
     #[test]
@@ -372,13 +380,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(STORE_FILE);
         let limits = conformance::SMALL_HISTORY;
-        conformance::history(&RedbStore::open_with_history(&path, limits).unwrap());
+        conformance::history(
+            &RedbStore::open_with_history(&path, limits).unwrap(),
+            Revisions::Private,
+        );
     }
 
     #[test]
     fn concurrent_compare_and_swap() {
         let dir = tempfile::tempdir().unwrap();
-        conformance::concurrent_increments(&RedbStore::open_in_dir(dir.path()).unwrap(), 3, 20);
+        conformance::concurrent_increments(
+            &RedbStore::open_in_dir(dir.path()).unwrap(),
+            Revisions::Private,
+            3,
+            20,
+        );
     }
 
     #[test]
@@ -397,7 +413,7 @@ mod tests {
             let out = s.txn(&[], &[Op::Put("/j".into(), b"w".to_vec())]).unwrap();
             assert_eq!(out, TxnOutcome::Committed { revision: 2 });
             assert!(
-                RedbStore::open(&path).is_err(),
+                matches!(RedbStore::open(&path), Err(StoreError::InUse(_))),
                 "a second open of the same file is refused"
             );
         }

@@ -1,13 +1,16 @@
 //! Shared by the control plane's integration tests: the router served on a
 //! loopback port over a MemStore-backed cluster with a manual clock, and a
-//! minimal HTTP/1.1 client (one request per connection).
+//! minimal HTTP/1.1 client (one request per connection); real etcd members
+//! ([`etcd`]); a workload that builds cluster state ([`workload`]).
 
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod nodes;
+pub mod workload;
 
 use nvpool_control::api::{ApiServer, AuthConfig};
-use nvpool_control::store::MemStore;
+use nvpool_control::store::{MemStore, Store};
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use serde_json::Value;
 use std::io::{Read, Write};
@@ -28,12 +31,17 @@ pub struct Server {
 }
 
 pub fn serve(auth: AuthConfig) -> Server {
+    serve_store(Arc::new(MemStore::new()), auth)
+}
+
+/// [`serve`] over another store.
+pub fn serve_store(store: Arc<dyn Store>, auth: AuthConfig) -> Server {
     let clock = Arc::new(ManualClock::new(T0));
     let config = StateConfig {
         extent_bytes: MIB,
         ..StateConfig::default()
     };
-    let cluster = Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap();
+    let cluster = Cluster::new(store, clock.clone(), config).unwrap();
     let cluster = Arc::new(cluster);
     let api = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
     Server {
