@@ -780,6 +780,7 @@ async fn register_target(
         addr: body.addr,
         admin_addr: body.admin_addr,
         rdma_addr: body.rdma_addr,
+        admin_token: body.admin_token,
         labels: body.labels,
         devices: body
             .devices

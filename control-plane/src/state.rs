@@ -14,6 +14,7 @@
 //! | key | value |
 //! |---|---|
 //! | `/targets/{id}` | [`Target`] |
+//! | `/target-credentials/{id}` | [`TargetCredential`]: the target's admin API token (never in the snapshot) |
 //! | `/pools/{name}` | [`Pool`] |
 //! | `/volumes/{uuid}` | [`Volume`], with all its extents |
 //! | `/volume-names/{name}` | the volume's [`Uuid`] (keeps names unique) |
@@ -54,6 +55,7 @@ use crate::placement::{
     failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
     DEFAULT_FAILURE_DOMAIN_LABEL,
 };
+use crate::rest::Secret;
 use crate::resync::{CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use serde::{Deserialize, Serialize};
@@ -66,6 +68,7 @@ pub mod keys {
     use crate::model::Uuid;
 
     pub const TARGETS: &str = "/targets/";
+    pub const TARGET_CREDENTIALS: &str = "/target-credentials/";
     pub const POOLS: &str = "/pools/";
     pub const VOLUMES: &str = "/volumes/";
     pub const VOLUME_NAMES: &str = "/volume-names/";
@@ -73,6 +76,10 @@ pub mod keys {
 
     pub fn target(id: &str) -> String {
         format!("{TARGETS}{id}")
+    }
+
+    pub fn target_credential(id: &str) -> String {
+        format!("{TARGET_CREDENTIALS}{id}")
     }
 
     pub fn pool(name: &str) -> String {
@@ -205,7 +212,24 @@ pub struct TargetRegistration {
     /// The NVMe/RDMA listener hosts may use instead of `addr`.
     #[serde(default)]
     pub rdma_addr: Option<SocketAddr>,
+    /// The target's admin API token, kept as its [`TargetCredential`];
+    /// None keeps the one held (if any).
+    #[serde(default, skip_serializing)]
+    pub admin_token: Option<Secret>,
 }
+
+/// What the control plane needs to call a target's admin API, stored
+/// under its own key (`/target-credentials/{id}`) rather than in the
+/// [`Target`] record: written with the registration, deleted with the
+/// target, read only by the client of the target's admin API, and never
+/// part of an answer or a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetCredential {
+    pub target: String,
+    pub admin_token: Secret,
+}
+
+impl crate::model::Stored for TargetCredential {}
 
 /// A stored value and its version.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -686,9 +710,41 @@ impl Cluster {
                 Some(e) => Condition::VersionIs(key.clone(), e.version),
                 None => Condition::Missing(key.clone()),
             };
-            let op = Op::Put(key, encode(&target));
-            self.commit_allocation(&s, vec![cond], vec![op], target)
+            let mut ops = vec![Op::Put(key, encode(&target))];
+            if let Some(token) = &reg.admin_token {
+                // Registrations and removals of this target are serialised
+                // by its key and the allocation epoch: no condition of its own.
+                let credential = TargetCredential {
+                    target: reg.id.clone(),
+                    admin_token: token.clone(),
+                };
+                ops.push(Op::Put(
+                    keys::target_credential(&reg.id),
+                    encode(&credential),
+                ));
+            }
+            self.commit_allocation(&s, vec![cond], ops, target)
         })
+    }
+
+    /// The admin API token a target registered with, if any.
+    pub fn target_credential(&self, id: &str) -> Result<Option<Secret>, StateError> {
+        validate_id("target id", id, ID_BYTES_MAX)?;
+        let key = keys::target_credential(id);
+        let Some(kv) = self.store.get(&key)? else {
+            return Ok(None);
+        };
+        let c: TargetCredential = decode_at("target credential", &key, &kv.value)?;
+        if c.target != id {
+            return Err(StateError::Corrupt {
+                key,
+                source: ModelError::Invalid(format!(
+                    "the key holds the credential of {}",
+                    c.target
+                )),
+            });
+        }
+        Ok(Some(c.admin_token))
     }
 
     /// Records a heartbeat now; returns the updated target.
@@ -760,7 +816,7 @@ impl Cluster {
             }
             let key = keys::target(id);
             let mut conds = vec![Condition::VersionIs(key.clone(), t.version)];
-            let mut ops = vec![Op::Delete(key)];
+            let mut ops = vec![Op::Delete(key), Op::Delete(keys::target_credential(id))];
             if let Some(r) = stale {
                 let skey = ak::stale_exports(id);
                 conds.push(Condition::VersionIs(skey.clone(), r.version));
@@ -1354,6 +1410,7 @@ mod tests {
                 })
                 .collect(),
             rdma_addr: None,
+            admin_token: None,
         }
     }
 
@@ -1404,6 +1461,47 @@ mod tests {
             c.register_target(&bad),
             Err(StateError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn a_target_credential_lives_beside_the_record_and_dies_with_it() {
+        let f = fixture();
+        let c = &f.cluster;
+        let secret = |t: &str| Secret::new(t).unwrap();
+        let mut r = registration(0, "r0", 1, 4);
+        r.admin_token = Some(secret("first-admin-token-0123"));
+        assert!(!format!("{r:?}").contains("first-admin-token"));
+        c.register_target(&r).unwrap();
+        assert_eq!(
+            c.target_credential("t0").unwrap(),
+            Some(secret("first-admin-token-0123"))
+        );
+        // Not in the record, its views or the snapshot.
+        let raw = c.store().get(&keys::target("t0")).unwrap().unwrap().value;
+        assert!(!String::from_utf8_lossy(&raw).contains("first-admin-token"));
+        assert!(!format!("{:?}", c.targets().unwrap()).contains("first-admin-token"));
+        assert!(!format!("{:?}", c.snapshot().unwrap()).contains("first-admin-token"));
+        // A registration without one keeps it; with another, replaces it.
+        r.admin_token = None;
+        c.register_target(&r).unwrap();
+        assert_eq!(
+            c.target_credential("t0").unwrap(),
+            Some(secret("first-admin-token-0123"))
+        );
+        r.admin_token = Some(secret("second-admin-token-0123"));
+        c.register_target(&r).unwrap();
+        assert_eq!(
+            c.target_credential("t0").unwrap(),
+            Some(secret("second-admin-token-0123"))
+        );
+        assert_eq!(c.target_credential("t1").unwrap(), None);
+        c.remove_target("t0", false).unwrap();
+        assert_eq!(c.target_credential("t0").unwrap(), None);
+        assert!(c
+            .store()
+            .get(&keys::target_credential("t0"))
+            .unwrap()
+            .is_none());
     }
 
     #[test]

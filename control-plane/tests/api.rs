@@ -202,6 +202,116 @@ fn targets_register_an_rdma_listener() {
     assert_eq!(r.json()["rdma_addr"], Value::Null);
 }
 
+/// Requests a [`FakeAdmin`] saw: the request line and the `Authorization`
+/// header.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
+/// A stand-in for a target's admin API on a loopback port: answers every
+/// request 200 with `[]` and records its request line and
+/// `Authorization` header.
+struct FakeAdmin {
+    addr: std::net::SocketAddr,
+    seen: Seen,
+}
+
+impl FakeAdmin {
+    fn start() -> FakeAdmin {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let seen = Seen::default();
+        let log = seen.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).is_ok_and(|n| n == 1) {
+                    head.push(b[0]);
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let mut lines = head.split("\r\n");
+                let request = lines.next().unwrap_or_default().to_owned();
+                let mut auth = None;
+                let mut len = 0usize;
+                for l in lines {
+                    if let Some((k, v)) = l.split_once(':') {
+                        match k.trim().to_ascii_lowercase().as_str() {
+                            "authorization" => auth = Some(v.trim().to_owned()),
+                            "content-length" => len = v.trim().parse().unwrap_or(0),
+                            _ => {}
+                        }
+                    }
+                }
+                let mut body = vec![0u8; len];
+                let _ = s.read_exact(&mut body);
+                log.lock().unwrap().push((request, auth));
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                      Content-Length: 2\r\nConnection: close\r\n\r\n[]",
+                );
+            }
+        });
+        FakeAdmin { addr, seen }
+    }
+
+    fn seen(&self) -> Vec<(String, Option<String>)> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+/// A target's admin token comes with its registration, is kept apart and
+/// never shown, and goes as a bearer token with every call the control
+/// plane makes to that target (each target its own).
+#[test]
+fn each_target_gets_its_own_admin_token_and_nobody_sees_it() {
+    let s = serve(tokens());
+    let fakes: Vec<FakeAdmin> = (0..3).map(|_| FakeAdmin::start()).collect();
+    let token = |i: usize| format!("admin-token-of-t{i}-0123456789");
+    for (i, f) in fakes.iter().enumerate() {
+        let mut reg = registration(i, "r0", 1, 8);
+        reg["admin_addr"] = json!(f.addr.to_string());
+        if i < 2 {
+            reg["admin_token"] = json!(token(i));
+        }
+        let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(!r.body.contains("admin-token-of"), "{}", r.body);
+        assert!(r.json().get("admin_token").is_none());
+    }
+    // A re-registration without the field keeps the token.
+    let mut reg = registration(0, "r0", 1, 8);
+    reg["admin_addr"] = json!(fakes[0].addr.to_string());
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg.clone()));
+    assert_eq!(r.status, 200, "{}", r.body);
+    // A token that is no token: 400, and it is not quoted back.
+    reg["admin_token"] = json!("short");
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+    s.expect_error(&r, 400, "invalid");
+    assert!(!r.body.contains("short\""), "{}", r.body);
+    for path in ["/v1/targets", "/v1/targets/t0", "/v1/targets/t1"] {
+        let r = s.call("GET", path, None, None);
+        assert_eq!(r.status, 200);
+        assert!(!r.body.contains("admin-token-of"), "{path}: {}", r.body);
+    }
+    for i in 0..3 {
+        let r = s.admin("POST", &format!("/v1/targets/t{i}/reconcile"), None);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    for (i, f) in fakes.iter().enumerate() {
+        let seen = f.seen();
+        assert!(seen.len() >= 2, "t{i}: {seen:?}");
+        let want = (i < 2).then(|| format!("Bearer {}", token(i)));
+        for (request, auth) in &seen {
+            assert_eq!(auth, &want, "t{i}: {request}");
+        }
+    }
+    // Gone with the target.
+    let r = s.admin("DELETE", "/v1/targets/t1", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(s.cluster.target_credential("t1").unwrap(), None);
+    assert!(s.cluster.target_credential("t0").unwrap().is_some());
+}
+
 /// What `nvpool-target` sends reaches the target record.
 #[test]
 fn a_target_daemon_registers_its_rdma_listener() {

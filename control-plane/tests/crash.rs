@@ -75,6 +75,7 @@ fn registration(i: usize) -> TargetRegistration {
             })
             .collect(),
         rdma_addr: None,
+        admin_token: None,
     }
 }
 

@@ -270,6 +270,7 @@ impl RegistrationConfig {
                 })
                 .collect(),
             rdma_addr,
+            admin_token: None,
         }
     }
 }
@@ -1110,6 +1111,7 @@ mod tests {
                 rdma_addr,
                 labels: BTreeMap::new(),
                 devices: Vec::new(),
+                admin_token: None,
             })
             .unwrap()
         };
