@@ -81,6 +81,24 @@ pub const ZERO_WRITE_CHUNK_BYTES: usize = 1 << 20;
 /// when a host misbehaves in a loop. The rest are counted.
 pub const PEER_LOG_LINES_PER_WINDOW: u32 = 10;
 pub const PEER_LOG_WINDOW_MS: u64 = 1_000;
+/// Sites of a per-peer rate limit (`peerlog::PeerSites`): peers are
+/// spread over this many, so all peers together write at most this many
+/// times `PEER_LOG_LINES_PER_WINDOW` lines a window however many
+/// addresses they send from.
+pub const PEER_LOG_KEYED_SITES: usize = 16;
+
+/// Tokens one admin token file may hold: the current one, the one being
+/// rotated out, and room for a few clients of their own.
+pub const ADMIN_TOKENS_MAX: usize = 16;
+/// A token file is read whole; more than this is not a token file.
+pub const ADMIN_TOKEN_FILE_BYTES_MAX: u64 = 64 << 10;
+/// Random bytes of a generated admin token: 256 bits, written as 64 hex
+/// digits.
+pub const ADMIN_TOKEN_RANDOM_BYTES: usize = 32;
+/// The token file is looked at (stat) at most this often for changes, so
+/// a flood of requests costs no file system work; a rotated token works
+/// within this.
+pub const ADMIN_TOKEN_RECHECK_MS: u64 = 1_000;
 
 /// Outstanding Asynchronous Event Requests per controller (AERL + 1).
 pub const AER_MAX: usize = 4;
@@ -254,6 +272,15 @@ const _: () = assert!(ZERO_OPS_PER_CMD_MAX >= 1);
 const _: () = assert!(ZERO_WRITE_CHUNK_BYTES.is_multiple_of(4096));
 const _: () = assert!(ZERO_WRITE_CHUNK_BYTES / 512 <= u16::MAX as usize);
 const _: () = assert!(PEER_LOG_LINES_PER_WINDOW >= 1 && PEER_LOG_WINDOW_MS >= 1);
+const _: () = assert!(PEER_LOG_KEYED_SITES >= 1);
+const _: () = assert!(
+    ADMIN_TOKEN_RANDOM_BYTES * 2 >= nvpool_control::rest::SECRET_BYTES_MIN
+        && ADMIN_TOKEN_RANDOM_BYTES * 2 <= nvpool_control::rest::SECRET_BYTES_MAX
+);
+const _: () = assert!(
+    ADMIN_TOKENS_MAX as u64 * (nvpool_control::rest::SECRET_BYTES_MAX as u64 + 1)
+        <= ADMIN_TOKEN_FILE_BYTES_MAX
+);
 const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);
 const _: () = assert!(REGISTER_BACKOFF_MIN_MS <= REGISTER_BACKOFF_MAX_MS);
 const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);
