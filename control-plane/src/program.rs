@@ -51,6 +51,23 @@ pub enum ProgramError {
         what: String,
         message: String,
     },
+    /// The daemon at the target's admin address is not that target (or
+    /// cannot say who it is): nothing was changed there.
+    #[error(
+        "the daemon at {addr} is not target {target} (it says it is {found}); \
+         nothing was changed there: fix the target's registration or its address"
+    )]
+    WrongTarget {
+        target: String,
+        addr: SocketAddr,
+        found: String,
+    },
+}
+
+/// What a target's admin API says it is (`GET /v1/identity`).
+#[derive(Debug, Deserialize)]
+struct IdentityState {
+    target_id: Option<String>,
 }
 
 /// A subsystem as the target's admin API lists it.
@@ -104,6 +121,9 @@ pub(crate) struct TargetAdmin {
     addr: SocketAddr,
     /// The target's admin token, when it gave one.
     token: Option<Secret>,
+    /// The daemon at `addr` said it is `target`: set by the first change
+    /// made through this client.
+    confirmed: std::sync::OnceLock<()>,
 }
 
 impl TargetAdmin {
@@ -123,6 +143,7 @@ impl TargetAdmin {
             target: t.id.clone(),
             addr: t.admin_addr,
             token,
+            confirmed: std::sync::OnceLock::new(),
         })
     }
 
@@ -159,6 +180,39 @@ impl TargetAdmin {
             addr: self.addr,
             message: e.to_string(),
         }
+    }
+
+    /// Checks, once per client, that the daemon at the admin address is the
+    /// target this client is for, before the first change it makes there:
+    /// a record whose admin address another target's daemon now holds (a
+    /// stale or mistaken registration) must not make the control plane
+    /// remove, replace or add anything on that other target.
+    fn confirm_identity(&self) -> Result<(), ProgramError> {
+        if self.confirmed.get().is_some() {
+            return Ok(());
+        }
+        let r = self.get("/v1/identity").call();
+        let found = match self.check("reporting its identity", r)? {
+            Some(mut r) => match r.body_mut().read_json::<IdentityState>() {
+                Ok(IdentityState {
+                    target_id: Some(id),
+                }) => id,
+                Ok(IdentityState { target_id: None }) => "no target at all".to_owned(),
+                Err(_) => "nothing readable".to_owned(),
+            },
+            None => "nothing (it has no identity to report)".to_owned(),
+        };
+        if found != self.target {
+            tracing::error!(target = %self.target, admin_addr = %self.addr, found = %found,
+                "the daemon at the target's admin address is another one; changing nothing there");
+            return Err(ProgramError::WrongTarget {
+                target: self.target.clone(),
+                addr: self.addr,
+                found,
+            });
+        }
+        let _ = self.confirmed.set(());
+        Ok(())
     }
 
     /// Turns a response into its body, `None` for 404, or an error.
@@ -207,6 +261,7 @@ impl TargetAdmin {
     }
 
     fn create_subsystem(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}", segment(nqn));
         let body = serde_json::json!({"allowed_hosts": [host], "allow_any_host": false});
         let r = self.put(&path).send_json(body);
@@ -243,6 +298,7 @@ impl TargetAdmin {
         nqn: &str,
         body: &serde_json::Value,
     ) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let r = self
             .put(&format!("/v1/subsystems/{}", segment(nqn)))
             .send_json(body);
@@ -254,6 +310,7 @@ impl TargetAdmin {
     /// state waits on the target for the I/O in flight, so this call gets
     /// a longer timeout.
     pub(crate) fn set_ana(&self, nqn: &str, state: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let r = self
             .put(&format!("/v1/subsystems/{}/ana", segment(nqn)))
             .config()
@@ -274,6 +331,7 @@ impl TargetAdmin {
 
     /// Takes `host` off a subsystem's ACL; one already gone is fine.
     pub(crate) fn disallow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
         let r = self.delete(&path).call();
         self.check(&format!("removing {host} from {nqn}"), r)
@@ -281,6 +339,7 @@ impl TargetAdmin {
     }
 
     pub(crate) fn allow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
         let r = self.put(&path).send_empty();
         match self.check(&format!("allowing {host} on {nqn}"), r)? {
@@ -294,6 +353,7 @@ impl TargetAdmin {
     }
 
     fn put_namespace(&self, nqn: &str, nsid: u32, backend: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn));
         let r = self
             .put(&path)
@@ -310,6 +370,7 @@ impl TargetAdmin {
 
     /// Removes a namespace; one already gone is fine.
     pub(crate) fn delete_namespace(&self, nqn: &str, nsid: u32) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn));
         let r = self.delete(&path).call();
         self.check(&format!("removing namespace {nsid} of {nqn}"), r)
@@ -318,6 +379,7 @@ impl TargetAdmin {
 
     /// Arms copy job `id` (idempotent for the same body).
     pub(crate) fn arm_copy(&self, id: &str, body: &serde_json::Value) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let r = self
             .put(&format!("/v1/copies/{}", segment(id)))
             .send_json(body);
@@ -326,6 +388,7 @@ impl TargetAdmin {
 
     /// Starts an armed copy job on `regions` (`None`: all).
     pub(crate) fn start_copy(&self, id: &str, regions: Option<&[u32]>) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let r = self
             .post(&format!("/v1/copies/{}/start", segment(id)))
             .send_json(serde_json::json!({ "regions": regions }));
@@ -363,12 +426,14 @@ impl TargetAdmin {
 
     /// Cancels and forgets a copy job; one already gone is fine.
     pub(crate) fn delete_copy(&self, id: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let r = self.delete(&format!("/v1/copies/{}", segment(id))).call();
         self.check(&format!("removing copy {id}"), r).map(drop)
     }
 
     /// Removes a subsystem; one already gone is fine.
     pub(crate) fn delete_subsystem(&self, nqn: &str) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
         let r = self
             .delete(&format!("/v1/subsystems/{}", segment(nqn)))
             .call();

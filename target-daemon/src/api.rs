@@ -8,6 +8,7 @@
 //! | method and path | does |
 //! |---|---|
 //! | `GET /v1/health` | liveness |
+//! | `GET /v1/identity` | who this is: `{"target_id": ID or null, "identity": UUID}`; the control plane checks `target_id` before it changes anything here |
 //! | `GET /v1/target` | listeners, subsystems, controllers |
 //! | `GET /v1/subsystems` | every subsystem with namespaces and hosts |
 //! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, serial, model, ana, namespaces) |
@@ -148,6 +149,7 @@ fn table() -> Vec<Route> {
     use Method as M;
     vec![
         route(M::GET, "/v1/health", health),
+        route(M::GET, "/v1/identity", identity),
         route(M::GET, "/v1/target", target_info),
         route(M::GET, "/v1/subsystems", list_subsystems),
         route(M::PUT, "/v1/subsystems/{nqn}", put_subsystem),
@@ -240,6 +242,13 @@ async fn require_token(State(tokens): State<AdminTokens>, req: Request, next: Ne
 
 async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn identity(State(api): State<Api>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "target_id": api.target.target_id(),
+        "identity": api.target.identity(),
+    }))
 }
 
 /// The error body of every failed request.

@@ -604,6 +604,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     // Checked (devices opened, token read) before anything is bound.
     let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
     let target = Target::new(state_dir.clone())?;
+    // Without a control plane: --target-id, else the persistent identity
+    // (the registration's default too); with one, set again below.
+    match (&cli.target_id, &state_dir) {
+        (Some(id), _) => target.set_target_id(id.clone()),
+        (None, Some(_)) => target.set_target_id(target.identity()),
+        (None, None) => {}
+    }
     target.apply_config(&cfg)?;
     target.set_reactor_spin_us(cli.reactor_spin_us);
     let of = |t: crate::config::Transport| -> Vec<SocketAddr> {
@@ -657,6 +664,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     rc
                 })
                 .and_then(|rc| {
+                    // What it registers as is what it answers it is.
+                    target.set_target_id(rc.target_id.clone());
                     // Volume namespaces open their engine as this target's
                     // owner host NQN, and owners renew their lease (C19).
                     target.set_volume_source(Arc::new(crate::served::ControlPlaneSource::new(

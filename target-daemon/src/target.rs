@@ -223,6 +223,9 @@ struct Controllers {
 #[derive(Debug)]
 pub struct Target {
     identity: [u8; 16],
+    /// The ID the control plane knows this target by (`GET /v1/identity`);
+    /// None until the daemon sets it.
+    target_id: Mutex<Option<String>>,
     state_dir: Option<PathBuf>,
     subsystems: ArcSwap<BTreeMap<String, Arc<Subsystem>>>,
     write_lock: Mutex<()>,
@@ -265,6 +268,7 @@ impl Target {
         };
         Ok(Arc::new(Target {
             identity,
+            target_id: Mutex::new(None),
             state_dir,
             subsystems: ArcSwap::from_pointee(BTreeMap::new()),
             write_lock: Mutex::new(()),
@@ -331,6 +335,23 @@ impl Target {
             }
         }
         Ok(())
+    }
+
+    /// The persistent random identity (`STATE_DIR/identity`; random per
+    /// run without a state directory), as a UUID.
+    pub fn identity(&self) -> String {
+        config::format_uuid(&self.identity)
+    }
+
+    /// Sets the ID the control plane knows this target by: what it
+    /// registers as, which the control plane checks before it changes
+    /// anything here (`GET /v1/identity`).
+    pub fn set_target_id(&self, id: impl Into<String>) {
+        *lock(&self.target_id) = Some(id.into());
+    }
+
+    pub fn target_id(&self) -> Option<String> {
+        lock(&self.target_id).clone()
     }
 
     /// Milliseconds since the target started (the data path's clock).

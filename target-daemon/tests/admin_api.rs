@@ -387,3 +387,29 @@ fn a_refused_request_changes_nothing() {
     assert!(d.target.subsystem(SUBNQN).is_some());
     assert!(d.target.subsystem(OTHER_NQN).is_none());
 }
+
+/// `GET /v1/identity`: the ID the target registers under (null until it
+/// has one) and its persistent identity, the same after a restart.
+#[test]
+fn the_target_says_who_it_is() {
+    let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("state dir");
+    let d = Daemon::start_with(
+        Target::new(Some(state.path().to_owned())).expect("target"),
+        &[],
+    );
+    let v = http(d.api, "GET", "/v1/identity", None).json();
+    assert_eq!(v["target_id"], Value::Null, "{v}");
+    let identity = v["identity"].as_str().expect("identity").to_owned();
+    let saved = std::fs::read_to_string(state.path().join("identity")).expect("identity file");
+    assert_eq!(identity, saved.trim());
+    d.target.set_target_id("node-7");
+    let v = http(d.api, "GET", "/v1/identity", None).json();
+    assert_eq!(v["target_id"], "node-7", "{v}");
+    d.shutdown();
+    let d = Daemon::start_with(
+        Target::new(Some(state.path().to_owned())).expect("target"),
+        &[],
+    );
+    let v = http(d.api, "GET", "/v1/identity", None).json();
+    assert_eq!(v["identity"], identity.as_str(), "{v}");
+}

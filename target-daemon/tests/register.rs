@@ -454,6 +454,9 @@ fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
     // ... which the registration gave the control plane.
     let held = cp.cluster.target_credential(&id).unwrap().unwrap();
     assert_eq!(held.expose(), token.trim());
+    // It says it is what it registered as.
+    let r = http_auth(admin, Some(&auth), "GET", "/v1/identity", None);
+    assert_eq!(r.json()["target_id"], id.as_str(), "{}", r.body);
 
     // SAFETY: kill has no memory preconditions; the pid is our child's.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);

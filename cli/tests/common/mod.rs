@@ -121,6 +121,8 @@ impl Tgt {
     }
 
     fn start(&mut self, cp: &ApiServer) {
+        // What it registers as, and answers it is (GET /v1/identity).
+        self.target.set_target_id(self.id.clone());
         let running = Running::start(
             self.target.clone(),
             &StartOptions {

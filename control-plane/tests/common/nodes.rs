@@ -74,6 +74,8 @@ impl Node {
         let state_dir = dir.path().join("state");
         std::fs::create_dir_all(&state_dir).unwrap();
         let target = Target::new(Some(state_dir.clone())).unwrap();
+        // What it registers as, and answers it is (GET /v1/identity).
+        target.set_target_id(format!("t{i}"));
         let admin_token = format!("node-t{i}-admin-token-0123456789");
         let running = start_running(
             target.clone(),
@@ -123,6 +125,7 @@ impl Node {
     pub fn restart(&mut self) {
         self.stop();
         self.target = Target::new(Some(self.state_dir.clone())).unwrap();
+        self.target.set_target_id(self.id.clone());
         if let Some(cfg) = nvpool_target::config::Config::load_state(&self.state_dir).unwrap() {
             self.target.apply_config(&cfg).unwrap();
         }
