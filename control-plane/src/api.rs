@@ -356,6 +356,11 @@ impl ApiError {
                 "pool_in_use",
                 json!({"pool": pool, "volumes": volumes}),
             ),
+            StateError::AddressTaken { kind, addr, target } => (
+                S::CONFLICT,
+                "address_taken",
+                json!({"field": kind.field(), "addr": addr.to_string(), "target": target}),
+            ),
             StateError::TargetInUse { target, extents } => (
                 S::CONFLICT,
                 "target_in_use",

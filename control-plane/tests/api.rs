@@ -312,6 +312,57 @@ fn each_target_gets_its_own_admin_token_and_nobody_sees_it() {
     assert!(s.cluster.target_credential("t0").unwrap().is_some());
 }
 
+/// No two targets share an address: a new ID with another target's
+/// `addr`, `admin_addr` or `rdma_addr` is refused with 409 naming that
+/// target; a target re-registering keeps or changes its own, and an
+/// address it gave up is free for the next.
+#[test]
+fn target_addresses_are_unique() {
+    let s = serve(tokens());
+    let post = |b: Value| s.call("POST", "/v1/targets", Some(TARGET), Some(b));
+    let mut t1 = registration(1, "r0", 1, 8);
+    t1["rdma_addr"] = json!("10.0.0.1:4420");
+    assert_eq!(post(t1.clone()).status, 200);
+    for (field, value) in [
+        ("addr", "10.0.0.1:4420"),
+        ("admin_addr", "10.0.0.1:4480"),
+        ("rdma_addr", "10.0.0.1:4420"),
+    ] {
+        let mut b = registration(2, "r1", 1, 8);
+        b[field] = json!(value);
+        let r = post(b);
+        s.expect_error(&r, 409, "address_taken");
+        let j = r.json();
+        assert_eq!(j["details"]["target"], "t1", "{j}");
+        assert_eq!(j["details"]["field"], field, "{j}");
+        assert_eq!(j["details"]["addr"], value, "{j}");
+        assert!(j["message"].as_str().unwrap().contains("t1"), "{j}");
+        let r = s.call("GET", "/v1/targets/t2", None, None);
+        assert_eq!(r.status, 404, "nothing of t2 was recorded: {}", r.body);
+    }
+    // The same ID again, same addresses or new ones: fine.
+    assert_eq!(post(t1.clone()).status, 200);
+    let mut moved = t1.clone();
+    moved["admin_addr"] = json!("10.0.0.11:4480");
+    assert_eq!(post(moved).status, 200);
+    // The old admin address is free now; the new one is not.
+    let mut t2 = registration(2, "r1", 1, 8);
+    t2["admin_addr"] = json!("10.0.0.1:4480");
+    let r = post(t2.clone());
+    assert_eq!(r.status, 200, "{}", r.body);
+    t2["admin_addr"] = json!("10.0.0.11:4480");
+    s.expect_error(&post(t2), 409, "address_taken");
+    // A removed target's addresses are free.
+    let r = s.admin("DELETE", "/v1/targets/t1", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    let mut t3 = registration(3, "r0", 1, 8);
+    t3["addr"] = json!("10.0.0.1:4420");
+    t3["admin_addr"] = json!("10.0.0.11:4480");
+    let r = post(t3);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(s.cluster.check().unwrap().is_empty());
+}
+
 /// What `nvpool-target` sends reaches the target record.
 #[test]
 fn a_target_daemon_registers_its_rdma_listener() {
@@ -319,13 +370,13 @@ fn a_target_daemon_registers_its_rdma_listener() {
     use nvpool_target::{Registrar, RegistrationConfig};
     let s = serve(tokens());
     let url = ControlPlaneUrl::parse(&format!("http://{}", s.addr)).unwrap();
-    let register = |id: &str, rdma: Option<&str>| {
+    let register = |id: &str, ip: &str, rdma: Option<&str>| {
         let mut rc = RegistrationConfig::new(
             url.clone(),
             id.into(),
             id.into(),
-            "10.0.0.7:4420".parse().unwrap(),
-            "10.0.0.7:4480".parse().unwrap(),
+            format!("{ip}:4420").parse().unwrap(),
+            format!("{ip}:4480").parse().unwrap(),
         );
         rc.token = Some(TARGET.into());
         rc.rdma_addr = rdma.map(|a| a.parse().unwrap());
@@ -344,10 +395,10 @@ fn a_target_daemon_registers_its_rdma_listener() {
             .json()
     };
     assert_eq!(
-        register("t7", Some("10.0.0.7:4421"))["rdma_addr"],
+        register("t7", "10.0.0.7", Some("10.0.0.7:4421"))["rdma_addr"],
         "10.0.0.7:4421"
     );
-    assert_eq!(register("t8", None)["rdma_addr"], Value::Null);
+    assert_eq!(register("t8", "10.0.0.8", None)["rdma_addr"], Value::Null);
 }
 
 /// An RDMA listener added to (or removed from) a running target reaches

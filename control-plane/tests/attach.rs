@@ -540,3 +540,41 @@ fn a_record_pointing_at_another_daemon_removes_nothing_there() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(live.host_subsystems(), live_before);
 }
+
+/// The reported bug: a second registration (another ID) with a live
+/// target's admin address was accepted, and the next reconciliation of
+/// that record removed the live target's host subsystems, which the new
+/// record did not want. Now the registration is refused (409, naming the
+/// live target) in its own transaction, and nothing changes on the target.
+#[test]
+fn a_second_record_with_a_live_targets_admin_address_is_refused() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(s, 1, MIB, json!({"type": "raid1", "copies": 2}));
+    let r = attach(s, &vol, HOST_A);
+    assert_eq!(r.status, 201, "{}", r.body);
+    let live = &c.nodes[0];
+    let before = live.host_subsystems();
+    assert!(!before.is_empty());
+    let mut second = live.registration("r9");
+    second["id"] = json!("t9");
+    second["name"] = json!("t9");
+    second["addr"] = json!("127.0.0.1:9");
+    second["devices"] = json!([]);
+    let r = s.admin("POST", "/v1/targets", Some(second));
+    s.expect_error(&r, 409, "address_taken");
+    let j = r.json();
+    assert_eq!(j["details"]["target"], live.id.as_str(), "{j}");
+    assert_eq!(j["details"]["field"], "admin_addr", "{j}");
+    let r = s.call("GET", "/v1/targets/t9", None, None);
+    assert_eq!(r.status, 404, "{}", r.body);
+    // What reconciliation there is leaves the live target as it was.
+    for n in &c.nodes {
+        let r = s.admin("POST", &format!("/v1/targets/{}/reconcile", n.id), None);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let r = s.admin("POST", "/v1/targets/t9/reconcile", None);
+    s.expect_error(&r, 404, "not_found");
+    assert_eq!(live.host_subsystems(), before);
+    assert!(s.cluster.check().unwrap().is_empty());
+}
