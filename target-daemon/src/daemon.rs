@@ -2,6 +2,7 @@
 //! the admin API, registration with the control plane, signals and clean
 //! shutdown.
 
+use crate::api;
 use crate::auth::AdminTokens;
 use crate::config::{
     Config, DEFAULT_ADMIN_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_LISTEN, DEFAULT_STATE_DIR,
@@ -11,7 +12,6 @@ use crate::reactor::{Reactor, ReactorHandle};
 use crate::register::{self, Registrar};
 use crate::ring::Ring;
 use crate::target::Target;
-use crate::{api, limits};
 use anyhow::Context;
 use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -314,8 +314,9 @@ impl Acceptor {
                         Ok((s, peer)) => {
                             // mio hands out a nonblocking stream; reactors take std ones.
                             let s = std::net::TcpStream::from(std::os::fd::OwnedFd::from(s));
-                            if self.live.load(Ordering::Acquire) >= limits::CONNECTIONS_MAX {
-                                peer_warn!(%peer, max = limits::CONNECTIONS_MAX, "connection limit reached; refusing connections");
+                            let max = self.target.connections_max();
+                            if self.live.load(Ordering::Acquire) >= max {
+                                peer_warn!(%peer, max, "connection limit reached; refusing connections");
                                 continue;
                             }
                             self.live.fetch_add(1, Ordering::AcqRel);

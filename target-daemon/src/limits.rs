@@ -112,8 +112,15 @@ pub const KAS_100MS: u16 = 10;
 pub const DISCOVERY_IDLE_TIMEOUT_MS: u64 = 120_000;
 /// Largest KATO a host may ask for (1 hour).
 pub const KATO_MAX_MS: u32 = 3_600_000;
-/// A connection must finish ICReq and Connect within this time.
-pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
+/// The handshake deadline: a connection must have finished ICReq/ICResp
+/// (TCP) and a successful Fabrics Connect within this long of being
+/// adopted by its reactor, or it is closed and its place under
+/// `CONNECTIONS_MAX` freed, so sockets that never finish (idle, or
+/// stopped half way) cannot hold the limit. A host does both in a round
+/// trip or two; 10 s leaves room for a loaded host and a slow network.
+/// Checked by the reactor's tick (`TICK_MS`), never per I/O; tests set a
+/// shorter one with `Target::set_handshake_timeout_ms`.
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// How often reactors check keep-alive deadlines and deliver async events.
 pub const TICK_MS: u64 = 50;
 /// On SIGTERM, in-flight commands get this long to complete.
@@ -300,6 +307,7 @@ const _: () = assert!(
 const _: () =
     assert!(COPY_DEST_BYTES_MAX / COPY_GUARD_UNIT_BYTES <= crate::sync::SYNC_GUARD_UNITS_MAX);
 const _: () = assert!(PARKED_RETRY_MS < TICK_MS);
+const _: () = assert!(TICK_MS < HANDSHAKE_TIMEOUT_MS);
 // The completion queue (2 × RING_ENTRIES) holds one completion per
 // provided buffer beside one per operation in flight; a buffer ring's size
 // is a power of two.

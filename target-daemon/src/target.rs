@@ -247,6 +247,10 @@ pub struct Target {
     /// The buffer budget of reactors started from now on (bytes).
     reactor_buf_budget: AtomicUsize,
     reactor_spin_us: AtomicU64,
+    /// The handshake deadline of connections adopted from now on (ms).
+    handshake_timeout_ms: AtomicU64,
+    /// Connections alive at once, at most (`limits::CONNECTIONS_MAX`).
+    connections_max: AtomicUsize,
     /// Every running reactor's buffer figures (a reactor that stopped
     /// leaves a dead entry, passed over and pruned).
     buffers: Mutex<Vec<Weak<BufStats>>>,
@@ -287,6 +291,8 @@ impl Target {
             ana: Mutex::new(HashMap::new()),
             reactor_buf_budget: AtomicUsize::new(limits::REACTOR_BUF_BUDGET_BYTES),
             reactor_spin_us: AtomicU64::new(limits::REACTOR_SPIN_US_DEFAULT),
+            handshake_timeout_ms: AtomicU64::new(limits::HANDSHAKE_TIMEOUT_MS),
+            connections_max: AtomicUsize::new(limits::CONNECTIONS_MAX),
             buffers: Mutex::new(Vec::new()),
         }))
     }
@@ -385,6 +391,28 @@ impl Target {
 
     pub fn reactor_spin_us(&self) -> u64 {
         self.reactor_spin_us.load(Ordering::Relaxed)
+    }
+
+    /// Sets the handshake deadline of connections from now on
+    /// (`limits::HANDSHAKE_TIMEOUT_MS` unless changed; tests shorten it).
+    pub fn set_handshake_timeout_ms(&self, ms: u64) {
+        self.handshake_timeout_ms
+            .store(ms.max(1), Ordering::Relaxed);
+    }
+
+    pub fn handshake_timeout_ms(&self) -> u64 {
+        self.handshake_timeout_ms.load(Ordering::Relaxed)
+    }
+
+    /// Lowers the number of connections alive at once
+    /// (`limits::CONNECTIONS_MAX` unless changed; never above it).
+    pub fn set_connections_max(&self, n: usize) {
+        self.connections_max
+            .store(n.clamp(1, limits::CONNECTIONS_MAX), Ordering::Relaxed);
+    }
+
+    pub fn connections_max(&self) -> usize {
+        self.connections_max.load(Ordering::Relaxed)
     }
 
     /// A reactor publishes its buffer figures.
