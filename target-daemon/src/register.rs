@@ -465,7 +465,7 @@ impl Settings {
         let host = hostname();
         if admin_addr.ip().is_loopback() && !is_loopback_host(self.control_plane.host()) {
             tracing::warn!(admin = %admin_addr, control_plane = %self.control_plane,
-                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen)");
+                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT --admin-insecure-http)");
         }
         let target_id = match self.target_id {
             Some(id) => id,
