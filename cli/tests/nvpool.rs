@@ -58,7 +58,7 @@ impl Tgt {
                 rdma_listeners: vec![],
                 reactors: 2,
                 io_uring: true,
-                admin_listen: None,
+                admin: None,
             },
         )
         .expect("target starts");
@@ -377,7 +377,7 @@ fn bench_verify_with_overlapping_writes_on_a_file() {
             rdma_listeners: vec![],
             reactors: 2,
             io_uring: true,
-            admin_listen: None,
+            admin: None,
         },
     )
     .expect("start");

@@ -345,6 +345,11 @@ impl ApiError {
                 "pool_in_use",
                 json!({"pool": pool, "volumes": volumes}),
             ),
+            StateError::AddressTaken { kind, addr, target } => (
+                S::CONFLICT,
+                "address_taken",
+                json!({"field": kind.field(), "addr": addr.to_string(), "target": target}),
+            ),
             StateError::TargetInUse { target, extents } => (
                 S::CONFLICT,
                 "target_in_use",
@@ -411,6 +416,14 @@ impl ApiError {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "target_refused", message)
                     .with(json!({"target": target, "what": what}))
             }
+            // The record and the daemon at its address disagree: nothing
+            // was changed; an operator must fix the registration.
+            ProgramError::WrongTarget {
+                target,
+                addr,
+                found,
+            } => ApiError::new(StatusCode::CONFLICT, "wrong_target", message)
+                .with(json!({"target": target, "admin_addr": addr.to_string(), "found": found})),
         }
     }
 }
@@ -866,6 +879,7 @@ async fn register_target(
         addr: body.addr,
         admin_addr: body.admin_addr,
         rdma_addr: body.rdma_addr,
+        admin_token: body.admin_token,
         labels: body.labels,
         devices: body
             .devices
@@ -1184,7 +1198,7 @@ fn parse_host(s: &str) -> Result<String, ApiError> {
 /// alone; the answer is the connection plan. Idempotent: attaching again
 /// returns the same plan (200) and re-exports anything missing. If a
 /// target fails, whatever this call set up is taken back.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached, or the daemon at a target's admin address is another target (wrong_target)", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
 async fn put_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -1258,7 +1272,7 @@ async fn list_attachments(
 /// Detaches a volume from a host: the targets stop exporting its extents
 /// to that host. An unreachable target fails the detach (503; the
 /// attachment stays `detaching`, retry) unless `force`.
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 409, description = "the daemon at a target's admin address is another target (wrong_target): nothing was changed there", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
 async fn delete_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -1666,7 +1680,7 @@ async fn get_rebalance(State(api): State<Api>) -> Result<Json<RebalanceOut>, Api
 /// Makes the target's host subsystems match the attachment records now
 /// (the control plane also does this when a target registers, and
 /// periodically).
-#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the daemon at a target's admin address is another target (wrong_target): nothing was changed there", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
 async fn reconcile_target(
     State(api): State<Api>,
     Segments(id): Segments<String>,

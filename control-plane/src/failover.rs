@@ -135,7 +135,7 @@ fn ensure_path(
         .path_index(target)
         .ok_or_else(|| StateError::TargetNotFound(target.to_owned()))?;
     let t = cluster.target(target)?.target;
-    let admin = TargetAdmin::new(&t);
+    let admin = TargetAdmin::new(cluster, &t)?;
     let nqn = volume_subsystem_nqn(&served.volume);
     let have = admin.subsystem_value(&nqn)?;
     let current = have
@@ -251,7 +251,8 @@ pub fn unexport(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<(), Prog
     if !served.hosts.is_empty() {
         for t in &served.paths {
             let tv = cluster.target(t)?;
-            if let Err(e) = TargetAdmin::new(&tv.target).disallow_host(&nqn, host) {
+            let r = TargetAdmin::new(cluster, &tv.target).and_then(|a| a.disallow_host(&nqn, host));
+            if let Err(e) = r {
                 tracing::warn!(%volume, target = %t, error = %e,
                     "unexport: left to reconciliation");
             }
@@ -260,7 +261,8 @@ pub fn unexport(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<(), Prog
     }
     if let Some(owner) = &served.owner {
         if let Ok(tv) = cluster.target(owner) {
-            let _ = TargetAdmin::new(&tv.target).set_ana(&nqn, "inaccessible");
+            let _ =
+                TargetAdmin::new(cluster, &tv.target).and_then(|a| a.set_ana(&nqn, "inaccessible"));
         }
         let h = owner_host_nqn(volume, owner);
         match program::detach_reporting(cluster, volume, &h, true) {
@@ -270,7 +272,8 @@ pub fn unexport(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<(), Prog
     }
     for t in &served.paths {
         if let Ok(tv) = cluster.target(t) {
-            if let Err(e) = TargetAdmin::new(&tv.target).delete_subsystem(&nqn) {
+            let r = TargetAdmin::new(cluster, &tv.target).and_then(|a| a.delete_subsystem(&nqn));
+            if let Err(e) = r {
                 tracing::warn!(%volume, target = %t, error = %e,
                     "unexport: left to reconciliation");
             }
@@ -320,7 +323,8 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
             Some(o) => cluster
                 .target(o)
                 .map_err(ProgramError::from)
-                .and_then(|tv| TargetAdmin::new(&tv.target).set_ana(&nqn, "inaccessible"))
+                .and_then(|tv| TargetAdmin::new(cluster, &tv.target))
+                .and_then(|a| a.set_ana(&nqn, "inaccessible"))
                 .inspect_err(|e| {
                     tracing::warn!(%volume, old = %o, error = %e,
                         "the owner does not answer: taking over after its lease");
@@ -444,7 +448,7 @@ pub fn watch_once(cluster: &Cluster) -> Result<(), StateError> {
 /// removes the ones no record names (reconciliation, C14).
 pub fn reconcile_target(cluster: &Cluster, target: &str) -> Result<usize, ProgramError> {
     let t = cluster.target(target)?.target;
-    let admin = TargetAdmin::new(&t);
+    let admin = TargetAdmin::new(cluster, &t)?;
     let mut changed = 0;
     let all = cluster.served_all()?;
     for nqn in admin.subsystem_nqns()? {

@@ -215,10 +215,11 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
             let dest = &v.value.extents[c.extent as usize].target;
             // A target that still heartbeats recently but does not answer
             // is not back yet: no job (it would only fail).
-            let reachable = s
-                .targets
-                .get(dest)
-                .is_some_and(|t| TargetAdmin::new(&t.value).copies().is_ok());
+            let reachable = s.targets.get(dest).is_some_and(|t| {
+                TargetAdmin::new(cluster, &t.value)
+                    .and_then(|a| a.copies())
+                    .is_ok()
+            });
             if !reachable {
                 tracing::debug!(target = %dest, "stale copy's target does not answer yet");
                 continue;
@@ -264,7 +265,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
         JobState::Arming => {
             // Hosts write a new extent too: export it to each of them.
             if let Some(d) = &job.dest {
-                let admin = TargetAdmin::new(&dest_target);
+                let admin = TargetAdmin::new(cluster, &dest_target)?;
                 for (host, &nsid) in &job.nsids {
                     let x = crate::attach::export_of(host, d, nsid);
                     ensure_exports(&admin, &dest_target, host, &[x], &mut Added::default())?;
@@ -276,7 +277,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 .ok_or_else(|| StepError::Other("the job names no extent".into()))?;
             let mut added = Added::default();
             ensure_exports(
-                &TargetAdmin::new(&src_target),
+                &TargetAdmin::new(cluster, &src_target)?,
                 &src_target,
                 &x.host_nqn,
                 std::slice::from_ref(&x),
@@ -296,7 +297,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 "region_bytes": RESYNC_REGION_BYTES,
                 "rate_bytes_per_sec": cfg.rate_bytes_per_sec,
             });
-            let admin = TargetAdmin::new(&dest_target);
+            let admin = TargetAdmin::new(cluster, &dest_target)?;
             // Earlier jobs of this volume the target still holds (their
             // cleanup did not reach it) would refuse the range: they are
             // over, so remove them.
@@ -318,7 +319,8 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
         }
         JobState::Mirroring => {
             if let Some(started) = cluster.job_copying(&v.uuid, job.id)? {
-                TargetAdmin::new(&dest_target).start_copy(&id, started.regions.as_deref())?;
+                TargetAdmin::new(cluster, &dest_target)?
+                    .start_copy(&id, started.regions.as_deref())?;
                 tracing::info!(volume = %v.uuid, job = job.id, kind = started.kind.as_str(),
                     bytes = started.bytes_total, "copy started");
             } else if now.saturating_sub(job.state_ms) > cfg.confirm_timeout_ms {
@@ -336,7 +338,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
             }
         }
         JobState::Copying => {
-            let st = TargetAdmin::new(&dest_target)
+            let st = TargetAdmin::new(cluster, &dest_target)?
                 .copy_status(&id)?
                 .ok_or_else(|| {
                     StepError::Other("the target forgot the copy (it restarted)".into())
@@ -406,13 +408,16 @@ fn cleanup(cluster: &Cluster, v: &Volume, job: &CopyJob) {
         return;
     };
     if let Ok(t) = cluster.target(&dest.target) {
-        if let Err(e) = TargetAdmin::new(&t.target).delete_copy(&id) {
+        let r = TargetAdmin::new(cluster, &t.target).and_then(|a| a.delete_copy(&id));
+        if let Err(e) = r {
             tracing::debug!(error = %e, "removing the copy on its target failed");
         }
     }
     let src = &v.extents[job.source as usize];
     if let (Ok(t), Some(x)) = (cluster.target(&src.target), copier_export(v, job)) {
-        if let Err(e) = TargetAdmin::new(&t.target).delete_namespace(&x.subsystem_nqn, x.nsid) {
+        let r = TargetAdmin::new(cluster, &t.target)
+            .and_then(|a| a.delete_namespace(&x.subsystem_nqn, x.nsid));
+        if let Err(e) = r {
             tracing::debug!(error = %e, "removing the copier export failed");
         }
     }

@@ -104,6 +104,7 @@ pub trait Stored: Serialize + DeserializeOwned {
 
 /// The allocation epoch.
 impl Stored for u64 {}
+impl Stored for String {}
 /// Volume-name index entries.
 impl Stored for Uuid {}
 impl Stored for Pool {}

@@ -25,6 +25,7 @@ use crate::attach::{validate_host_nqn, AttachmentState, Export};
 use crate::limits::TARGET_CALL_TIMEOUT_MS;
 use crate::model::{Target, Uuid};
 use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
+use crate::rest::Secret;
 use crate::state::{Cluster, StateError};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -50,6 +51,23 @@ pub enum ProgramError {
         what: String,
         message: String,
     },
+    /// The daemon at the target's admin address is not that target (or
+    /// cannot say who it is): nothing was changed there.
+    #[error(
+        "the daemon at {addr} is not target {target} (it says it is {found}); \
+         nothing was changed there: fix the target's registration or its address"
+    )]
+    WrongTarget {
+        target: String,
+        addr: SocketAddr,
+        found: String,
+    },
+}
+
+/// What a target's admin API says it is (`GET /v1/identity`).
+#[derive(Debug, Deserialize)]
+struct IdentityState {
+    target_id: Option<String>,
 }
 
 /// A subsystem as the target's admin API lists it.
@@ -95,28 +113,65 @@ fn segment(s: &str) -> String {
     out
 }
 
-/// A blocking client of one target's admin API.
+/// A blocking client of one target's admin API, presenting the token the
+/// target registered with as a bearer token on every call.
 pub(crate) struct TargetAdmin {
     agent: ureq::Agent,
     target: String,
     addr: SocketAddr,
+    /// The target's admin token, when it gave one.
+    token: Option<Secret>,
+    /// The daemon at `addr` said it is `target`: set by the first change
+    /// made through this client.
+    confirmed: std::sync::OnceLock<()>,
 }
 
 impl TargetAdmin {
-    pub(crate) fn new(t: &Target) -> TargetAdmin {
+    /// A client of `t`'s admin API with the credential the cluster holds
+    /// for it.
+    pub(crate) fn new(cluster: &Cluster, t: &Target) -> Result<TargetAdmin, ProgramError> {
+        let token = cluster.target_credential(&t.id)?;
         let config = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_millis(TARGET_CALL_TIMEOUT_MS)))
             .http_status_as_error(false)
+            // Cluster-internal calls carrying a credential: never through
+            // an environment proxy.
+            .proxy(None)
             .build();
-        TargetAdmin {
+        Ok(TargetAdmin {
             agent: ureq::Agent::new_with_config(config),
             target: t.id.clone(),
             addr: t.admin_addr,
-        }
+            token,
+            confirmed: std::sync::OnceLock::new(),
+        })
     }
 
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
+    }
+
+    fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.token {
+            Some(t) => r.header("Authorization", format!("Bearer {}", t.expose())),
+            None => r,
+        }
+    }
+
+    fn get(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
+        self.auth(self.agent.get(self.url(path)))
+    }
+
+    fn delete(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
+        self.auth(self.agent.delete(self.url(path)))
+    }
+
+    fn put(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        self.auth(self.agent.put(self.url(path)))
+    }
+
+    fn post(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        self.auth(self.agent.post(self.url(path)))
     }
 
     fn unreachable(&self, e: ureq::Error) -> ProgramError {
@@ -125,6 +180,39 @@ impl TargetAdmin {
             addr: self.addr,
             message: e.to_string(),
         }
+    }
+
+    /// Checks, once per client, that the daemon at the admin address is the
+    /// target this client is for, before the first change it makes there:
+    /// a record whose admin address another target's daemon now holds (a
+    /// stale or mistaken registration) must not make the control plane
+    /// remove, replace or add anything on that other target.
+    fn confirm_identity(&self) -> Result<(), ProgramError> {
+        if self.confirmed.get().is_some() {
+            return Ok(());
+        }
+        let r = self.get("/v1/identity").call();
+        let found = match self.check("reporting its identity", r)? {
+            Some(mut r) => match r.body_mut().read_json::<IdentityState>() {
+                Ok(IdentityState {
+                    target_id: Some(id),
+                }) => id,
+                Ok(IdentityState { target_id: None }) => "no target at all".to_owned(),
+                Err(_) => "nothing readable".to_owned(),
+            },
+            None => "nothing (it has no identity to report)".to_owned(),
+        };
+        if found != self.target {
+            tracing::error!(target = %self.target, admin_addr = %self.addr, found = %found,
+                "the daemon at the target's admin address is another one; changing nothing there");
+            return Err(ProgramError::WrongTarget {
+                target: self.target.clone(),
+                addr: self.addr,
+                found,
+            });
+        }
+        let _ = self.confirmed.set(());
+        Ok(())
     }
 
     /// Turns a response into its body, `None` for 404, or an error.
@@ -153,7 +241,7 @@ impl TargetAdmin {
     }
 
     fn subsystems(&self) -> Result<Vec<SubsystemState>, ProgramError> {
-        let r = self.agent.get(self.url("/v1/subsystems")).call();
+        let r = self.get("/v1/subsystems").call();
         match self.check("listing subsystems", r)? {
             Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
             None => Ok(Vec::new()),
@@ -173,9 +261,10 @@ impl TargetAdmin {
     }
 
     fn create_subsystem(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
+        self.confirm_identity()?;
+        let path = format!("/v1/subsystems/{}", segment(nqn));
         let body = serde_json::json!({"allowed_hosts": [host], "allow_any_host": false});
-        let r = self.agent.put(url).send_json(body);
+        let r = self.put(&path).send_json(body);
         self.check(&format!("creating subsystem {nqn}"), r)
             .map(drop)
     }
@@ -186,8 +275,7 @@ impl TargetAdmin {
         &self,
         nqn: &str,
     ) -> Result<Option<serde_json::Value>, ProgramError> {
-        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
-        let r = self.agent.get(url).call();
+        let r = self.get(&format!("/v1/subsystems/{}", segment(nqn))).call();
         match self.check("reading a subsystem", r)? {
             Some(mut r) => r
                 .body_mut()
@@ -210,8 +298,10 @@ impl TargetAdmin {
         nqn: &str,
         body: &serde_json::Value,
     ) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
-        let r = self.agent.put(url).send_json(body);
+        self.confirm_identity()?;
+        let r = self
+            .put(&format!("/v1/subsystems/{}", segment(nqn)))
+            .send_json(body);
         self.check(&format!("configuring subsystem {nqn}"), r)
             .map(drop)
     }
@@ -220,10 +310,9 @@ impl TargetAdmin {
     /// state waits on the target for the I/O in flight, so this call gets
     /// a longer timeout.
     pub(crate) fn set_ana(&self, nqn: &str, state: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/subsystems/{}/ana", segment(nqn)));
+        self.confirm_identity()?;
         let r = self
-            .agent
-            .put(url)
+            .put(&format!("/v1/subsystems/{}/ana", segment(nqn)))
             .config()
             .timeout_global(Some(Duration::from_millis(
                 crate::limits::ANA_CHANGE_TIMEOUT_MS,
@@ -242,23 +331,17 @@ impl TargetAdmin {
 
     /// Takes `host` off a subsystem's ACL; one already gone is fine.
     pub(crate) fn disallow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!(
-            "/v1/subsystems/{}/hosts/{}",
-            segment(nqn),
-            segment(host)
-        ));
-        let r = self.agent.delete(url).call();
+        self.confirm_identity()?;
+        let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
+        let r = self.delete(&path).call();
         self.check(&format!("removing {host} from {nqn}"), r)
             .map(drop)
     }
 
     pub(crate) fn allow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!(
-            "/v1/subsystems/{}/hosts/{}",
-            segment(nqn),
-            segment(host)
-        ));
-        let r = self.agent.put(url).send_empty();
+        self.confirm_identity()?;
+        let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
+        let r = self.put(&path).send_empty();
         match self.check(&format!("allowing {host} on {nqn}"), r)? {
             Some(_) => Ok(()),
             None => Err(ProgramError::Refused {
@@ -270,13 +353,10 @@ impl TargetAdmin {
     }
 
     fn put_namespace(&self, nqn: &str, nsid: u32, backend: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!(
-            "/v1/subsystems/{}/namespaces/{nsid}",
-            segment(nqn)
-        ));
+        self.confirm_identity()?;
+        let path = format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn));
         let r = self
-            .agent
-            .put(url)
+            .put(&path)
             .send_json(serde_json::json!({"backend": backend}));
         match self.check(&format!("namespace {nsid} of {nqn}"), r)? {
             Some(_) => Ok(()),
@@ -290,28 +370,27 @@ impl TargetAdmin {
 
     /// Removes a namespace; one already gone is fine.
     pub(crate) fn delete_namespace(&self, nqn: &str, nsid: u32) -> Result<(), ProgramError> {
-        let url = self.url(&format!(
-            "/v1/subsystems/{}/namespaces/{nsid}",
-            segment(nqn)
-        ));
-        let r = self.agent.delete(url).call();
+        self.confirm_identity()?;
+        let path = format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn));
+        let r = self.delete(&path).call();
         self.check(&format!("removing namespace {nsid} of {nqn}"), r)
             .map(drop)
     }
 
     /// Arms copy job `id` (idempotent for the same body).
     pub(crate) fn arm_copy(&self, id: &str, body: &serde_json::Value) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/copies/{}", segment(id)));
-        let r = self.agent.put(url).send_json(body);
+        self.confirm_identity()?;
+        let r = self
+            .put(&format!("/v1/copies/{}", segment(id)))
+            .send_json(body);
         self.check(&format!("arming copy {id}"), r).map(drop)
     }
 
     /// Starts an armed copy job on `regions` (`None`: all).
     pub(crate) fn start_copy(&self, id: &str, regions: Option<&[u32]>) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/copies/{}/start", segment(id)));
+        self.confirm_identity()?;
         let r = self
-            .agent
-            .post(url)
+            .post(&format!("/v1/copies/{}/start", segment(id)))
             .send_json(serde_json::json!({ "regions": regions }));
         match self.check(&format!("starting copy {id}"), r)? {
             Some(_) => Ok(()),
@@ -325,8 +404,7 @@ impl TargetAdmin {
 
     /// A copy job's status; `None` when the target does not know it.
     pub(crate) fn copy_status(&self, id: &str) -> Result<Option<CopyStatus>, ProgramError> {
-        let url = self.url(&format!("/v1/copies/{}", segment(id)));
-        let r = self.agent.get(url).call();
+        let r = self.get(&format!("/v1/copies/{}", segment(id))).call();
         match self.check(&format!("reading copy {id}"), r)? {
             Some(mut r) => r
                 .body_mut()
@@ -339,7 +417,7 @@ impl TargetAdmin {
 
     /// Every copy job the target knows.
     pub(crate) fn copies(&self) -> Result<Vec<CopyStatus>, ProgramError> {
-        let r = self.agent.get(self.url("/v1/copies")).call();
+        let r = self.get("/v1/copies").call();
         match self.check("listing copies", r)? {
             Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
             None => Ok(Vec::new()),
@@ -348,15 +426,17 @@ impl TargetAdmin {
 
     /// Cancels and forgets a copy job; one already gone is fine.
     pub(crate) fn delete_copy(&self, id: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/copies/{}", segment(id)));
-        let r = self.agent.delete(url).call();
+        self.confirm_identity()?;
+        let r = self.delete(&format!("/v1/copies/{}", segment(id))).call();
         self.check(&format!("removing copy {id}"), r).map(drop)
     }
 
     /// Removes a subsystem; one already gone is fine.
     pub(crate) fn delete_subsystem(&self, nqn: &str) -> Result<(), ProgramError> {
-        let url = self.url(&format!("/v1/subsystems/{}", segment(nqn)));
-        let r = self.agent.delete(url).call();
+        self.confirm_identity()?;
+        let r = self
+            .delete(&format!("/v1/subsystems/{}", segment(nqn)))
+            .call();
         self.check(&format!("removing subsystem {nqn}"), r)
             .map(drop)
     }
@@ -536,9 +616,9 @@ pub fn attach_avoiding(
             });
             return (r, Added::default());
         }
-        let admin = TargetAdmin::new(t);
         let mut added = Added::default();
-        let r = ensure_exports(&admin, t, host, xs, &mut added);
+        let r = TargetAdmin::new(cluster, t)
+            .and_then(|admin| ensure_exports(&admin, t, host, xs, &mut added));
         (r, added)
     });
     // A target that cannot be reached and holds only copies that missed
@@ -562,7 +642,11 @@ pub fn attach_avoiding(
     if let Some(e) = failed {
         let message = e.to_string();
         for (t, (_, added)) in &results {
-            undo(&TargetAdmin::new(t), added);
+            match TargetAdmin::new(cluster, t) {
+                Ok(admin) => undo(&admin, added),
+                Err(e) => tracing::warn!(target = %t.id, error = %e,
+                    "could not take back what the attach added; reconciliation will"),
+            }
         }
         cluster.abort_attach(volume, host, start.created)?;
         tracing::warn!(%volume, host, error = %message, "attach failed and was rolled back");
@@ -620,7 +704,7 @@ pub fn detach_reporting(
         .clone();
     let work = exports_by_target(cluster, &v, &a)?;
     let results = on_targets(work, |t, xs| -> Result<(), ProgramError> {
-        let admin = TargetAdmin::new(t);
+        let admin = TargetAdmin::new(cluster, t)?;
         for x in xs {
             admin.delete_namespace(&x.subsystem_nqn, x.nsid)?;
         }
@@ -676,7 +760,7 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
     let t = cluster.target(target_id)?.target;
     let stale = cluster.stale_exports(target_id)?;
     let desired = cluster.desired_exports(target_id)?;
-    let admin = TargetAdmin::new(&t);
+    let admin = TargetAdmin::new(cluster, &t)?;
     let mut out = Reconciled::default();
     let present = admin.subsystems()?;
     for sub in present

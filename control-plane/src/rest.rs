@@ -37,6 +37,89 @@ pub fn parse_base_url(url: &str) -> Result<String, &'static str> {
     Ok(format!("http://{}", rest.trim_end_matches('/')))
 }
 
+/// Shortest bearer token accepted: 16 characters is what a guessable
+/// password would fall short of; generated tokens are 64 hex digits
+/// (256 bits).
+pub const SECRET_BYTES_MIN: usize = 16;
+/// Longest bearer token accepted (it travels in one HTTP header).
+pub const SECRET_BYTES_MAX: usize = 256;
+
+/// A bearer token (a target's admin token, a control-plane token). Its
+/// `Debug` shows no byte of it and it has no `Display`, so it cannot reach
+/// a log line or an error message by accident; [`Secret::expose`] is the
+/// one way to the text, for an `Authorization` header. Equality runs in
+/// time that depends on the lengths only ([`Secret::matches`]).
+///
+/// A token is `SECRET_BYTES_MIN..=SECRET_BYTES_MAX` visible ASCII
+/// characters (no spaces), so it fits a header and a line of a file as is.
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Secret(String);
+
+/// Why a string is not a usable token. Never quotes the string.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a token is {SECRET_BYTES_MIN}..={SECRET_BYTES_MAX} visible ASCII characters, without spaces"
+)]
+pub struct SecretError;
+
+impl Secret {
+    /// Checks `text` (see the type's docs).
+    pub fn new(text: impl Into<String>) -> Result<Secret, SecretError> {
+        let text = text.into();
+        let ok = (SECRET_BYTES_MIN..=SECRET_BYTES_MAX).contains(&text.len())
+            && text.bytes().all(|b| b.is_ascii_graphic());
+        if ok {
+            Ok(Secret(text))
+        } else {
+            Err(SecretError)
+        }
+    }
+
+    /// The token itself: only for putting it in a request or a file.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `presented` is this token, in time that depends on the
+    /// lengths alone (never on where the bytes first differ).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        let mine = self.0.as_bytes();
+        let mut diff = u8::from(mine.len() != presented.len());
+        for (i, &b) in presented.iter().enumerate() {
+            diff |= mine.get(i).copied().unwrap_or(0) ^ b;
+        }
+        std::hint::black_box(diff) == 0
+    }
+}
+
+impl PartialEq for Secret {
+    fn eq(&self, other: &Secret) -> bool {
+        self.matches(other.0.as_bytes())
+    }
+}
+
+impl Eq for Secret {}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+impl TryFrom<String> for Secret {
+    type Error = SecretError;
+    fn try_from(s: String) -> Result<Secret, SecretError> {
+        Secret::new(s)
+    }
+}
+
+impl From<Secret> for String {
+    fn from(s: Secret) -> String {
+        s.0
+    }
+}
+
 /// A device as a target registers it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
@@ -74,6 +157,14 @@ pub struct RegisterTargetBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "server", schema(value_type = Option<String>, example = "10.0.0.1:4420"))]
     pub rdma_addr: Option<SocketAddr>,
+    /// The bearer token of the target's admin API: the control plane sends
+    /// it on every call it makes there. Write-only: kept apart from the
+    /// target's record and returned by no call. Absent: the token held
+    /// from an earlier registration stays.
+    // Left out when absent, like `rdma_addr`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "server", schema(value_type = Option<String>, write_only))]
+    pub admin_token: Option<Secret>,
 }
 
 /// A device with its usage.
@@ -467,6 +558,39 @@ pub struct RebalanceOut {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_hide_themselves_and_compare_whole() {
+        let s = Secret::new("0123456789abcdef-token").unwrap();
+        assert_eq!(format!("{s:?}"), "Secret(..)");
+        assert!(s.matches(b"0123456789abcdef-token"));
+        for other in [
+            &b"0123456789abcdef-tokeN"[..],
+            b"0123456789abcdef-toke",
+            b"0123456789abcdef-token!",
+            b"",
+        ] {
+            assert!(!s.matches(other), "{other:?}");
+        }
+        assert_eq!(s, Secret::new("0123456789abcdef-token").unwrap());
+        assert_ne!(s, Secret::new("0123456789abcdef-other").unwrap());
+        for bad in [
+            "short",
+            "has a space in it!!",
+            "tab\there-0123456789",
+            "\u{e9}0123456789abcdef",
+        ] {
+            let e = Secret::new(bad).unwrap_err().to_string();
+            assert!(!e.contains(bad), "{e}");
+        }
+        assert!(Secret::new("x".repeat(SECRET_BYTES_MAX)).is_ok());
+        assert!(Secret::new("x".repeat(SECRET_BYTES_MAX + 1)).is_err());
+        // JSON carries it as a plain string, checked on the way in.
+        let j = serde_json::to_string(&s).unwrap();
+        assert_eq!(j, "\"0123456789abcdef-token\"");
+        assert_eq!(serde_json::from_str::<Secret>(&j).unwrap(), s);
+        assert!(serde_json::from_str::<Secret>("\"short\"").is_err());
+    }
 
     #[test]
     fn base_urls() {

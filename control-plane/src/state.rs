@@ -14,6 +14,8 @@
 //! | key | value |
 //! |---|---|
 //! | `/targets/{id}` | [`Target`] |
+//! | `/target-credentials/{id}` | [`TargetCredential`]: the target's admin API token (never in the snapshot) |
+//! | `/target-addresses/{kind}/{addr}` | the ID of the target at that address (keeps addresses unique; kinds `nvme-tcp`, `admin`, `nvme-rdma`) |
 //! | `/pools/{name}` | [`Pool`] |
 //! | `/volumes/{uuid}` | [`Volume`], with all its extents |
 //! | `/volume-names/{name}` | the volume's [`Uuid`] (keeps names unique) |
@@ -54,6 +56,7 @@ use crate::placement::{
     failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
     DEFAULT_FAILURE_DOMAIN_LABEL,
 };
+use crate::rest::Secret;
 use crate::resync::{CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use serde::{Deserialize, Serialize};
@@ -66,6 +69,8 @@ pub mod keys {
     use crate::model::Uuid;
 
     pub const TARGETS: &str = "/targets/";
+    pub const TARGET_CREDENTIALS: &str = "/target-credentials/";
+    pub const TARGET_ADDRESSES: &str = "/target-addresses/";
     pub const POOLS: &str = "/pools/";
     pub const VOLUMES: &str = "/volumes/";
     pub const VOLUME_NAMES: &str = "/volume-names/";
@@ -73,6 +78,16 @@ pub mod keys {
 
     pub fn target(id: &str) -> String {
         format!("{TARGETS}{id}")
+    }
+
+    pub fn target_credential(id: &str) -> String {
+        format!("{TARGET_CREDENTIALS}{id}")
+    }
+
+    /// The index key of one of a target's addresses (`kind` is an
+    /// [`super::AddressKind`]'s key part).
+    pub fn target_address(kind: &str, addr: &std::net::SocketAddr) -> String {
+        format!("{TARGET_ADDRESSES}{kind}/{addr}")
     }
 
     pub fn pool(name: &str) -> String {
@@ -124,6 +139,13 @@ pub enum StateError {
     DeviceInUse { device: DeviceRef, reason: String },
     #[error("pool {pool} still holds {volumes} volumes")]
     PoolInUse { pool: String, volumes: usize },
+    /// Another registered target has this address.
+    #[error("{} {addr} is the address of target {target}", .kind.field())]
+    AddressTaken {
+        kind: AddressKind,
+        addr: SocketAddr,
+        target: String,
+    },
     #[error("target {target} still holds {extents} extents (drain it first: nvpool target drain {target})")]
     TargetInUse { target: String, extents: usize },
     #[error("volume {uuid} is {size_bytes} bytes; volumes only grow (asked for {requested})")]
@@ -216,7 +238,85 @@ pub struct TargetRegistration {
     /// The NVMe/RDMA listener hosts may use instead of `addr`.
     #[serde(default)]
     pub rdma_addr: Option<SocketAddr>,
+    /// The target's admin API token, kept as its [`TargetCredential`];
+    /// None keeps the one held (if any).
+    #[serde(default, skip_serializing)]
+    pub admin_token: Option<Secret>,
 }
+
+/// The addresses of a target that no other target may share: two records
+/// with one admin address would have the control plane program one daemon
+/// as two targets (and reconciling one would undo the other's exports).
+/// NVMe/RDMA addresses live in RDMA CM's port space, so a target's
+/// `rdma_addr` may equal its own (TCP) `addr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum AddressKind {
+    /// `addr`, the NVMe/TCP listener.
+    NvmeTcp,
+    /// `admin_addr`, the admin API.
+    Admin,
+    /// `rdma_addr`, the NVMe/RDMA listener.
+    NvmeRdma,
+}
+
+impl AddressKind {
+    pub const ALL: [AddressKind; 3] = [
+        AddressKind::NvmeTcp,
+        AddressKind::Admin,
+        AddressKind::NvmeRdma,
+    ];
+
+    /// The registration field.
+    pub fn field(self) -> &'static str {
+        match self {
+            AddressKind::NvmeTcp => "addr",
+            AddressKind::Admin => "admin_addr",
+            AddressKind::NvmeRdma => "rdma_addr",
+        }
+    }
+
+    /// Its part of the index key.
+    pub fn key_part(self) -> &'static str {
+        match self {
+            AddressKind::NvmeTcp => "nvme-tcp",
+            AddressKind::Admin => "admin",
+            AddressKind::NvmeRdma => "nvme-rdma",
+        }
+    }
+
+    /// `t`'s address of this kind, if it has one.
+    pub fn of(self, t: &Target) -> Option<SocketAddr> {
+        match self {
+            AddressKind::NvmeTcp => Some(t.addr),
+            AddressKind::Admin => Some(t.admin_addr),
+            AddressKind::NvmeRdma => t.rdma_addr,
+        }
+    }
+
+    /// The index keys of every address of `t`.
+    fn keys_of(t: &Target) -> Vec<(AddressKind, SocketAddr, String)> {
+        AddressKind::ALL
+            .into_iter()
+            .filter_map(|k| {
+                k.of(t)
+                    .map(|a| (k, a, keys::target_address(k.key_part(), &a)))
+            })
+            .collect()
+    }
+}
+
+/// What the control plane needs to call a target's admin API, stored
+/// under its own key (`/target-credentials/{id}`) rather than in the
+/// [`Target`] record: written with the registration, deleted with the
+/// target, read only by the client of the target's admin API, and never
+/// part of an answer or a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetCredential {
+    pub target: String,
+    pub admin_token: Secret,
+}
+
+impl crate::model::Stored for TargetCredential {}
 
 /// A stored value and its version.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -233,6 +333,8 @@ pub struct Snapshot {
     pub pools: BTreeMap<String, Versioned<Pool>>,
     pub volumes: BTreeMap<Uuid, Versioned<Volume>>,
     pub volume_names: BTreeMap<String, Versioned<Uuid>>,
+    /// Address index key → the target at that address.
+    pub target_addresses: BTreeMap<String, Versioned<String>>,
     pub alloc_epoch: Option<Versioned<u64>>,
     /// (volume, host NQN) → attachment.
     pub attachments: BTreeMap<(Uuid, String), Versioned<Attachment>>,
@@ -386,6 +488,58 @@ fn decode_at<T: crate::model::Stored>(
         key: key.to_owned(),
         source,
     })
+}
+
+/// Adds to a registration of `target` the conditions and ops that keep
+/// addresses unique: refused when another target's record has one of its
+/// addresses (records older than the index included), else the index
+/// keys of its addresses are written (taken over from a key whose target
+/// no longer has that address) and the ones it no longer uses are deleted.
+fn index_addresses(
+    s: &Snapshot,
+    target: &Target,
+    conds: &mut Vec<Condition>,
+    ops: &mut Vec<Op>,
+) -> Result<(), StateError> {
+    for kind in AddressKind::ALL {
+        let Some(addr) = kind.of(target) else {
+            continue;
+        };
+        if let Some(other) = s
+            .targets
+            .values()
+            .find(|o| o.value.id != target.id && kind.of(&o.value) == Some(addr))
+        {
+            return Err(StateError::AddressTaken {
+                kind,
+                addr,
+                target: other.value.id.clone(),
+            });
+        }
+    }
+    let wanted = AddressKind::keys_of(target);
+    for (_, _, key) in &wanted {
+        match s.target_addresses.get(key) {
+            Some(owner) if owner.value == target.id => {}
+            Some(stale) => {
+                // Its owner's record is gone or no longer has the address
+                // (the records, checked above, are what counts).
+                conds.push(Condition::VersionIs(key.clone(), stale.version));
+                ops.push(Op::Put(key.clone(), encode(&target.id)));
+            }
+            None => {
+                conds.push(Condition::Missing(key.clone()));
+                ops.push(Op::Put(key.clone(), encode(&target.id)));
+            }
+        }
+    }
+    for (key, owner) in &s.target_addresses {
+        if owner.value == target.id && !wanted.iter().any(|(_, _, k)| k == key) {
+            conds.push(Condition::VersionIs(key.clone(), owner.version));
+            ops.push(Op::Delete(key.clone()));
+        }
+    }
+    Ok(())
 }
 
 impl Cluster {
@@ -551,6 +705,10 @@ impl Cluster {
                     return Err(misfiled(format!("volume {}", value.uuid)));
                 }
                 s.volumes.insert(value.uuid, Versioned { value, version });
+            } else if k.starts_with(keys::TARGET_ADDRESSES) {
+                let value: String = decode_at("target address", k, &kv.value)?;
+                s.target_addresses
+                    .insert(k.to_owned(), Versioned { value, version });
             } else if let Some(name) = k.strip_prefix(keys::VOLUME_NAMES) {
                 let value: Uuid = decode_at("volume name", k, &kv.value)?;
                 s.volume_names
@@ -697,9 +855,43 @@ impl Cluster {
                 Some(e) => Condition::VersionIs(key.clone(), e.version),
                 None => Condition::Missing(key.clone()),
             };
-            let op = Op::Put(key, encode(&target));
-            self.commit_allocation(&s, vec![cond], vec![op], target)
+            let mut conds = vec![cond];
+            let mut ops = vec![Op::Put(key, encode(&target))];
+            index_addresses(&s, &target, &mut conds, &mut ops)?;
+            if let Some(token) = &reg.admin_token {
+                // Registrations and removals of this target are serialised
+                // by its key and the allocation epoch: no condition of its own.
+                let credential = TargetCredential {
+                    target: reg.id.clone(),
+                    admin_token: token.clone(),
+                };
+                ops.push(Op::Put(
+                    keys::target_credential(&reg.id),
+                    encode(&credential),
+                ));
+            }
+            self.commit_allocation(&s, conds, ops, target)
         })
+    }
+
+    /// The admin API token a target registered with, if any.
+    pub fn target_credential(&self, id: &str) -> Result<Option<Secret>, StateError> {
+        validate_id("target id", id, ID_BYTES_MAX)?;
+        let key = keys::target_credential(id);
+        let Some(kv) = self.store.get(&key)? else {
+            return Ok(None);
+        };
+        let c: TargetCredential = decode_at("target credential", &key, &kv.value)?;
+        if c.target != id {
+            return Err(StateError::Corrupt {
+                key,
+                source: ModelError::Invalid(format!(
+                    "the key holds the credential of {}",
+                    c.target
+                )),
+            });
+        }
+        Ok(Some(c.admin_token))
     }
 
     /// Records a heartbeat now; returns the updated target.
@@ -771,7 +963,13 @@ impl Cluster {
             }
             let key = keys::target(id);
             let mut conds = vec![Condition::VersionIs(key.clone(), t.version)];
-            let mut ops = vec![Op::Delete(key)];
+            let mut ops = vec![Op::Delete(key), Op::Delete(keys::target_credential(id))];
+            for (k, owner) in &s.target_addresses {
+                if owner.value == id {
+                    conds.push(Condition::VersionIs(k.clone(), owner.version));
+                    ops.push(Op::Delete(k.clone()));
+                }
+            }
             if let Some(r) = stale {
                 let skey = ak::stale_exports(id);
                 conds.push(Condition::VersionIs(skey.clone(), r.version));
@@ -1273,6 +1471,33 @@ impl Cluster {
                 _ => problems.push(format!("name {name} points at missing volume {}", u.value)),
             }
         }
+        let mut addresses: BTreeMap<(AddressKind, SocketAddr), &str> = BTreeMap::new();
+        for t in s.targets.values().map(|v| &v.value) {
+            for kind in AddressKind::ALL {
+                if let Some(a) = kind.of(t) {
+                    if let Some(other) = addresses.insert((kind, a), &t.id) {
+                        problems.push(format!(
+                            "targets {other} and {} share {} {a}",
+                            t.id,
+                            kind.field()
+                        ));
+                    }
+                }
+            }
+        }
+        for (key, owner) in &s.target_addresses {
+            let used = s.targets.get(&owner.value).is_some_and(|t| {
+                AddressKind::keys_of(&t.value)
+                    .iter()
+                    .any(|(_, _, k)| k == key)
+            });
+            if !used {
+                problems.push(format!(
+                    "address index {key} names target {}, which does not use it",
+                    owner.value
+                ));
+            }
+        }
         let mut owners: BTreeMap<&DeviceRef, &str> = BTreeMap::new();
         for (name, p) in &s.pools {
             for d in &p.value.devices {
@@ -1394,6 +1619,7 @@ mod tests {
                 })
                 .collect(),
             rdma_addr: None,
+            admin_token: None,
         }
     }
 
@@ -1444,6 +1670,105 @@ mod tests {
             c.register_target(&bad),
             Err(StateError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn a_target_credential_lives_beside_the_record_and_dies_with_it() {
+        let f = fixture();
+        let c = &f.cluster;
+        let secret = |t: &str| Secret::new(t).unwrap();
+        let mut r = registration(0, "r0", 1, 4);
+        r.admin_token = Some(secret("first-admin-token-0123"));
+        assert!(!format!("{r:?}").contains("first-admin-token"));
+        c.register_target(&r).unwrap();
+        assert_eq!(
+            c.target_credential("t0").unwrap(),
+            Some(secret("first-admin-token-0123"))
+        );
+        // Not in the record, its views or the snapshot.
+        let raw = c.store().get(&keys::target("t0")).unwrap().unwrap().value;
+        assert!(!String::from_utf8_lossy(&raw).contains("first-admin-token"));
+        assert!(!format!("{:?}", c.targets().unwrap()).contains("first-admin-token"));
+        assert!(!format!("{:?}", c.snapshot().unwrap()).contains("first-admin-token"));
+        // A registration without one keeps it; with another, replaces it.
+        r.admin_token = None;
+        c.register_target(&r).unwrap();
+        assert_eq!(
+            c.target_credential("t0").unwrap(),
+            Some(secret("first-admin-token-0123"))
+        );
+        r.admin_token = Some(secret("second-admin-token-0123"));
+        c.register_target(&r).unwrap();
+        assert_eq!(
+            c.target_credential("t0").unwrap(),
+            Some(secret("second-admin-token-0123"))
+        );
+        assert_eq!(c.target_credential("t1").unwrap(), None);
+        c.remove_target("t0", false).unwrap();
+        assert_eq!(c.target_credential("t0").unwrap(), None);
+        assert!(c
+            .store()
+            .get(&keys::target_credential("t0"))
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn addresses_are_unique_also_against_records_older_than_the_index() {
+        let f = fixture();
+        let c = &f.cluster;
+        c.register_target(&registration(0, "r0", 1, 4)).unwrap();
+        // A record written before the index existed: no index keys.
+        let mut old = registration(1, "r1", 1, 4);
+        old.admin_addr = "10.0.0.9:4480".parse().unwrap();
+        let t = Target {
+            id: old.id.clone(),
+            name: old.name.clone(),
+            addr: old.addr,
+            admin_addr: old.admin_addr,
+            labels: old.labels.clone(),
+            devices: old.devices.clone(),
+            registered_ms: T0,
+            last_heartbeat_ms: T0,
+            state: TargetState::Active,
+            rdma_addr: None,
+        };
+        let done = c
+            .store()
+            .txn(&[], &[Op::Put(keys::target("t1"), encode(&t))])
+            .unwrap();
+        assert!(matches!(done, TxnOutcome::Committed { .. }));
+        let mut b = registration(2, "r2", 1, 4);
+        b.admin_addr = "10.0.0.9:4480".parse().unwrap();
+        match c.register_target(&b) {
+            Err(StateError::AddressTaken { kind, target, .. }) => {
+                assert_eq!((kind, target.as_str()), (AddressKind::Admin, "t1"))
+            }
+            r => panic!("{r:?}"),
+        }
+        // The old record registering again gets its keys.
+        c.register_target(&old).unwrap();
+        let s = c.snapshot().unwrap();
+        let key = keys::target_address("admin", &old.admin_addr);
+        assert_eq!(s.target_addresses[&key].value, "t1");
+        assert!(c.check().unwrap().is_empty(), "{:?}", c.check());
+        // A target's TCP and RDMA listeners may share ip:port (separate
+        // port spaces), and another target may not take either.
+        let mut r0 = registration(0, "r0", 1, 4);
+        r0.rdma_addr = Some(r0.addr);
+        c.register_target(&r0).unwrap();
+        let mut b = registration(2, "r2", 1, 4);
+        b.rdma_addr = Some(r0.addr);
+        assert!(matches!(
+            c.register_target(&b),
+            Err(StateError::AddressTaken {
+                kind: AddressKind::NvmeRdma,
+                ..
+            })
+        ));
+        c.remove_target("t0", false).unwrap();
+        c.register_target(&b).unwrap();
+        assert!(c.check().unwrap().is_empty(), "{:?}", c.check());
     }
 
     #[test]

@@ -199,6 +199,167 @@ fn targets_register_an_rdma_listener() {
     assert_eq!(r.json()["rdma_addr"], Value::Null);
 }
 
+/// Requests a [`FakeAdmin`] saw: the request line and the `Authorization`
+/// header.
+type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
+/// A stand-in for a target's admin API on a loopback port: answers every
+/// request 200 with `[]` and records its request line and
+/// `Authorization` header.
+struct FakeAdmin {
+    addr: std::net::SocketAddr,
+    seen: Seen,
+}
+
+impl FakeAdmin {
+    fn start() -> FakeAdmin {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let seen = Seen::default();
+        let log = seen.clone();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).is_ok_and(|n| n == 1) {
+                    head.push(b[0]);
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let mut lines = head.split("\r\n");
+                let request = lines.next().unwrap_or_default().to_owned();
+                let mut auth = None;
+                let mut len = 0usize;
+                for l in lines {
+                    if let Some((k, v)) = l.split_once(':') {
+                        match k.trim().to_ascii_lowercase().as_str() {
+                            "authorization" => auth = Some(v.trim().to_owned()),
+                            "content-length" => len = v.trim().parse().unwrap_or(0),
+                            _ => {}
+                        }
+                    }
+                }
+                let mut body = vec![0u8; len];
+                let _ = s.read_exact(&mut body);
+                log.lock().unwrap().push((request, auth));
+                let _ = s.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
+                      Content-Length: 2\r\nConnection: close\r\n\r\n[]",
+                );
+            }
+        });
+        FakeAdmin { addr, seen }
+    }
+
+    fn seen(&self) -> Vec<(String, Option<String>)> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+/// A target's admin token comes with its registration, is kept apart and
+/// never shown, and goes as a bearer token with every call the control
+/// plane makes to that target (each target its own).
+#[test]
+fn each_target_gets_its_own_admin_token_and_nobody_sees_it() {
+    let s = serve(tokens());
+    let fakes: Vec<FakeAdmin> = (0..3).map(|_| FakeAdmin::start()).collect();
+    let token = |i: usize| format!("admin-token-of-t{i}-0123456789");
+    for (i, f) in fakes.iter().enumerate() {
+        let mut reg = registration(i, "r0", 1, 8);
+        reg["admin_addr"] = json!(f.addr.to_string());
+        if i < 2 {
+            reg["admin_token"] = json!(token(i));
+        }
+        let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(!r.body.contains("admin-token-of"), "{}", r.body);
+        assert!(r.json().get("admin_token").is_none());
+    }
+    // A re-registration without the field keeps the token.
+    let mut reg = registration(0, "r0", 1, 8);
+    reg["admin_addr"] = json!(fakes[0].addr.to_string());
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg.clone()));
+    assert_eq!(r.status, 200, "{}", r.body);
+    // A token that is no token: 400, and it is not quoted back.
+    reg["admin_token"] = json!("short");
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+    s.expect_error(&r, 400, "invalid");
+    assert!(!r.body.contains("short\""), "{}", r.body);
+    for path in ["/v1/targets", "/v1/targets/t0", "/v1/targets/t1"] {
+        let r = s.call("GET", path, None, None);
+        assert_eq!(r.status, 200);
+        assert!(!r.body.contains("admin-token-of"), "{path}: {}", r.body);
+    }
+    for i in 0..3 {
+        let r = s.admin("POST", &format!("/v1/targets/t{i}/reconcile"), None);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    for (i, f) in fakes.iter().enumerate() {
+        let seen = f.seen();
+        assert!(seen.len() >= 2, "t{i}: {seen:?}");
+        let want = (i < 2).then(|| format!("Bearer {}", token(i)));
+        for (request, auth) in &seen {
+            assert_eq!(auth, &want, "t{i}: {request}");
+        }
+    }
+    // Gone with the target.
+    let r = s.admin("DELETE", "/v1/targets/t1", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert_eq!(s.cluster.target_credential("t1").unwrap(), None);
+    assert!(s.cluster.target_credential("t0").unwrap().is_some());
+}
+
+/// No two targets share an address: a new ID with another target's
+/// `addr`, `admin_addr` or `rdma_addr` is refused with 409 naming that
+/// target; a target re-registering keeps or changes its own, and an
+/// address it gave up is free for the next.
+#[test]
+fn target_addresses_are_unique() {
+    let s = serve(tokens());
+    let post = |b: Value| s.call("POST", "/v1/targets", Some(TARGET), Some(b));
+    let mut t1 = registration(1, "r0", 1, 8);
+    t1["rdma_addr"] = json!("10.0.0.1:4420");
+    assert_eq!(post(t1.clone()).status, 200);
+    for (field, value) in [
+        ("addr", "10.0.0.1:4420"),
+        ("admin_addr", "10.0.0.1:4480"),
+        ("rdma_addr", "10.0.0.1:4420"),
+    ] {
+        let mut b = registration(2, "r1", 1, 8);
+        b[field] = json!(value);
+        let r = post(b);
+        s.expect_error(&r, 409, "address_taken");
+        let j = r.json();
+        assert_eq!(j["details"]["target"], "t1", "{j}");
+        assert_eq!(j["details"]["field"], field, "{j}");
+        assert_eq!(j["details"]["addr"], value, "{j}");
+        assert!(j["message"].as_str().unwrap().contains("t1"), "{j}");
+        let r = s.call("GET", "/v1/targets/t2", None, None);
+        assert_eq!(r.status, 404, "nothing of t2 was recorded: {}", r.body);
+    }
+    // The same ID again, same addresses or new ones: fine.
+    assert_eq!(post(t1.clone()).status, 200);
+    let mut moved = t1.clone();
+    moved["admin_addr"] = json!("10.0.0.11:4480");
+    assert_eq!(post(moved).status, 200);
+    // The old admin address is free now; the new one is not.
+    let mut t2 = registration(2, "r1", 1, 8);
+    t2["admin_addr"] = json!("10.0.0.1:4480");
+    let r = post(t2.clone());
+    assert_eq!(r.status, 200, "{}", r.body);
+    t2["admin_addr"] = json!("10.0.0.11:4480");
+    s.expect_error(&post(t2), 409, "address_taken");
+    // A removed target's addresses are free.
+    let r = s.admin("DELETE", "/v1/targets/t1", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    let mut t3 = registration(3, "r0", 1, 8);
+    t3["addr"] = json!("10.0.0.1:4420");
+    t3["admin_addr"] = json!("10.0.0.11:4480");
+    let r = post(t3);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(s.cluster.check().unwrap().is_empty());
+}
+
 /// What `nvpool-target` sends reaches the target record.
 #[test]
 fn a_target_daemon_registers_its_rdma_listener() {
@@ -206,13 +367,13 @@ fn a_target_daemon_registers_its_rdma_listener() {
     use nvpool_target::{Registrar, RegistrationConfig};
     let s = serve(tokens());
     let url = ControlPlaneUrl::parse(&format!("http://{}", s.addr)).unwrap();
-    let register = |id: &str, rdma: Option<&str>| {
+    let register = |id: &str, ip: &str, rdma: Option<&str>| {
         let mut rc = RegistrationConfig::new(
             url.clone(),
             id.into(),
             id.into(),
-            "10.0.0.7:4420".parse().unwrap(),
-            "10.0.0.7:4480".parse().unwrap(),
+            format!("{ip}:4420").parse().unwrap(),
+            format!("{ip}:4480").parse().unwrap(),
         );
         rc.token = Some(TARGET.into());
         rc.rdma_addr = rdma.map(|a| a.parse().unwrap());
@@ -230,10 +391,10 @@ fn a_target_daemon_registers_its_rdma_listener() {
         s.read(&format!("/v1/targets/{id}")).json()
     };
     assert_eq!(
-        register("t7", Some("10.0.0.7:4421"))["rdma_addr"],
+        register("t7", "10.0.0.7", Some("10.0.0.7:4421"))["rdma_addr"],
         "10.0.0.7:4421"
     );
-    assert_eq!(register("t8", None)["rdma_addr"], Value::Null);
+    assert_eq!(register("t8", "10.0.0.8", None)["rdma_addr"], Value::Null);
 }
 
 /// An RDMA listener added to (or removed from) a running target reaches

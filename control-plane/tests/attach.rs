@@ -450,3 +450,134 @@ fn failed_copies_outlive_detach_and_reach_every_later_attach() {
     assert_eq!(r.status, 204, "{}", r.body);
     assert!(s.cluster.snapshot().unwrap().failed_copies.is_empty());
 }
+
+/// Rewrites target `id`'s record in the store so that it points at
+/// `daemon`'s admin API and holds `daemon`'s token, as an old record can
+/// when a target re-registered under another ID from the same address
+/// (which registration no longer accepts, so the store is written directly).
+fn point_record_at(c: &Cluster, id: &str, daemon: &Node) {
+    use nvpool_control::model::encode;
+    use nvpool_control::rest::Secret;
+    use nvpool_control::state::{keys, TargetCredential};
+    use nvpool_control::store::{Condition, Op, TxnOutcome};
+    let store = c.server.cluster.store();
+    let key = keys::target(id);
+    let kv = store.get(&key).unwrap().unwrap();
+    let mut t = c.server.cluster.target(id).unwrap().target;
+    t.admin_addr = daemon.admin;
+    let credential = TargetCredential {
+        target: id.to_owned(),
+        admin_token: Secret::new(daemon.admin_token.clone()).unwrap(),
+    };
+    let ops = [
+        Op::Put(key.clone(), encode(&t)),
+        Op::Put(keys::target_credential(id), encode(&credential)),
+    ];
+    let done = store
+        .txn(&[Condition::VersionIs(key, kv.version)], &ops)
+        .unwrap();
+    assert!(matches!(done, TxnOutcome::Committed { .. }), "{done:?}");
+}
+
+/// A target's record whose admin address another live target's daemon
+/// holds (with that daemon's token) must not make the control plane change
+/// anything on that daemon: reconciliation and detach ask the daemon who
+/// it is first, remove nothing, and fail with 409 wrong_target.
+#[test]
+fn a_record_pointing_at_another_daemon_removes_nothing_there() {
+    let c = cluster(2);
+    let s = &c.server;
+    // One single-extent volume on each target, both attached to host A.
+    let v1 = create(s, 1, MIB, json!({"type": "concat"}));
+    let v2 = create(s, 2, MIB, json!({"type": "concat"}));
+    for v in [&v1, &v2] {
+        let r = attach(s, v, HOST_A);
+        assert_eq!(r.status, 201, "{}", r.body);
+    }
+    let target_of = |v: &str| {
+        s.call("GET", &format!("/v1/volumes/{v}"), None, None)
+            .json()["extents"][0]["target"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (t1, t2) = (target_of(&v1), target_of(&v2));
+    assert_ne!(t1, t2, "placement spreads the two volumes");
+    let (live, other) = (node_of(&c, &t1), node_of(&c, &t2));
+    let live_before = live.host_subsystems();
+    let other_before = other.host_subsystems();
+    assert!(!live_before.is_empty() && !other_before.is_empty());
+
+    point_record_at(&c, &t2, live);
+
+    // Reconciling the misdirected record would remove v1's namespace from
+    // the live daemon (the record wants only v2's there).
+    let r = s.admin("POST", &format!("/v1/targets/{t2}/reconcile"), None);
+    s.expect_error(&r, 409, "wrong_target");
+    let d = &r.json()["details"];
+    assert_eq!(d["target"], t2.as_str(), "{d}");
+    assert_eq!(d["found"], t1.as_str(), "{d}");
+    assert_eq!(d["admin_addr"], live.admin.to_string(), "{d}");
+    assert!(r.json()["message"]
+        .as_str()
+        .unwrap()
+        .contains("nothing was changed"));
+    // Detaching v2 would remove its NSID from the live daemon, where it may
+    // name one of v1's namespaces.
+    let r = detach(s, &v2, HOST_A, false);
+    s.expect_error(&r, 409, "wrong_target");
+    // The periodic reconciliation too.
+    assert!(matches!(
+        nvpool_control::program::reconcile(&s.cluster, &t2),
+        Err(nvpool_control::program::ProgramError::WrongTarget { .. })
+    ));
+    assert_eq!(
+        live.host_subsystems(),
+        live_before,
+        "the live daemon was changed"
+    );
+    assert_eq!(other.host_subsystems(), other_before);
+    // v1 still reads through the live daemon; the live target's own record
+    // still works.
+    let r = s.admin("POST", &format!("/v1/targets/{t1}/reconcile"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(live.host_subsystems(), live_before);
+}
+
+/// The reported bug: a second registration (another ID) with a live
+/// target's admin address was accepted, and the next reconciliation of
+/// that record removed the live target's host subsystems, which the new
+/// record did not want. Now the registration is refused (409, naming the
+/// live target) in its own transaction, and nothing changes on the target.
+#[test]
+fn a_second_record_with_a_live_targets_admin_address_is_refused() {
+    let c = cluster(2);
+    let s = &c.server;
+    let vol = create(s, 1, MIB, json!({"type": "raid1", "copies": 2}));
+    let r = attach(s, &vol, HOST_A);
+    assert_eq!(r.status, 201, "{}", r.body);
+    let live = &c.nodes[0];
+    let before = live.host_subsystems();
+    assert!(!before.is_empty());
+    let mut second = live.registration("r9");
+    second["id"] = json!("t9");
+    second["name"] = json!("t9");
+    second["addr"] = json!("127.0.0.1:9");
+    second["devices"] = json!([]);
+    let r = s.admin("POST", "/v1/targets", Some(second));
+    s.expect_error(&r, 409, "address_taken");
+    let j = r.json();
+    assert_eq!(j["details"]["target"], live.id.as_str(), "{j}");
+    assert_eq!(j["details"]["field"], "admin_addr", "{j}");
+    let r = s.call("GET", "/v1/targets/t9", None, None);
+    assert_eq!(r.status, 404, "{}", r.body);
+    // What reconciliation there is leaves the live target as it was.
+    for n in &c.nodes {
+        let r = s.admin("POST", &format!("/v1/targets/{}/reconcile", n.id), None);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let r = s.admin("POST", "/v1/targets/t9/reconcile", None);
+    s.expect_error(&r, 404, "not_found");
+    assert_eq!(live.host_subsystems(), before);
+    assert!(s.cluster.check().unwrap().is_empty());
+}

@@ -1,8 +1,14 @@
 //! The local admin API: JSON over HTTP, for the control plane and for admins.
 //!
+//! Every request, to any path, needs `Authorization: Bearer TOKEN` with a
+//! token of the target's [`AdminTokens`] (auth.rs); without one it is
+//! answered 401 with `WWW-Authenticate: Bearer`, before anything else is
+//! looked at, and logged (rate-limited per peer address).
+//!
 //! | method and path | does |
 //! |---|---|
 //! | `GET /v1/health` | liveness |
+//! | `GET /v1/identity` | who this is: `{"target_id": ID or null, "identity": UUID}`; the control plane checks `target_id` before it changes anything here |
 //! | `GET /v1/target` | listeners, subsystems, controllers |
 //! | `GET /v1/subsystems` | every subsystem with namespaces and hosts |
 //! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, serial, model, ana, namespaces) |
@@ -20,18 +26,25 @@
 //! | `GET /v1/copies/{id}`, `GET /v1/copies` | copy job status |
 //! | `DELETE /v1/copies/{id}` | cancel if running, disarm the guard, forget |
 //!
+//! The router is built from one table ([`routes`] lists it), so a test can
+//! drive every route there is.
+//!
 //! Errors are `{"kind": …, "message": …}` with a 4xx status. Every change is
 //! saved to the state directory before it is answered, except copy jobs,
 //! which live in memory only (copier.rs).
 
+use crate::auth::AdminTokens;
 use crate::config::{AnaConfig, AnaState, NamespaceConfig, SubsystemConfig};
 use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
 use crate::daemon::ListenerControl;
+use crate::peerlog::{peer_warn, PeerSites};
 use crate::target::{Target, TargetError};
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::handler::Handler;
+use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -54,6 +67,7 @@ pub struct ApiServer {
 impl ApiServer {
     pub fn start(
         addr: SocketAddr,
+        tokens: AdminTokens,
         target: Arc<Target>,
         listeners: ListenerControl,
     ) -> std::io::Result<ApiServer> {
@@ -61,7 +75,8 @@ impl ApiServer {
         std_listener.set_nonblocking(true)?;
         let bound = std_listener.local_addr()?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let app = router(Api { target, listeners });
+        let app = router(Api { target, listeners }, tokens)
+            .into_make_service_with_connect_info::<SocketAddr>();
         let thread = std::thread::Builder::new()
             .name("nvpool-admin-api".into())
             .spawn(move || {
@@ -108,46 +123,132 @@ impl ApiServer {
     }
 }
 
-fn router(api: Api) -> Router {
-    Router::new()
-        .route(
-            "/v1/health",
-            get(|| async { Json(serde_json::json!({"status": "ok"})) }),
-        )
-        .route("/v1/target", get(target_info))
-        .route("/v1/subsystems", get(list_subsystems))
-        .route(
-            "/v1/subsystems/{nqn}",
-            put(put_subsystem)
-                .get(get_subsystem)
-                .delete(delete_subsystem),
-        )
-        .route(
+/// One route of the admin API: a method, a path and its handler.
+struct Route {
+    method: Method,
+    path: &'static str,
+    handler: MethodRouter<Api>,
+}
+
+fn route<H, T>(method: Method, path: &'static str, handler: H) -> Route
+where
+    H: Handler<T, Api>,
+    T: 'static,
+{
+    let filter = MethodFilter::try_from(method.clone()).expect("a method the router takes");
+    Route {
+        method,
+        path,
+        handler: on(filter, handler),
+    }
+}
+
+/// Every route of the admin API. The router is built from this table and
+/// nothing else, so [`routes`] (what tests drive) is every route there is.
+fn table() -> Vec<Route> {
+    use Method as M;
+    vec![
+        route(M::GET, "/v1/health", health),
+        route(M::GET, "/v1/identity", identity),
+        route(M::GET, "/v1/target", target_info),
+        route(M::GET, "/v1/subsystems", list_subsystems),
+        route(M::PUT, "/v1/subsystems/{nqn}", put_subsystem),
+        route(M::GET, "/v1/subsystems/{nqn}", get_subsystem),
+        route(M::DELETE, "/v1/subsystems/{nqn}", delete_subsystem),
+        route(
+            M::PUT,
             "/v1/subsystems/{nqn}/namespaces/{nsid}",
-            put(put_namespace).delete(delete_namespace),
-        )
-        .route(
-            "/v1/subsystems/{nqn}/hosts/{host}",
-            put(put_host).delete(delete_host),
-        )
-        .route("/v1/subsystems/{nqn}/ana", put(put_ana))
-        .route("/v1/leases", post(post_leases))
-        .route("/v1/listeners", get(list_listeners))
-        .route(
-            "/v1/listeners/{addr}",
-            put(put_listener).delete(delete_listener),
-        )
-        .route("/v1/controllers", get(list_controllers))
-        .route("/v1/copies", get(list_copies))
-        .route(
-            "/v1/copies/{id}",
-            put(put_copy).get(get_copy).delete(delete_copy),
-        )
-        .route("/v1/copies/{id}/start", post(start_copy))
-        .fallback(|| async {
-            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
-        })
+            put_namespace,
+        ),
+        route(
+            M::DELETE,
+            "/v1/subsystems/{nqn}/namespaces/{nsid}",
+            delete_namespace,
+        ),
+        route(M::PUT, "/v1/subsystems/{nqn}/hosts/{host}", put_host),
+        route(M::DELETE, "/v1/subsystems/{nqn}/hosts/{host}", delete_host),
+        route(M::PUT, "/v1/subsystems/{nqn}/ana", put_ana),
+        route(M::POST, "/v1/leases", post_leases),
+        route(M::GET, "/v1/listeners", list_listeners),
+        route(M::PUT, "/v1/listeners/{addr}", put_listener),
+        route(M::DELETE, "/v1/listeners/{addr}", delete_listener),
+        route(M::GET, "/v1/controllers", list_controllers),
+        route(M::GET, "/v1/copies", list_copies),
+        route(M::PUT, "/v1/copies/{id}", put_copy),
+        route(M::GET, "/v1/copies/{id}", get_copy),
+        route(M::DELETE, "/v1/copies/{id}", delete_copy),
+        route(M::POST, "/v1/copies/{id}/start", start_copy),
+    ]
+}
+
+/// (method, path) of every admin route, as the router is built from them;
+/// path parameters are in braces (`/v1/copies/{id}`).
+pub fn routes() -> Vec<(Method, &'static str)> {
+    table().into_iter().map(|r| (r.method, r.path)).collect()
+}
+
+fn router(api: Api, tokens: AdminTokens) -> Router {
+    let mut r = Router::new();
+    for Route { path, handler, .. } in table() {
+        // Several methods of one path merge into one route.
+        r = r.route(path, handler);
+    }
+    r.fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+        // Outermost, so it runs first for every route and the fallback:
+        // nothing is parsed or looked up for a request without a token.
+        .layer(axum::middleware::from_fn_with_state(tokens, require_token))
         .with_state(api)
+}
+
+/// Refused admin requests, rate-limited per peer address.
+static REFUSED_LOG: PeerSites = PeerSites::new();
+
+/// Lets a request through only with a valid bearer token.
+async fn require_token(State(tokens): State<AdminTokens>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .map(|v| crate::auth::bearer(v.as_bytes()));
+    // The token file may be read again: a short blocking read, bounded by
+    // ADMIN_TOKEN_RECHECK_MS, on the admin API's own thread.
+    let ok = matches!(presented, Some(Some(p)) if tokens.check(p));
+    if ok {
+        return next.run(req).await;
+    }
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    let why = match presented {
+        None => "no Authorization header",
+        Some(None) => "not a bearer token",
+        Some(Some(_)) => "wrong token",
+    };
+    let path: String = req.uri().path().chars().take(128).collect();
+    let method = req.method().clone();
+    match peer {
+        Some(p) => {
+            peer_warn!(site = REFUSED_LOG.site(p.ip()); peer = %p, %method, path, why, "admin API request refused")
+        }
+        None => peer_warn!(%method, path, why, "admin API request refused"),
+    }
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+        "the admin API needs Authorization: Bearer with a token of this target",
+    )
+    .into_response()
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn identity(State(api): State<Api>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "target_id": api.target.target_id(),
+        "identity": api.target.identity(),
+    }))
 }
 
 /// The error body of every failed request.
@@ -174,7 +275,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.code, Json(&self)).into_response()
+        let mut r = (self.code, Json(&self)).into_response();
+        if self.code == StatusCode::UNAUTHORIZED {
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        r
     }
 }
 

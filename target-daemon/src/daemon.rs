@@ -2,6 +2,8 @@
 //! the admin API, registration with the control plane, signals and clean
 //! shutdown.
 
+use crate::api;
+use crate::auth::AdminTokens;
 use crate::config::{
     Config, DEFAULT_ADMIN_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_LISTEN, DEFAULT_STATE_DIR,
 };
@@ -10,7 +12,6 @@ use crate::reactor::{Reactor, ReactorHandle};
 use crate::register::{self, Registrar};
 use crate::ring::Ring;
 use crate::target::Target;
-use crate::{api, limits};
 use anyhow::Context;
 use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -34,8 +35,15 @@ pub struct StartOptions {
     pub reactors: usize,
     /// Drive file backends through io_uring (sockets always use it).
     pub io_uring: bool,
-    /// Admin API address; None = no admin API.
-    pub admin_listen: Option<SocketAddr>,
+    /// The admin API; None = none.
+    pub admin: Option<AdminOptions>,
+}
+
+/// Where the admin API listens and the tokens it accepts.
+#[derive(Debug, Clone)]
+pub struct AdminOptions {
+    pub listen: SocketAddr,
+    pub tokens: AdminTokens,
 }
 
 enum AcceptorCmd {
@@ -185,10 +193,10 @@ impl Running {
         let acceptor = std::thread::Builder::new()
             .name("nvpool-acceptor".into())
             .spawn(move || acc.run())?;
-        let api = match opts.admin_listen {
+        let api = match &opts.admin {
             Some(a) => Some(
-                api::ApiServer::start(a, target.clone(), control.clone())
-                    .with_context(|| format!("cannot start the admin API on {a}"))?,
+                api::ApiServer::start(a.listen, a.tokens.clone(), target.clone(), control.clone())
+                    .with_context(|| format!("cannot start the admin API on {}", a.listen))?,
             ),
             None => None,
         };
@@ -306,8 +314,9 @@ impl Acceptor {
                         Ok((s, peer)) => {
                             // mio hands out a nonblocking stream; reactors take std ones.
                             let s = std::net::TcpStream::from(std::os::fd::OwnedFd::from(s));
-                            if self.live.load(Ordering::Acquire) >= limits::CONNECTIONS_MAX {
-                                peer_warn!(%peer, max = limits::CONNECTIONS_MAX, "connection limit reached; refusing connections");
+                            let max = self.target.connections_max();
+                            if self.live.load(Ordering::Acquire) >= max {
+                                peer_warn!(%peer, max, "connection limit reached; refusing connections");
                                 continue;
                             }
                             self.live.fetch_add(1, Ordering::AcqRel);
@@ -393,9 +402,15 @@ pub struct Cli {
     /// Listen address (repeatable): ADDR:PORT for NVMe/TCP, rdma:ADDR:PORT for NVMe/RDMA (port 4420 by convention). Default 127.0.0.1:4420 and the discovery port 127.0.0.1:8009.
     #[arg(short, long = "listen", value_name = "[rdma:]ADDR:PORT")]
     pub listen: Vec<crate::config::Listen>,
-    /// Admin API address (HTTP+JSON), or "off".
+    /// Admin API address (HTTP+JSON), or "off". Default 127.0.0.1:4480; an address other than loopback needs --admin-insecure-http.
     #[arg(long, value_name = "ADDR:PORT|off")]
     pub admin_listen: Option<String>,
+    /// File of admin API bearer tokens, one per line; any line is accepted, the first is the one given to the control plane. Read again when it changes. Default: STATE_DIR/admin-token, created with a random token when missing; without a state directory, a random token in memory.
+    #[arg(long, env = "NVPOOL_TARGET_ADMIN_TOKEN_FILE", value_name = "PATH")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Let the admin API listen on an address other than loopback over plain HTTP, where its bearer token crosses the network in clear.
+    #[arg(long)]
+    pub admin_insecure_http: bool,
     /// Export a namespace: NQN=BACKEND, e.g. nqn.2026-11.io.nvpool:d1=file:/dev/sdb or ...=ram:1G (repeatable; NSIDs count up from 1 per NQN).
     #[arg(short, long = "export", value_name = "NQN=BACKEND")]
     pub export: Vec<String>,
@@ -547,7 +562,41 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
         cfg.reactors = cli.reactors;
     }
     cfg.validate()?;
+    if let Some(a) = cfg.admin_listen {
+        check_admin_exposure(a, cli.admin_insecure_http)?;
+    }
     Ok((cfg, state_dir))
+}
+
+/// The admin API speaks plain HTTP, so its bearer token is readable by
+/// anyone on the path: it listens on loopback unless told otherwise.
+fn check_admin_exposure(listen: SocketAddr, insecure_http_ok: bool) -> anyhow::Result<()> {
+    if listen.ip().is_loopback() || insecure_http_ok {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "the admin API would listen on {listen} over plain HTTP, sending its bearer token in \
+         clear; listen on loopback, or accept that with --admin-insecure-http"
+    )
+}
+
+/// The admin API's tokens: `--admin-token-file`, else the state
+/// directory's `admin-token` (created when missing), else a random token in
+/// memory. Logs where they are, never what they are.
+pub fn admin_tokens(cli: &Cli, state_dir: Option<&std::path::Path>) -> anyhow::Result<AdminTokens> {
+    let tokens = match (&cli.admin_token_file, state_dir) {
+        (Some(f), _) => AdminTokens::from_file(f)?,
+        (None, Some(d)) => AdminTokens::in_state_dir(d)?,
+        (None, None) => AdminTokens::generated(),
+    };
+    match tokens.file() {
+        Some(f) => tracing::info!(file = %f.display(), "admin API tokens"),
+        None => tracing::info!(
+            "admin API token generated in memory (no --state-dir or --admin-token-file): \
+             only a control plane this target registers with can use the admin API"
+        ),
+    }
+    Ok(tokens)
 }
 
 /// The whole daemon: configure, start, wait for SIGTERM/SIGINT, shut down.
@@ -556,6 +605,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     // Checked (devices opened, token read) before anything is bound.
     let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
     let target = Target::new(state_dir.clone())?;
+    // Without a control plane: --target-id, else the persistent identity
+    // (the registration's default too); with one, set again below.
+    match (&cli.target_id, &state_dir) {
+        (Some(id), _) => target.set_target_id(id.clone()),
+        (None, Some(_)) => target.set_target_id(target.identity()),
+        (None, None) => {}
+    }
     target.apply_config(&cfg)?;
     target.set_reactor_spin_us(cli.reactor_spin_us);
     let of = |t: crate::config::Transport| -> Vec<SocketAddr> {
@@ -565,12 +621,19 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             .map(|l| l.addr)
             .collect()
     };
+    let admin = match cfg.admin_listen {
+        Some(listen) => Some(AdminOptions {
+            listen,
+            tokens: admin_tokens(&cli, state_dir.as_deref())?,
+        }),
+        None => None,
+    };
     let opts = StartOptions {
         listeners: of(crate::config::Transport::Tcp),
         rdma_listeners: of(crate::config::Transport::Rdma),
         reactors: cfg.reactors.unwrap_or(0),
         io_uring: !cli.no_io_uring,
-        admin_listen: cfg.admin_listen,
+        admin,
     };
     let mut signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGTERM,
@@ -597,9 +660,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     rc.rdma_listeners = Some(crate::register::RdmaListeners(Arc::new(move || {
                         t.rdma_listeners()
                     })));
+                    // The control plane calls the admin API with it.
+                    rc.admin_tokens = opts.admin.as_ref().map(|a| a.tokens.clone());
                     rc
                 })
                 .and_then(|rc| {
+                    // What it registers as is what it answers it is.
+                    target.set_target_id(rc.target_id.clone());
                     // Volume namespaces open their engine as this target's
                     // owner host NQN, and owners renew their lease (C19).
                     target.set_volume_source(Arc::new(crate::served::ControlPlaneSource::new(
@@ -627,4 +694,32 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
     running.shutdown();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_admin_api_stays_on_loopback_unless_told() {
+        let a = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        for ok in ["127.0.0.1:4480", "127.0.0.2:1", "[::1]:4480"] {
+            assert!(check_admin_exposure(a(ok), false).is_ok(), "{ok}");
+        }
+        for exposed in [
+            "0.0.0.0:4480",
+            "10.0.0.5:4480",
+            "[::]:4480",
+            "[fd00::5]:4480",
+        ] {
+            let e = check_admin_exposure(a(exposed), false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("--admin-insecure-http") && e.contains(exposed),
+                "{e}"
+            );
+            assert!(check_admin_exposure(a(exposed), true).is_ok(), "{exposed}");
+        }
+    }
 }

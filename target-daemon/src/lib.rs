@@ -14,6 +14,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod auth;
 pub mod backend;
 pub mod bufpool;
 pub mod config;
@@ -33,6 +34,7 @@ pub mod target;
 pub mod tx;
 pub mod zeroing;
 
-pub use daemon::{Cli, Running, StartOptions};
+pub use auth::AdminTokens;
+pub use daemon::{AdminOptions, Cli, Running, StartOptions};
 pub use register::{Registrar, RegistrationConfig};
 pub use target::Target;

@@ -81,6 +81,24 @@ pub const ZERO_WRITE_CHUNK_BYTES: usize = 1 << 20;
 /// when a host misbehaves in a loop. The rest are counted.
 pub const PEER_LOG_LINES_PER_WINDOW: u32 = 10;
 pub const PEER_LOG_WINDOW_MS: u64 = 1_000;
+/// Sites of a per-peer rate limit (`peerlog::PeerSites`): peers are
+/// spread over this many, so all peers together write at most this many
+/// times `PEER_LOG_LINES_PER_WINDOW` lines a window however many
+/// addresses they send from.
+pub const PEER_LOG_KEYED_SITES: usize = 16;
+
+/// Tokens one admin token file may hold: the current one, the one being
+/// rotated out, and room for a few clients of their own.
+pub const ADMIN_TOKENS_MAX: usize = 16;
+/// A token file is read whole; more than this is not a token file.
+pub const ADMIN_TOKEN_FILE_BYTES_MAX: u64 = 64 << 10;
+/// Random bytes of a generated admin token: 256 bits, written as 64 hex
+/// digits.
+pub const ADMIN_TOKEN_RANDOM_BYTES: usize = 32;
+/// The token file is looked at (stat) at most this often for changes, so
+/// a flood of requests costs no file system work; a rotated token works
+/// within this.
+pub const ADMIN_TOKEN_RECHECK_MS: u64 = 1_000;
 
 /// Outstanding Asynchronous Event Requests per controller (AERL + 1).
 pub const AER_MAX: usize = 4;
@@ -94,8 +112,15 @@ pub const KAS_100MS: u16 = 10;
 pub const DISCOVERY_IDLE_TIMEOUT_MS: u64 = 120_000;
 /// Largest KATO a host may ask for (1 hour).
 pub const KATO_MAX_MS: u32 = 3_600_000;
-/// A connection must finish ICReq and Connect within this time.
-pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
+/// The handshake deadline: a connection must have finished ICReq/ICResp
+/// (TCP) and a successful Fabrics Connect within this long of being
+/// adopted by its reactor, or it is closed and its place under
+/// `CONNECTIONS_MAX` freed, so sockets that never finish (idle, or
+/// stopped half way) cannot hold the limit. A host does both in a round
+/// trip or two; 10 s leaves room for a loaded host and a slow network.
+/// Checked by the reactor's tick (`TICK_MS`), never per I/O; tests set a
+/// shorter one with `Target::set_handshake_timeout_ms`.
+pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// How often reactors check keep-alive deadlines and deliver async events.
 pub const TICK_MS: u64 = 50;
 /// On SIGTERM, in-flight commands get this long to complete.
@@ -254,6 +279,15 @@ const _: () = assert!(ZERO_OPS_PER_CMD_MAX >= 1);
 const _: () = assert!(ZERO_WRITE_CHUNK_BYTES.is_multiple_of(4096));
 const _: () = assert!(ZERO_WRITE_CHUNK_BYTES / 512 <= u16::MAX as usize);
 const _: () = assert!(PEER_LOG_LINES_PER_WINDOW >= 1 && PEER_LOG_WINDOW_MS >= 1);
+const _: () = assert!(PEER_LOG_KEYED_SITES >= 1);
+const _: () = assert!(
+    ADMIN_TOKEN_RANDOM_BYTES * 2 >= nvpool_control::rest::SECRET_BYTES_MIN
+        && ADMIN_TOKEN_RANDOM_BYTES * 2 <= nvpool_control::rest::SECRET_BYTES_MAX
+);
+const _: () = assert!(
+    ADMIN_TOKENS_MAX as u64 * (nvpool_control::rest::SECRET_BYTES_MAX as u64 + 1)
+        <= ADMIN_TOKEN_FILE_BYTES_MAX
+);
 const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);
 const _: () = assert!(REGISTER_BACKOFF_MIN_MS <= REGISTER_BACKOFF_MAX_MS);
 const _: () = assert!(RX_BUF_BYTES >= MAXH2CDATA_BYTES as usize + 72 + 8);
@@ -273,6 +307,7 @@ const _: () = assert!(
 const _: () =
     assert!(COPY_DEST_BYTES_MAX / COPY_GUARD_UNIT_BYTES <= crate::sync::SYNC_GUARD_UNITS_MAX);
 const _: () = assert!(PARKED_RETRY_MS < TICK_MS);
+const _: () = assert!(TICK_MS < HANDSHAKE_TIMEOUT_MS);
 // The completion queue (2 × RING_ENTRIES) holds one completion per
 // provided buffer beside one per operation in flight; a buffer ring's size
 // is a power of two.

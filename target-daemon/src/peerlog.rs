@@ -13,7 +13,10 @@
 //! A call site is one [`Site`], a `static` the macro declares where it is
 //! used. `peer_warn!(site = EXPR; ...)` takes an explicit one instead, for
 //! a limit per object (a volume namespace keeps its own, so one failing
-//! volume does not hide another's warnings).
+//! volume does not hide another's warnings). [`PeerSites`] gives a site per
+//! peer address for lines anyone on the network can trigger (the admin
+//! API's refused requests): one noisy peer then does not hide the lines
+//! of another.
 //!
 //! ```text
 //!   peer_warn!(peer = %addr, "connect refused")
@@ -21,7 +24,8 @@
 //!                                 └ None ───► counted in SITE, written with the next line
 //! ```
 
-use crate::limits::{PEER_LOG_LINES_PER_WINDOW, PEER_LOG_WINDOW_MS};
+use crate::limits::{PEER_LOG_KEYED_SITES, PEER_LOG_LINES_PER_WINDOW, PEER_LOG_WINDOW_MS};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -75,6 +79,45 @@ impl Site {
             self.suppressed.fetch_add(1, Ordering::Relaxed);
             None
         }
+    }
+}
+
+/// A rate limit per peer IP address for one kind of line, in fixed
+/// memory: [`PEER_LOG_KEYED_SITES`] sites, a peer's address picking one
+/// by its hash. Peers whose addresses share a site share its limit (what
+/// either leaves out is still counted); all of them together write at
+/// most `PEER_LOG_KEYED_SITES × PEER_LOG_LINES_PER_WINDOW` lines a window.
+#[derive(Debug)]
+pub struct PeerSites {
+    sites: [Site; PEER_LOG_KEYED_SITES],
+}
+
+impl Default for PeerSites {
+    fn default() -> PeerSites {
+        PeerSites::new()
+    }
+}
+
+impl PeerSites {
+    pub const fn new() -> PeerSites {
+        PeerSites {
+            sites: [const { Site::new() }; PEER_LOG_KEYED_SITES],
+        }
+    }
+
+    /// The site of lines about `peer`.
+    pub fn site(&self, peer: IpAddr) -> &Site {
+        // FNV-1a over the address bytes: cheap and spreads neighbours.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let v6 = match peer {
+            IpAddr::V4(a) => a.to_ipv6_mapped(),
+            IpAddr::V6(a) => a,
+        };
+        for b in v6.octets() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+        &self.sites[(h % PEER_LOG_KEYED_SITES as u64) as usize]
     }
 }
 
@@ -194,6 +237,26 @@ mod tests {
             w < THREADS * CALLS / 10,
             "the limit held back most lines: {w} written"
         );
+    }
+
+    #[test]
+    fn peers_get_sites_of_their_own() {
+        let p = PeerSites::new();
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        // Find a peer on another site than `a`.
+        let b = (2..=255u8)
+            .map(|i| IpAddr::from([192, 0, 2, i]))
+            .find(|b| !std::ptr::eq(p.site(a), p.site(*b)))
+            .expect("some address lands elsewhere");
+        for _ in 0..N {
+            assert!(p.site(a).admit(7).is_some());
+        }
+        assert_eq!(p.site(a).admit(7), None, "a is limited");
+        assert_eq!(p.site(b).admit(7), Some(0), "b is not limited by a");
+        assert!(std::ptr::eq(p.site(a), p.site(a)), "one site per peer");
+        // An IPv4 peer and its IPv6-mapped form are the same peer.
+        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        assert!(std::ptr::eq(p.site(a), p.site(mapped)));
     }
 
     /// What the macros write, captured from a `tracing` subscriber.

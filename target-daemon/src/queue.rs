@@ -282,7 +282,9 @@ pub struct Queue {
     slots: Vec<Slot>,
     free: Vec<u16>,
     aers: Vec<u16>,
-    created_ms: u64,
+    /// The connection closes at this time unless a Connect succeeded by
+    /// then (`limits::HANDSHAKE_TIMEOUT_MS` after it was adopted).
+    handshake_deadline_ms: u64,
     scratch: Vec<u8>,
     /// Slots in `Parked` state, oldest first.
     parked: Vec<u16>,
@@ -300,6 +302,7 @@ pub struct Queue {
 
 impl Queue {
     pub fn new(target: Arc<Target>, local: SocketAddr, peer: SocketAddr, now_ms: u64) -> Queue {
+        let handshake_deadline_ms = now_ms.saturating_add(target.handshake_timeout_ms());
         Queue {
             target,
             local,
@@ -322,7 +325,7 @@ impl Queue {
             slots: vec![Slot::new()],
             free: vec![0],
             aers: Vec::new(),
-            created_ms: now_ms,
+            handshake_deadline_ms,
             scratch: Vec::new(),
             parked: Vec::new(),
             returned: Vec::new(),
@@ -1831,7 +1834,14 @@ impl Queue {
             return now_ms.saturating_sub(since) < limits::SHUTDOWN_DRAIN_MS;
         }
         let Some(ctrl) = self.ctrl.clone() else {
-            return now_ms.saturating_sub(self.created_ms) < limits::CONNECT_TIMEOUT_MS;
+            // No Connect yet (nor, on TCP, maybe an ICReq): the handshake
+            // deadline frees the connection's place.
+            if now_ms >= self.handshake_deadline_ms {
+                peer_info!(peer = %self.peer, transport = ?self.transport, ic_done = self.ic_done,
+                    "no Connect before the handshake deadline; closing the connection");
+                return false;
+            }
+            return true;
         };
         if ctrl.is_dead() {
             self.request_close();

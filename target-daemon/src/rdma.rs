@@ -637,7 +637,7 @@ impl Listener {
             // Host writes need RDMA READs from its memory.
             return refuse(&id, reject::INVALID_IRD, "host accepts no RDMA READ");
         }
-        if self.live.load(Ordering::Acquire) >= limits::CONNECTIONS_MAX {
+        if self.live.load(Ordering::Acquire) >= self.target.connections_max() {
             return refuse(&id, reject::NO_RESOURCES, "connection limit reached");
         }
         // Build and accept; a failure after the id is consumed destroys it,

@@ -20,13 +20,14 @@
 //! `BACKEND,offset=N,length=M`, which is why a device's own backend spec
 //! may not carry an offset or a length.
 
+use crate::auth::AdminTokens;
 use crate::backend::{BackendError, BackendSpec};
 use crate::daemon::Cli;
 use crate::limits::{
     CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
     REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
 };
-use nvpool_control::rest::{parse_base_url, DeviceBody, RegisterTargetBody};
+use nvpool_control::rest::{parse_base_url, DeviceBody, RegisterTargetBody, Secret};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -190,12 +191,18 @@ impl DeviceOffer {
     }
 }
 
-/// Everything the registration thread sends and how often.
-#[derive(Debug, Clone)]
+/// Everything the registration thread sends and how often. Its `Debug`
+/// shows no token.
+#[derive(Clone)]
 pub struct RegistrationConfig {
     pub control_plane: ControlPlaneUrl,
     /// Bearer token for registration and heartbeats.
     pub token: Option<String>,
+    /// The admin API's tokens: the current one goes with every
+    /// registration (the control plane presents it back on its calls), and
+    /// a change of it (rotation) registers again, read before every
+    /// heartbeat. None: the registration carries none.
+    pub admin_tokens: Option<AdminTokens>,
     pub target_id: String,
     pub name: String,
     /// The NVMe/TCP address hosts connect to.
@@ -235,6 +242,7 @@ impl RegistrationConfig {
         RegistrationConfig {
             control_plane,
             token: None,
+            admin_tokens: None,
             target_id,
             name,
             addr,
@@ -251,8 +259,13 @@ impl RegistrationConfig {
         }
     }
 
-    /// The `POST /v1/targets` body, advertising `rdma_addr` for NVMe/RDMA.
-    fn register_body(&self, rdma_addr: Option<SocketAddr>) -> RegisterTargetBody {
+    /// The `POST /v1/targets` body, advertising `rdma_addr` for NVMe/RDMA
+    /// and giving `admin_token`.
+    fn register_body(
+        &self,
+        rdma_addr: Option<SocketAddr>,
+        admin_token: Option<Secret>,
+    ) -> RegisterTargetBody {
         RegisterTargetBody {
             id: self.target_id.clone(),
             name: self.name.clone(),
@@ -270,14 +283,38 @@ impl RegistrationConfig {
                 })
                 .collect(),
             rdma_addr,
+            admin_token,
         }
+    }
+}
+
+impl std::fmt::Debug for RegistrationConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistrationConfig")
+            .field("control_plane", &self.control_plane)
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .field("admin_tokens", &self.admin_tokens)
+            .field("target_id", &self.target_id)
+            .field("name", &self.name)
+            .field("addr", &self.addr)
+            .field("admin_addr", &self.admin_addr)
+            .field("rdma_addr", &self.rdma_addr)
+            .field("rdma_listeners", &self.rdma_listeners)
+            .field("advertise_rdma", &self.advertise_rdma)
+            .field("labels", &self.labels)
+            .field("devices", &self.devices)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("backoff_min", &self.backoff_min)
+            .field("backoff_max", &self.backoff_max)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
     }
 }
 
 /// Registration options from the command line, checked before anything is
 /// bound; the addresses are filled in by [`Settings::finish`] once the
-/// listeners are up (port 0 resolves then).
-#[derive(Debug, Clone)]
+/// listeners are up (port 0 resolves then). Its `Debug` shows no token.
+#[derive(Clone)]
 pub struct Settings {
     control_plane: ControlPlaneUrl,
     token: Option<String>,
@@ -287,6 +324,21 @@ pub struct Settings {
     advertise_rdma: Option<SocketAddr>,
     labels: BTreeMap<String, String>,
     devices: Vec<DeviceOffer>,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("control_plane", &self.control_plane)
+            .field("token", &self.token.as_ref().map(|_| ".."))
+            .field("target_id", &self.target_id)
+            .field("name", &self.name)
+            .field("advertise", &self.advertise)
+            .field("advertise_rdma", &self.advertise_rdma)
+            .field("labels", &self.labels)
+            .field("devices", &self.devices)
+            .finish()
+    }
 }
 
 impl Settings {
@@ -413,7 +465,7 @@ impl Settings {
         let host = hostname();
         if admin_addr.ip().is_loopback() && !is_loopback_host(self.control_plane.host()) {
             tracing::warn!(admin = %admin_addr, control_plane = %self.control_plane,
-                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen)");
+                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT --admin-insecure-http)");
         }
         let target_id = match self.target_id {
             Some(id) => id,
@@ -697,9 +749,14 @@ impl Client {
         })
     }
 
-    /// Registers, advertising `rdma_addr` for NVMe/RDMA.
-    fn register(&self, rdma_addr: Option<SocketAddr>) -> Result<(), RegisterError> {
-        let body = self.cfg.register_body(rdma_addr);
+    /// Registers, advertising `rdma_addr` for NVMe/RDMA and giving
+    /// `admin_token`.
+    fn register(
+        &self,
+        rdma_addr: Option<SocketAddr>,
+        admin_token: Option<Secret>,
+    ) -> Result<(), RegisterError> {
+        let body = self.cfg.register_body(rdma_addr, admin_token);
         let r = self
             .auth(self.agent.post(self.url("/v1/targets")))
             .send_json(&body);
@@ -909,7 +966,18 @@ fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationSta
     let mut backoff = cfg.backoff_min;
     let mut registered = false;
     let mut rdma_addr = cfg.rdma_addr;
+    let mut admin_token = cfg.admin_tokens.as_ref().map(AdminTokens::current);
     loop {
+        if let Some(tokens) = &cfg.admin_tokens {
+            // A rotated token (the token file's first line changed): the
+            // control plane must call with the new one.
+            let now = tokens.current();
+            if admin_token.as_ref() != Some(&now) {
+                tracing::info!(target_id = %cfg.target_id, "the admin API token changed; registering again");
+                admin_token = Some(now);
+                registered = false;
+            }
+        }
         if let Some(RdmaListeners(read)) = &cfg.rdma_listeners {
             // An RDMA listener added or removed at run time (admin API):
             // register again so hosts learn the new address.
@@ -925,7 +993,7 @@ fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationSta
         let result = if registered {
             client.heartbeat()
         } else {
-            client.register(rdma_addr)
+            client.register(rdma_addr, admin_token.clone())
         };
         let wait = match result {
             Ok(()) => {
@@ -1110,14 +1178,31 @@ mod tests {
                 rdma_addr,
                 labels: BTreeMap::new(),
                 devices: Vec::new(),
+                admin_token: None,
             })
             .unwrap()
         };
         assert!(body(None).get("rdma_addr").is_none());
+        assert!(body(None).get("admin_token").is_none());
         assert_eq!(
             body(Some("10.0.0.5:4421".parse().unwrap()))["rdma_addr"],
             "10.0.0.5:4421"
         );
+    }
+
+    #[test]
+    fn the_registration_carries_the_admin_token_and_debug_shows_no_token() {
+        let url = ControlPlaneUrl::parse("http://127.0.0.1:4430").unwrap();
+        let a: SocketAddr = "10.0.0.5:4420".parse().unwrap();
+        let mut cfg = RegistrationConfig::new(url, "t".into(), "t".into(), a, a);
+        cfg.token = Some("control-plane-secret".into());
+        let admin = Secret::new("the-admin-token-0123456789").unwrap();
+        cfg.admin_tokens = Some(AdminTokens::fixed(vec![admin.clone()]));
+        let dbg = format!("{cfg:?} {:?}", Client::new(cfg.clone()));
+        assert!(!dbg.contains("control-plane-secret"), "{dbg}");
+        assert!(!dbg.contains("the-admin-token"), "{dbg}");
+        let body = serde_json::to_value(cfg.register_body(None, Some(admin))).unwrap();
+        assert_eq!(body["admin_token"], "the-admin-token-0123456789");
     }
 
     #[test]

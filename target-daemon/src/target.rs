@@ -223,6 +223,9 @@ struct Controllers {
 #[derive(Debug)]
 pub struct Target {
     identity: [u8; 16],
+    /// The ID the control plane knows this target by (`GET /v1/identity`);
+    /// None until the daemon sets it.
+    target_id: Mutex<Option<String>>,
     state_dir: Option<PathBuf>,
     subsystems: ArcSwap<BTreeMap<String, Arc<Subsystem>>>,
     write_lock: Mutex<()>,
@@ -244,6 +247,10 @@ pub struct Target {
     /// The buffer budget of reactors started from now on (bytes).
     reactor_buf_budget: AtomicUsize,
     reactor_spin_us: AtomicU64,
+    /// The handshake deadline of connections adopted from now on (ms).
+    handshake_timeout_ms: AtomicU64,
+    /// Connections alive at once, at most (`limits::CONNECTIONS_MAX`).
+    connections_max: AtomicUsize,
     /// Every running reactor's buffer figures (a reactor that stopped
     /// leaves a dead entry, passed over and pruned).
     buffers: Mutex<Vec<Weak<BufStats>>>,
@@ -265,6 +272,7 @@ impl Target {
         };
         Ok(Arc::new(Target {
             identity,
+            target_id: Mutex::new(None),
             state_dir,
             subsystems: ArcSwap::from_pointee(BTreeMap::new()),
             write_lock: Mutex::new(()),
@@ -283,6 +291,8 @@ impl Target {
             ana: Mutex::new(HashMap::new()),
             reactor_buf_budget: AtomicUsize::new(limits::REACTOR_BUF_BUDGET_BYTES),
             reactor_spin_us: AtomicU64::new(limits::REACTOR_SPIN_US_DEFAULT),
+            handshake_timeout_ms: AtomicU64::new(limits::HANDSHAKE_TIMEOUT_MS),
+            connections_max: AtomicUsize::new(limits::CONNECTIONS_MAX),
             buffers: Mutex::new(Vec::new()),
         }))
     }
@@ -333,6 +343,23 @@ impl Target {
         Ok(())
     }
 
+    /// The persistent random identity (`STATE_DIR/identity`; random per
+    /// run without a state directory), as a UUID.
+    pub fn identity(&self) -> String {
+        config::format_uuid(&self.identity)
+    }
+
+    /// Sets the ID the control plane knows this target by: what it
+    /// registers as, which the control plane checks before it changes
+    /// anything here (`GET /v1/identity`).
+    pub fn set_target_id(&self, id: impl Into<String>) {
+        *lock(&self.target_id) = Some(id.into());
+    }
+
+    pub fn target_id(&self) -> Option<String> {
+        lock(&self.target_id).clone()
+    }
+
     /// Milliseconds since the target started (the data path's clock).
     pub fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
@@ -364,6 +391,28 @@ impl Target {
 
     pub fn reactor_spin_us(&self) -> u64 {
         self.reactor_spin_us.load(Ordering::Relaxed)
+    }
+
+    /// Sets the handshake deadline of connections from now on
+    /// (`limits::HANDSHAKE_TIMEOUT_MS` unless changed; tests shorten it).
+    pub fn set_handshake_timeout_ms(&self, ms: u64) {
+        self.handshake_timeout_ms
+            .store(ms.max(1), Ordering::Relaxed);
+    }
+
+    pub fn handshake_timeout_ms(&self) -> u64 {
+        self.handshake_timeout_ms.load(Ordering::Relaxed)
+    }
+
+    /// Lowers the number of connections alive at once
+    /// (`limits::CONNECTIONS_MAX` unless changed; never above it).
+    pub fn set_connections_max(&self, n: usize) {
+        self.connections_max
+            .store(n.clamp(1, limits::CONNECTIONS_MAX), Ordering::Relaxed);
+    }
+
+    pub fn connections_max(&self) -> usize {
+        self.connections_max.load(Ordering::Relaxed)
     }
 
     /// A reactor publishes its buffer figures.

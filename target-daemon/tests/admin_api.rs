@@ -292,3 +292,124 @@ fn changes_survive_a_restart_through_the_state_dir() {
         "file namespace data across restart"
     );
 }
+
+/// A concrete path for a route's path pattern (`{param}` filled in).
+fn concrete(pattern: &str) -> String {
+    pattern
+        .replace("{nqn}", "nqn.2026-11.io.nvpool:route-check")
+        .replace("{nsid}", "7")
+        .replace("{host}", HOST_B)
+        .replace("{addr}", "127.0.0.1:0")
+        .replace("{id}", "route-check")
+}
+
+#[track_caller]
+fn assert_unauthorized(r: &HttpResponse, what: &str) {
+    assert_eq!(r.status, 401, "{what}: {}", r.body);
+    assert_eq!(r.www_authenticate.as_deref(), Some("Bearer"), "{what}");
+    assert_error(r, 401, "unauthorized");
+    assert!(
+        !r.body.contains(ADMIN_TOKEN) && !r.body.contains("wrong-token"),
+        "{what}: the answer names a token: {}",
+        r.body
+    );
+}
+
+/// Every route the router is built from refuses a request without a
+/// token, with a wrong one and with another scheme, and answers with the
+/// right one (not 401, and not the 404/405 of a path or method the router
+/// does not have: the table and the router agree).
+#[test]
+fn every_admin_route_needs_the_token() {
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    let routes = nvpool_target::api::routes();
+    assert!(routes.len() >= 20, "{routes:?}");
+    let body = Some("{}");
+    for (method, pattern) in &routes {
+        let path = concrete(pattern);
+        let m = method.as_str();
+        let what = format!("{m} {path}");
+        assert_unauthorized(&http_auth(d.api, None, m, &path, body), &what);
+        for wrong in [
+            "Bearer wrong-token-0123456789".to_owned(),
+            format!("Bearer {ADMIN_TOKEN}x"),
+            format!("Bearer {}", &ADMIN_TOKEN[..ADMIN_TOKEN.len() - 1]),
+            "Bearer ".to_owned(),
+            format!("Basic {ADMIN_TOKEN}"),
+            ADMIN_TOKEN.to_owned(),
+        ] {
+            assert_unauthorized(&http_auth(d.api, Some(&wrong), m, &path, body), &what);
+        }
+        let r = http(d.api, m, &path, body);
+        assert_ne!(r.status, 401, "{what}: {}", r.body);
+        assert_ne!(r.status, 405, "{what}: the router has no such method");
+        assert!(
+            !r.body.contains("no such endpoint"),
+            "{what}: the router has no such path"
+        );
+    }
+    // Nothing was changed by the refused requests: the subsystem (deleted
+    // only by the accepted DELETE of another NQN) is still there.
+    assert!(d.target.subsystem(SUBNQN).is_some());
+    // Paths outside the table are refused the same way before anything
+    // says whether they exist.
+    assert_unauthorized(
+        &http_auth(d.api, None, "GET", "/v1/no-such-thing", None),
+        "unknown path",
+    );
+    let r = http(d.api, "GET", "/v1/no-such-thing", None);
+    assert_error(&r, 404, "not_found");
+    // The scheme is case-insensitive.
+    let r = http_auth(
+        d.api,
+        Some(&format!("bearer {ADMIN_TOKEN}")),
+        "GET",
+        "/v1/health",
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+/// A refused request changes nothing.
+#[test]
+fn a_refused_request_changes_nothing() {
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    let r = http_auth(d.api, None, "DELETE", &sub_path(SUBNQN), None);
+    assert_unauthorized(&r, "DELETE without a token");
+    let r = http_auth(
+        d.api,
+        Some("Bearer wrong-token-0123456789"),
+        "PUT",
+        &sub_path(OTHER_NQN),
+        Some(r#"{"allow_any_host": true}"#),
+    );
+    assert_unauthorized(&r, "PUT with a wrong token");
+    assert!(d.target.subsystem(SUBNQN).is_some());
+    assert!(d.target.subsystem(OTHER_NQN).is_none());
+}
+
+/// `GET /v1/identity`: the ID the target registers under (null until it
+/// has one) and its persistent identity, the same after a restart.
+#[test]
+fn the_target_says_who_it_is() {
+    let state = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("state dir");
+    let d = Daemon::start_with(
+        Target::new(Some(state.path().to_owned())).expect("target"),
+        &[],
+    );
+    let v = http(d.api, "GET", "/v1/identity", None).json();
+    assert_eq!(v["target_id"], Value::Null, "{v}");
+    let identity = v["identity"].as_str().expect("identity").to_owned();
+    let saved = std::fs::read_to_string(state.path().join("identity")).expect("identity file");
+    assert_eq!(identity, saved.trim());
+    d.target.set_target_id("node-7");
+    let v = http(d.api, "GET", "/v1/identity", None).json();
+    assert_eq!(v["target_id"], "node-7", "{v}");
+    d.shutdown();
+    let d = Daemon::start_with(
+        Target::new(Some(state.path().to_owned())).expect("target"),
+        &[],
+    );
+    let v = http(d.api, "GET", "/v1/identity", None).json();
+    assert_eq!(v["identity"], identity.as_str(), "{v}");
+}

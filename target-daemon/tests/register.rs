@@ -30,6 +30,7 @@ const READER: &str = "reader-secret-0123456789";
 
 struct ControlPlane {
     api: ApiServer,
+    cluster: Arc<Cluster>,
 }
 
 impl ControlPlane {
@@ -41,8 +42,9 @@ impl ControlPlane {
         };
         let cluster =
             Cluster::new(Arc::new(MemStore::new()), Arc::new(SystemClock), config).unwrap();
-        let api = ApiServer::start(Arc::new(cluster), auth, bind).unwrap();
-        ControlPlane { api }
+        let cluster = Arc::new(cluster);
+        let api = ApiServer::start(cluster.clone(), auth, bind).unwrap();
+        ControlPlane { api, cluster }
     }
 
     fn start(auth: AuthConfig) -> ControlPlane {
@@ -103,6 +105,7 @@ fn wait_status(r: &Registrar, what: &str, f: impl Fn(&RegistrationStatus) -> boo
 /// A registration with quick heartbeats and retries.
 fn quick(url: ControlPlaneUrl, id: &str, d: &Daemon) -> RegistrationConfig {
     let mut c = RegistrationConfig::new(url, id.into(), format!("{id}-name"), d.addr, d.api);
+    c.admin_tokens = Some(d.tokens.clone());
     c.heartbeat_interval = Duration::from_millis(100);
     c.backoff_min = Duration::from_millis(20);
     c.backoff_max = Duration::from_millis(100);
@@ -196,6 +199,10 @@ fn target_registers_its_devices_labels_and_addresses_then_heartbeats() {
     assert_eq!(devices[1]["capacity_bytes"], 16 * MIB + 4096);
     assert_eq!(devices[1]["labels"], serde_json::json!({"class": "tlc"}));
     assert_eq!(t["capacity"]["total_bytes"], 24 * MIB + 4096);
+    // The control plane holds the admin API's token, and shows it nowhere.
+    let held = cp.cluster.target_credential("t-reg").unwrap().unwrap();
+    assert_eq!(held.expose(), ADMIN_TOKEN);
+    assert!(!cp.get("/v1/targets").1.to_string().contains(ADMIN_TOKEN));
 
     // Heartbeats move last_heartbeat_ms forward.
     let first = t["last_heartbeat_ms"].as_u64().unwrap();
@@ -265,6 +272,41 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     r.stop();
 }
 
+/// A rotated admin token (a new first line in the token file) reaches the
+/// control plane by a new registration; the old one keeps working on the
+/// target until its line goes.
+#[test]
+fn a_rotated_admin_token_is_registered_again() {
+    logs();
+    let cp = ControlPlane::start(AuthConfig::default());
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let file = dir.path().join("admin-tokens");
+    let (old, new) = ("old-admin-token-0123456789", "new-admin-token-9876543210");
+    std::fs::write(&file, format!("{old}\n")).unwrap();
+    let tokens = nvpool_target::AdminTokens::from_file(&file).unwrap();
+    let d = Daemon::start_with_tokens(nvpool_target::Target::new(None).unwrap(), &[], tokens);
+    let r = Registrar::start(quick(cp.url(), "t-rot", &d)).unwrap();
+    let held = || {
+        cp.cluster
+            .target_credential("t-rot")
+            .unwrap()
+            .map(|s| s.expose().to_owned())
+    };
+    wait_for("the first registration", || held().as_deref() == Some(old));
+    std::fs::write(&file, format!("{new}\n{old}\n")).unwrap();
+    wait_for("the new token registered", || {
+        held().as_deref() == Some(new)
+    });
+    wait_status(&r, "a second registration", |s| s.registrations >= 2);
+    let auth = format!("Bearer {old}");
+    assert_eq!(
+        http_auth(d.api, Some(&auth), "GET", "/v1/health", None).status,
+        200
+    );
+    r.stop();
+    assert!(!log_text().contains(new) && !log_text().contains(old));
+}
+
 #[test]
 fn the_target_serves_io_while_the_control_plane_is_unreachable() {
     logs();
@@ -304,29 +346,6 @@ fn a_control_plane_that_forgot_the_target_gets_a_new_registration() {
 }
 
 // ----- the daemon binary -----
-
-fn daemon_bin() -> std::process::Command {
-    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_nvpool-target"));
-    c.env_remove("NVPOOL_CONTROL_PLANE")
-        .env_remove("NVPOOL_TARGET_TOKEN_FILE")
-        .env_remove("NVPOOL_TARGET_CONFIG")
-        .env_remove("NVPOOL_TARGET_STATE_DIR")
-        .env("NVPOOL_LOG", "warn");
-    c
-}
-
-/// Runs the daemon with `args` expecting it to refuse to start.
-#[track_caller]
-fn start_error(args: &[&str]) -> String {
-    let mut cmd = daemon_bin();
-    cmd.args(["--listen", "127.0.0.1:0"]);
-    if !args.contains(&"--admin-listen") {
-        cmd.args(["--admin-listen", "127.0.0.1:0"]);
-    }
-    let out = cmd.args(args).output().unwrap();
-    assert!(!out.status.success(), "{args:?} started");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 #[test]
 fn bad_registration_options_stop_the_daemon_at_start() {
@@ -434,21 +453,18 @@ fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
     assert_eq!(t["devices"][1]["id"], "r0");
     assert_eq!(t["devices"][1]["capacity_bytes"], 2 * MIB);
     assert_eq!(t["devices"][1]["labels"]["class"], "ram");
-    // The admin API answers where the control plane was told it is.
-    let (status, _) = {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .proxy(None)
-            .build()
-            .into();
-        let mut r = agent
-            .get(format!("http://{admin}/v1/target"))
-            .call()
-            .unwrap();
-        let s = r.status().as_u16();
-        (s, r.body_mut().read_to_string().unwrap())
-    };
-    assert_eq!(status, 200);
+    // The admin API answers where the control plane was told it is, to
+    // the token the daemon saved in its state directory.
+    let token = std::fs::read_to_string(state.join("admin-token")).unwrap();
+    let auth = format!("Bearer {}", token.trim());
+    let r = http_auth(admin, Some(&auth), "GET", "/v1/target", None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // ... which the registration gave the control plane.
+    let held = cp.cluster.target_credential(&id).unwrap().unwrap();
+    assert_eq!(held.expose(), token.trim());
+    // It says it is what it registered as.
+    let r = http_auth(admin, Some(&auth), "GET", "/v1/identity", None);
+    assert_eq!(r.json()["target_id"], id.as_str(), "{}", r.body);
 
     // SAFETY: kill has no memory preconditions; the pid is our child's.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);

@@ -82,6 +82,17 @@ start_target() {
     TARGET_PIDS[i]=$!
 }
 
+# target_admin I PATH [CURL_ARGS...]: a request to target tI's admin API with the
+# bearer token its state directory holds (admin-token, written by the target at its
+# first start). The token reaches curl on stdin, never on a command line.
+target_admin() {
+    local i=$1 path=$2 token
+    shift 2
+    token=$(head -n 1 "$E2E_DIR/t$i/state/admin-token" 2>/dev/null) && [[ -n $token ]] || return 1
+    printf 'header = "Authorization: Bearer %s"\n' "$token" |
+        curl -sf -K - "$@" "http://127.0.0.1:$((ADMIN_PORT_BASE + i))$path"
+}
+
 # wait_targets N: until N targets are registered and online.
 wait_targets() {
     local n=$1 i

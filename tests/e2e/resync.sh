@@ -262,7 +262,7 @@ if dev=$(nvpool volume attach r10 --frontend fuse --host-nqn "$HOSTNQN") && [[ -
         kill -TERM "${TARGET_PIDS[i]}"
         wait "${TARGET_PIDS[i]}" 2>/dev/null
         TARGET_BIN=$gen/nvpool-target start_target "$i" 2G
-        check "roll: t$i answers again" wait_for 30 curl -sf "http://127.0.0.1:$((ADMIN_PORT_BASE + i))/v1/health" -o /dev/null
+        check "roll: t$i answers again" wait_for 30 target_admin "$i" /v1/health -o /dev/null
         # Let I/O flow through the new process before judging.
         check "roll: fio goes on through t$i's new process" wait_for 60 rounds_past "$(rounds roll)" 2
         check "roll: t$i restarted from $gen and in sync" wait_for 120 in_sync r10

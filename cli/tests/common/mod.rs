@@ -8,11 +8,12 @@
 use nvpool_cli::client::Client;
 use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::auth::{Principal, Tokens};
+use nvpool_control::rest::Secret;
 use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, ManualClock, StateConfig};
 use nvpool_initiator::follow::{new_session, AttachmentView, Watcher};
 use nvpool_initiator::volume::{Volume, VolumeOptions};
-use nvpool_target::{Running, StartOptions, Target};
+use nvpool_target::{AdminOptions, AdminTokens, Running, StartOptions, Target};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -91,6 +92,12 @@ pub fn target(cp: &ApiServer, id: &str) -> Tgt {
 }
 
 impl Tgt {
+    /// Its admin API's token (each target its own), given in its
+    /// registration.
+    pub fn admin_token(&self) -> String {
+        format!("cli-test-{}-admin-token", self.id)
+    }
+
     pub fn device_path(&self) -> PathBuf {
         self.dir.path().join("d0.img")
     }
@@ -112,6 +119,8 @@ impl Tgt {
     }
 
     fn start(&mut self, cp: &ApiServer) {
+        // What it registers as, and answers it is (GET /v1/identity).
+        self.target.set_target_id(self.id.clone());
         let running = Running::start(
             self.target.clone(),
             &StartOptions {
@@ -119,7 +128,10 @@ impl Tgt {
                 rdma_listeners: vec![],
                 reactors: 1,
                 io_uring: false,
-                admin_listen: Some(self.admin),
+                admin: Some(AdminOptions {
+                    listen: self.admin,
+                    tokens: AdminTokens::fixed(vec![Secret::new(self.admin_token()).unwrap()]),
+                }),
             },
         )
         .unwrap();
@@ -133,7 +145,8 @@ impl Tgt {
             .into();
         let body = json!({
             "id": self.id, "name": self.id, "addr": self.addr.to_string(),
-            "admin_addr": self.admin.to_string(), "labels": {"rack": self.id},
+            "admin_addr": self.admin.to_string(), "admin_token": self.admin_token(),
+            "labels": {"rack": self.id},
             "devices": [{"id": "d0", "backend": format!("file:{}", self.device_path().display()),
                          "capacity_bytes": DEVICE_BYTES}],
         });

@@ -6,9 +6,11 @@
 use super::{serve, Server, ADMIN, MIB, READER};
 use nvpool_control::api::AuthConfig;
 use nvpool_control::auth::{Principal, Tokens};
+use nvpool_control::rest::Secret;
 use nvpool_initiator::ConnectParams;
-use nvpool_target::daemon::{Running, StartOptions};
+use nvpool_target::daemon::{AdminOptions, Running, StartOptions};
 use nvpool_target::target::Target;
+use nvpool_target::AdminTokens;
 use serde_json::{json, Value};
 use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
@@ -28,18 +30,29 @@ pub struct Node {
     pub target: Arc<Target>,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
+    /// Its admin API's token (each node its own), given in its
+    /// registration.
+    pub admin_token: String,
     pub device: PathBuf,
     pub state_dir: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-pub fn start_running(target: Arc<Target>, listen: SocketAddr, admin: SocketAddr) -> Running {
+pub fn start_running(
+    target: Arc<Target>,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    admin_token: &str,
+) -> Running {
     let opts = StartOptions {
         listeners: vec![listen],
         rdma_listeners: vec![],
         reactors: 1,
         io_uring: false,
-        admin_listen: Some(admin),
+        admin: Some(AdminOptions {
+            listen: admin,
+            tokens: AdminTokens::fixed(vec![Secret::new(admin_token).unwrap()]),
+        }),
     };
     // A port a previous daemon just left may take a moment to free up.
     for _ in 0..100 {
@@ -62,10 +75,14 @@ impl Node {
         let state_dir = dir.path().join("state");
         std::fs::create_dir_all(&state_dir).unwrap();
         let target = Target::new(Some(state_dir.clone())).unwrap();
+        // What it registers as, and answers it is (GET /v1/identity).
+        target.set_target_id(format!("t{i}"));
+        let admin_token = format!("node-t{i}-admin-token-0123456789");
         let running = start_running(
             target.clone(),
             "127.0.0.1:0".parse().unwrap(),
             "127.0.0.1:0".parse().unwrap(),
+            &admin_token,
         );
         let addr = running.listen_addrs()[0];
         let admin = running.admin_addr().unwrap();
@@ -75,6 +92,7 @@ impl Node {
             target,
             addr,
             admin,
+            admin_token,
             device,
             state_dir,
             _dir: dir,
@@ -87,6 +105,7 @@ impl Node {
             "name": self.id,
             "addr": self.addr.to_string(),
             "admin_addr": self.admin.to_string(),
+            "admin_token": self.admin_token,
             "labels": {"rack": rack},
             "devices": [{
                 "id": "d0",
@@ -107,10 +126,16 @@ impl Node {
     pub fn restart(&mut self) {
         self.stop();
         self.target = Target::new(Some(self.state_dir.clone())).unwrap();
+        self.target.set_target_id(self.id.clone());
         if let Some(cfg) = nvpool_target::config::Config::load_state(&self.state_dir).unwrap() {
             self.target.apply_config(&cfg).unwrap();
         }
-        self.running = Some(start_running(self.target.clone(), self.addr, self.admin));
+        self.running = Some(start_running(
+            self.target.clone(),
+            self.addr,
+            self.admin,
+            &self.admin_token,
+        ));
     }
 
     /// Subsystems under the nvpool host prefix: NQN → (allowed hosts, NSIDs).

@@ -90,7 +90,7 @@ impl Tgt {
             rdma_listeners: vec![],
             reactors: 2,
             io_uring: true,
-            admin_listen: None,
+            admin: None,
         };
         let give_up = Instant::now() + Duration::from_secs(5);
         let running = loop {

@@ -9,8 +9,9 @@
 //! Every test binary compiles this module and uses a different part of it.
 #![allow(dead_code)]
 
+use nvpool_control::rest::Secret;
 use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{Running, StartOptions, Target};
+use nvpool_target::{AdminOptions, AdminTokens, Running, StartOptions, Target};
 use nvpool_wire::fabrics::{cc, csts, fctype, prop, ConnectCmd, ConnectData, PropertyCmd};
 use nvpool_wire::identify::{self, IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN};
 use nvpool_wire::log::GetLogPage;
@@ -31,6 +32,13 @@ pub const SUBNQN: &str = "nqn.2026-11.io.nvpool:itest-disk";
 pub const OTHER_NQN: &str = "nqn.2026-11.io.nvpool:itest-other";
 pub const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-00000000000a";
 pub const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-0000-4000-8000-00000000000b";
+/// The admin API token of every test daemon; [`http`] sends it.
+pub const ADMIN_TOKEN: &str = "itest-admin-token-5f0c2d7e9a41";
+
+/// The tokens of a test daemon's admin API: [`ADMIN_TOKEN`].
+pub fn test_tokens() -> AdminTokens {
+    AdminTokens::fixed(vec![Secret::new(ADMIN_TOKEN).expect("token")])
+}
 
 /// How long any single read from the target may take before a test fails
 /// instead of hanging.
@@ -79,6 +87,8 @@ pub struct Daemon {
     pub addr: SocketAddr,
     /// The admin HTTP API.
     pub api: SocketAddr,
+    /// The tokens it accepts.
+    pub tokens: AdminTokens,
 }
 
 impl Daemon {
@@ -89,6 +99,15 @@ impl Daemon {
 
     /// Starts `target` after adding `subsystems` to it.
     pub fn start_with(target: Arc<Target>, subsystems: &[SubsystemConfig]) -> Daemon {
+        Daemon::start_with_tokens(target, subsystems, test_tokens())
+    }
+
+    /// [`Daemon::start_with`], its admin API accepting `tokens`.
+    pub fn start_with_tokens(
+        target: Arc<Target>,
+        subsystems: &[SubsystemConfig],
+        tokens: AdminTokens,
+    ) -> Daemon {
         for s in subsystems {
             target.put_subsystem(s).expect("put_subsystem");
         }
@@ -97,7 +116,10 @@ impl Daemon {
             rdma_listeners: vec![],
             reactors: 2,
             io_uring: true,
-            admin_listen: Some("127.0.0.1:0".parse().expect("addr")),
+            admin: Some(AdminOptions {
+                listen: "127.0.0.1:0".parse().expect("addr"),
+                tokens: tokens.clone(),
+            }),
         };
         let running = Running::start(target.clone(), &opts).expect("daemon starts");
         let addrs = running.listen_addrs();
@@ -106,6 +128,7 @@ impl Daemon {
         Daemon {
             addr: addrs[0],
             api,
+            tokens,
             target,
             running: Some(running),
         }
@@ -1006,6 +1029,7 @@ pub const ALL_DIGESTS: Digests = Digests {
 pub struct HttpResponse {
     pub status: u16,
     pub content_type: Option<String>,
+    pub www_authenticate: Option<String>,
     pub body: String,
 }
 
@@ -1017,13 +1041,27 @@ impl HttpResponse {
     }
 }
 
-/// One request with `Connection: close`; handles Content-Length and chunked bodies.
+/// One request with `Connection: close` and the test daemons' token;
+/// handles Content-Length and chunked bodies.
 pub fn http(api: SocketAddr, method: &str, path: &str, body: Option<&str>) -> HttpResponse {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    http_auth(api, Some(&auth), method, path, body)
+}
+
+/// [`http`] with this `Authorization` header value, or none.
+pub fn http_auth(
+    api: SocketAddr,
+    authorization: Option<&str>,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> HttpResponse {
     let mut s = TcpStream::connect(api).expect("connect to admin API");
     s.set_read_timeout(Some(IO_TIMEOUT)).expect("timeout");
     let body = body.unwrap_or("");
+    let auth = authorization.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {api}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {api}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).expect("send request");
@@ -1038,11 +1076,13 @@ pub fn http(api: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Ht
         .and_then(|c| c.parse().ok())
         .unwrap_or_else(|| panic!("bad status line in {head:?}"));
     let mut content_type = None;
+    let mut www_authenticate = None;
     let mut chunked = false;
     for l in lines {
         let (k, v) = l.split_once(':').expect("header line");
         match k.trim().to_ascii_lowercase().as_str() {
             "content-type" => content_type = Some(v.trim().to_owned()),
+            "www-authenticate" => www_authenticate = Some(v.trim().to_owned()),
             "transfer-encoding" => chunked = v.trim().eq_ignore_ascii_case("chunked"),
             _ => {}
         }
@@ -1055,6 +1095,7 @@ pub fn http(api: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Ht
     HttpResponse {
         status,
         content_type,
+        www_authenticate,
         body,
     }
 }
@@ -1094,4 +1135,33 @@ pub fn expect_aer(c: &mut Conn, cid: u16, within: Duration) -> u32 {
     assert_eq!(q.cid, cid);
     assert!(q.status.is_success(), "{}", q.status);
     q.dw0
+}
+
+// ----- the daemon binary -----
+
+/// `nvpool-target` with none of its settings taken from this process's
+/// environment, logging warnings only.
+pub fn daemon_bin() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_nvpool-target"));
+    c.env_remove("NVPOOL_CONTROL_PLANE")
+        .env_remove("NVPOOL_TARGET_TOKEN_FILE")
+        .env_remove("NVPOOL_TARGET_ADMIN_TOKEN_FILE")
+        .env_remove("NVPOOL_TARGET_CONFIG")
+        .env_remove("NVPOOL_TARGET_STATE_DIR")
+        .env("NVPOOL_LOG", "warn");
+    c
+}
+
+/// Runs the daemon with `args` expecting it to refuse to start; returns
+/// what it wrote to stderr.
+#[track_caller]
+pub fn start_error(args: &[&str]) -> String {
+    let mut cmd = daemon_bin();
+    cmd.args(["--listen", "127.0.0.1:0"]);
+    if !args.contains(&"--admin-listen") {
+        cmd.args(["--admin-listen", "127.0.0.1:0"]);
+    }
+    let out = cmd.args(args).output().unwrap();
+    assert!(!out.status.success(), "{args:?} started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
