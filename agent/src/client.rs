@@ -1,7 +1,11 @@
 //! A blocking client of the control plane's REST API (`nvpool-control`).
 //!
 //! JSON over plain HTTP/1.1 (ureq, no TLS stack). Every call carries the
-//! bearer token when one is configured. Failures come
+//! bearer token when one is configured. The endpoint may be a
+//! comma-separated list of control-plane instances: every call goes
+//! through [`Endpoints::send`], the one failover rule of nvpool's clients
+//! (a GET, PUT or DELETE is tried on the next instance whatever broke; a
+//! POST only when it never left). Failures come
 //! back as one [`ClientError`] whose `Display` is the one line the command
 //! prints: the control plane's own `message` for an API error, or "cannot
 //! reach the control plane at URL: …" when no HTTP answer arrived.
@@ -11,11 +15,13 @@
 //! the agent's Unix socket ([`Client::agent`]), how the CLI talks to the
 //! agent.
 
-use nvpool_control::rest::parse_base_url;
+use nvpool_control::http::{Call, Endpoints, NoAnswer};
+use nvpool_control::rest::parse_endpoints;
 use nvpool_initiator::follow::ControlPlane;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The control plane a fresh install listens on.
@@ -61,13 +67,13 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
-    /// No HTTP answer: refused, timed out, reset.
+    /// No HTTP answer from any endpoint: refused, timed out, reset.
     #[error("cannot reach {what} at {url}")]
     Unreachable {
         what: &'static str,
         url: String,
         #[source]
-        source: ureq::Error,
+        source: NoAnswer,
     },
     /// The control plane answered with an error (`{kind, message, details}`).
     #[error("{message}{hint}")]
@@ -116,13 +122,14 @@ struct ErrorBody {
     details: serde_json::Value,
 }
 
-/// Checks and normalises the endpoint: `http://HOST[:PORT][/PREFIX]`
-/// without a trailing slash (the control plane's one check of a base URL,
-/// which the target applies to its `--control-plane` too).
-pub fn parse_endpoint(url: &str) -> Result<String, ClientError> {
-    parse_base_url(url).map_err(|reason| ClientError::Endpoint {
-        url: url.to_owned(),
-        reason: reason.to_owned(),
+/// Checks and normalises the endpoints: a comma-separated list of
+/// `http://HOST[:PORT][/PREFIX]`, each without a trailing slash (the
+/// control plane's one check of base URLs, which the target applies to
+/// its `--control-plane` too).
+pub fn parse_endpoint(list: &str) -> Result<Vec<String>, ClientError> {
+    parse_endpoints(list).map_err(|reason| ClientError::Endpoint {
+        url: list.to_owned(),
+        reason,
     })
 }
 
@@ -145,10 +152,11 @@ pub fn read_token(path: &Path) -> Result<String, ClientError> {
 
 pub use nvpool_initiator::follow::segment;
 
-/// The control plane at one endpoint.
+/// The control plane at its endpoints (or the agent at its socket).
+/// Clones share which endpoint answered last.
 #[derive(Debug, Clone)]
 pub struct Client {
-    base: String,
+    endpoints: Arc<Endpoints>,
     token: Option<String>,
     agent: ureq::Agent,
     /// Who answers, for messages: the control plane or the agent, and
@@ -159,11 +167,11 @@ pub struct Client {
 
 impl Client {
     pub fn new(endpoint: &str, token: Option<String>) -> Result<Client, ClientError> {
-        let base = parse_endpoint(endpoint)?;
+        let endpoints = Endpoints::new(parse_endpoint(endpoint)?);
         let agent = config(REQUEST_TIMEOUT_MS).into();
         Ok(Client {
-            shown: base.clone(),
-            base,
+            shown: endpoints.shown(),
+            endpoints: Arc::new(endpoints),
             token,
             agent,
             what: "the control plane",
@@ -182,7 +190,7 @@ impl Client {
             crate::unix::NoResolver,
         );
         Client {
-            base: "http://agent".into(),
+            endpoints: Arc::new(Endpoints::new(vec!["http://agent".into()])),
             token: None,
             agent,
             what: "the nvpool agent",
@@ -190,12 +198,26 @@ impl Client {
         }
     }
 
+    /// The endpoint the next call goes to first (the last that answered).
     pub fn endpoint(&self) -> &str {
-        &self.base
+        self.endpoints.current()
+    }
+
+    /// One request through the endpoints: `make(url)` builds and sends it.
+    fn send(
+        &self,
+        call: Call,
+        path: &str,
+        make: impl Fn(String) -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<ureq::http::Response<ureq::Body>, NoAnswer> {
+        self.endpoints
+            .send(call, |base| make(format!("{base}{path}")))
     }
 
     pub fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
-        let r = self.auth(self.agent.get(self.url(path))).call();
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.get(u)).call()
+        });
         self.json("GET", path, r).map(|(_, v)| v)
     }
 
@@ -205,35 +227,47 @@ impl Client {
         path: &str,
         body: &B,
     ) -> Result<(u16, T), ClientError> {
-        let r = self.auth(self.agent.put(self.url(path))).send_json(body);
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.put(u)).send_json(body)
+        });
         self.json("PUT", path, r)
     }
 
     /// PUT without a body; also returns the status.
     pub fn put_empty<T: DeserializeOwned>(&self, path: &str) -> Result<(u16, T), ClientError> {
-        let r = self.auth(self.agent.put(self.url(path))).send_empty();
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.put(u)).send_empty()
+        });
         self.json("PUT", path, r)
     }
 
+    /// POST, sent again to another endpoint only when it never left
+    /// ([`Call::Once`]).
     pub fn post<B: Serialize, T: DeserializeOwned>(
         &self,
         path: &str,
         body: &B,
     ) -> Result<T, ClientError> {
-        let r = self.auth(self.agent.post(self.url(path))).send_json(body);
+        let r = self.send(Call::Once, path, |u| {
+            self.auth(self.agent.post(u)).send_json(body)
+        });
         self.json("POST", path, r).map(|(_, v)| v)
     }
 
     /// PUT with a JSON body, for calls answered without one (204).
     pub fn put_no_content<B: Serialize>(&self, path: &str, body: &B) -> Result<(), ClientError> {
-        let r = self.auth(self.agent.put(self.url(path))).send_json(body);
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.put(u)).send_json(body)
+        });
         let mut resp = self.answer(r)?;
         let _ = resp.body_mut().read_to_vec();
         Ok(())
     }
 
     pub fn delete(&self, path: &str) -> Result<(), ClientError> {
-        let r = self.auth(self.agent.delete(self.url(path))).call();
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.delete(u)).call()
+        });
         let mut resp = self.answer(r)?;
         let _ = resp.body_mut().read_to_vec();
         Ok(())
@@ -241,7 +275,9 @@ impl Client {
 
     /// DELETE, for calls that answer with what they removed.
     pub fn delete_json<T: DeserializeOwned>(&self, path: &str) -> Result<T, ClientError> {
-        let r = self.auth(self.agent.delete(self.url(path))).call();
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.delete(u)).call()
+        });
         self.json("DELETE", path, r).map(|(_, v)| v)
     }
 
@@ -250,7 +286,7 @@ impl Client {
     /// error bodies are read here); no answer is the error, in words.
     fn raw(
         &self,
-        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+        r: Result<ureq::http::Response<ureq::Body>, NoAnswer>,
     ) -> Result<(u16, Vec<u8>), String> {
         let mut resp = r.map_err(|source| {
             let e = ClientError::Unreachable {
@@ -273,10 +309,6 @@ impl Client {
         Ok((status, body))
     }
 
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
     fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
         match &self.token {
             Some(t) => r.header("Authorization", format!("Bearer {t}")),
@@ -287,7 +319,7 @@ impl Client {
     /// A 2xx response, or the error it stands for.
     fn answer(
         &self,
-        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+        r: Result<ureq::http::Response<ureq::Body>, NoAnswer>,
     ) -> Result<ureq::http::Response<ureq::Body>, ClientError> {
         let mut resp = r.map_err(|source| ClientError::Unreachable {
             what: self.what,
@@ -331,7 +363,7 @@ impl Client {
         &self,
         method: &'static str,
         path: &str,
-        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+        r: Result<ureq::http::Response<ureq::Body>, NoAnswer>,
     ) -> Result<(u16, T), ClientError> {
         let mut resp = self.answer(r)?;
         let status = resp.status().as_u16();
@@ -353,17 +385,20 @@ impl Client {
 /// timeout (a long-poll), PUTs.
 impl ControlPlane for Client {
     fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String> {
-        let r = self
-            .auth(self.agent.get(self.url(path)))
-            .config()
-            .timeout_global(Some(timeout))
-            .build()
-            .call();
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.get(u))
+                .config()
+                .timeout_global(Some(timeout))
+                .build()
+                .call()
+        });
         self.raw(r)
     }
 
     fn put_json(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<u8>), String> {
-        let r = self.auth(self.agent.put(self.url(path))).send_json(body);
+        let r = self.send(Call::Idempotent, path, |u| {
+            self.auth(self.agent.put(u)).send_json(body)
+        });
         self.raw(r)
     }
 }
@@ -374,10 +409,24 @@ mod tests {
 
     #[test]
     fn endpoints() {
-        assert_eq!(parse_endpoint("http://cp:4430/").unwrap(), "http://cp:4430");
-        assert_eq!(parse_endpoint(" HTTP://cp ").unwrap(), "http://cp");
-        for bad in ["https://cp", "cp:4430", "http://", "http://u@cp", "ftp://x"] {
-            assert!(parse_endpoint(bad).is_err(), "{bad}");
+        assert_eq!(
+            parse_endpoint("http://cp:4430/").unwrap(),
+            ["http://cp:4430"]
+        );
+        assert_eq!(
+            parse_endpoint(" HTTP://cp ,http://cp2:1").unwrap(),
+            ["http://cp", "http://cp2:1"]
+        );
+        for bad in [
+            "https://cp",
+            "cp:4430",
+            "http://",
+            "http://u@cp",
+            "ftp://x",
+            "http://a,",
+        ] {
+            let e = parse_endpoint(bad).unwrap_err().to_string();
+            assert!(e.starts_with("--endpoint "), "{e}");
         }
     }
 }

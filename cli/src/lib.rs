@@ -36,7 +36,7 @@ pub struct Cli {
     /// Log filter (RUST_LOG syntax).
     #[arg(long, global = true, default_value = "warn", env = "NVPOOL_LOG")]
     pub log: String,
-    /// Control plane URL (target, pool and volume commands).
+    /// Control plane URL (target, pool and volume commands); a comma-separated list names instances of one control plane, tried in turn.
     #[arg(long, global = true, env = "NVPOOL_ENDPOINT", default_value = client::DEFAULT_ENDPOINT, value_name = "URL")]
     pub endpoint: String,
     /// File holding the bearer token for the control plane (an admin token for changes; a reader token can list and show).

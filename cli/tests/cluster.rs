@@ -21,10 +21,12 @@ use std::sync::Arc;
 const MIB: u64 = 1 << 20;
 const ADMIN: &str = "admin-secret-0123456789";
 
+/// Instances of one control plane (each its own `Cluster` over the one
+/// store, as instances share etcd); `url()` lists them all.
 struct ControlPlane {
-    addr: SocketAddr,
+    addrs: Vec<SocketAddr>,
     token_file: PathBuf,
-    _api: ApiServer,
+    apis: Vec<Option<ApiServer>>,
     _dir: tempfile::TempDir,
 }
 
@@ -38,21 +40,31 @@ fn now_ms() -> u64 {
 /// A control plane whose admin token is ADMIN, with `targets` targets
 /// t0…, each on its own rack with two 64 MiB devices d0 and d1.
 fn control_plane(targets: usize) -> ControlPlane {
+    instances(targets, 1)
+}
+
+/// `control_plane(targets)` served by `n` instances on one store.
+fn instances(targets: usize, n: usize) -> ControlPlane {
     let config = StateConfig {
         extent_bytes: MIB,
         ..StateConfig::default()
     };
     let clock = Arc::new(ManualClock::new(now_ms()));
-    let cluster = Cluster::new(Arc::new(MemStore::new()), clock, config).unwrap();
-    let auth = AuthConfig::new(Tokens::new().with(Principal::Admin, ADMIN));
-    let api = ApiServer::start(Arc::new(cluster), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let store = Arc::new(MemStore::new());
+    let apis: Vec<ApiServer> = (0..n)
+        .map(|_| {
+            let cluster = Cluster::new(store.clone(), clock.clone(), config.clone()).unwrap();
+            let auth = AuthConfig::new(Tokens::new().with(Principal::Admin, ADMIN));
+            ApiServer::start(Arc::new(cluster), auth, "127.0.0.1:0".parse().unwrap()).unwrap()
+        })
+        .collect();
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, format!("{ADMIN}\n")).unwrap();
     let cp = ControlPlane {
-        addr: api.addr,
+        addrs: apis.iter().map(|a| a.addr).collect(),
         token_file,
-        _api: api,
+        apis: apis.into_iter().map(Some).collect(),
         _dir: dir,
     };
     for i in 0..targets {
@@ -62,8 +74,15 @@ fn control_plane(targets: usize) -> ControlPlane {
 }
 
 impl ControlPlane {
+    /// Every instance, as `--endpoint` takes them.
     fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let urls: Vec<String> = self.addrs.iter().map(|a| format!("http://{a}")).collect();
+        urls.join(",")
+    }
+
+    /// Stops instance `i` (its port refuses connections from now on).
+    fn stop(&mut self, i: usize) {
+        self.apis[i].take().expect("running").shutdown();
     }
 
     fn register(&self, i: usize) {
@@ -85,7 +104,7 @@ impl ControlPlane {
             ],
         });
         let r = agent
-            .post(format!("{}/v1/targets", self.url()))
+            .post(format!("http://{}/v1/targets", self.addrs[0]))
             .header("Authorization", format!("Bearer {ADMIN}"))
             .send_json(&body)
             .unwrap();
@@ -559,4 +578,58 @@ fn errors_are_one_line_with_the_documented_exit_codes() {
     cp.run_without_token(&["volume", "ls"])
         .expect_error(1, "Bearer");
     assert_eq!(cp.json(&["volume", "ls"]), json!([]));
+}
+
+// ----- several control-plane instances -----
+
+#[test]
+fn the_cli_fails_over_between_control_plane_instances() {
+    let dead = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let mut cp = instances(2, 2);
+    let token = cp.token_file.to_str().unwrap().to_owned();
+    let with = |endpoint: &str, args: &[&str]| {
+        run_with(
+            args,
+            &[("NVPOOL_ENDPOINT", endpoint), ("NVPOOL_TOKEN_FILE", &token)],
+        )
+    };
+
+    // A dead instance first: the live one answers.
+    let live = format!("http://{}", cp.addrs[1]);
+    let r = with(&format!("{dead},{live}"), &["target", "ls", "-o", "json"]);
+    r.expect_ok();
+    let v: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2, "{v}");
+
+    // Both live: a change made through the first is seen by the second
+    // alone once the first stops.
+    cp.run(&["pool", "create", "p", "--device", "t0/d0,t1/d0"])
+        .expect_ok();
+    cp.stop(0);
+    let v = cp.json(&["pool", "info", "p"]);
+    assert_eq!(v["name"], "p", "{v}");
+    cp.run(&[
+        "volume", "create", "v1", "--size", "4M", "--layout", "concat", "--pool", "p",
+    ])
+    .expect_ok();
+    let v = cp.json(&["volume", "info", "v1"]);
+    assert_eq!(v["size_bytes"], 4 * MIB, "{v}");
+
+    // None left: one line naming every endpoint.
+    cp.stop(1);
+    let all = cp.url();
+    let r = cp.run(&["target", "ls"]);
+    r.expect_error(
+        1,
+        &format!(
+            "cannot reach the control plane at any of {}",
+            all.replace(',', ", ")
+        ),
+    );
+    for a in &cp.addrs {
+        assert!(r.stderr.contains(&format!("http://{a}: ")), "{}", r.stderr);
+    }
 }

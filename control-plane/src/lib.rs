@@ -7,6 +7,7 @@
 //!   daemon ── command line, store (redb, etcd), migrate, signals
 //!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
 //!          │      └── rest ── request and response bodies (no feature)
+//!          │           └── http ── client endpoint failover (feature "client")
 //!          │
 //!   state::Cluster ── register, heartbeat, pools, create/grow/delete volumes
 //!      │        │
@@ -38,6 +39,8 @@ pub mod daemon;
 pub mod failover;
 #[cfg(feature = "server")]
 pub mod heal;
+#[cfg(feature = "client")]
+pub mod http;
 pub mod limits;
 pub mod mapping;
 pub mod model;

@@ -5,7 +5,9 @@
 //! `serde_json::Value`. OpenAPI schemas are derived only with `server`.
 //!
 //! Also the one check of a control-plane base URL ([`parse_base_url`])
-//! that every client applies to its `--endpoint` / `--control-plane`.
+//! that every client applies to its `--endpoint` / `--control-plane`, and
+//! of a list of them ([`parse_endpoints`]: instances of one control plane
+//! that a client fails over between).
 
 use crate::attach::AttachmentState;
 use crate::model::{DeviceRef, Extent, Health, TargetState, Uuid, VolumeStatus};
@@ -35,6 +37,33 @@ pub fn parse_base_url(url: &str) -> Result<String, &'static str> {
         return Err("expected http://HOST:PORT");
     }
     Ok(format!("http://{}", rest.trim_end_matches('/')))
+}
+
+/// Most control-plane endpoints one client takes: a few instances serve
+/// one cluster; a longer list is a mistake, and every dead entry costs a
+/// connect timeout before the next is tried.
+pub const ENDPOINTS_MAX: usize = 16;
+
+/// Checks a comma-separated list of control-plane base URLs (each as
+/// [`parse_base_url`] checks it), in the order given: instances of one
+/// control plane, every one serving the whole API. No entry may be empty
+/// or repeated. The error is the reason, naming the entry.
+pub fn parse_endpoints(list: &str) -> Result<Vec<String>, String> {
+    let mut out: Vec<String> = Vec::new();
+    for item in list.split(',') {
+        if item.trim().is_empty() {
+            return Err("an empty entry in the list (URLs are separated by single commas)".into());
+        }
+        let url = parse_base_url(item).map_err(|reason| format!("{:?}: {reason}", item.trim()))?;
+        if out.contains(&url) {
+            return Err(format!("{url} is given twice"));
+        }
+        out.push(url);
+    }
+    if out.len() > ENDPOINTS_MAX {
+        return Err(format!("at most {ENDPOINTS_MAX} endpoints"));
+    }
+    Ok(out)
 }
 
 /// Shortest bearer token accepted: 16 characters is what a guessable
@@ -603,5 +632,30 @@ mod tests {
         }
         // A multi-byte character where the scheme ends is no panic.
         assert_eq!(parse_base_url("http://é").unwrap(), "http://é");
+    }
+
+    #[test]
+    fn endpoint_lists() {
+        assert_eq!(parse_endpoints("http://a:1/").unwrap(), ["http://a:1"]);
+        assert_eq!(
+            parse_endpoints(" http://a:1 , HTTP://b:2/api/").unwrap(),
+            ["http://a:1", "http://b:2/api"]
+        );
+        let e = parse_endpoints("http://a:1,ftp://b").unwrap_err();
+        assert!(e.contains("\"ftp://b\"") && e.contains("expected"), "{e}");
+        assert!(parse_endpoints("http://a:1,http://a:1/")
+            .unwrap_err()
+            .contains("twice"));
+        for bad in ["", ",", "http://a:1,", "http://a:1,,http://b:2"] {
+            assert!(
+                parse_endpoints(bad).unwrap_err().contains("empty"),
+                "{bad:?}"
+            );
+        }
+        let many: Vec<String> = (0..=ENDPOINTS_MAX)
+            .map(|i| format!("http://h{i}"))
+            .collect();
+        assert!(parse_endpoints(&many.join(",")).is_err());
+        assert!(parse_endpoints(&many[..ENDPOINTS_MAX].join(",")).is_ok());
     }
 }

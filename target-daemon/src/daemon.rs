@@ -432,7 +432,7 @@ pub struct Cli {
     #[arg(long, hide = true, default_value_t = crate::limits::REACTOR_SPIN_US_DEFAULT,
           value_parser = clap::value_parser!(u64).range(0..=crate::limits::REACTOR_SPIN_US_MAX))]
     pub reactor_spin_us: u64,
-    /// Register with this control plane and heartbeat to it, e.g. http://10.0.0.5:4430 (plain HTTP only).
+    /// Register with this control plane and heartbeat to it, e.g. http://10.0.0.5:4430 (plain HTTP only); a comma-separated list names instances of one control plane, tried in turn.
     #[arg(long, env = "NVPOOL_CONTROL_PLANE", value_name = "URL")]
     pub control_plane: Option<String>,
     /// File holding the bearer token for the control plane (whitespace trimmed).

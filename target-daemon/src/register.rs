@@ -11,6 +11,12 @@
 //!                            404 → the control plane forgot us: register again
 //! ```
 //!
+//! `--control-plane` may list several instances of the control plane;
+//! every call (these, the owner-lease renewal, the copy following of
+//! served volumes) goes through [`Endpoints::send`], which tries the next
+//! on no connection, a timeout or a 503. Registration and lease renewal
+//! converge, so they count as idempotent.
+//!
 //! The data path never waits on any of this (ARCHITECTURE D7, STYLE 4): a
 //! control plane that is down, slow or refusing our token only produces
 //! log lines; the target keeps serving the namespaces it has.
@@ -27,7 +33,8 @@ use crate::limits::{
     CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
     REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
 };
-use nvpool_control::rest::{parse_base_url, DeviceBody, RegisterTargetBody, Secret};
+use nvpool_control::http::{Call, Endpoints, NoAnswer};
+use nvpool_control::rest::{parse_endpoints, DeviceBody, RegisterTargetBody, Secret};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -68,12 +75,13 @@ pub enum RegisterError {
         #[source]
         source: std::io::Error,
     },
-    /// The request did not get an HTTP answer (refused, timed out, reset).
+    /// The request got no HTTP answer from any endpoint (refused, timed
+    /// out, reset).
     #[error("cannot reach the control plane at {url}")]
     Unreachable {
         url: String,
         #[source]
-        source: ureq::Error,
+        source: NoAnswer,
     },
     /// The control plane answered with an error status.
     #[error("the control plane refused {op} ({status} {kind}): {message}")]
@@ -95,37 +103,41 @@ impl RegisterError {
     }
 }
 
-/// The control plane's base URL: `http://HOST[:PORT][/PREFIX]`, without a
-/// trailing slash. Plain HTTP only: this build carries no TLS stack. Checked
-/// as every client of the control plane checks it
-/// ([`parse_base_url`]).
+/// The control plane's base URLs, instances of one control plane in the
+/// order given: each `http://HOST[:PORT][/PREFIX]`, without a trailing
+/// slash. Plain HTTP only: this build carries no TLS stack. Checked as
+/// every client of the control plane checks them ([`parse_endpoints`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ControlPlaneUrl(String);
+pub struct ControlPlaneUrl(Vec<String>);
 
 impl ControlPlaneUrl {
-    pub fn parse(url: &str) -> Result<ControlPlaneUrl, RegisterError> {
-        parse_base_url(url)
+    /// One URL or a comma-separated list.
+    pub fn parse(list: &str) -> Result<ControlPlaneUrl, RegisterError> {
+        parse_endpoints(list)
             .map(ControlPlaneUrl)
-            .map_err(|reason| RegisterError::Usage(format!("--control-plane {url:?}: {reason}")))
+            .map_err(|reason| RegisterError::Usage(format!("--control-plane {list:?}: {reason}")))
     }
 
-    pub fn as_str(&self) -> &str {
+    pub fn urls(&self) -> &[String] {
         &self.0
     }
 
-    /// The host part, for the loopback warning.
-    fn host(&self) -> &str {
-        let authority = self.0[7..].split('/').next().unwrap_or_default();
-        match authority.strip_prefix('[') {
-            Some(v6) => v6.split(']').next().unwrap_or_default(),
-            None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
-        }
+    /// Whether every URL names this machine, for the loopback warning.
+    fn all_loopback(&self) -> bool {
+        self.0.iter().all(|url| {
+            let authority = url[7..].split('/').next().unwrap_or_default();
+            let host = match authority.strip_prefix('[') {
+                Some(v6) => v6.split(']').next().unwrap_or_default(),
+                None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+            };
+            is_loopback_host(host)
+        })
     }
 }
 
 impl std::fmt::Display for ControlPlaneUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.0.join(","))
     }
 }
 
@@ -463,7 +475,7 @@ impl Settings {
             admin_addr.set_ip(addr.ip());
         }
         let host = hostname();
-        if admin_addr.ip().is_loopback() && !is_loopback_host(self.control_plane.host()) {
+        if admin_addr.ip().is_loopback() && !self.control_plane.all_loopback() {
             tracing::warn!(admin = %admin_addr, control_plane = %self.control_plane,
                 "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT --admin-insecure-http)");
         }
@@ -685,10 +697,12 @@ struct ApiErrorBody {
     message: String,
 }
 
-/// Blocking HTTP calls to the control plane.
+/// Blocking HTTP calls to the control plane, failing over between its
+/// instances.
 #[derive(Debug)]
 pub(crate) struct Client {
     agent: ureq::Agent,
+    endpoints: Endpoints,
     cfg: RegistrationConfig,
 }
 
@@ -703,11 +717,23 @@ impl Client {
             .user_agent(concat!("nvpool-target/", env!("CARGO_PKG_VERSION")))
             .build()
             .into();
-        Client { agent, cfg }
+        let endpoints = Endpoints::new(cfg.control_plane.urls().to_vec());
+        Client {
+            agent,
+            endpoints,
+            cfg,
+        }
     }
 
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.cfg.control_plane)
+    /// One request through the endpoints: `make(url)` builds and sends it.
+    fn send(
+        &self,
+        call: Call,
+        path: &str,
+        make: impl Fn(String) -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> Result<ureq::http::Response<ureq::Body>, NoAnswer> {
+        self.endpoints
+            .send(call, |base| make(format!("{base}{path}")))
     }
 
     fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
@@ -720,10 +746,10 @@ impl Client {
     fn check(
         &self,
         op: &'static str,
-        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+        r: Result<ureq::http::Response<ureq::Body>, NoAnswer>,
     ) -> Result<(), RegisterError> {
         let mut resp = r.map_err(|source| RegisterError::Unreachable {
-            url: self.cfg.control_plane.to_string(),
+            url: self.endpoints.shown(),
             source,
         })?;
         let status = resp.status().as_u16();
@@ -757,9 +783,10 @@ impl Client {
         admin_token: Option<Secret>,
     ) -> Result<(), RegisterError> {
         let body = self.cfg.register_body(rdma_addr, admin_token);
-        let r = self
-            .auth(self.agent.post(self.url("/v1/targets")))
-            .send_json(&body);
+        // Registering twice registers once: safe on another instance.
+        let r = self.send(Call::Idempotent, "/v1/targets", |u| {
+            self.auth(self.agent.post(u)).send_json(&body)
+        });
         self.check("registration", r)
     }
 
@@ -769,16 +796,17 @@ impl Client {
 
     /// Any call, answered with its status and body (error statuses too);
     /// `Err` when no answer came. For callers that read bodies themselves
-    /// (the volume engine's copy following, the owner lease).
+    /// (the volume engine's copy following, the owner lease). `call` says
+    /// whether it may be replayed on another instance.
     pub(crate) fn call_raw(
         &self,
+        call: Call,
         method: &str,
         path: &str,
         body: Option<&serde_json::Value>,
         timeout: Option<Duration>,
     ) -> Result<(u16, Vec<u8>), String> {
-        let url = self.url(path);
-        let r = match (method, body) {
+        let r = self.send(call, path, |url| match (method, body) {
             ("GET", _) => {
                 let mut req = self.auth(self.agent.get(url));
                 if let Some(t) = timeout {
@@ -790,8 +818,8 @@ impl Client {
             ("POST", Some(b)) => self.auth(self.agent.post(url)).send_json(b),
             ("POST", None) => self.auth(self.agent.post(url)).send_empty(),
             _ => self.auth(self.agent.put(url)).send_empty(),
-        };
-        let mut resp = r.map_err(|e| format!("{}: {e}", self.cfg.control_plane))?;
+        });
+        let mut resp = r.map_err(|e| format!("{}: {e}", self.endpoints.shown()))?;
         let status = resp.status().as_u16();
         let bytes = resp
             .body_mut()
@@ -802,7 +830,9 @@ impl Client {
 
     fn heartbeat(&self) -> Result<(), RegisterError> {
         let path = format!("/v1/targets/{}/heartbeat", self.cfg.target_id);
-        let r = self.auth(self.agent.put(self.url(&path))).send_empty();
+        let r = self.send(Call::Idempotent, &path, |u| {
+            self.auth(self.agent.put(u)).send_empty()
+        });
         self.check("the heartbeat", r)
     }
 }
@@ -1061,16 +1091,14 @@ mod tests {
     #[test]
     fn urls() {
         let u = ControlPlaneUrl::parse("http://127.0.0.1:4430/").unwrap();
-        assert_eq!(u.as_str(), "http://127.0.0.1:4430");
-        assert_eq!(u.host(), "127.0.0.1");
-        assert_eq!(
-            ControlPlaneUrl::parse("HTTP://cp:4430").unwrap().host(),
-            "cp"
-        );
-        assert_eq!(
-            ControlPlaneUrl::parse("http://[::1]:4430").unwrap().host(),
-            "::1"
-        );
+        assert_eq!(u.urls(), ["http://127.0.0.1:4430"]);
+        assert!(u.all_loopback());
+        let u = ControlPlaneUrl::parse("http://[::1]:4430,HTTP://localhost/api").unwrap();
+        assert_eq!(u.urls(), ["http://[::1]:4430", "http://localhost/api"]);
+        assert_eq!(u.to_string(), "http://[::1]:4430,http://localhost/api");
+        assert!(u.all_loopback());
+        let u = ControlPlaneUrl::parse("http://127.0.0.1:1,http://cp:4430").unwrap();
+        assert!(!u.all_loopback());
         for bad in [
             "https://cp:4430",
             "cp:4430",

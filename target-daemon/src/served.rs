@@ -11,6 +11,7 @@
 use crate::backend::{OpenedVolume, VolumeSource};
 use crate::register::{Client, RegistrationConfig};
 use crate::target::Target;
+use nvpool_control::http::Call;
 use nvpool_control::paths::{owner_host_nqn, LeaseGrant, LEASE_RENEW_MS};
 use nvpool_control::Uuid;
 use nvpool_initiator::follow::{self, ControlPlane, Watcher};
@@ -23,11 +24,11 @@ use std::time::Duration;
 
 impl ControlPlane for Client {
     fn get(&self, path: &str, timeout: Duration) -> Result<(u16, Vec<u8>), String> {
-        self.call_raw("GET", path, None, Some(timeout))
+        self.call_raw(Call::Idempotent, "GET", path, None, Some(timeout))
     }
 
     fn put_json(&self, path: &str, body: &serde_json::Value) -> Result<(u16, Vec<u8>), String> {
-        self.call_raw("PUT", path, Some(body), None)
+        self.call_raw(Call::Idempotent, "PUT", path, Some(body), None)
     }
 }
 
@@ -158,7 +159,9 @@ fn renew_loop(client: &Client, target: &Target, stop: &mpsc::Receiver<()>) {
             // than the control plane's idea of it.
             let sent_ms = target.now_ms();
             let answer = client
-                .call_raw("POST", &path, None, None)
+                // A renewal grants the same lease again: safe on another
+                // instance (and a non-leader's 503 sends it there).
+                .call_raw(Call::Idempotent, "POST", &path, None, None)
                 .and_then(|(status, body)| {
                     if status != 200 {
                         return Err(format!("HTTP {status}: {}", String::from_utf8_lossy(&body)));

@@ -478,3 +478,58 @@ fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
     };
     assert!(status.success(), "{status:?}");
 }
+
+#[test]
+fn the_registrar_fails_over_between_control_plane_instances() {
+    logs();
+    // Two instances over one store, as instances of one control plane
+    // share etcd; a dead endpoint listed first.
+    let config = StateConfig {
+        extent_bytes: MIB,
+        ..StateConfig::default()
+    };
+    let store = Arc::new(MemStore::new());
+    let instance = || {
+        let cluster = Cluster::new(store.clone(), Arc::new(SystemClock), config.clone()).unwrap();
+        let cluster = Arc::new(cluster);
+        let api = ApiServer::start(
+            cluster.clone(),
+            AuthConfig::default(),
+            "127.0.0.1:0".parse().unwrap(),
+        )
+        .unwrap();
+        ControlPlane { api, cluster }
+    };
+    let (a, b) = (instance(), instance());
+    let dead = closed_port();
+    let list = format!("http://{dead},http://{},http://{}", a.api.addr, b.api.addr);
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    let r = Registrar::start(quick(ControlPlaneUrl::parse(&list).unwrap(), "t-ha", &d)).unwrap();
+    wait_status(&r, "registration and heartbeats", |s| {
+        s.registered && s.heartbeats >= 2
+    });
+    assert_eq!(r.status().failures, 0, "{:?}", r.status());
+    assert!(b.target("t-ha").is_some(), "B reads what went through A");
+
+    // A stops: heartbeats go on through B, which sees them.
+    let seen = |cp: &ControlPlane| cp.target("t-ha").unwrap()["last_heartbeat_ms"].as_u64();
+    a.stop();
+    let before = (r.status().heartbeats, seen(&b));
+    wait_status(&r, "heartbeats through B", |s| s.heartbeats >= before.0 + 3);
+    assert!(seen(&b) > before.1, "B got the heartbeats");
+    assert!(r.status().registered);
+
+    // None left: the error names every endpoint.
+    b.stop();
+    wait_status(&r, "failed heartbeats", |s| s.failures >= 1);
+    let err = r.status().last_error.unwrap();
+    assert!(
+        err.contains("cannot reach the control plane at any of"),
+        "{err}"
+    );
+    for url in ControlPlaneUrl::parse(&list).unwrap().urls() {
+        assert!(err.contains(&format!("{url}: ")), "{err}");
+    }
+    r.stop();
+    d.shutdown();
+}
