@@ -1,6 +1,7 @@
 //! A blocking client of the control plane's REST API (`nvpool-control`).
 //!
-//! JSON over plain HTTP/1.1 (ureq, no TLS stack). Every call carries the
+//! JSON over HTTP/1.1 (ureq), https trusting `--cacert` (or the system
+//! bundle, [`nvpool_control::tls::client_tls`]). Every call carries the
 //! bearer token when one is configured. The endpoint may be a
 //! comma-separated list of control-plane instances: every call goes
 //! through [`Endpoints::send`], the one failover rule of nvpool's clients
@@ -44,8 +45,9 @@ pub const RESPONSE_BYTES_MAX: u64 = 256 << 20;
 /// flushes and tears a device down.
 pub const AGENT_TIMEOUT_MS: u64 = 180_000;
 
-fn config(timeout_ms: u64) -> ureq::config::Config {
+fn config(timeout_ms: u64, tls: ureq::tls::TlsConfig) -> ureq::config::Config {
     ureq::Agent::config_builder()
+        .tls_config(tls)
         .timeout_global(Some(Duration::from_millis(timeout_ms)))
         .timeout_connect(Some(Duration::from_millis(CONNECT_TIMEOUT_MS)))
         // Error statuses carry the JSON body we print.
@@ -61,6 +63,8 @@ fn config(timeout_ms: u64) -> ureq::config::Config {
 pub enum ClientError {
     #[error("--endpoint {url:?}: {reason}")]
     Endpoint { url: String, reason: String },
+    #[error(transparent)]
+    Tls(#[from] nvpool_control::tls::TlsError),
     #[error("--token-file {path}: cannot read the token")]
     TokenFile {
         path: PathBuf,
@@ -167,8 +171,19 @@ pub struct Client {
 
 impl Client {
     pub fn new(endpoint: &str, token: Option<String>) -> Result<Client, ClientError> {
+        Client::with_cacert(endpoint, token, None)
+    }
+
+    /// [`Client::new`], trusting the CA certificates (PEM) in `cacert` for
+    /// https endpoints instead of the system's.
+    pub fn with_cacert(
+        endpoint: &str,
+        token: Option<String>,
+        cacert: Option<&Path>,
+    ) -> Result<Client, ClientError> {
         let endpoints = Endpoints::new(parse_endpoint(endpoint)?);
-        let agent = config(REQUEST_TIMEOUT_MS).into();
+        let tls = nvpool_control::tls::client_tls(cacert)?;
+        let agent = config(REQUEST_TIMEOUT_MS, tls).into();
         Ok(Client {
             shown: endpoints.shown(),
             endpoints: Arc::new(endpoints),
@@ -183,7 +198,8 @@ impl Client {
     /// [`AGENT_TIMEOUT_MS`].
     pub fn agent(path: &Path) -> Client {
         let agent = ureq::Agent::with_parts(
-            config(AGENT_TIMEOUT_MS),
+            // A Unix socket: no TLS.
+            config(AGENT_TIMEOUT_MS, ureq::tls::TlsConfig::default()),
             crate::unix::UnixConnector {
                 path: path.to_owned(),
             },
@@ -417,14 +433,7 @@ mod tests {
             parse_endpoint(" HTTP://cp ,http://cp2:1").unwrap(),
             ["http://cp", "http://cp2:1"]
         );
-        for bad in [
-            "https://cp",
-            "cp:4430",
-            "http://",
-            "http://u@cp",
-            "ftp://x",
-            "http://a,",
-        ] {
+        for bad in ["cp:4430", "http://", "http://u@cp", "ftp://x", "http://a,"] {
             let e = parse_endpoint(bad).unwrap_err().to_string();
             assert!(e.starts_with("--endpoint "), "{e}");
         }

@@ -19,11 +19,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// Where the control plane is and how to authenticate; from the global
-/// `--endpoint` and `--token-file` options.
+/// `--endpoint`, `--token-file` and `--cacert` options.
 #[derive(Debug, Clone)]
 pub struct Connection {
     pub endpoint: String,
     pub token_file: Option<PathBuf>,
+    pub cacert: Option<PathBuf>,
 }
 
 impl Connection {
@@ -34,7 +35,7 @@ impl Connection {
             Some(p) => Some(crate::client::read_token(p)?),
             None => None,
         };
-        Client::new(&self.endpoint, token)
+        Client::with_cacert(&self.endpoint, token, self.cacert.as_deref())
     }
 }
 

@@ -42,6 +42,9 @@ pub struct Cli {
     /// File holding the bearer token for the control plane (an admin token for changes; a reader token can list and show).
     #[arg(long, global = true, env = "NVPOOL_TOKEN_FILE", value_name = "PATH")]
     pub token_file: Option<std::path::PathBuf>,
+    /// CA certificates (PEM) to trust for https endpoints, instead of the system's.
+    #[arg(long, global = true, env = "NVPOOL_CACERT", value_name = "FILE")]
+    pub cacert: Option<std::path::PathBuf>,
     #[command(subcommand)]
     pub cmd: Command,
 }
@@ -146,6 +149,7 @@ pub fn main() -> ExitCode {
     let conn = cluster::Connection {
         endpoint: cli.endpoint,
         token_file: cli.token_file,
+        cacert: cli.cacert,
     };
     let r = match cli.cmd {
         Command::Discover(a) => discover::run(a),
@@ -164,7 +168,7 @@ pub fn main() -> ExitCode {
             let usage = e.downcast_ref::<Usage>().is_some()
                 || matches!(
                     e.downcast_ref::<client::ClientError>(),
-                    Some(client::ClientError::Endpoint { .. })
+                    Some(client::ClientError::Endpoint { .. } | client::ClientError::Tls(_))
                 );
             if usage {
                 ExitCode::from(2)

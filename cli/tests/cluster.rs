@@ -544,8 +544,20 @@ fn errors_are_one_line_with_the_documented_exit_codes() {
         run_with(args, &[("NVPOOL_ENDPOINT", &dead)])
             .expect_error(1, &format!("cannot reach the control plane at {dead}"));
     }
-    run_with(&["--endpoint", "https://cp:4430", "target", "ls"], &[])
-        .expect_error(2, "https is not supported");
+    run_with(&["--endpoint", "ftp://cp:4430", "target", "ls"], &[])
+        .expect_error(2, "expected http://HOST:PORT or https://HOST:PORT");
+    run_with(
+        &[
+            "--endpoint",
+            "https://cp:4430",
+            "--cacert",
+            "/nonexistent.pem",
+            "target",
+            "ls",
+        ],
+        &[],
+    )
+    .expect_error(2, "--cacert /nonexistent.pem: cannot read it");
 
     // Mutations need the admin token: none, a wrong one, an unreadable file.
     cp.run_without_token(&["volume", "create", "x", "--size", "1M"])

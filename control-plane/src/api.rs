@@ -164,15 +164,29 @@ impl ApiServer {
         auth: AuthConfig,
         listen: SocketAddr,
     ) -> std::io::Result<ApiServer> {
+        ApiServer::start_tls(cluster, auth, listen, None)
+    }
+
+    /// [`ApiServer::start`], serving https with `tls` when given.
+    pub fn start_tls(
+        cluster: Arc<Cluster>,
+        auth: AuthConfig,
+        listen: SocketAddr,
+        tls: Option<crate::tls::ServerTls>,
+    ) -> std::io::Result<ApiServer> {
         let listener = std::net::TcpListener::bind(listen)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let listener = {
+        let (listener, tls) = {
             let _guard = rt.enter();
-            tokio::net::TcpListener::from_std(listener)?
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            match tls {
+                Some(t) => (None, Some(crate::tls::TlsListener::new(listener, &t)?)),
+                None => (Some(listener), None),
+            }
         };
         let app = router(cluster.clone(), auth);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -184,10 +198,18 @@ impl ApiServer {
                         let _ = rx.await;
                         cluster.begin_shutdown();
                     };
-                    if let Err(e) = axum::serve(listener, app)
-                        .with_graceful_shutdown(stopped)
-                        .await
-                    {
+                    let served = match (listener, tls) {
+                        (_, Some(tls)) => {
+                            axum::serve(tls, app).with_graceful_shutdown(stopped).await
+                        }
+                        (Some(plain), None) => {
+                            axum::serve(plain, app)
+                                .with_graceful_shutdown(stopped)
+                                .await
+                        }
+                        (None, None) => unreachable!("one of the two listeners"),
+                    };
+                    if let Err(e) = served {
                         tracing::error!(%addr, "serving the API: {e}");
                     }
                 });

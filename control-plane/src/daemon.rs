@@ -38,6 +38,15 @@ pub struct Args {
     /// Address of the REST API.
     #[arg(long, default_value = "127.0.0.1:4430")]
     pub listen: SocketAddr,
+    /// Serve https with this certificate chain (PEM, leaf first); with --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Serve plain HTTP on a non-loopback --listen (tokens cross the network in clear).
+    #[arg(long, conflicts_with = "tls_cert")]
+    pub insecure_http: bool,
     /// Directory of the metadata store (default /var/lib/nvpool-control
     /// when running as root; required otherwise).
     #[arg(long, env = "NVPOOL_CONTROL_STATE_DIR")]
@@ -299,6 +308,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else if !tokens.has(Role::Admin) {
         tracing::warn!("no admin token configured: pools, volumes and targets cannot be changed");
     }
+    let server_tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(crate::tls::ServerTls::load(cert, key)?),
+        _ => {
+            crate::tls::check_plain_http(args.listen, args.insecure_http, "--insecure-http")
+                .map_err(anyhow::Error::msg)?;
+            None
+        }
+    };
     let auth = AuthConfig::new(tokens);
     let config = StateConfig {
         extent_bytes: args.extent_size,
@@ -332,22 +349,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!(addr = %listener.local_addr()?, store = %store_url, "nvpool-control serving");
+        tracing::info!(addr = %listener.local_addr()?, store = %store_url,
+            tls = server_tls.is_some(), "nvpool-control serving");
         tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
         tokio::spawn(crate::failover::watch_loop(cluster.clone()));
         if !token_files.is_empty() {
             tokio::spawn(reload_tokens(token_files, auth));
         }
-        axum::serve(listener, app)
-            .with_graceful_shutdown({
-                let c = cluster.clone();
-                async move {
-                    shutdown_signal().await;
-                    c.begin_shutdown();
-                }
-            })
-            .await
-            .context("serving the API")?;
+        let stopping = {
+            let c = cluster.clone();
+            async move {
+                shutdown_signal().await;
+                c.begin_shutdown();
+            }
+        };
+        match server_tls {
+            Some(tls) => {
+                let listener = crate::tls::TlsListener::new(listener, &tls)?;
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(stopping)
+                    .await
+            }
+            None => {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(stopping)
+                    .await
+            }
+        }
+        .context("serving the API")?;
         anyhow::Ok(())
     })?;
     heal_stop.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -200,7 +200,7 @@ impl Outcome {
         use std::io::ErrorKind as K;
         use ureq::{Error as E, Timeout as T};
         match e {
-            E::HostNotFound | E::ConnectionFailed | E::Tls(_) => Outcome::NotSent,
+            E::HostNotFound | E::ConnectionFailed | E::Tls(_) | E::Rustls(_) => Outcome::NotSent,
             E::Timeout(T::Resolve | T::Connect) => Outcome::NotSent,
             E::Io(io) => match io.kind() {
                 K::ConnectionRefused

@@ -55,6 +55,8 @@ pub mod rest;
 pub mod resync;
 pub mod state;
 pub mod store;
+#[cfg(feature = "client")]
+pub mod tls;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use mapping::{Geometry, Location, MapError, Segment};

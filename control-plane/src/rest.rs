@@ -18,25 +18,21 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 /// Checks and normalises a control-plane base URL,
-/// `http://HOST[:PORT][/PREFIX]`, to that form without a trailing slash.
-/// Plain HTTP only (no TLS stack in these builds). The error is the
-/// reason, for the caller to put after the option it came from.
+/// `http[s]://HOST[:PORT][/PREFIX]`, to that form (scheme in lower case)
+/// without a trailing slash. The error is the reason, for the caller to
+/// put after the option it came from.
 pub fn parse_base_url(url: &str) -> Result<String, &'static str> {
     let t = url.trim();
-    if t.get(..8)
-        .is_some_and(|p| p.eq_ignore_ascii_case("https://"))
-    {
-        return Err("https is not supported; use http:// (through a TLS proxy if needed)");
-    }
-    let rest = match t.get(..7) {
-        Some(p) if p.eq_ignore_ascii_case("http://") => &t[7..],
-        _ => return Err("expected http://HOST:PORT"),
+    let (scheme, rest) = match t.split_once("://") {
+        Some((s, rest)) if s.eq_ignore_ascii_case("http") => ("http", rest),
+        Some((s, rest)) if s.eq_ignore_ascii_case("https") => ("https", rest),
+        _ => return Err("expected http://HOST:PORT or https://HOST:PORT"),
     };
     let authority = rest.split('/').next().unwrap_or_default();
     if authority.is_empty() || authority.contains(['@', '?', '#', ' ']) {
-        return Err("expected http://HOST:PORT");
+        return Err("expected http://HOST:PORT or https://HOST:PORT");
     }
-    Ok(format!("http://{}", rest.trim_end_matches('/')))
+    Ok(format!("{scheme}://{}", rest.trim_end_matches('/')))
 }
 
 /// Most control-plane endpoints one client takes: a few instances serve
@@ -626,8 +622,15 @@ mod tests {
         assert_eq!(parse_base_url("http://cp:4430/").unwrap(), "http://cp:4430");
         assert_eq!(parse_base_url(" HTTP://cp ").unwrap(), "http://cp");
         assert_eq!(parse_base_url("http://cp/api/").unwrap(), "http://cp/api");
-        assert!(parse_base_url("https://cp").unwrap_err().contains("https"));
-        for bad in ["cp:4430", "http://", "http://u@cp", "ftp://x", "httpsé://x"] {
+        assert_eq!(parse_base_url("HTTPS://cp:1/").unwrap(), "https://cp:1");
+        for bad in [
+            "cp:4430",
+            "http://",
+            "https://",
+            "http://u@cp",
+            "ftp://x",
+            "httpsé://x",
+        ] {
             assert!(parse_base_url(bad).is_err(), "{bad}");
         }
         // A multi-byte character where the scheme ends is no panic.

@@ -104,8 +104,8 @@ impl RegisterError {
 }
 
 /// The control plane's base URLs, instances of one control plane in the
-/// order given: each `http://HOST[:PORT][/PREFIX]`, without a trailing
-/// slash. Plain HTTP only: this build carries no TLS stack. Checked as
+/// order given: each `http[s]://HOST[:PORT][/PREFIX]`, without a trailing
+/// slash (https trusts `--control-plane-cacert`). Checked as
 /// every client of the control plane checks them ([`parse_endpoints`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ControlPlaneUrl(Vec<String>);
@@ -125,7 +125,8 @@ impl ControlPlaneUrl {
     /// Whether every URL names this machine, for the loopback warning.
     fn all_loopback(&self) -> bool {
         self.0.iter().all(|url| {
-            let authority = url[7..].split('/').next().unwrap_or_default();
+            let rest = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
+            let authority = rest.split('/').next().unwrap_or_default();
             let host = match authority.strip_prefix('[') {
                 Some(v6) => v6.split(']').next().unwrap_or_default(),
                 None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
@@ -1099,20 +1100,12 @@ mod tests {
         assert!(u.all_loopback());
         let u = ControlPlaneUrl::parse("http://127.0.0.1:1,http://cp:4430").unwrap();
         assert!(!u.all_loopback());
-        for bad in [
-            "https://cp:4430",
-            "cp:4430",
-            "ftp://cp",
-            "http://",
-            "http:///x",
-            "http://a@b",
-        ] {
+        for bad in ["cp:4430", "ftp://cp", "http://", "http:///x", "http://a@b"] {
             assert!(ControlPlaneUrl::parse(bad).is_err(), "{bad}");
         }
-        let e = ControlPlaneUrl::parse("https://cp")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("https is not supported"), "{e}");
+        let e = ControlPlaneUrl::parse("ftp://cp").unwrap_err().to_string();
+        assert!(e.starts_with("--control-plane \"ftp://cp\""), "{e}");
+        assert!(ControlPlaneUrl::parse("https://cp:4430").is_ok());
     }
 
     #[test]

@@ -352,8 +352,11 @@ fn bad_registration_options_stop_the_daemon_at_start() {
     let (_dir, f) = scratch_file(4 * MIB);
     let dev = format!("d0={}", file_spec(&f));
     let cp = format!("http://{}", closed_port());
-    let e = start_error(&["--control-plane", "https://cp:4430", "--device", &dev]);
-    assert!(e.contains("https is not supported"), "{e}");
+    let e = start_error(&["--control-plane", "ftp://cp:4430", "--device", &dev]);
+    assert!(
+        e.contains("expected http://HOST:PORT or https://HOST:PORT"),
+        "{e}"
+    );
     let e = start_error(&["--control-plane", "cp:4430"]);
     assert!(e.contains("expected http://HOST:PORT"), "{e}");
     let e = start_error(&["--control-plane", &cp, "--admin-listen", "off"]);
