@@ -38,6 +38,7 @@ pub mod daemon;
 pub mod failover;
 #[cfg(feature = "server")]
 pub mod heal;
+pub mod leader;
 pub mod limits;
 pub mod mapping;
 pub mod model;
