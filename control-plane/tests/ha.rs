@@ -345,6 +345,13 @@ fn churn(endpoints: &Endpoints, stop: &AtomicBool, seed: u64, report: &Mutex<Str
                     line(format!("OK attach {uuid} {host}"));
                     hosts.push(host);
                 }
+                // A target may refuse while another control plane
+                // reconciles it at the same moment: nothing was left
+                // behind (the answer says so), and the client may retry.
+                Some(r) if r.status == 422 => {
+                    eprintln!("attach {uuid} refused: {}", r.body);
+                    line(format!("REFUSED attach {uuid} {host}"));
+                }
                 Some(r) => panic!("attach {uuid}: {} {}", r.status, r.body),
                 None => {}
             }
