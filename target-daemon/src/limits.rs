@@ -94,7 +94,10 @@ pub const KAS_100MS: u16 = 10;
 pub const DISCOVERY_IDLE_TIMEOUT_MS: u64 = 120_000;
 /// Largest KATO a host may ask for (1 hour).
 pub const KATO_MAX_MS: u32 = 3_600_000;
-/// A connection must finish ICReq and Connect within this time.
+/// A connection must finish ICReq and Connect, and a queue whose host has
+/// DH-HMAC-CHAP keys must finish authenticating, within this time of its
+/// creation (the Linux host needs a few round trips; a slow one still
+/// fits, a half-open one is closed).
 pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
 /// How often reactors check keep-alive deadlines and deliver async events.
 pub const TICK_MS: u64 = 50;

@@ -36,6 +36,7 @@ use base64::Engine;
 use hmac::{Mac, SimpleHmac};
 use num_bigint::BigUint;
 use sha2::{Digest, Sha256, Sha384, Sha512};
+use std::sync::Arc;
 use zeroize::{Zeroize, Zeroizing};
 
 /// Bits of a DH private exponent: at least twice the security strength of
@@ -518,7 +519,7 @@ struct Pending {
 /// The controller's side of DH-HMAC-CHAP on one queue.
 #[derive(Debug)]
 pub struct CtrlAuth {
-    policy: CtrlPolicy,
+    policy: Arc<CtrlPolicy>,
     hostnqn: String,
     subnqn: String,
     step: CtrlStep,
@@ -527,7 +528,7 @@ pub struct CtrlAuth {
 }
 
 impl CtrlAuth {
-    pub fn new(policy: CtrlPolicy, hostnqn: &str, subnqn: &str) -> CtrlAuth {
+    pub fn new(policy: Arc<CtrlPolicy>, hostnqn: &str, subnqn: &str) -> CtrlAuth {
         CtrlAuth {
             policy,
             hostnqn: hostnqn.to_owned(),
@@ -1115,7 +1116,7 @@ mod tests {
             hash,
             dhgroup: group,
         };
-        let mut c = CtrlAuth::new(policy, HOSTNQN, SUBNQN);
+        let mut c = CtrlAuth::new(Arc::new(policy), HOSTNQN, SUBNQN);
         let mut h = HostAuth::new(host_keys, HostOffer::default(), HOSTNQN, SUBNQN, 5);
         let (mut rc, mut rh) = ([0u8; RANDOM_BYTES], [0u8; RANDOM_BYTES]);
         for (i, x) in rc.iter_mut().enumerate() {
@@ -1198,11 +1199,11 @@ mod tests {
 
     #[test]
     fn unusable_offers_and_out_of_order_steps_get_failure1() {
-        let policy = CtrlPolicy {
+        let policy = Arc::new(CtrlPolicy {
             keys: keys(false),
             hash: Some(HashId::Sha384),
             dhgroup: DhGroup::Ffdhe4096,
-        };
+        });
         let r = [9u8; RANDOM_BYTES];
         let fail1 = |m: &[u8]| match Message::decode(m).unwrap() {
             Message::Failure {

@@ -731,7 +731,11 @@ pub fn dhchap_controller(data: &[u8]) {
         hash: None,
         dhgroup: group,
     };
-    let mut c = CtrlAuth::new(policy, "nqn.fuzz:host", "nqn.fuzz:subsys");
+    let mut c = CtrlAuth::new(
+        std::sync::Arc::new(policy),
+        "nqn.fuzz:host",
+        "nqn.fuzz:subsys",
+    );
     let random = [0x37u8; RANDOM_BYTES];
     let mut rest = data.get(1..).unwrap_or_default();
     while let Some((&n, tail)) = rest.split_first() {
