@@ -305,6 +305,7 @@ fn reconcile_restores_lost_exports_and_drops_unknown_ones() {
             nqn: stray.into(),
             allowed_hosts: vec![HOST_B.into()],
             allow_any_host: false,
+            host_keys: Default::default(),
             serial: None,
             model: None,
             ana: None,
