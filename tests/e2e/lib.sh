@@ -49,8 +49,9 @@ in_sync() {
 }
 
 # start_control_plane [I]: control plane I (default 0) on port CP_PORT + I,
-# with the array CP_ARGS appended (e.g. CP_ARGS=(--rebuild-rate 0); several
-# share a store given there: --store etcd://...). Control plane 0 is $NVPOOL_ENDPOINT.
+# on its own state directory, or on the store CP_STORE names when set (which
+# several share: etcd://...); the array CP_ARGS, when set, is appended
+# (e.g. CP_ARGS=(--rebuild-rate 0)). Control plane 0 is $NVPOOL_ENDPOINT.
 declare -a CP_PIDS=()
 start_control_plane() {
     local n=${1:-0}
@@ -59,7 +60,9 @@ start_control_plane() {
         dir=$E2E_DIR/cp$n log=$E2E_DIR/cp$n.log
     fi
     mkdir -p "$dir"
-    "$BIN/nvpool-control" --listen "127.0.0.1:$((CP_PORT + n))" --state-dir "$dir" \
+    local store=(--state-dir "$dir")
+    [[ -n ${CP_STORE:-} ]] && store=(--store "$CP_STORE")
+    "$BIN/nvpool-control" --listen "127.0.0.1:$((CP_PORT + n))" "${store[@]}" \
         --extent-size "${EXTENT_BYTES:-268435456}" --log "${CP_LOG:-warn}" \
         ${CP_ARGS[@]+"${CP_ARGS[@]}"} >>"$log" 2>&1 &
     CP_PIDS[n]=$!
