@@ -38,7 +38,7 @@ pub enum Error {
     #[error("{0}")]
     Invalid(String),
     /// In-band authentication (DH-HMAC-CHAP) of a queue failed.
-    #[error("{addr}: queue {qid}: DH-HMAC-CHAP authentication failed: {source}")]
+    #[error("{addr}: queue {qid}: DH-HMAC-CHAP authentication failed")]
     Auth {
         addr: String,
         qid: u16,

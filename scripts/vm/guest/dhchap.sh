@@ -68,7 +68,9 @@ for prog in nvpool-target nvpool; do
             "--bin target/release/nvpool"
 done
 [[ $(id -u) -eq 0 ]] || unsupported "not root"
-nvme connect --help 2>&1 | grep -q -- --dhchap-secret ||
+# Not a pipe into grep -q: nvme exits non-zero after --help, and pipefail is on.
+connect_help=$(nvme connect --help 2>&1 || true)
+[[ $connect_help == *--dhchap-secret* ]] ||
     unsupported "nvme-cli $(nvme version | head -n1) has no --dhchap-secret"
 [[ -d /sys/module/nvme_auth ]] || modprobe nvme-auth 2>/dev/null ||
     unsupported "no nvme-auth module (kernel without CONFIG_NVME_HOST_AUTH)"
