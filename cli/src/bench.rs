@@ -51,6 +51,8 @@ pub struct Args {
     /// Host NQN (default /etc/nvme/hostnqn, else a generated one).
     #[arg(short = 'q', long)]
     pub hostnqn: Option<String>,
+    #[command(flatten)]
+    pub dhchap: crate::dhchap::DhchapArgs,
     /// I/O pattern.
     #[arg(long, value_enum)]
     pub rw: Rw,
@@ -137,6 +139,7 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     };
     p.io_queues = a.jobs;
     p.queue_depth = a.iodepth.max(2);
+    p.dhchap = a.dhchap.keys()?;
     let ctrl = Controller::connect(p).with_context(|| format!("connecting to {nqn} at {addr}"))?;
     let ns = ctrl.namespace(a.nsid)?;
     let bsz = ns.block_size as u64;

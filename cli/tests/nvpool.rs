@@ -23,6 +23,7 @@ fn subsystem(nqn: &str, hosts: &[&str], backend: &str) -> SubsystemConfig {
         nqn: nqn.to_owned(),
         allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
         allow_any_host: hosts.is_empty(),
+        host_keys: Default::default(),
         serial: None,
         model: None,
         ana: None,

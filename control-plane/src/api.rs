@@ -410,6 +410,8 @@ impl ApiError {
                 "contention",
                 json!({"attempts": attempts}),
             ),
+            // Only the leader answers this call: ask another endpoint.
+            StateError::NotLeader(_) => (S::SERVICE_UNAVAILABLE, "not_leader", json!({})),
             StateError::Corrupt { .. } | StateError::Inconsistent(_) => {
                 (S::INTERNAL_SERVER_ERROR, "inconsistent", json!({}))
             }
@@ -873,9 +875,12 @@ fn volume_view_out(v: VolumeView, now: u64) -> VolumeOut {
 
 // ----- handlers -----
 
-#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "the daemon serves requests")))]
-async fn healthz() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// Liveness, and whether this control plane is the leader (the one doing
+/// reconciliation, resyncs, moves, failovers and owner leases; every
+/// control plane serves the whole API).
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, description = "the daemon serves requests: `{\"status\": \"ok\", \"leader\": true}`")))]
+async fn healthz(State(api): State<Api>) -> Json<Value> {
+    Json(json!({"status": "ok", "leader": api.cluster.is_leader()}))
 }
 
 #[utoipa::path(get, path = "/v1/openapi.json", tag = "operations", responses((status = 200, description = "this document", body = Object)))]
@@ -1378,7 +1383,7 @@ async fn delete_export(
 /// subsystems it may serve, for `valid_ms` counted from when it sent this
 /// request (so its expiry is never later than the control plane's idea of
 /// it). Another path is promoted only after the lease has run out.
-#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable, or this control plane is not the leader (not_leader: only the leader grants owner leases); retry, or ask another endpoint", body = ApiError)))]
 async fn post_lease(
     State(api): State<Api>,
     Segments(id): Segments<String>,
@@ -2143,6 +2148,11 @@ mod tests {
                 "no_space",
             ),
             (StateError::Contention { attempts: 32 }, 503, "contention"),
+            (
+                StateError::NotLeader(crate::leader::NotLeader),
+                503,
+                "not_leader",
+            ),
             (
                 StateError::Store(StoreError::Backend {
                     op: "commit",

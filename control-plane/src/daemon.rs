@@ -5,6 +5,7 @@
 use crate::api::router;
 use crate::auth::{AuthConfig, Role, TokenFiles};
 use crate::clock::SystemClock;
+use crate::leader::Leadership;
 use crate::limits::EXTENT_BYTES;
 use crate::state::{Cluster, StateConfig};
 use crate::store::migrate::copy_all;
@@ -327,12 +328,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if store_url == StoreUrl::Memory {
         tracing::warn!("memory: store: nothing survives a restart");
     }
-    let cluster = Cluster::new(store, Arc::new(SystemClock), config)?;
+    let holder = crate::leader::holder_name(args.listen);
+    let leadership = if store.elector().is_some() {
+        Leadership::elected(holder)
+    } else {
+        Leadership::solo(holder)
+    };
+    let cluster = Cluster::new(store.clone(), Arc::new(SystemClock), config)?
+        .with_leadership(leadership.clone());
     let cluster = Arc::new(cluster);
+    // The leader's own work runs on a fenced cluster (see `leader`).
+    let leader_work = Arc::new(cluster.fenced());
     let app = router(cluster.clone(), auth.clone());
     let heal_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let election = {
+        let (stop, cluster) = (heal_stop.clone(), cluster.clone());
+        std::thread::Builder::new()
+            .name("nvpool-election".into())
+            .spawn(move || crate::leader::run(store, leadership, stop, || cluster.begin_term()))
+            .context("starting the election")?
+    };
     let heal = crate::heal::spawn(
-        cluster.clone(),
+        leader_work.clone(),
         crate::heal::HealConfig {
             rate_bytes_per_sec: args.rebuild_rate,
             replace_after_ms: args.replace_after,
@@ -351,8 +368,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("listening on {}", args.listen))?;
         tracing::info!(addr = %listener.local_addr()?, store = %store_url,
             tls = server_tls.is_some(), "nvpool-control serving");
-        tokio::spawn(crate::program::reconcile_loop(cluster.clone()));
-        tokio::spawn(crate::failover::watch_loop(cluster.clone()));
+        tokio::spawn(crate::program::reconcile_loop(leader_work.clone()));
+        tokio::spawn(crate::failover::watch_loop(leader_work));
         if !token_files.is_empty() {
             tokio::spawn(reload_tokens(token_files, auth));
         }
@@ -381,6 +398,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     heal_stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let _ = heal.join();
+    // Resigns, so another control plane takes over at once.
+    let _ = election.join();
     tracing::info!("stopped");
     Ok(())
 }

@@ -486,6 +486,10 @@ pub async fn watch_loop(cluster: std::sync::Arc<Cluster>) {
         tick.tick().await;
         let c = cluster.clone();
         let _ = tokio::task::spawn_blocking(move || {
+            // The leader's work (see `leader`).
+            if !c.is_leader() {
+                return;
+            }
             if let Err(e) = watch_once(&c) {
                 tracing::warn!(error = %e, "watching served volumes failed");
             }

@@ -90,6 +90,11 @@ pub fn spawn(
         .name("nvpool-heal".into())
         .spawn(move || {
             while !stop.load(Ordering::Relaxed) {
+                // The leader's work (see `leader`).
+                if !cluster.is_leader() {
+                    crate::leader::sleep_unless(&stop, cfg.interval);
+                    continue;
+                }
                 let busy = match heal_once(&cluster, &cfg) {
                     Ok(busy) => busy,
                     Err(e) => {
@@ -132,6 +137,9 @@ pub fn heal_once(cluster: &Cluster, cfg: &HealConfig) -> Result<bool, StateError
             continue;
         };
         for job in &cs.value.jobs {
+            if !cluster.is_leader() {
+                return Err(crate::leader::NotLeader.into());
+            }
             busy = true;
             let mut job = job.clone();
             // At most one pass per state.

@@ -41,6 +41,7 @@ pub mod failover;
 pub mod heal;
 #[cfg(feature = "client")]
 pub mod http;
+pub mod leader;
 pub mod limits;
 pub mod mapping;
 pub mod model;

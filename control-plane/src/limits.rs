@@ -187,6 +187,23 @@ pub const ETCD_LIST_RESTARTS_MAX: u32 = 3;
 /// etcd for nvpool sets to a few MiB, above `TXN_BYTES_MAX`).
 pub const ETCD_RESPONSE_BYTES_MAX: usize = 128 << 20;
 
+/// The leader's etcd lease: when the leader dies or is cut off, another
+/// control plane takes over within this (plus one campaign interval).
+pub const LEADER_LEASE_TTL_S: u32 = 5;
+/// How often the leader renews its lease, and how often the others try to
+/// take the leader key.
+pub const LEADER_RENEW_INTERVAL_MS: u64 = 1_000;
+pub const LEADER_CAMPAIGN_INTERVAL_MS: u64 = 1_000;
+/// The leader stops acting this long before its lease could expire in
+/// etcd (measured from when it sent the request that granted or renewed
+/// the lease, so network delay only shortens its term): room for the
+/// clock rates of two machines to differ and for a round of work that has
+/// just checked it is still the leader.
+pub const LEADER_MARGIN_MS: u64 = 1_500;
+/// One election request (grant, campaign, renew): shorter than a renewal
+/// interval's share of the lease, so a hung endpoint is left in time.
+pub const LEADER_REQUEST_TIMEOUT_MS: u64 = 1_500;
+
 /// Worst-case encoded size of one extent in a volume record: two IDs with
 /// their length prefixes, offset and length as 10-byte varints, member and
 /// row as 5-byte varints, the copy index as one byte.
@@ -216,5 +233,10 @@ const _: () = assert!(
 const _: () = assert!(2 * ETCD_READ_ATTEMPT_TIMEOUT_MS <= ETCD_REQUEST_TIMEOUT_MS);
 const _: () = assert!(ETCD_CONNECT_TIMEOUT_MS < ETCD_READ_ATTEMPT_TIMEOUT_MS);
 const _: () = assert!(ETCD_RETRY_BACKOFF_MIN_MS <= ETCD_RETRY_BACKOFF_MAX_MS);
+// A leader renews several times per lease, each request ends before its
+// term would, and the margin leaves it a real term.
+const _: () = assert!(3 * LEADER_RENEW_INTERVAL_MS <= LEADER_LEASE_TTL_S as u64 * 1_000);
+const _: () =
+    assert!(LEADER_REQUEST_TIMEOUT_MS + LEADER_MARGIN_MS < LEADER_LEASE_TTL_S as u64 * 1_000);
 // The newest transaction always survives trimming of the change log.
 const _: () = assert!(CHANGE_LOG_BYTES_MAX >= 2 * TXN_BYTES_MAX as u64);

@@ -114,20 +114,28 @@ impl Served {
 }
 
 /// When each target was last granted a lease (cluster clock), in memory:
-/// after a restart of the control plane every owner counts as granted at
-/// the start.
+/// after a restart of the control plane, or when it becomes the leader,
+/// every owner counts as granted at that moment.
 #[derive(Debug)]
 pub struct Leases {
-    started_ms: u64,
+    started_ms: std::sync::atomic::AtomicU64,
     granted: Mutex<HashMap<String, u64>>,
 }
 
 impl Leases {
     pub fn new(now_ms: u64) -> Leases {
         Leases {
-            started_ms: now_ms,
+            started_ms: now_ms.into(),
             granted: Mutex::default(),
         }
+    }
+
+    /// A new term of leadership began: grants made by another leader are
+    /// unknown here, so every owner counts as granted now, as after a
+    /// restart.
+    pub fn restart(&self, now_ms: u64) {
+        self.started_ms
+            .fetch_max(now_ms, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn record(&self, target: &str, now_ms: u64) {
@@ -138,7 +146,8 @@ impl Leases {
     /// Latest time `target` may still hold a lease.
     pub fn held_until(&self, target: &str) -> u64 {
         let g = self.granted.lock().unwrap_or_else(|p| p.into_inner());
-        let last = g.get(target).copied().unwrap_or(0).max(self.started_ms);
+        let started = self.started_ms.load(std::sync::atomic::Ordering::Relaxed);
+        let last = g.get(target).copied().unwrap_or(0).max(started);
         last + LEASE_MS + LEASE_MARGIN_MS
     }
 }
@@ -315,6 +324,11 @@ impl Cluster {
     /// owns. A target that owns nothing is not recorded (it holds no lease
     /// that could matter).
     pub fn grant_lease(&self, target: &str) -> Result<LeaseGrant, StateError> {
+        // Only the leader grants, and judges, owner leases: its failover
+        // decisions must know every grant.
+        if !self.is_leader() {
+            return Err(crate::leader::NotLeader.into());
+        }
         self.target(target)?;
         let nqns: Vec<String> = self
             .served_all()?

@@ -852,6 +852,10 @@ pub async fn reconcile_loop(cluster: std::sync::Arc<Cluster>) {
         tick.tick().await;
         let c = cluster.clone();
         let _ = tokio::task::spawn_blocking(move || {
+            // The leader's work (see `leader`).
+            if !c.is_leader() {
+                return;
+            }
             let targets = match c.targets() {
                 Ok(t) => t,
                 Err(e) => {
@@ -863,6 +867,9 @@ pub async fn reconcile_loop(cluster: std::sync::Arc<Cluster>) {
                 .iter()
                 .filter(|t| t.health == crate::model::Health::Online)
             {
+                if !c.is_leader() {
+                    return;
+                }
                 if let Err(e) = reconcile(&c, &t.target.id) {
                     tracing::warn!(target = %t.target.id, error = %e, "reconcile failed");
                 }

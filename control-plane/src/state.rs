@@ -44,6 +44,7 @@
 
 use crate::attach::{attach_keys as ak, Attachment, FailedCopies, HostRecord, StaleExports};
 use crate::clock::Clock;
+use crate::leader::Leadership;
 use crate::limits::{
     DEVICES_PER_POOL_MAX, EXTENT_BYTES, HEARTBEAT_TIMEOUT_MS, ID_BYTES_MAX, LABEL_BYTES_MAX,
     POOLS_MAX, TARGETS_MAX, TXN_ATTEMPTS_MAX, TXN_BACKOFF_BASE_US, TXN_BACKOFF_MAX_US, VOLUMES_MAX,
@@ -170,6 +171,10 @@ pub enum StateError {
     LastInSyncCopy { volume: Uuid, extent: u32 },
     #[error("gave up after {attempts} conflicting attempts")]
     Contention { attempts: u32 },
+    /// Work only the leader does, asked of a process that is not (or is no
+    /// longer) the leader; its writes were refused by the fence.
+    #[error(transparent)]
+    NotLeader(#[from] crate::leader::NotLeader),
     #[error("stored record {key} is corrupt")]
     Corrupt {
         key: String,
@@ -451,6 +456,10 @@ pub struct Cluster {
     closing: Arc<std::sync::atomic::AtomicBool>,
     /// Lease grants to owners of served volumes (in memory).
     leases: Arc<crate::paths::Leases>,
+    /// Whether this process leads (see `leader`).
+    leadership: Arc<Leadership>,
+    /// Every write also requires the leader's term (the leader's own work).
+    fenced: bool,
 }
 
 /// A mutation attempt: committed with a result, or lost a race.
@@ -557,7 +566,33 @@ impl Cluster {
             mutations: Arc::default(),
             closing: Arc::default(),
             leases,
+            leadership: Leadership::solo("this process"),
+            fenced: false,
         })
+    }
+
+    /// The same cluster, led as `leadership` says (an elected process).
+    pub fn with_leadership(mut self, leadership: Arc<Leadership>) -> Cluster {
+        self.leadership = leadership;
+        self
+    }
+
+    /// The same cluster for the leader's own work: each of its writes also
+    /// requires this process's term, and fails with `NotLeader` without one.
+    pub fn fenced(&self) -> Cluster {
+        Cluster {
+            fenced: true,
+            ..self.clone()
+        }
+    }
+
+    pub fn leadership(&self) -> &Arc<Leadership> {
+        &self.leadership
+    }
+
+    /// True while this process may do the leader's work.
+    pub fn is_leader(&self) -> bool {
+        self.leadership.is_leader()
     }
 
     /// The process serving this cluster is stopping: waits such as long
@@ -569,6 +604,12 @@ impl Cluster {
 
     pub fn closing(&self) -> bool {
         self.closing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// This process begins a term as the leader: owners count as granted
+    /// now (another leader may have granted them a lease a moment ago).
+    pub fn begin_term(&self) {
+        self.leases.restart(self.now());
     }
 
     pub(crate) fn leases(&self) -> &crate::paths::Leases {
@@ -664,10 +705,29 @@ impl Cluster {
     }
 
     pub(crate) fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
-        Ok(matches!(
-            self.store.txn(conditions, ops)?,
-            TxnOutcome::Committed { .. }
-        ))
+        let fence = if self.fenced {
+            self.leadership.fence()?
+        } else {
+            None
+        };
+        let Some(fence) = fence else {
+            return Ok(matches!(
+                self.store.txn(conditions, ops)?,
+                TxnOutcome::Committed { .. }
+            ));
+        };
+        let mut all = conditions.to_vec();
+        all.push(fence.clone());
+        match self.store.txn(&all, ops)? {
+            TxnOutcome::Committed { .. } => Ok(true),
+            TxnOutcome::Conflict(failed) if failed.iter().any(|f| f.index == conditions.len()) => {
+                if let Condition::VersionIs(_, term) = fence {
+                    self.leadership.lost(term);
+                }
+                Err(crate::leader::NotLeader.into())
+            }
+            TxnOutcome::Conflict(_) => Ok(false),
+        }
     }
 
     /// Reads the whole cluster state from one store snapshot.

@@ -286,7 +286,7 @@ fn each_target_gets_its_own_admin_token_and_nobody_sees_it() {
     s.expect_error(&r, 400, "invalid");
     assert!(!r.body.contains("short\""), "{}", r.body);
     for path in ["/v1/targets", "/v1/targets/t0", "/v1/targets/t1"] {
-        let r = s.call("GET", path, None, None);
+        let r = s.call("GET", path, Some(READER), None);
         assert_eq!(r.status, 200);
         assert!(!r.body.contains("admin-token-of"), "{path}: {}", r.body);
     }
@@ -334,7 +334,7 @@ fn target_addresses_are_unique() {
         assert_eq!(j["details"]["field"], field, "{j}");
         assert_eq!(j["details"]["addr"], value, "{j}");
         assert!(j["message"].as_str().unwrap().contains("t1"), "{j}");
-        let r = s.call("GET", "/v1/targets/t2", None, None);
+        let r = s.call("GET", "/v1/targets/t2", Some(READER), None);
         assert_eq!(r.status, 404, "nothing of t2 was recorded: {}", r.body);
     }
     // The same ID again, same addresses or new ones: fine.

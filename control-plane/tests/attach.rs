@@ -5,7 +5,7 @@
 mod common;
 
 use common::nodes::*;
-use common::MIB;
+use common::{MIB, READER};
 use nvpool_initiator::{Controller, Device};
 use serde_json::{json, Value};
 
@@ -305,6 +305,7 @@ fn reconcile_restores_lost_exports_and_drops_unknown_ones() {
             nqn: stray.into(),
             allowed_hosts: vec![HOST_B.into()],
             allow_any_host: false,
+            host_keys: Default::default(),
             serial: None,
             model: None,
             ana: None,
@@ -495,7 +496,7 @@ fn a_record_pointing_at_another_daemon_removes_nothing_there() {
         assert_eq!(r.status, 201, "{}", r.body);
     }
     let target_of = |v: &str| {
-        s.call("GET", &format!("/v1/volumes/{v}"), None, None)
+        s.call("GET", &format!("/v1/volumes/{v}"), Some(READER), None)
             .json()["extents"][0]["target"]
             .as_str()
             .unwrap()
@@ -569,7 +570,7 @@ fn a_second_record_with_a_live_targets_admin_address_is_refused() {
     let j = r.json();
     assert_eq!(j["details"]["target"], live.id.as_str(), "{j}");
     assert_eq!(j["details"]["field"], "admin_addr", "{j}");
-    let r = s.call("GET", "/v1/targets/t9", None, None);
+    let r = s.call("GET", "/v1/targets/t9", Some(READER), None);
     assert_eq!(r.status, 404, "{}", r.body);
     // What reconciliation there is leaves the live target as it was.
     for n in &c.nodes {

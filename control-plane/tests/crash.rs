@@ -23,12 +23,11 @@ use nvpool_control::clock::SystemClock;
 use nvpool_control::model::Uuid;
 use nvpool_control::state::{Cluster, StateConfig};
 use nvpool_control::store::{RedbStore, Store};
-use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use workload::{registration, step, Rng, E};
+use workload::{registration, step, Expect, Rng, E};
 
 const WORKER_ENV: &str = "NVPOOL_CRASH_WORKER";
 /// Kill cycles. Each runs the child for 150..=450 ms.
@@ -79,100 +78,6 @@ fn worker(dir: &std::path::Path) {
             });
         }
     });
-}
-
-/// What the parent knows from the child's reports, across all cycles.
-#[derive(Default)]
-struct Expect {
-    started: BTreeSet<String>,
-    created: BTreeSet<String>,
-    delete_started: BTreeSet<String>,
-    deleted: BTreeSet<String>,
-    grown: BTreeMap<String, u64>,
-    attach_started: BTreeSet<(String, String)>,
-    ok_ops: usize,
-    /// Cycles killed while an operation was under way.
-    killed_in_flight: usize,
-}
-
-impl Expect {
-    fn absorb(&mut self, output: &str) {
-        let mut in_flight = BTreeSet::new();
-        for line in output.lines() {
-            // The test harness may print on the same line before ours.
-            let Some(at) = line.find("@@ ") else {
-                continue;
-            };
-            let words: Vec<&str> = line[at + 3..].split_whitespace().collect();
-            if let [kind, op, u, ..] = words[..] {
-                if kind == "BEGIN" {
-                    in_flight.insert((op, u));
-                } else {
-                    in_flight.remove(&(op, u));
-                }
-            }
-            match words[..] {
-                ["BEGIN", "create", u] => {
-                    self.started.insert(u.into());
-                }
-                ["OK", "create", u] => {
-                    self.created.insert(u.into());
-                    self.ok_ops += 1;
-                }
-                ["BEGIN", "delete", u] => {
-                    self.delete_started.insert(u.into());
-                }
-                ["OK", "delete", u] => {
-                    self.deleted.insert(u.into());
-                    self.ok_ops += 1;
-                }
-                ["BEGIN", "attach", u, h] => {
-                    self.attach_started.insert((u.into(), h.into()));
-                }
-                ["OK", "attach", ..] | ["OK", "detach", ..] => self.ok_ops += 1,
-                ["OK", "grow", u, size] => {
-                    let size: u64 = size.parse().unwrap();
-                    let g = self.grown.entry(u.into()).or_default();
-                    *g = (*g).max(size);
-                    self.ok_ops += 1;
-                }
-                _ => {}
-            }
-        }
-        if !in_flight.is_empty() {
-            self.killed_in_flight += 1;
-        }
-    }
-
-    fn verify(&self, c: &Cluster) {
-        let volumes: BTreeMap<String, u64> = c
-            .volumes()
-            .unwrap()
-            .into_iter()
-            .map(|v| (v.volume.uuid.to_string(), v.volume.size_bytes))
-            .collect();
-        for u in volumes.keys() {
-            assert!(self.started.contains(u), "volume {u} was never created");
-            assert!(!self.deleted.contains(u), "deleted volume {u} is back");
-        }
-        for u in &self.created {
-            if !self.delete_started.contains(u) {
-                assert!(volumes.contains_key(u), "committed volume {u} is lost");
-            }
-        }
-        for a in c.attachments().unwrap() {
-            let k = (a.volume.to_string(), a.host_nqn.clone());
-            assert!(
-                self.attach_started.contains(&k),
-                "attachment {k:?} was never made"
-            );
-        }
-        for (u, &size) in &self.grown {
-            if let Some(&now) = volumes.get(u) {
-                assert!(now >= size, "volume {u} lost a committed grow to {size}");
-            }
-        }
-    }
 }
 
 #[test]

@@ -9,6 +9,8 @@ use crate::limits::{
 };
 use crate::link::Link;
 use crate::rdma::Data;
+use nvpool_wire::auth::{AuthCmd, AUTH_MSG_MAX};
+use nvpool_wire::dhchap::{AuthError, HostAuth, HostOffer, HostStep, Keys, RANDOM_BYTES};
 use nvpool_wire::fabrics::{cc, csts, fctype, prop, Cap, ConnectCmd, ConnectData, PropertyCmd};
 use nvpool_wire::identify::{self, cns, IdentifyController, IdentifyNamespace, NsId};
 use nvpool_wire::log::GetLogPage;
@@ -66,6 +68,13 @@ impl std::fmt::Display for Transport {
     }
 }
 
+/// Connect response DW0 bit 17, ATR: the queue must authenticate.
+const AUTHREQ_ATR: u32 = 1 << 17;
+
+/// Transaction ids of this process's authentications (any value is valid;
+/// distinct ones make a controller's logs easier to follow).
+static NEXT_AUTH_TRANSACTION: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+
 /// How to reach and use one controller.
 #[derive(Debug, Clone)]
 pub struct ConnectParams {
@@ -90,6 +99,11 @@ pub struct ConnectParams {
     /// Connection setup timeout (TCP connect and ICResp; RDMA address and
     /// route resolution and CM connect).
     pub connect_timeout: Duration,
+    /// DH-HMAC-CHAP keys: used on every queue whose Connect response asks
+    /// for authentication (ATR). With a controller key the host also
+    /// authenticates the controller and refuses one that answers wrongly.
+    /// Without keys a controller that asks for authentication is refused.
+    pub dhchap: Option<Arc<Keys>>,
 }
 
 impl ConnectParams {
@@ -110,6 +124,7 @@ impl ConnectParams {
             ctrl_loss_timeout: Duration::from_secs(60),
             reconnect_delay: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(10),
+            dhchap: None,
         }
     }
 }
@@ -170,8 +185,62 @@ impl AdminQueue {
         .encode();
         let mut q = AdminQueue { conn, next_cid: 0 };
         let (cqe, _) = q.exec(cmd.to_sqe(0), &data, 0, "connect")?;
+        if cqe.dw0 & AUTHREQ_ATR != 0 {
+            q.authenticate(p, qid)?;
+        }
         conn = q.conn;
         Ok((conn, cqe.dw0 as u16))
+    }
+
+    /// DH-HMAC-CHAP on this queue, right after its Connect: Negotiate,
+    /// Challenge, Reply, Success1 (and Success2 when the host checks the
+    /// controller too), one Authentication Send or Receive each.
+    fn authenticate(&mut self, p: &ConnectParams, qid: u16) -> Result<(), Error> {
+        let fail = |source| Error::Auth {
+            addr: p.addr.to_string(),
+            qid,
+            source,
+        };
+        let keys = p.dhchap.as_deref().ok_or(fail(AuthError::NoKey))?;
+        let t_id = NEXT_AUTH_TRANSACTION.fetch_add(1, Ordering::Relaxed);
+        let mut h = HostAuth::new(keys, HostOffer::default(), &p.hostnqn, &p.subnqn, t_id);
+        self.auth_send(&h.negotiate())?;
+        loop {
+            let (_, msg) = self.exec(
+                AuthCmd::new(AUTH_MSG_MAX as u32).to_sqe(0, fctype::AUTH_RECEIVE),
+                &[],
+                AUTH_MSG_MAX,
+                "authentication receive",
+            )?;
+            let mut random = zeroize::Zeroizing::new([0u8; RANDOM_BYTES]);
+            getrandom::getrandom(&mut random[..])
+                .map_err(|e| Error::Invalid(format!("no random bytes: {e}")))?;
+            match h.on_receive(&msg, &random) {
+                HostStep::Send(m) => self.auth_send(&m)?,
+                HostStep::SendAndDone(m) => {
+                    self.auth_send(&m)?;
+                    break;
+                }
+                HostStep::Done => break,
+                HostStep::Fail(m, e) => {
+                    if let Some(m) = m {
+                        // Tell the controller why; the queue is useless either way.
+                        let _ = self.auth_send(&m);
+                    }
+                    return Err(fail(e));
+                }
+            }
+        }
+        if let Some((hash, group)) = h.chosen {
+            tracing::debug!(addr = %p.addr, qid, hash = hash.name(), dhgroup = group.name(),
+                bidirectional = keys.ctrl.is_some(), "queue authenticated");
+        }
+        Ok(())
+    }
+
+    fn auth_send(&mut self, msg: &[u8]) -> Result<(), Error> {
+        let sqe = AuthCmd::new(msg.len() as u32).to_sqe(0, fctype::AUTH_SEND);
+        self.exec(sqe, msg, 0, "authentication send").map(|_| ())
     }
 
     /// Runs one command synchronously; returns its completion and any data.

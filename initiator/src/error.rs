@@ -37,6 +37,13 @@ pub enum Error {
     },
     #[error("{0}")]
     Invalid(String),
+    /// In-band authentication (DH-HMAC-CHAP) of a queue failed.
+    #[error("{addr}: queue {qid}: DH-HMAC-CHAP authentication failed")]
+    Auth {
+        addr: String,
+        qid: u16,
+        source: nvpool_wire::dhchap::AuthError,
+    },
     /// RDMA was asked for and this machine cannot do it (libraries, kernel
     /// support); the text says why.
     #[error("RDMA unavailable: {0}")]

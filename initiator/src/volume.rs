@@ -780,6 +780,9 @@ impl Volume {
             ctrl_loss_timeout: loss,
             reconnect_delay: opts.reconnect_delay,
             connect_timeout: opts.connect_timeout,
+            // Pooled volumes reach targets the control plane configured
+            // without in-band authentication.
+            dhchap: None,
         };
         let shared = opts.connections.as_deref();
         let one_open = shared.map(|c| lock(&c.opening));

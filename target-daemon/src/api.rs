@@ -11,14 +11,14 @@
 //! | `GET /v1/identity` | who this is: `{"target_id": ID or null, "identity": UUID}`; the control plane checks `target_id` before it changes anything here |
 //! | `GET /v1/target` | listeners, subsystems, controllers |
 //! | `GET /v1/subsystems` | every subsystem with namespaces and hosts |
-//! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, serial, model, ana, namespaces) |
+//! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, host_keys, serial, model, ana, namespaces) |
 //! | `PUT /v1/subsystems/{nqn}/ana` | set the ANA state here (body: `{"state": "optimized"}`; 503 when a backend cannot be activated) |
 //! | `POST /v1/leases` | renew ANA leases (body: `{"nqns": [...], "valid_ms": N}`, N ≤ 60000) |
 //! | `DELETE /v1/subsystems/{nqn}` | remove (its controllers are disconnected) |
 //! | `PUT /v1/subsystems/{nqn}/namespaces/{nsid}` | add or replace a namespace (body: backend, uuid, read_only) |
 //! | `DELETE /v1/subsystems/{nqn}/namespaces/{nsid}` | remove a namespace (hosts get a namespace-changed event) |
-//! | `PUT /v1/subsystems/{nqn}/hosts/{hostnqn}` | allow a host |
-//! | `DELETE /v1/subsystems/{nqn}/hosts/{hostnqn}` | revoke a host (its controllers are disconnected) |
+//! | `PUT /v1/subsystems/{nqn}/hosts/{hostnqn}` | allow a host; an optional body sets its DH-HMAC-CHAP keys (`dhchap_key`, `dhchap_ctrl_key`, `dhchap_hash`, `dhchap_dhgroup`) |
+//! | `DELETE /v1/subsystems/{nqn}/hosts/{hostnqn}` | revoke a host and drop its keys (its controllers are disconnected) |
 //! | `GET /v1/listeners`, `PUT/DELETE /v1/listeners/{addr}` | listeners (`rdma:ADDR:PORT` for NVMe/RDMA) |
 //! | `GET /v1/controllers` | live controllers |
 //! | `PUT /v1/copies/{id}` | arm a copy job (body: dest, source, region_bytes, rate_bytes_per_sec); same body again: its status; another body: 409 |
@@ -29,12 +29,15 @@
 //! The router is built from one table ([`routes`] lists it), so a test can
 //! drive every route there is.
 //!
+//! DH-HMAC-CHAP secrets are write-only: views say `"configured": true`
+//! and whether a controller key is set, never the secret.
+//!
 //! Errors are `{"kind": …, "message": …}` with a 4xx status. Every change is
 //! saved to the state directory before it is answered, except copy jobs,
 //! which live in memory only (copier.rs).
 
 use crate::auth::AdminTokens;
-use crate::config::{AnaConfig, AnaState, NamespaceConfig, SubsystemConfig};
+use crate::config::{AnaConfig, AnaState, HostKeyConfig, NamespaceConfig, SubsystemConfig};
 use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
 use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
@@ -47,6 +50,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -326,6 +330,36 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
     }
 }
 
+/// A JSON body that may be absent (an empty body gives None).
+struct OptionalJsonBody<T>(Option<T>);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S>
+    for OptionalJsonBody<T>
+{
+    type Rejection = ApiError;
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError::bad_request(e.body_text()))?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(OptionalJsonBody(None));
+        }
+        serde_json::from_slice(&bytes)
+            .map(|v| OptionalJsonBody(Some(v)))
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// A host's DH-HMAC-CHAP settings as the API shows them: never the secrets.
+#[derive(Debug, Serialize)]
+struct HostAuthView {
+    configured: bool,
+    bidirectional: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hash: Option<String>,
+    dhgroup: String,
+}
+
 #[derive(Debug, Serialize)]
 struct NamespaceView {
     nsid: u32,
@@ -346,6 +380,9 @@ struct SubsystemView {
     model: Option<String>,
     allow_any_host: bool,
     allowed_hosts: Vec<String>,
+    /// Hosts that must authenticate, by NQN.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    host_auth: BTreeMap<String, HostAuthView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ana: Option<AnaView>,
     namespaces: Vec<NamespaceView>,
@@ -381,6 +418,21 @@ fn view(t: &Target, s: &crate::target::Subsystem) -> SubsystemView {
         }),
         allow_any_host: s.allow_any_host,
         allowed_hosts: s.hosts.iter().cloned().collect(),
+        host_auth: s
+            .host_keys
+            .iter()
+            .map(|(h, a)| {
+                (
+                    h.clone(),
+                    HostAuthView {
+                        configured: true,
+                        bidirectional: a.policy.keys.ctrl.is_some(),
+                        hash: a.policy.hash.map(|h| h.name().to_owned()),
+                        dhgroup: a.policy.dhgroup.name().to_owned(),
+                    },
+                )
+            })
+            .collect(),
         namespaces: s
             .namespaces
             .values()
@@ -467,6 +519,8 @@ struct SubsystemBody {
     allowed_hosts: Vec<String>,
     #[serde(default)]
     allow_any_host: bool,
+    #[serde(default)]
+    host_keys: BTreeMap<String, HostKeyConfig>,
     serial: Option<String>,
     model: Option<String>,
     ana: Option<AnaConfig>,
@@ -493,6 +547,7 @@ async fn put_subsystem(
         nqn: nqn.clone(),
         allowed_hosts: b.allowed_hosts,
         allow_any_host: b.allow_any_host,
+        host_keys: b.host_keys,
         serial: b.serial,
         model: b.model,
         ana: b.ana,
@@ -557,10 +612,11 @@ async fn delete_namespace(
 async fn put_host(
     State(api): State<Api>,
     Path((nqn, host)): Path<(String, String)>,
+    OptionalJsonBody(keys): OptionalJsonBody<HostKeyConfig>,
 ) -> Result<Json<SubsystemView>, ApiError> {
     let t = api.target.clone();
     let n = nqn.clone();
-    blocking(move || t.allow_host(&n, &host)).await?;
+    blocking(move || t.allow_host_with_keys(&n, &host, keys.as_ref())).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
 

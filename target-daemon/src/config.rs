@@ -8,6 +8,7 @@
 //! time and not named in the file is kept.
 
 use crate::backend::BackendSpec;
+use nvpool_wire::dhchap::{CtrlPolicy, DhGroup, HashId, Keys, Secret};
 pub use nvpool_wire::log::AnaState;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -95,6 +96,11 @@ pub struct SubsystemConfig {
     /// Let any host connect (the ACL is then ignored).
     #[serde(default)]
     pub allow_any_host: bool,
+    /// DH-HMAC-CHAP keys by host NQN: a host named here must authenticate
+    /// every queue (NVMe in-band authentication) whether it is admitted by
+    /// `allowed_hosts` or by `allow_any_host`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub host_keys: BTreeMap<String, HostKeyConfig>,
     /// Serial number reported in Identify (default derived from the NQN).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
@@ -108,6 +114,89 @@ pub struct SubsystemConfig {
     pub ana: Option<AnaConfig>,
     #[serde(default)]
     pub namespaces: Vec<NamespaceConfig>,
+}
+
+/// One host's DH-HMAC-CHAP settings. The secrets are `DHHC-1:XX:…:`
+/// strings; they are kept in the config and state files (mode 0600) and
+/// never logged, shown by Debug or returned by the admin API.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HostKeyConfig {
+    /// The host's secret (`nvme connect --dhchap-secret`).
+    pub dhchap_key: SecretText,
+    /// The controller's secret, for bidirectional authentication
+    /// (`--dhchap-ctrl-secret`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrl_key: Option<SecretText>,
+    /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_hash: Option<String>,
+    /// `null` (the default, as nvmet) or `ffdhe2048` … `ffdhe8192`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_dhgroup: Option<String>,
+}
+
+/// A secret's `DHHC-1` text as configured. Parsed by
+/// [`HostKeyConfig::policy`] (not while the file is read, so that a parse
+/// error never quotes the line holding it); hidden from Debug and wiped
+/// when dropped.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SecretText(String);
+
+impl SecretText {
+    pub fn new(text: String) -> SecretText {
+        SecretText(text)
+    }
+}
+
+impl std::fmt::Debug for SecretText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl Drop for SecretText {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
+    }
+}
+
+impl HostKeyConfig {
+    /// The controller's policy for this host.
+    pub fn policy(&self) -> Result<CtrlPolicy, ConfigError> {
+        let secret = |t: &SecretText, which: &str| {
+            t.0.parse::<Secret>()
+                .map_err(|e| ConfigError::Invalid(format!("{which}: {e}")))
+        };
+        let hash = match &self.dhchap_hash {
+            None => None,
+            Some(h) => Some(HashId::from_name(h).ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "dhchap_hash {h:?}: expected sha256, sha384 or sha512"
+                ))
+            })?),
+        };
+        let dhgroup = match &self.dhchap_dhgroup {
+            None => DhGroup::Null,
+            Some(g) => DhGroup::from_name(g).ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "dhchap_dhgroup {g:?}: expected null or ffdhe2048, 3072, 4096, 6144, 8192"
+                ))
+            })?,
+        };
+        Ok(CtrlPolicy {
+            keys: Keys {
+                host: secret(&self.dhchap_key, "dhchap_key")?,
+                ctrl: match &self.dhchap_ctrl_key {
+                    Some(t) => Some(secret(t, "dhchap_ctrl_key")?),
+                    None => None,
+                },
+            },
+            hash,
+            dhgroup,
+        })
+    }
 }
 
 /// The ANA settings of a subsystem on this target: its one ANA group's
@@ -272,6 +361,11 @@ impl Config {
             for h in &s.allowed_hosts {
                 validate_nqn(h)?;
             }
+            for (h, k) in &s.host_keys {
+                validate_nqn(h)?;
+                k.policy()
+                    .map_err(|e| ConfigError::Invalid(format!("{}: host {h}: {e}", s.nqn)))?;
+            }
             if let Some(m) = &s.model {
                 if m.is_empty()
                     || m.len() > MODEL_LEN_MAX
@@ -342,7 +436,17 @@ impl Config {
             source,
         };
         std::fs::create_dir_all(state_dir).map_err(werr)?;
-        let mut f = std::fs::File::create(&tmp).map_err(werr)?;
+        // Owner-only: the file holds hosts' DH-HMAC-CHAP secrets.
+        let mut f = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(werr)?
+        };
         let body = serde_json::to_vec_pretty(self).expect("config serialises");
         f.write_all(&body)
             .and_then(|()| f.sync_all())

@@ -505,6 +505,7 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
                     nqn: nqn.to_owned(),
                     allowed_hosts: vec![],
                     allow_any_host: false,
+                    host_keys: Default::default(),
                     serial: None,
                     model: None,
                     ana: None,

@@ -114,7 +114,8 @@ pub const DISCOVERY_IDLE_TIMEOUT_MS: u64 = 120_000;
 pub const KATO_MAX_MS: u32 = 3_600_000;
 /// The handshake deadline: a connection must have finished ICReq/ICResp
 /// (TCP) and a successful Fabrics Connect within this long of being
-/// adopted by its reactor, or it is closed and its place under
+/// adopted by its reactor (and a queue whose host has DH-HMAC-CHAP keys
+/// must have authenticated within this long of its creation), or it is closed and its place under
 /// `CONNECTIONS_MAX` freed, so sockets that never finish (idle, or
 /// stopped half way) cannot hold the limit. A host does both in a round
 /// trip or two; 10 s leaves room for a loaded host and a slow network.

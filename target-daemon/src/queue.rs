@@ -65,6 +65,8 @@ use crate::target::{Namespace, Subsystem, Target};
 use crate::tx::RdmaWork;
 use crate::zeroing::{ZeroJob, ZeroMode, ZeroOp, ZeroStep};
 use io_uring::{opcode, types};
+use nvpool_wire::auth::AuthCmd;
+use nvpool_wire::dhchap::{CtrlAuth, RANDOM_BYTES};
 use nvpool_wire::fabrics::{connect_off, fctype, ConnectCmd, ConnectData, CONNECT_DATA_LEN};
 use nvpool_wire::log::ErrorEntry;
 use nvpool_wire::rdma::{self as wrdma, KeyedSgl};
@@ -298,6 +300,9 @@ pub struct Queue {
     /// Backend operations submitted to the ring or to an asynchronous
     /// backend and not yet completed.
     pub inflight: u32,
+    /// DH-HMAC-CHAP of this queue, when its host has keys: until it
+    /// authenticates, only Authentication Send/Receive run here.
+    auth: Option<CtrlAuth>,
 }
 
 impl Queue {
@@ -331,6 +336,7 @@ impl Queue {
             returned: Vec::new(),
             poisoned: false,
             inflight: 0,
+            auth: None,
         }
     }
 
@@ -730,7 +736,7 @@ impl Queue {
         if let Some(c) = &self.ctrl {
             c.touch(ex.now_ms);
         }
-        if self.qid == Some(0) && sqe.opcode() == aop::ASYNC_EVENT_REQUEST {
+        if self.qid == Some(0) && sqe.opcode() == aop::ASYNC_EVENT_REQUEST && self.auth_ok() {
             self.on_aer(&sqe, tx);
             return Ok(());
         }
@@ -906,7 +912,16 @@ impl Queue {
         if len > 0 && self.slots[si].keyed.is_some() && dir == Direction::None {
             return Err(Status::INVALID_FIELD);
         }
-        if self.qid.is_some_and(|q| q > 0) {
+        if self.qid.is_some() && is_auth_cmd(&sqe) {
+            // In-band authentication, on any queue, before anything else.
+            let c = AuthCmd::from_sqe(&sqe);
+            if !c.valid() || c.len as usize != len {
+                return Err(Status::INVALID_FIELD);
+            }
+            self.slots[si].len = len;
+        } else if self.qid.is_some() && !self.auth_ok() {
+            return Err(Status::AUTH_REQUIRED);
+        } else if self.qid.is_some_and(|q| q > 0) {
             self.plan_io(si)?;
         } else if len > limits::CMD_BUF_BYTES_MAX {
             return Err(Status::INVALID_FIELD);
@@ -1051,6 +1066,11 @@ impl Queue {
 
     /// Runs a command whose data (if any) has arrived.
     fn execute(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
+        if self.qid.is_some() && is_auth_cmd(&self.slots[si].sqe) {
+            let reply = self.authenticate(si);
+            self.finish(si, reply, tx, ex.now_ms);
+            return;
+        }
         match self.qid {
             None => {
                 let reply = self.connect(si, ex.now_ms);
@@ -1081,6 +1101,62 @@ impl Queue {
             }
             Some(_) => self.start_io(si, tx, ex),
         }
+    }
+
+    /// Commands other than authentication may run: the host needs no
+    /// authentication here, or this queue passed it.
+    fn auth_ok(&self) -> bool {
+        self.auth.as_ref().is_none_or(CtrlAuth::authenticated)
+    }
+
+    /// Starts DH-HMAC-CHAP on a queue just connected when its host has
+    /// keys; returns the AUTHREQ bits of the Connect response (ATR).
+    fn require_auth(&mut self, subsys: &Subsystem, hostnqn: &str) -> u32 {
+        match subsys.host_keys.get(hostnqn) {
+            Some(a) => {
+                self.auth = Some(CtrlAuth::new(a.policy.clone(), hostnqn, &subsys.nqn));
+                AUTHREQ_ATR
+            }
+            None => 0,
+        }
+    }
+
+    /// Runs an Authentication Send or Receive (admitted: SECP, SPSP and
+    /// length checked). A message the exchange rejects still completes
+    /// the Send; the next Receive carries AUTH_Failure1.
+    fn authenticate(&mut self, si: usize) -> Reply {
+        let Some(auth) = self.auth.as_mut() else {
+            return Reply::status(Status::COMMAND_SEQUENCE_ERROR);
+        };
+        let was = auth.authenticated();
+        let slot = &mut self.slots[si];
+        let reply = if slot.sqe.fctype() == fctype::AUTH_SEND {
+            auth.on_send(slot.buf.as_slice(slot.len));
+            Reply::ok()
+        } else {
+            let mut random = zeroize::Zeroizing::new([0u8; RANDOM_BYTES]);
+            if getrandom::getrandom(&mut random[..]).is_err() {
+                peer_error!(peer = %self.peer, "no random bytes for authentication");
+                return Reply::status(Status::INTERNAL_ERROR);
+            }
+            let msg = auth.on_receive(&random);
+            // Exactly AL bytes: the message, then zeros (the Linux host
+            // always asks for 4096).
+            let al = slot.len;
+            let out = slot.buf.as_mut_slice(al);
+            out.fill(0);
+            let n = msg.len().min(al);
+            out[..n].copy_from_slice(&msg[..n]);
+            Reply::data(al)
+        };
+        let (now, failed) = (auth.authenticated(), auth.failed());
+        let ctrl = self.ctrl.as_ref().map(|c| (c.cntlid, c.hostnqn.as_str()));
+        if now && !was {
+            peer_info!(peer = %self.peer, ctrl = ?ctrl, qid = ?self.qid, "queue authenticated (DH-HMAC-CHAP)");
+        } else if failed && slot.sqe.fctype() == fctype::AUTH_RECEIVE {
+            peer_warn!(peer = %self.peer, ctrl = ?ctrl, qid = ?self.qid, "DH-HMAC-CHAP authentication failed");
+        }
+        reply
     }
 
     fn start_io(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) {
@@ -1768,8 +1844,11 @@ impl Queue {
             ctrl.attach_queue(0);
             peer_info!(peer = %self.peer, cntlid = ctrl.cntlid, subsys = data.subnqn, host = data.hostnqn, kato_ms = cmd.kato_ms, "controller created");
             let cntlid = ctrl.cntlid;
+            let subsys = Arc::clone(&ctrl.subsystem());
+            let hostnqn = data.hostnqn.to_owned();
             self.bind(ctrl, 0, entries as u16, cmd.sq_flow_control_disabled());
-            return Reply::dw0(cntlid as u32);
+            let authreq = self.require_auth(&subsys, &hostnqn);
+            return Reply::dw0(cntlid as u32 | authreq);
         }
         // I/O queue.
         let Some(ctrl) = self.target.controller(data.cntlid) else {
@@ -1802,13 +1881,15 @@ impl Queue {
         }
         ctrl.touch(now_ms);
         tracing::debug!(peer = %self.peer, cntlid = ctrl.cntlid, qid = cmd.qid, entries, "I/O queue connected");
+        let subsys = Arc::clone(&ctrl.subsystem());
+        let hostnqn = data.hostnqn.to_owned();
         self.bind(
             ctrl,
             cmd.qid,
             entries as u16,
             cmd.sq_flow_control_disabled(),
         );
-        Reply::ok()
+        Reply::dw0(self.require_auth(&subsys, &hostnqn))
     }
 
     fn bind(&mut self, ctrl: Arc<Controller>, qid: u16, entries: u16, sqflow_off: bool) {
@@ -1843,6 +1924,10 @@ impl Queue {
             }
             return true;
         };
+        if !self.auth_ok() && now_ms >= self.handshake_deadline_ms {
+            peer_warn!(peer = %self.peer, cntlid = ctrl.cntlid, qid = ?self.qid, "queue not authenticated in time: closing it");
+            return false;
+        }
         if ctrl.is_dead() {
             self.request_close();
             return true;
@@ -1910,6 +1995,14 @@ impl Queue {
             }
         }
     }
+}
+
+/// Connect response DW0 bit 17, ATR: the queue must authenticate.
+pub const AUTHREQ_ATR: u32 = 1 << 17;
+
+/// Authentication Send or Receive.
+fn is_auth_cmd(sqe: &Sqe) -> bool {
+    sqe.opcode() == aop::FABRICS && matches!(sqe.fctype(), fctype::AUTH_SEND | fctype::AUTH_RECEIVE)
 }
 
 fn cqe_bytes(c: &Cqe) -> [u8; 16] {
@@ -2277,6 +2370,7 @@ mod tests {
                 nqn: nqn.into(),
                 allowed_hosts: Vec::new(),
                 allow_any_host: true,
+                host_keys: Default::default(),
                 serial: None,
                 model: None,
                 ana: None,

@@ -17,12 +17,13 @@
 use crate::backend::{Backend, BackendSpec, DeviceExtent, VolumeContext, VolumeSource};
 use crate::bufpool::{BudgetTooSmall, BufFigures, BufStats};
 use crate::config::{
-    self, AnaConfig, AnaState, Config, ConfigError, NamespaceConfig, SubsystemConfig,
+    self, AnaConfig, AnaState, Config, ConfigError, HostKeyConfig, NamespaceConfig, SubsystemConfig,
 };
 use crate::controller::Controller;
 use crate::copier::Copies;
 use crate::limits;
 use arc_swap::ArcSwap;
+use nvpool_wire::dhchap::CtrlPolicy;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -59,9 +60,28 @@ pub struct Subsystem {
     pub model: Option<String>,
     pub allow_any_host: bool,
     pub hosts: BTreeSet<String>,
+    /// DH-HMAC-CHAP settings of the hosts that must authenticate.
+    pub host_keys: BTreeMap<String, HostAuth>,
     pub namespaces: BTreeMap<u32, Arc<Namespace>>,
     /// Set when the subsystem reports Asymmetric Namespace Access.
     pub ana: Option<SubsystemAna>,
+}
+
+/// One host's DH-HMAC-CHAP settings: as configured (what is saved) and
+/// as the queues use them.
+#[derive(Debug, Clone)]
+pub struct HostAuth {
+    pub config: HostKeyConfig,
+    pub policy: Arc<CtrlPolicy>,
+}
+
+impl HostAuth {
+    pub fn new(config: &HostKeyConfig) -> Result<HostAuth, ConfigError> {
+        Ok(HostAuth {
+            policy: Arc::new(config.policy()?),
+            config: config.clone(),
+        })
+    }
 }
 
 /// The ANA group of one subsystem on this target (there is one, ANAGRPID
@@ -165,6 +185,7 @@ impl Subsystem {
             model: None,
             allow_any_host: true,
             hosts: BTreeSet::new(),
+            host_keys: BTreeMap::new(),
             namespaces: BTreeMap::new(),
             ana: None,
         }
@@ -175,6 +196,11 @@ impl Subsystem {
             nqn: self.nqn.clone(),
             allowed_hosts: self.hosts.iter().cloned().collect(),
             allow_any_host: self.allow_any_host,
+            host_keys: self
+                .host_keys
+                .iter()
+                .map(|(h, a)| (h.clone(), a.config.clone()))
+                .collect(),
             serial: Some(self.serial.clone()),
             model: self.model.clone(),
             ana: self.ana.as_ref().map(|a| a.config),
@@ -526,6 +552,17 @@ impl Target {
                 limits::HOSTS_PER_SUBSYS_MAX
             )));
         }
+        if cfg.host_keys.len() > limits::HOSTS_PER_SUBSYS_MAX {
+            return Err(TargetError::Limit(format!(
+                "at most {} hosts with keys per subsystem",
+                limits::HOSTS_PER_SUBSYS_MAX
+            )));
+        }
+        let host_keys = cfg
+            .host_keys
+            .iter()
+            .map(|(h, k)| Ok((h.clone(), HostAuth::new(k)?)))
+            .collect::<Result<BTreeMap<_, _>, ConfigError>>()?;
         let old = current.get(&cfg.nqn);
         let mut namespaces = BTreeMap::new();
         for nc in &cfg.namespaces {
@@ -565,6 +602,7 @@ impl Target {
             model: cfg.model.clone(),
             allow_any_host: cfg.allow_any_host,
             hosts: cfg.allowed_hosts.iter().cloned().collect(),
+            host_keys,
             namespaces,
             ana: cfg.ana.map(|config| SubsystemAna {
                 config,
@@ -729,8 +767,24 @@ impl Target {
     }
 
     pub fn allow_host(&self, nqn: &str, hostnqn: &str) -> Result<(), TargetError> {
+        self.allow_host_with_keys(nqn, hostnqn, None)
+    }
+
+    /// Allows a host and, when `keys` is given, sets its DH-HMAC-CHAP
+    /// settings (new queues authenticate with them; queues already
+    /// authenticated stay so). Without `keys` the host keeps any it has.
+    pub fn allow_host_with_keys(
+        &self,
+        nqn: &str,
+        hostnqn: &str,
+        keys: Option<&HostKeyConfig>,
+    ) -> Result<(), TargetError> {
         config::validate_nqn(hostnqn)?;
+        let auth = keys.map(HostAuth::new).transpose()?;
         self.edit(nqn, |s| {
+            if let Some(a) = auth {
+                s.host_keys.insert(hostnqn.to_owned(), a);
+            }
             if s.hosts.len() >= limits::HOSTS_PER_SUBSYS_MAX && !s.hosts.contains(hostnqn) {
                 return Err(TargetError::Limit(format!(
                     "at most {} hosts per subsystem",
@@ -744,8 +798,8 @@ impl Target {
 
     pub fn disallow_host(&self, nqn: &str, hostnqn: &str) -> Result<(), TargetError> {
         self.edit(nqn, |s| {
-            s.hosts
-                .remove(hostnqn)
+            let had_keys = s.host_keys.remove(hostnqn).is_some();
+            (s.hosts.remove(hostnqn) || had_keys)
                 .then_some(())
                 .ok_or_else(|| TargetError::NotFound(format!("host {hostnqn} on {nqn}")))
         })

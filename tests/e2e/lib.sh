@@ -48,20 +48,31 @@ in_sync() {
             >/dev/null
 }
 
-# start_control_plane: nvpool-control on $CP_PORT; the array CP_ARGS, when
-# set, is appended to its command line (e.g. CP_ARGS=(--rebuild-rate 0)).
+# start_control_plane [I]: control plane I (default 0) on port CP_PORT + I,
+# on its own state directory, or on the store CP_STORE names when set (which
+# several share: etcd://...); the array CP_ARGS, when set, is appended
+# (e.g. CP_ARGS=(--rebuild-rate 0)). Control plane 0 is $NVPOOL_ENDPOINT.
+declare -a CP_PIDS=()
 start_control_plane() {
-    mkdir -p "$E2E_DIR/cp"
-    "$BIN/nvpool-control" --listen "127.0.0.1:$CP_PORT" --state-dir "$E2E_DIR/cp" \
-        --extent-size "${EXTENT_BYTES:-268435456}" --log warn \
-        ${CP_ARGS[@]+"${CP_ARGS[@]}"} >"$E2E_DIR/cp.log" 2>&1 &
-    CP_PID=$!
+    local n=${1:-0}
+    local dir=$E2E_DIR/cp log=$E2E_DIR/cp.log
+    if [[ $n -ne 0 ]]; then
+        dir=$E2E_DIR/cp$n log=$E2E_DIR/cp$n.log
+    fi
+    mkdir -p "$dir"
+    local store=(--state-dir "$dir")
+    [[ -n ${CP_STORE:-} ]] && store=(--store "$CP_STORE")
+    "$BIN/nvpool-control" --listen "127.0.0.1:$((CP_PORT + n))" "${store[@]}" \
+        --extent-size "${EXTENT_BYTES:-268435456}" --log "${CP_LOG:-warn}" \
+        ${CP_ARGS[@]+"${CP_ARGS[@]}"} >>"$log" 2>&1 &
+    CP_PIDS[n]=$!
+    [[ $n -eq 0 ]] && CP_PID=$!
     local i
     for i in $(seq 100); do
-        curl -sf "$NVPOOL_ENDPOINT/healthz" >/dev/null 2>&1 && return 0
+        curl -sf "http://127.0.0.1:$((CP_PORT + n))/healthz" >/dev/null 2>&1 && return 0
         sleep 0.1
     done
-    cat "$E2E_DIR/cp.log" >&2
+    cat "$log" >&2
     return 1
 }
 
@@ -124,7 +135,7 @@ stop_all() {
     if [[ -n $p ]] && kill "$p" 2>/dev/null; then
         wait_for 60 bash -c "! kill -0 $p 2>/dev/null"
     fi
-    for p in "${TARGET_PIDS[@]}" $CP_PID; do
+    for p in "${TARGET_PIDS[@]}" $CP_PID "${CP_PIDS[@]}"; do
         [[ -n $p ]] && kill "$p" 2>/dev/null
     done
     wait 2>/dev/null || true
@@ -134,7 +145,7 @@ cleanup() {
     stop_all
     if [[ $fail -ne 0 || -n ${E2E_KEEP:-} ]]; then
         echo "logs kept in $E2E_DIR" >&2
-        tail -n 20 "$E2E_DIR"/cp.log "$E2E_DIR"/t*/target.log "$NVPOOL_RUN_DIR"/agent.log \
+        tail -n 20 "$E2E_DIR"/cp*.log "$E2E_DIR"/t*/target.log "$NVPOOL_RUN_DIR"/agent.log \
             2>/dev/null >&2 || true
         # The sparse device files are large on disk after the test.
         rm -f "$E2E_DIR"/t*/d0.img

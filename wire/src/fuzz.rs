@@ -83,7 +83,13 @@ pub const TARGETS: &[Target] = &[
     target("status", status, 2),
     target("ana_log", ana_log, ANA_LOG_FUZZ_LEN),
     target("rdma_cm_request", rdma_cm_request, RDMA_CM_FUZZ_LEN),
+    target("auth_message", auth_message, AUTH_FUZZ_LEN),
+    target("dhchap_controller", dhchap_controller, AUTH_FUZZ_LEN),
 ];
+
+/// Input size the authentication targets are exercised around: a Reply
+/// with SHA-256 and an ffdhe2048 value.
+const AUTH_FUZZ_LEN: usize = crate::auth::DHCHAP_HLEN + 2 * 32 + 256;
 
 /// Input size the `rdma_cm_request` target is exercised around: the 56
 /// bytes of private data the CM delivers over RoCE.
@@ -672,5 +678,73 @@ pub fn rdma_cm_request(data: &[u8]) {
         let mut again = Sqe::default();
         k.put(&mut again);
         assert_eq!(KeyedSgl::of(&again), Some(k));
+    }
+}
+
+/// [`crate::auth::Message::decode`]: a decoded message re-encodes to bytes
+/// that decode to the same message, reads nothing past its own length, and
+/// every length it reports stays inside the limits.
+pub fn auth_message(data: &[u8]) {
+    use crate::auth::{Message, AUTH_MSG_MAX, DHVLEN_MAX, HL_MAX, ID_LIST_MAX};
+    let Ok(m) = Message::decode(data) else { return };
+    match m {
+        Message::Negotiate(n) => {
+            assert!(n.hashes.len() <= ID_LIST_MAX && n.dhgroups.len() <= ID_LIST_MAX)
+        }
+        Message::Challenge(c) => assert!(c.c1.len() <= HL_MAX && c.dhv.len() <= DHVLEN_MAX),
+        Message::Reply(r) => {
+            assert!(r.r1.len() <= HL_MAX && r.c2.len() == r.r1.len());
+            assert!(r.dhv.len() <= DHVLEN_MAX);
+        }
+        _ => {}
+    }
+    assert!(m.len() <= AUTH_MSG_MAX);
+    let out = m.encode();
+    assert_eq!(out.len(), m.len());
+    assert_eq!(Message::decode(&out), Ok(m));
+    if !matches!(m, Message::Negotiate(_)) {
+        // (A Negotiate may carry several descriptors; only its DH-HMAC-CHAP one is kept.)
+        assert_eq!(Message::decode(&data[..m.len()]), Ok(m));
+    }
+}
+
+/// The controller's DH-HMAC-CHAP state machine fed hostile input: the
+/// input is cut into Authentication Send payloads (a length byte, then that
+/// many bytes times 8), each followed by a Receive. Nothing panics, every
+/// Receive answers with a message that decodes, and no input ever
+/// authenticates the queue: that needs an R1 made with the host's secret.
+pub fn dhchap_controller(data: &[u8]) {
+    use crate::auth::Message;
+    use crate::dhchap::{CtrlAuth, CtrlPolicy, DhGroup, HashId, Keys, Secret, RANDOM_BYTES};
+    let Ok(host) = Secret::new(&[0x5A; 32], Some(HashId::Sha256)) else {
+        unreachable!("a 32-byte key is a valid secret")
+    };
+    let group = match data.first().map(|b| b % 3) {
+        Some(1) => DhGroup::Ffdhe2048,
+        _ => DhGroup::Null,
+    };
+    let policy = CtrlPolicy {
+        keys: Keys {
+            host,
+            ctrl: Secret::new(&[0xA5; 32], None).ok(),
+        },
+        hash: None,
+        dhgroup: group,
+    };
+    let mut c = CtrlAuth::new(
+        std::sync::Arc::new(policy),
+        "nqn.fuzz:host",
+        "nqn.fuzz:subsys",
+    );
+    let random = [0x37u8; RANDOM_BYTES];
+    let mut rest = data.get(1..).unwrap_or_default();
+    while let Some((&n, tail)) = rest.split_first() {
+        let n = (n as usize * 8).min(tail.len());
+        c.on_send(&tail[..n]);
+        rest = &tail[n..];
+        assert!(!c.authenticated(), "hostile input authenticated the queue");
+        let out = c.on_receive(&random);
+        assert!(Message::decode(&out).is_ok());
+        assert!(!c.authenticated(), "hostile input authenticated the queue");
     }
 }

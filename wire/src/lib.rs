@@ -15,10 +15,13 @@
 //! entry point per decoder; `wire/fuzz` runs them under cargo-fuzz, and
 //! `cargo test` replays the checked-in corpus (`wire/fuzz/corpus`) on stable.
 
+pub mod auth;
 pub mod cqe;
+pub mod dhchap;
 pub mod digest;
 pub mod error;
 pub mod fabrics;
+mod ffdhe;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod identify;

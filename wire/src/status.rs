@@ -58,6 +58,9 @@ impl Status {
     pub const CONNECT_INVALID_PARAMETERS: Status = st(1, 0x82, true);
     pub const CONNECT_RESTART_DISCOVERY: Status = st(1, 0x83, true);
     pub const CONNECT_INVALID_HOST: Status = st(1, 0x84, true);
+    /// The queue must complete in-band authentication first (DNR: a hard
+    /// error to the host; without DNR the Linux host re-authenticates).
+    pub const AUTH_REQUIRED: Status = st(1, 0x91, true);
 
     pub const WRITE_FAULT: Status = st(2, 0x80, false);
     pub const UNRECOVERED_READ_ERROR: Status = st(2, 0x81, false);
@@ -138,6 +141,7 @@ impl fmt::Display for Status {
             (0, 0x81) => "capacity exceeded",
             (1, 0x84) => "connect: invalid host",
             (1, 0x82) => "connect: invalid parameters",
+            (1, 0x91) => "authentication required",
             (2, 0x80) => "write fault",
             (2, 0x81) => "unrecovered read error",
             (3, 0x01) => "ANA persistent loss",
@@ -158,6 +162,8 @@ mod tests {
         assert_eq!(Status::SUCCESS.to_wire(), 0);
         // LBA out of range with DNR: (0x80 | 1<<14) << 1
         assert_eq!(Status::LBA_OUT_OF_RANGE.to_wire(), 0x8100);
+        // 1h/91h with DNR, as nvmet answers an unauthenticated queue.
+        assert_eq!(Status::AUTH_REQUIRED.to_wire(), (0x191 | 0x4000) << 1);
         // Connect invalid host: sct 1, sc 0x84, dnr.
         assert_eq!(
             Status::CONNECT_INVALID_HOST.to_wire(),

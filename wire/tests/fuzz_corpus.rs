@@ -120,6 +120,8 @@ replay_tests!(
     status,
     ana_log,
     rdma_cm_request,
+    auth_message,
+    dhchap_controller,
 );
 
 #[test]

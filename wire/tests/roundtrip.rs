@@ -741,6 +741,8 @@ never_panic_tests!(
     status,
     ana_log,
     rdma_cm_request,
+    auth_message,
+    dhchap_controller,
 );
 
 #[test]

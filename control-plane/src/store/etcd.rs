@@ -71,19 +71,20 @@
 //! given CA only; a client certificate and key are presented when given.
 
 use super::{
-    check_history, failed_conditions, validate_txn, Change, Condition, HistoryLimits, KeyValue,
-    Listing, Op, Revision, Store, StoreError, TxnOutcome,
+    check_history, failed_conditions, validate_txn, Campaign, Change, Condition, Elector,
+    HistoryLimits, KeyValue, Listing, Op, Revision, Store, StoreError, TxnOutcome, LEADER_KEY,
 };
 use crate::limits::{
     ETCD_CONNECT_TIMEOUT_MS, ETCD_LIST_PAGE_KEYS, ETCD_LIST_RESTARTS_MAX,
     ETCD_READ_ATTEMPT_TIMEOUT_MS, ETCD_REQUEST_TIMEOUT_MS, ETCD_RESPONSE_BYTES_MAX,
     ETCD_RETRY_BACKOFF_MAX_MS, ETCD_RETRY_BACKOFF_MIN_MS, ETCD_TCP_KEEPALIVE_MS,
+    LEADER_REQUEST_TIMEOUT_MS,
 };
 use crate::store::url::EtcdUrl;
 use etcd_client::proto::{PbKeyValue, PbTxnOpResponse};
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, KvClient,
-    TlsOptions, Txn, TxnOp, WatchClient, WatchOptions,
+    PutOptions, TlsOptions, Txn, TxnOp, WatchClient, WatchOptions,
 };
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -825,6 +826,142 @@ impl Store for EtcdStore {
             })
             .await?
         })
+    }
+
+    fn elector(&self) -> Option<&dyn Elector> {
+        Some(self)
+    }
+}
+
+impl EtcdStore {
+    /// One election request, once, within `LEADER_REQUEST_TIMEOUT_MS`: the
+    /// election loop retries on its own schedule, and a request that hangs
+    /// must not outlive the term it would renew.
+    async fn elect<T>(
+        &self,
+        op: &'static str,
+        request: impl Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, StoreError> {
+        let limit = Duration::from_millis(LEADER_REQUEST_TIMEOUT_MS);
+        match tokio::time::timeout(limit, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(match classify(e) {
+                Failure::NotSent(reason) | Failure::Unavailable(reason) => {
+                    self.unavailable(format!("{op}: {reason}"))
+                }
+                Failure::Refused(e) => StoreError::Backend {
+                    op,
+                    source: Box::new(e),
+                },
+            }),
+            Err(_) => Err(self.unavailable(format!(
+                "{op}: no answer within {LEADER_REQUEST_TIMEOUT_MS} ms"
+            ))),
+        }
+    }
+}
+
+/// The leader key is one etcd key under a lease: etcd deletes it when the
+/// lease is not renewed in time, on etcd's own clock. The key's
+/// `mod_revision` when won is the term; the leader's writes compare it.
+impl Elector for EtcdStore {
+    fn campaign(&self, holder: &str, ttl_s: u32) -> Result<Campaign, StoreError> {
+        let key = self.etcd_key(LEADER_KEY);
+        self.run(async {
+            let lease = self
+                .elect("grant the leader lease", {
+                    let mut leases = self.client.lease_client();
+                    async move { leases.grant(i64::from(ttl_s), None).await }
+                })
+                .await?
+                .id();
+            let txn = Txn::new()
+                .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(
+                    key.clone(),
+                    holder,
+                    Some(PutOptions::new().with_lease(lease)),
+                )])
+                .or_else([TxnOp::get(key.clone(), None)]);
+            let answer = self
+                .elect("take the leader key", {
+                    let mut kv = self.kv.clone();
+                    async move { kv.txn(txn).await }
+                })
+                .await;
+            let resp = match answer {
+                Ok(resp) => resp,
+                Err(e) => {
+                    // It may have been applied: the revoke takes the key
+                    // back with the lease, so no unknown leader remains.
+                    self.revoke(lease).await;
+                    return Err(e);
+                }
+            };
+            if resp.0.succeeded {
+                let revision = resp
+                    .0
+                    .header
+                    .as_ref()
+                    .ok_or_else(|| StoreError::Corrupt("etcd answered without a header".into()))?
+                    .revision;
+                return Ok(Campaign::Won {
+                    lease,
+                    version: revision_of("revision", revision)?,
+                });
+            }
+            self.revoke(lease).await;
+            let holder = resp
+                .0
+                .responses
+                .iter()
+                .find_map(|r| match &r.response {
+                    Some(PbTxnOpResponse::ResponseRange(range)) => range.kvs.first(),
+                    _ => None,
+                })
+                .map(|kv| String::from_utf8_lossy(&kv.value).into_owned())
+                // Expired between the compare and the read: nobody, for now.
+                .unwrap_or_default();
+            Ok(Campaign::Held { holder })
+        })
+    }
+
+    fn renew(&self, lease: i64) -> Result<bool, StoreError> {
+        self.run(async {
+            let mut leases = self.client.lease_client();
+            // Opening the stream sends the first keep-alive; its answer
+            // is the lease's remaining time, 0 once it is gone.
+            let (_keeper, mut answers) = self
+                .elect("renew the leader lease", leases.keep_alive(lease))
+                .await?;
+            let answer = self
+                .elect("renew the leader lease", answers.message())
+                .await?;
+            Ok(answer.is_some_and(|a| a.ttl() > 0))
+        })
+    }
+
+    fn resign(&self, lease: i64) {
+        self.run(async {
+            self.revoke(lease).await;
+            Ok(())
+        })
+        .unwrap_or(());
+    }
+}
+
+impl EtcdStore {
+    /// Revokes a lease, best effort: an unrevoked lease expires by itself.
+    async fn revoke(&self, lease: i64) {
+        let mut leases = self.client.lease_client();
+        if let Err(e) = self
+            .elect("revoke the leader lease", async move {
+                leases.revoke(lease).await
+            })
+            .await
+        {
+            tracing::debug!(error = %e, "revoking a lease failed; it will expire");
+        }
     }
 }
 

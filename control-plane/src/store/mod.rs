@@ -40,9 +40,10 @@
 //!   watcher lists again (etcd's watch has the same contract, and an etcd
 //!   store also answers `Compacted` when etcd compacted its own history).
 //!
-//! Deliberately absent: leases (heartbeats are timestamps in the records,
-//! judged by the reader), range deletes, and reads inside transactions (the
-//! caller reads first and conditions on versions).
+//! Deliberately absent from `Store`: leases (heartbeats are timestamps in
+//! the records, judged by the reader; the one lease, the leader's, is the
+//! separate [`Elector`] of a shared store), range deletes, and reads inside
+//! transactions (the caller reads first and conditions on versions).
 
 pub mod conformance;
 #[cfg(feature = "etcd")]
@@ -264,6 +265,38 @@ pub trait Store: Send + Sync + fmt::Debug {
     /// op order), or `Compacted` if some of them were trimmed from the
     /// history, or `FutureRevision` if `revision` is ahead of the store.
     fn changes_since(&self, revision: Revision) -> Result<Vec<Change>, StoreError>;
+    /// Leader election among the processes sharing this store, for stores
+    /// that several processes can share (etcd); `None` for a store only one
+    /// process can open, whose process is always the leader.
+    fn elector(&self) -> Option<&dyn Elector> {
+        None
+    }
+}
+
+/// The store key an elected leader holds, under a lease; its version is the
+/// leader's term, and the fencing condition of every write the leader makes.
+pub const LEADER_KEY: &str = "/leader";
+
+/// What a campaign found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Campaign {
+    /// The leader key is now ours: held under `lease`, written at `version`.
+    Won { lease: i64, version: Revision },
+    /// Another process holds it (its holder text, as it wrote it).
+    Held { holder: String },
+}
+
+/// Leader election on a shared store: one key under a lease that the
+/// store's servers expire on their own clock when it is not renewed. See
+/// `crate::leader` for how the control plane uses it.
+pub trait Elector: Send + Sync + fmt::Debug {
+    /// Grants a lease of `ttl_s` seconds and puts [`LEADER_KEY`] = `holder`
+    /// under it if the key is missing. A lost campaign revokes its lease.
+    fn campaign(&self, holder: &str, ttl_s: u32) -> Result<Campaign, StoreError>;
+    /// Renews `lease`: `Ok(false)` when it is gone (expired or revoked).
+    fn renew(&self, lease: i64) -> Result<bool, StoreError>;
+    /// Gives the lease up now (and with it the leader key), best effort.
+    fn resign(&self, lease: i64);
 }
 
 /// Checks the limits every implementation enforces, so that a transaction

@@ -65,34 +65,55 @@ impl Reply {
     }
 }
 
+/// One request on its own connection to `addr`: an error when nothing
+/// answers (a refused or reset connection, no answer within 30 s).
+pub fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> std::io::Result<Reply> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    if let Some(t) = token {
+        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+    }
+    let body = body.unwrap_or("");
+    if !body.is_empty() || method != "GET" {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes())?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let Some((head, body)) = out.split_once("\r\n\r\n") else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the connection closed before a full response",
+        ));
+    };
+    let status = head
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not an HTTP status line: {head:?}")))?;
+    assert!(
+        !head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
+        "the test client reads Content-Length bodies only"
+    );
+    Ok(Reply {
+        status,
+        headers: head.to_owned(),
+        body: body.to_owned(),
+    })
+}
+
 impl Server {
     pub fn raw(&self, method: &str, path: &str, token: Option<&str>, body: Option<&str>) -> Reply {
-        let mut s = TcpStream::connect(self.addr).unwrap();
-        let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
-        if let Some(t) = token {
-            req.push_str(&format!("Authorization: Bearer {t}\r\n"));
-        }
-        let body = body.unwrap_or("");
-        if !body.is_empty() || method != "GET" {
-            req.push_str("Content-Type: application/json\r\n");
-        }
-        req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-        s.write_all(req.as_bytes()).unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        let (head, body) = out.split_once("\r\n\r\n").expect("a full response");
-        let status = head[9..12].parse().unwrap();
-        assert!(
-            !head
-                .to_ascii_lowercase()
-                .contains("transfer-encoding: chunked"),
-            "the test client reads Content-Length bodies only"
-        );
-        Reply {
-            status,
-            headers: head.to_owned(),
-            body: body.to_owned(),
-        }
+        http(self.addr, method, path, token, body).unwrap()
     }
 
     pub fn call(

@@ -9,7 +9,7 @@
 use nvpool_control::limits::EXTENT_BYTES_MIN;
 use nvpool_control::model::{Device, Layout, Uuid, VolumeSpec};
 use nvpool_control::state::{Cluster, StateError, TargetRegistration};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 /// The extent size of the workload's clusters, and of its devices' capacity.
@@ -231,6 +231,102 @@ pub fn resync_step(c: &Cluster, uuid: &Uuid, rng: &mut Rng) {
                     assert!(c.job_confirmed(uuid, j.id).unwrap());
                     c.finish_job(uuid, j.id, None).unwrap();
                 }
+            }
+        }
+    }
+}
+
+/// What a checker knows from a workload's reports (`@@ BEGIN op uuid …`
+/// before an operation, `@@ OK op uuid …` after), across runs; what the
+/// store must then hold.
+#[derive(Default)]
+pub struct Expect {
+    pub started: BTreeSet<String>,
+    pub created: BTreeSet<String>,
+    pub delete_started: BTreeSet<String>,
+    pub deleted: BTreeSet<String>,
+    pub grown: BTreeMap<String, u64>,
+    pub attach_started: BTreeSet<(String, String)>,
+    pub ok_ops: usize,
+    /// Runs that ended while an operation was under way.
+    pub killed_in_flight: usize,
+}
+
+impl Expect {
+    pub fn absorb(&mut self, output: &str) {
+        let mut in_flight = BTreeSet::new();
+        for line in output.lines() {
+            // The test harness may print on the same line before ours.
+            let Some(at) = line.find("@@ ") else {
+                continue;
+            };
+            let words: Vec<&str> = line[at + 3..].split_whitespace().collect();
+            if let [kind, op, u, ..] = words[..] {
+                if kind == "BEGIN" {
+                    in_flight.insert((op, u));
+                } else {
+                    in_flight.remove(&(op, u));
+                }
+            }
+            match words[..] {
+                ["BEGIN", "create", u] => {
+                    self.started.insert(u.into());
+                }
+                ["OK", "create", u] => {
+                    self.created.insert(u.into());
+                    self.ok_ops += 1;
+                }
+                ["BEGIN", "delete", u] => {
+                    self.delete_started.insert(u.into());
+                }
+                ["OK", "delete", u] => {
+                    self.deleted.insert(u.into());
+                    self.ok_ops += 1;
+                }
+                ["BEGIN", "attach", u, h] => {
+                    self.attach_started.insert((u.into(), h.into()));
+                }
+                ["OK", "attach", ..] | ["OK", "detach", ..] => self.ok_ops += 1,
+                ["OK", "grow", u, size] => {
+                    let size: u64 = size.parse().unwrap();
+                    let g = self.grown.entry(u.into()).or_default();
+                    *g = (*g).max(size);
+                    self.ok_ops += 1;
+                }
+                _ => {}
+            }
+        }
+        if !in_flight.is_empty() {
+            self.killed_in_flight += 1;
+        }
+    }
+
+    pub fn verify(&self, c: &Cluster) {
+        let volumes: BTreeMap<String, u64> = c
+            .volumes()
+            .unwrap()
+            .into_iter()
+            .map(|v| (v.volume.uuid.to_string(), v.volume.size_bytes))
+            .collect();
+        for u in volumes.keys() {
+            assert!(self.started.contains(u), "volume {u} was never created");
+            assert!(!self.deleted.contains(u), "deleted volume {u} is back");
+        }
+        for u in &self.created {
+            if !self.delete_started.contains(u) {
+                assert!(volumes.contains_key(u), "committed volume {u} is lost");
+            }
+        }
+        for a in c.attachments().unwrap() {
+            let k = (a.volume.to_string(), a.host_nqn.clone());
+            assert!(
+                self.attach_started.contains(&k),
+                "attachment {k:?} was never made"
+            );
+        }
+        for (u, &size) in &self.grown {
+            if let Some(&now) = volumes.get(u) {
+                assert!(now >= size, "volume {u} lost a committed grow to {size}");
             }
         }
     }

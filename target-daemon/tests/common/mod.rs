@@ -63,6 +63,7 @@ pub fn subsystem(nqn: &str, hosts: &[&str], namespaces: &[(u32, &str)]) -> Subsy
         nqn: nqn.to_owned(),
         allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
         allow_any_host: hosts.is_empty(),
+        host_keys: Default::default(),
         serial: None,
         model: None,
         ana: None,

@@ -6,6 +6,7 @@
 //! `tests/fuzz_corpus.rs` checks the checked-in files still match, and
 //! `tests/roundtrip.rs` mutates them.
 
+use nvpool_wire::auth::{Challenge, Message, Negotiate, Reply as AuthReply, Success1};
 use nvpool_wire::fabrics::{fctype, prop, ConnectCmd, ConnectData, PropertyCmd, CONNECT_DATA_LEN};
 use nvpool_wire::identify::{
     cntrltype, encode_active_ns_list, encode_ns_descriptors, oncs, IdentifyController,
@@ -51,7 +52,7 @@ type MakeSeeds = fn(&mut Seeds);
 
 /// Every seed, grouped by target in the order of `nvpool_wire::fuzz::TARGETS`.
 pub fn all() -> Vec<Seed> {
-    let makers: [(&'static str, MakeSeeds); 23] = [
+    let makers: [(&'static str, MakeSeeds); 25] = [
         ("common_header", common_header),
         ("ic_req", ic_req),
         ("ic_resp", ic_resp),
@@ -75,6 +76,8 @@ pub fn all() -> Vec<Seed> {
         ("status", status),
         ("ana_log", ana_log),
         ("rdma_cm_request", rdma_cm_request),
+        ("auth_message", auth_message),
+        ("dhchap_controller", dhchap_controller),
     ];
     let mut s = Seeds {
         target: "",
@@ -875,4 +878,108 @@ fn rdma_cm_request(s: &mut Seeds) {
     let mut keyed = [0u8; 32];
     keyed[8..16].copy_from_slice(&[0x00, 0x10, 0x00, 0xef, 0xbe, 0xad, 0xde, 0x4f]);
     s.add("keyed-invalidate", keyed);
+}
+
+fn negotiate_bytes() -> Vec<u8> {
+    Message::Negotiate(Negotiate {
+        t_id: 1,
+        sc_c: 0,
+        hashes: &[1, 2, 3],
+        dhgroups: &[0, 1, 2, 3, 4, 5],
+    })
+    .encode()
+}
+
+fn reply_bytes(dhv: &[u8]) -> Vec<u8> {
+    Message::Reply(AuthReply {
+        t_id: 1,
+        cvalid: true,
+        seqnum: 9,
+        r1: &[0x11; 32],
+        c2: &[0x22; 32],
+        dhv,
+    })
+    .encode()
+}
+
+fn auth_message(s: &mut Seeds) {
+    s.add("negotiate", negotiate_bytes());
+    let mut two = negotiate_bytes();
+    two[7] = 2;
+    two[8] = 0x02; // a first descriptor of another protocol
+    let d = two[8..72].to_vec();
+    two[8] = 0x09;
+    two.extend_from_slice(&d);
+    two[72] = 0x01;
+    s.add("negotiate-two-descriptors", two);
+    s.add(
+        "challenge-ffdhe2048",
+        Message::Challenge(Challenge {
+            t_id: 1,
+            hash_id: 1,
+            dhgroup_id: 1,
+            seqnum: 77,
+            c1: &[0x33; 32],
+            dhv: &[0x44; 256],
+        })
+        .encode(),
+    );
+    s.add("reply-null", reply_bytes(&[]));
+    s.add("reply-ffdhe2048", reply_bytes(&[0x55; 256]));
+    let mut huge = reply_bytes(&[]);
+    put_u16(&mut huge, 10, 0xFFFF);
+    s.add("reply-huge-dhvlen", huge);
+    s.add(
+        "success1-r2",
+        Message::Success1(Success1 {
+            t_id: 1,
+            hl: 48,
+            r2: Some(&[0x66; 48]),
+        })
+        .encode(),
+    );
+    s.add("success2", Message::Success2 { t_id: 1 }.encode());
+    s.add(
+        "failure1",
+        Message::Failure {
+            from_controller: true,
+            t_id: 1,
+            reason: 1,
+            explanation: 6,
+        }
+        .encode(),
+    );
+    s.add("unknown-id", [0x01, 0x07, 0, 0, 1, 0, 32, 0]);
+}
+
+/// Sends framed for the dhchap_controller target: a group byte, then
+/// (length / 8, message) pairs.
+fn framed(group: u8, msgs: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = vec![group];
+    for m in msgs {
+        let mut m = m.clone();
+        m.resize(m.len().div_ceil(8) * 8, 0);
+        out.push((m.len() / 8) as u8);
+        out.extend_from_slice(&m);
+    }
+    out
+}
+
+fn dhchap_controller(s: &mut Seeds) {
+    let neg = negotiate_bytes();
+    s.add(
+        "negotiate-reply-null",
+        framed(0, &[neg.clone(), reply_bytes(&[])]),
+    );
+    s.add(
+        "negotiate-reply-ffdhe2048",
+        framed(1, &[neg.clone(), reply_bytes(&[0x55; 224])]),
+    );
+    s.add(
+        "out-of-order",
+        framed(
+            0,
+            &[Message::Success2 { t_id: 1 }.encode(), neg.clone(), neg],
+        ),
+    );
 }
