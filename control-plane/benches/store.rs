@@ -42,7 +42,11 @@ fn measure(name: &'static str, store: &dyn Store) -> Figures {
             None => Condition::Missing("/k".into()),
         };
         let t = Instant::now();
-        version = Some(commit(store, &[cond], &[Op::Put("/k".into(), vec![7; 512])]));
+        version = Some(commit(
+            store,
+            &[cond],
+            &[Op::Put("/k".into(), vec![7; 512])],
+        ));
         txn.push(t.elapsed());
         let t = Instant::now();
         store.get("/k").expect("the store answers");
@@ -50,7 +54,7 @@ fn measure(name: &'static str, store: &dyn Store) -> Figures {
     }
     txn.sort();
     get.sort();
-    let mut list = |keys: usize| {
+    let list = |keys: usize| {
         for chunk in 0..keys / 100 {
             let ops: Vec<Op> = (0..100)
                 .map(|i| Op::Put(format!("/l{keys}/{i}-{chunk}"), vec![1; 256]))
@@ -58,7 +62,9 @@ fn measure(name: &'static str, store: &dyn Store) -> Figures {
             commit(store, &[], &ops);
         }
         let t = Instant::now();
-        let l = store.list(&format!("/l{keys}/")).expect("the store answers");
+        let l = store
+            .list(&format!("/l{keys}/"))
+            .expect("the store answers");
         assert_eq!(l.entries.len(), keys);
         t.elapsed()
     };
@@ -90,7 +96,14 @@ fn main() {
     let redb_txn = all[1].txn[N / 2].as_secs_f64();
     println!(
         "{:<24} {:>10} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10}",
-        "store", "txn p50", "txn p99", "÷redb", "get p50", "get p99", "list 100", "list 1000",
+        "store",
+        "txn p50",
+        "txn p99",
+        "÷redb",
+        "get p50",
+        "get p99",
+        "list 100",
+        "list 1000",
         "changes"
     );
     for f in &all {

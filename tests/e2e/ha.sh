@@ -5,7 +5,8 @@
 #   1. etcd loses its quorum for 10 s: the API answers 503 with a clear
 #      message, the volume keeps serving I/O; etcd back: the API answers
 #      again and one control plane leads, with no restart;
-#   2. the leading control plane is SIGKILLed: another leads within seconds.
+#   2. the leading control plane is SIGKILLed: another leads within seconds
+#      (the CLI and the targets are given all three and fail over).
 # Every fio pass verifies with no error; the volume then detaches and deletes.
 #
 # Usage: tests/e2e/ha.sh [BIN_DIR]   (default target/release)
@@ -13,6 +14,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=$(cd "${1:-target/release}" && pwd)
 source tests/e2e/lib.sh
+CP0=$NVPOOL_ENDPOINT
+# The CLI and the targets know all three control planes and fail over.
+export NVPOOL_ENDPOINT=$CP0,http://127.0.0.1:$((CP_PORT + 1)),http://127.0.0.1:$((CP_PORT + 2))
 
 skip() {
     if [[ ${CI:-} == true ]]; then
@@ -110,7 +114,7 @@ sleep 3
 
 log "etcd loses its quorum (members 1 and 2 SIGKILLed)"
 kill -9 "${ETCD_PIDS[1]}" "${ETCD_PIDS[2]}"
-code=$(curl -s -o "$E2E_DIR/quorum.json" -w '%{http_code}' "$NVPOOL_ENDPOINT/v1/volumes")
+code=$(curl -s -o "$E2E_DIR/quorum.json" -w '%{http_code}' "$CP0/v1/volumes")
 check "without quorum the API answers 503 (got $code)" test "$code" = 503
 check "... with a JSON error naming etcd" \
     bash -c "jq -e '.kind == \"unavailable\" and (.message | test(\"etcd\"))' '$E2E_DIR/quorum.json'"
