@@ -313,6 +313,12 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
     let mut unreached = Vec::new();
     if served.owner.as_deref() != Some(new) {
         let old = served.owner.clone();
+        // Taking over from an owner means judging its lease, which only
+        // the leader can (it alone grants them, C21): elsewhere, 503
+        // not_leader, and the client asks another control plane.
+        if old.is_some() && !cluster.is_leader() {
+            return Err(StateError::NotLeader(crate::leader::NotLeader).into());
+        }
         // Planned when the old owner answers: it stops taking I/O and
         // waits for what it has in flight before answering. One whose lease
         // ran out serves nothing and did not even renew: not asked (a
@@ -503,6 +509,45 @@ mod tests {
     use super::*;
     use crate::model::{Layout, VolumeSpec};
     use crate::moves::tests::{cluster, register, register_rdma};
+
+    /// A follower does not take a volume over from an owner: it cannot know
+    /// the owner's lease (the leader granted it). Nothing changes.
+    #[test]
+    fn only_the_leader_takes_over_from_an_owner() {
+        let e = crate::limits::EXTENT_BYTES_MIN;
+        let (c, _) = cluster(e);
+        register(&c, 0, 4 * e);
+        register(&c, 1, 4 * e);
+        let uuid = Uuid([6; 16]);
+        c.create_volume(&VolumeSpec {
+            uuid,
+            name: "v".into(),
+            size_bytes: e,
+            layout: Layout::Concat,
+            pool: None,
+        })
+        .unwrap();
+        let served = c
+            .add_served_host(&uuid, "nqn.2014-08.org.nvmexpress:uuid:host-1", 2)
+            .unwrap();
+        let owned = c
+            .update_served(&uuid, served.generation, |s| {
+                s.owner = Some("t0".into());
+                s.generation += 1;
+            })
+            .unwrap()
+            .unwrap();
+        let follower = c
+            .clone()
+            .with_leadership(crate::leader::Leadership::elected("follower"));
+        let r = take_over(&follower, &uuid, "t1");
+        assert!(
+            matches!(r, Err(ProgramError::State(StateError::NotLeader(_)))),
+            "{r:?}"
+        );
+        let (now, _) = c.served(&uuid).unwrap().unwrap();
+        assert_eq!(now, owned, "a refused take-over changes nothing");
+    }
 
     #[test]
     fn paths_show_the_rdma_listener_of_targets_that_have_one() {
