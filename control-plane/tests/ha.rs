@@ -201,32 +201,27 @@ fn a_deposed_leader_cannot_write() {
         Err(StateError::NotLeader(NotLeader))
     ));
     // A wins; B cannot.
-    let Campaign::Won { lease, version } = store_a
-        .elector()
-        .unwrap()
-        .campaign("a", LEADER_LEASE_TTL_S)
-        .unwrap()
-    else {
+    let campaign = |store: &Arc<dyn Store>, holder: &str| {
+        store
+            .elector()
+            .expect("etcd elects")
+            .campaign(holder, LEADER_LEASE_TTL_S)
+            .expect("etcd answers")
+    };
+    let Campaign::Won { lease, version } = campaign(&store_a, "a") else {
         panic!("the first campaign wins");
     };
     a.begin(lease, version, Instant::now());
     assert!(a.is_leader());
     ca.register_target(&registration(0)).unwrap();
-    let held = store_b
-        .elector()
-        .unwrap()
-        .campaign("b", LEADER_LEASE_TTL_S)
-        .unwrap();
-    assert_eq!(held, Campaign::Held { holder: "a".into() });
+    assert_eq!(
+        campaign(&store_b, "b"),
+        Campaign::Held { holder: "a".into() }
+    );
     // A's lease is gone (as when it expires during a pause of A), and B
     // takes the key while A still believes it leads.
     store_a.elector().unwrap().resign(lease);
-    let Campaign::Won { lease, version } = store_b
-        .elector()
-        .unwrap()
-        .campaign("b", LEADER_LEASE_TTL_S)
-        .unwrap()
-    else {
+    let Campaign::Won { lease, version } = campaign(&store_b, "b") else {
         panic!("the key is free");
     };
     b.begin(lease, version, Instant::now());
