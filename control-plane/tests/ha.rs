@@ -138,6 +138,12 @@ fn one_leader(cps: &[ControlPlane], within: Duration) -> usize {
     }
 }
 
+/// Three control planes sharing `etcd` under `prefix`, logging into `dir`.
+fn three_control_planes(etcd: &Etcd, prefix: &str, dir: &Path) -> Vec<ControlPlane> {
+    let url = etcd.url_string(prefix);
+    (0..3).map(|i| ControlPlane::start(&url, dir, i)).collect()
+}
+
 fn logs(cps: &[ControlPlane]) -> String {
     cps.iter()
         .map(|c| std::fs::read_to_string(&c.log).unwrap_or_default())
@@ -151,10 +157,7 @@ fn one_leader_handed_over_when_it_dies_or_stops() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let url = etcd.url_string("/ha-leader");
-    let mut cps: Vec<ControlPlane> = (0..3)
-        .map(|i| ControlPlane::start(&url, dir.path(), i))
-        .collect();
+    let mut cps = three_control_planes(&etcd, "/ha-leader", dir.path());
     let first = one_leader(&cps, handover_bound());
     // Killed: the lease runs out and another takes over.
     cps[first].kill();
@@ -407,10 +410,7 @@ fn leader_killed_under_churn_loses_nothing() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let url = etcd.url_string("/ha-churn");
-    let mut cps: Vec<ControlPlane> = (0..3)
-        .map(|i| ControlPlane::start(&url, dir.path(), i))
-        .collect();
+    let mut cps = three_control_planes(&etcd, "/ha-churn", dir.path());
     let endpoints: Endpoints = Mutex::new(cps.iter().map(|c| c.addr).collect());
     let nodes: Vec<Node> = (0..3).map(Node::start).collect();
     let mut rng = Rng(0x4a11_cafe_d00d_0001);
