@@ -32,6 +32,7 @@ fn target(ctrl: Option<&Secret>, hash: HashId, group: DhGroup) -> Tgt {
             dhchap_ctrl_key: ctrl.map(|c| SecretText::new(c.to_dhhc())),
             dhchap_hash: Some(hash.name().into()),
             dhchap_dhgroup: Some(group.name().into()),
+            key_id: None,
         },
     )]);
     Tgt::start(&[s])

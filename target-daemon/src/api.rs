@@ -17,7 +17,7 @@
 //! | `DELETE /v1/subsystems/{nqn}` | remove (its controllers are disconnected) |
 //! | `PUT /v1/subsystems/{nqn}/namespaces/{nsid}` | add or replace a namespace (body: backend, uuid, read_only) |
 //! | `DELETE /v1/subsystems/{nqn}/namespaces/{nsid}` | remove a namespace (hosts get a namespace-changed event) |
-//! | `PUT /v1/subsystems/{nqn}/hosts/{hostnqn}` | allow a host; an optional body sets its DH-HMAC-CHAP keys (`dhchap_key`, `dhchap_ctrl_key`, `dhchap_hash`, `dhchap_dhgroup`) |
+//! | `PUT /v1/subsystems/{nqn}/hosts/{hostnqn}` | allow a host; an optional body sets its DH-HMAC-CHAP keys (`dhchap_key`, `dhchap_ctrl_key`, `dhchap_hash`, `dhchap_dhgroup`, and `key_id`, a label shown back) |
 //! | `DELETE /v1/subsystems/{nqn}/hosts/{hostnqn}` | revoke a host and drop its keys (its controllers are disconnected) |
 //! | `GET /v1/listeners`, `PUT/DELETE /v1/listeners/{addr}` | listeners (`rdma:ADDR:PORT` for NVMe/RDMA) |
 //! | `GET /v1/controllers` | live controllers |
@@ -358,6 +358,9 @@ struct HostAuthView {
     #[serde(skip_serializing_if = "Option::is_none")]
     hash: Option<String>,
     dhgroup: String,
+    /// The label given with the keys, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key_id: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -429,6 +432,7 @@ fn view(t: &Target, s: &crate::target::Subsystem) -> SubsystemView {
                         bidirectional: a.policy.keys.ctrl.is_some(),
                         hash: a.policy.hash.map(|h| h.name().to_owned()),
                         dhgroup: a.policy.dhgroup.name().to_owned(),
+                        key_id: a.config.key_id.clone(),
                     },
                 )
             })

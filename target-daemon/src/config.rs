@@ -116,6 +116,9 @@ pub struct SubsystemConfig {
     pub namespaces: Vec<NamespaceConfig>,
 }
 
+/// The longest [`HostKeyConfig::key_id`].
+pub const KEY_ID_BYTES_MAX: usize = 64;
+
 /// One host's DH-HMAC-CHAP settings. The secrets are `DHHC-1:XX:…:`
 /// strings; they are kept in the config and state files (mode 0600) and
 /// never logged, shown by Debug or returned by the admin API.
@@ -134,6 +137,11 @@ pub struct HostKeyConfig {
     /// `null` (the default, as nvmet) or `ffdhe2048` … `ffdhe8192`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_dhgroup: Option<String>,
+    /// A label for this version of the keys, not secret: shown by the
+    /// admin API so that whoever set the keys (the control plane) can tell
+    /// whether the target holds the current ones without reading secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
 }
 
 /// A secret's `DHHC-1` text as configured. Parsed by
@@ -185,6 +193,16 @@ impl HostKeyConfig {
                 ))
             })?,
         };
+        if let Some(id) = &self.key_id {
+            if id.is_empty()
+                || id.len() > KEY_ID_BYTES_MAX
+                || !id.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "key_id: 1..={KEY_ID_BYTES_MAX} visible ASCII characters"
+                )));
+            }
+        }
         Ok(CtrlPolicy {
             keys: Keys {
                 host: secret(&self.dhchap_key, "dhchap_key")?,

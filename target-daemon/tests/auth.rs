@@ -32,6 +32,7 @@ fn key_config(ctrl: bool, dhgroup: &str) -> HostKeyConfig {
         dhchap_ctrl_key: ctrl.then(|| SecretText::new(ctrl_secret().to_dhhc())),
         dhchap_hash: None,
         dhchap_dhgroup: Some(dhgroup.into()),
+        key_id: None,
     }
 }
 
