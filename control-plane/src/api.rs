@@ -45,9 +45,9 @@ use crate::plan::ConnectionPlan;
 use crate::program::{self, ProgramError};
 use crate::rest::{
     AttachmentOut, CapacityOut, CopyHistoryOut, CopyJobOut, DeviceOut, DeviceRefBody, ExportBody,
-    ExtentOut, FailedExtentsBody, MissedBody, MoveOut, PoolBody, PoolOut, RebalanceBody,
-    RebalanceOut, ReconcileOut, RegisterTargetBody, ResizeBody, SessionBody, SyncBody, TargetOut,
-    TargetStateBody, VolumeOut, VolumeSpecBody,
+    ExtentOut, FailedExtentsBody, HostKeysBody, HostKeysOut, KeyRollout, MissedBody, MoveOut,
+    PoolBody, PoolOut, RebalanceBody, RebalanceOut, ReconcileOut, RegisterTargetBody, ResizeBody,
+    SessionBody, SyncBody, TargetOut, TargetStateBody, VolumeOut, VolumeSpecBody,
 };
 use crate::state::{Cluster, StateError, TargetRegistration, TargetView, VolumeView};
 use crate::store::StoreError;
@@ -133,6 +133,12 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
             post(post_resync),
         )
         .route("/v1/targets/{id}/reconcile", post(reconcile_target))
+        .route(
+            "/v1/hosts/{host_nqn}/dhchap",
+            put(put_host_keys)
+                .get(get_host_keys)
+                .delete(delete_host_keys),
+        )
         .route_layer(axum::middleware::from_fn_with_state(api.clone(), authorize))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -400,6 +406,7 @@ impl ApiError {
                 json!({"volume": volume, "hosts": hosts}),
             ),
             StateError::Deleting(volume) => (S::CONFLICT, "deleting", json!({"volume": volume})),
+            StateError::NoHostKeys(host) => (S::NOT_FOUND, "not_found", json!({"host_nqn": host})),
             StateError::NotAttached { volume, host } => (
                 S::NOT_FOUND,
                 "not_found",
@@ -1584,6 +1591,71 @@ async fn put_target_state(
     Ok(Json(out))
 }
 
+/// Sets a host's DH-HMAC-CHAP keys (replacing any): every target that
+/// exports to the host — its attached volumes and the volumes served to
+/// it — then makes it authenticate on every queue, with these keys. The
+/// change is made on those targets before the answer (`rollout`); a target
+/// that could not be changed gets them on its next reconciliation. The
+/// secrets are never shown again. A host's controllers keep running;
+/// their next connection uses the new keys.
+#[utoipa::path(put, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = HostKeysBody, responses((status = 200, description = "set; `rollout` says which targets hold them", body = HostKeysOut), (status = 400, description = "invalid input (the message never quotes a secret)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn put_host_keys(
+    State(api): State<Api>,
+    Segments(host): Segments<String>,
+    JsonBody(body): JsonBody<HostKeysBody>,
+) -> Result<Json<HostKeysOut>, ApiError> {
+    let host = parse_host(&host)?;
+    let keys =
+        crate::hostkeys::check(&host, &body).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let out = api
+        .run(move |c| {
+            let k = c.set_host_keys(keys)?;
+            let rollout = crate::hostkeys::roll_out(c, &k.host, Some(&k))?;
+            Ok(crate::hostkeys::out(&k, Some(rollout)))
+        })
+        .await?;
+    let pending = out.rollout.as_ref().map_or(0, |r| r.pending.len());
+    tracing::info!(host = %out.host_nqn, key_id = %out.key_id, pending, "host DH-HMAC-CHAP keys set");
+    Ok(Json(out))
+}
+
+/// A host's DH-HMAC-CHAP settings, without the secrets.
+#[utoipa::path(get, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "the host's settings", body = HostKeysOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "the host has no keys", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn get_host_keys(
+    State(api): State<Api>,
+    Segments(host): Segments<String>,
+) -> Result<Json<HostKeysOut>, ApiError> {
+    let host = parse_host(&host)?;
+    let out = api
+        .run(move |c| {
+            let k = c.host_keys(&host)?.ok_or(StateError::NoHostKeys(host))?;
+            Ok(crate::hostkeys::out(&k, None))
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+/// Forgets a host's DH-HMAC-CHAP keys: the targets that export to it let
+/// it in without authentication again (each drops the host and admits it
+/// again, so its controllers reconnect). The answer lists targets that
+/// could not be changed now; reconciliation changes them later.
+#[utoipa::path(delete, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "forgotten; where", body = KeyRollout), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "the host has no keys", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+async fn delete_host_keys(
+    State(api): State<Api>,
+    Segments(host): Segments<String>,
+) -> Result<Json<KeyRollout>, ApiError> {
+    let host = parse_host(&host)?;
+    let h = host.clone();
+    let rollout = api
+        .run(move |c| {
+            c.remove_host_keys(&h)?;
+            crate::hostkeys::roll_out(c, &h, None)
+        })
+        .await?;
+    tracing::info!(host = %host, pending = rollout.pending.len(), "host DH-HMAC-CHAP keys removed");
+    Ok(Json(rollout))
+}
+
 /// Forgets a target that holds no extents (drain it first). Old extents
 /// it may still export keep it until it has been reconciled, unless
 /// `force` (a target gone for good).
@@ -1846,7 +1918,8 @@ async fn metrics(State(api): State<Api>) -> Result<Response, ApiError> {
         resize_volume, delete_volume, put_attachment, get_attachment, list_attachments,
         delete_attachment, put_failed_extents, put_session, put_missed, put_sync, get_history, post_resync,
         reconcile_target, put_target_state, delete_target, post_rebalance, get_rebalance,
-        put_export, get_exports, delete_export, post_lease
+        put_export, get_exports, delete_export, post_lease, put_host_keys, get_host_keys,
+        delete_host_keys
     ),
     modifiers(&BearerSchemes, &Formats)
 )]

@@ -20,7 +20,7 @@
 use crate::model::{Health, TargetState, Uuid, Volume};
 use crate::paths::{cntlid_range, owner_host_nqn, volume_subsystem_nqn, Served};
 use crate::program::{self, ProgramError, TargetAdmin};
-use crate::state::{Cluster, StateError};
+use crate::state::{Cluster, HostKeys, StateError};
 use std::time::Duration;
 
 /// How often the owners of served volumes are checked.
@@ -102,13 +102,25 @@ fn backend_spec(v: &Volume) -> String {
 }
 
 /// The subsystem configuration path `index` of `served` should have,
-/// with `state` as its configured ANA state.
-fn subsystem_config(served: &Served, v: &Volume, index: usize, state: &str) -> serde_json::Value {
+/// with `state` as its configured ANA state; `keys` are the DH-HMAC-CHAP
+/// keys of those of its hosts that have some.
+fn subsystem_config(
+    served: &Served,
+    v: &Volume,
+    index: usize,
+    state: &str,
+    keys: &[HostKeys],
+) -> serde_json::Value {
     let (lo, hi) = cntlid_range(index);
     let id = v.uuid.to_string();
+    let host_keys: serde_json::Map<String, serde_json::Value> = keys
+        .iter()
+        .map(|k| (k.host.clone(), crate::program::target_keys(k)))
+        .collect();
     serde_json::json!({
         "allowed_hosts": served.hosts,
         "allow_any_host": false,
+        "host_keys": host_keys,
         // The same on every path: the host groups paths by NQN and
         // compares serial and model.
         "serial": id.replace('-', "").chars().take(20).collect::<String>(),
@@ -144,7 +156,11 @@ fn ensure_path(
         .and_then(|s| s.as_str())
         .unwrap_or("inaccessible")
         .to_owned();
-    let want = subsystem_config(served, v, index, &current);
+    let mut keys = Vec::new();
+    for h in &served.hosts {
+        keys.extend(cluster.host_keys(h)?);
+    }
+    let want = subsystem_config(served, v, index, &current, &keys);
     if !matches_config(have.as_ref(), &want) {
         admin.put_subsystem_value(&nqn, &want)?;
     }
@@ -196,7 +212,17 @@ fn matches_config(have: Option<&serde_json::Value>, want: &serde_json::Value) ->
         .get("namespaces")
         .and_then(|n| n.as_array())
         .and_then(|n| n.first());
+    // The same keys: each host has keys exactly when it should, with the
+    // label of the ones it should have.
+    let keys_match = want_hosts.iter().all(|host| {
+        crate::program::held_key_id(h.get("host_auth"), host)
+            == crate::program::held_key_id(want.get("host_keys"), host)
+    }) && h
+        .get("host_auth")
+        .and_then(|a| a.as_object())
+        .is_none_or(|a| a.keys().all(|k| want_hosts.contains(&k.as_str())));
     hosts == want_hosts
+        && keys_match
         && h.pointer("/ana/cntlid_min") == want.pointer("/ana/cntlid_min")
         && h.pointer("/ana/cntlid_max") == want.pointer("/ana/cntlid_max")
         && ns.and_then(|n| n.get("backend")) == want.pointer("/namespaces/0/backend")

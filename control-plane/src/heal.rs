@@ -276,7 +276,9 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 let admin = TargetAdmin::new(cluster, &dest_target)?;
                 for (host, &nsid) in &job.nsids {
                     let x = crate::attach::export_of(host, d, nsid);
-                    ensure_exports(&admin, &dest_target, host, &[x], &mut Added::default())?;
+                    let keys = cluster.host_keys(host)?;
+                    let mut added = Added::default();
+                    ensure_exports(&admin, &dest_target, host, keys.as_ref(), &[x], &mut added)?;
                 }
             }
             let src = &v.extents[job.source as usize];
@@ -288,6 +290,8 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 &TargetAdmin::new(cluster, &src_target)?,
                 &src_target,
                 &x.host_nqn,
+                // The source target's copier: never authenticates.
+                None,
                 std::slice::from_ref(&x),
                 &mut added,
             )?;

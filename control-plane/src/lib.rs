@@ -39,6 +39,8 @@ pub mod daemon;
 pub mod failover;
 #[cfg(feature = "server")]
 pub mod heal;
+#[cfg(feature = "server")]
+pub mod hostkeys;
 #[cfg(feature = "client")]
 pub mod http;
 pub mod leader;

@@ -26,7 +26,7 @@ use crate::limits::TARGET_CALL_TIMEOUT_MS;
 use crate::model::{Target, Uuid};
 use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
 use crate::rest::Secret;
-use crate::state::{Cluster, StateError};
+use crate::state::{Cluster, HostKeys, StateError};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -72,11 +72,50 @@ struct IdentityState {
 
 /// A subsystem as the target's admin API lists it.
 #[derive(Debug, Clone, Deserialize)]
-struct SubsystemState {
-    nqn: String,
+pub(crate) struct SubsystemState {
+    pub nqn: String,
     allow_any_host: bool,
-    allowed_hosts: Vec<String>,
+    pub allowed_hosts: Vec<String>,
+    /// Hosts that must authenticate, with the label of their keys.
+    #[serde(default)]
+    pub host_auth: BTreeMap<String, HostAuthState>,
     namespaces: Vec<NamespaceState>,
+}
+
+/// A host's DH-HMAC-CHAP settings as a target shows them (no secrets).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct HostAuthState {
+    #[serde(default)]
+    pub key_id: Option<String>,
+}
+
+/// Whether `host` has keys in a subsystem's `host_auth` map (as the admin
+/// API shows it, or `host_keys` as it is configured), and their `key_id`.
+pub(crate) fn held_key_id<'a>(
+    host_auth: Option<&'a serde_json::Value>,
+    host: &str,
+) -> Option<Option<&'a str>> {
+    host_auth
+        .and_then(|a| a.get(host))
+        .map(|k| k.get("key_id").and_then(|i| i.as_str()))
+}
+
+/// What a target is told about `host`'s keys: its `HostKeyConfig`.
+pub(crate) fn target_keys(k: &HostKeys) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "dhchap_key": k.dhchap_key.expose(),
+        "key_id": k.key_id,
+    });
+    if let Some(c) = &k.dhchap_ctrl_key {
+        v["dhchap_ctrl_key"] = c.expose().into();
+    }
+    if let Some(h) = &k.dhchap_hash {
+        v["dhchap_hash"] = h.as_str().into();
+    }
+    if let Some(g) = &k.dhchap_dhgroup {
+        v["dhchap_dhgroup"] = g.as_str().into();
+    }
+    v
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -240,7 +279,7 @@ impl TargetAdmin {
         })
     }
 
-    fn subsystems(&self) -> Result<Vec<SubsystemState>, ProgramError> {
+    pub(crate) fn subsystems(&self) -> Result<Vec<SubsystemState>, ProgramError> {
         let r = self.get("/v1/subsystems").call();
         match self.check("listing subsystems", r)? {
             Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
@@ -260,10 +299,18 @@ impl TargetAdmin {
             .transpose()
     }
 
-    fn create_subsystem(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+    fn create_subsystem(
+        &self,
+        nqn: &str,
+        host: &str,
+        keys: Option<&HostKeys>,
+    ) -> Result<(), ProgramError> {
         self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}", segment(nqn));
-        let body = serde_json::json!({"allowed_hosts": [host], "allow_any_host": false});
+        let mut body = serde_json::json!({"allowed_hosts": [host], "allow_any_host": false});
+        if let Some(k) = keys {
+            body["host_keys"] = serde_json::json!({ host: target_keys(k) });
+        }
         let r = self.put(&path).send_json(body);
         self.check(&format!("creating subsystem {nqn}"), r)
             .map(drop)
@@ -338,10 +385,20 @@ impl TargetAdmin {
             .map(drop)
     }
 
-    pub(crate) fn allow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
+    /// Lets `host` in, with `keys` (DH-HMAC-CHAP) when given; without,
+    /// keys the host already has on the target stay.
+    pub(crate) fn allow_host(
+        &self,
+        nqn: &str,
+        host: &str,
+        keys: Option<&HostKeys>,
+    ) -> Result<(), ProgramError> {
         self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
-        let r = self.put(&path).send_empty();
+        let r = match keys {
+            Some(k) => self.put(&path).send_json(target_keys(k)),
+            None => self.put(&path).send_empty(),
+        };
         match self.check(&format!("allowing {host} on {nqn}"), r)? {
             Some(_) => Ok(()),
             None => Err(ProgramError::Refused {
@@ -451,12 +508,15 @@ pub(crate) struct Added {
 }
 
 /// Makes `target` export `exports` (all of one host's subsystem) to
-/// `host`, leaving other namespaces of the subsystem alone. Records what
-/// it added in `added`, also when it fails half-way.
+/// `host`, leaving other namespaces of the subsystem alone; the host
+/// authenticates with `keys` (the cluster's DH-HMAC-CHAP keys for it), or
+/// not at all without. Records what it added in `added`, also when it
+/// fails half-way.
 pub(crate) fn ensure_exports(
     admin: &TargetAdmin,
     target: &Target,
     host: &str,
+    keys: Option<&HostKeys>,
     exports: &[Export],
     added: &mut Added,
 ) -> Result<(), ProgramError> {
@@ -466,20 +526,29 @@ pub(crate) fn ensure_exports(
     let existing = match admin.subsystem(&nqn)? {
         Some(s) => s,
         None => {
-            admin.create_subsystem(&nqn, host)?;
+            admin.create_subsystem(&nqn, host, keys)?;
             added.subsystem = Some(nqn.clone());
             SubsystemState {
                 nqn: nqn.clone(),
                 allow_any_host: false,
                 allowed_hosts: vec![host.to_owned()],
+                host_auth: keys
+                    .map(|k| {
+                        let held = HostAuthState {
+                            key_id: Some(k.key_id.clone()),
+                        };
+                        BTreeMap::from([(host.to_owned(), held)])
+                    })
+                    .unwrap_or_default(),
                 namespaces: Vec::new(),
             }
         }
     };
+    ensure_host_keys(admin, &nqn, host, keys, &existing.host_auth)?;
     if existing.allow_any_host || existing.allowed_hosts != [host] {
         // Only this host may see its subsystem: rebuild the ACL by
         // recreating would drop namespaces, so fix it in place.
-        admin.allow_host(&nqn, host)?;
+        admin.allow_host(&nqn, host, keys)?;
         if existing.allow_any_host || existing.allowed_hosts.iter().any(|h| h != host) {
             return Err(ProgramError::Refused {
                 target: target.id.clone(),
@@ -512,6 +581,36 @@ pub(crate) fn ensure_exports(
         if !have.contains_key(&x.nsid) {
             added.namespaces.push((nqn.clone(), x.nsid));
         }
+    }
+    Ok(())
+}
+
+/// Makes `host`'s keys on subsystem `nqn` (whose hosts' keys are
+/// `held`) the cluster's `keys`: set when the target holds none or others,
+/// taken away when the cluster has none (the target only drops a host's
+/// keys with the host, so the host is let in again at once; its
+/// controllers reconnect).
+pub(crate) fn ensure_host_keys(
+    admin: &TargetAdmin,
+    nqn: &str,
+    host: &str,
+    keys: Option<&HostKeys>,
+    held: &BTreeMap<String, HostAuthState>,
+) -> Result<(), ProgramError> {
+    let have = held.get(host);
+    match keys {
+        Some(k) if have.and_then(|h| h.key_id.as_deref()) != Some(k.key_id.as_str()) => {
+            admin.allow_host(nqn, host, Some(k))?;
+            tracing::info!(target = %admin.target, subsystem = %nqn, host,
+                key_id = %k.key_id, "DH-HMAC-CHAP keys set");
+        }
+        None if have.is_some() => {
+            admin.disallow_host(nqn, host)?;
+            admin.allow_host(nqn, host, None)?;
+            tracing::info!(target = %admin.target, subsystem = %nqn, host,
+                "DH-HMAC-CHAP keys taken away");
+        }
+        _ => {}
     }
     Ok(())
 }
@@ -606,6 +705,7 @@ pub fn attach_avoiding(
 ) -> Result<Attached, ProgramError> {
     validate_host_nqn(host).map_err(StateError::from)?;
     let start = cluster.begin_attach(volume, host)?;
+    let keys = cluster.host_keys(host)?;
     let work = exports_by_target(cluster, &start.volume, &start.attachment)?;
     let results = on_targets(work, |t, xs| {
         if unreachable.contains(&t.id) {
@@ -618,7 +718,7 @@ pub fn attach_avoiding(
         }
         let mut added = Added::default();
         let r = TargetAdmin::new(cluster, t)
-            .and_then(|admin| ensure_exports(&admin, t, host, xs, &mut added));
+            .and_then(|admin| ensure_exports(&admin, t, host, keys.as_ref(), xs, &mut added));
         (r, added)
     });
     // A target that cannot be reached and holds only copies that missed
@@ -794,7 +894,8 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
             .unwrap_or_default();
         let xs: Vec<Export> = want.values().cloned().collect();
         let mut added = Added::default();
-        ensure_exports(&admin, &t, host, &xs, &mut added)?;
+        let keys = cluster.host_keys(host)?;
+        ensure_exports(&admin, &t, host, keys.as_ref(), &xs, &mut added)?;
         out.namespaces_added += xs.iter().filter(|x| !before.contains(&x.nsid)).count();
     }
     // Copies no job names any more (their cleanup did not reach the

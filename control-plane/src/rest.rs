@@ -525,6 +525,88 @@ pub struct ExportBody {
     pub paths: Option<usize>,
 }
 
+/// Body of `PUT /v1/hosts/{host_nqn}/dhchap`: the host's DH-HMAC-CHAP
+/// settings. The secrets are `DHHC-1:XX:…:` strings (`nvme gen-dhchap-key`);
+/// they are never shown again.
+#[derive(Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct HostKeysBody {
+    /// The host's secret (what `nvme connect --dhchap-secret` is given).
+    #[cfg_attr(
+        feature = "server",
+        schema(pattern = r"^DHHC-1:0[0-3]:[A-Za-z0-9+/]+={0,2}:$")
+    )]
+    pub dhchap_key: String,
+    /// The controller's secret, for bidirectional authentication
+    /// (`--dhchap-ctrl-secret`); must differ from the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "server",
+        schema(pattern = r"^DHHC-1:0[0-3]:[A-Za-z0-9+/]+={0,2}:$")
+    )]
+    pub dhchap_ctrl_key: Option<String>,
+    /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "server", schema(pattern = "^sha(256|384|512)$"))]
+    pub dhchap_hash: Option<String>,
+    /// `null` (default) or `ffdhe2048`, `ffdhe3072`, `ffdhe4096`,
+    /// `ffdhe6144`, `ffdhe8192`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "server",
+        schema(pattern = "^(null|ffdhe(2048|3072|4096|6144|8192))$")
+    )]
+    pub dhchap_dhgroup: Option<String>,
+}
+
+impl std::fmt::Debug for HostKeysBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostKeysBody")
+            .field("bidirectional", &self.dhchap_ctrl_key.is_some())
+            .field("dhchap_hash", &self.dhchap_hash)
+            .field("dhchap_dhgroup", &self.dhchap_dhgroup)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A host's DH-HMAC-CHAP settings as the control plane holds them: never
+/// the secrets.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct HostKeysOut {
+    pub host_nqn: String,
+    /// Names this version of the keys; targets show it beside the host.
+    pub key_id: String,
+    /// A controller key is set: the host authenticates the target too.
+    pub bidirectional: bool,
+    /// The hash required, if one is.
+    pub dhchap_hash: Option<String>,
+    pub dhchap_dhgroup: String,
+    pub updated_ms: u64,
+    /// After a change: how the targets that export to the host took it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<KeyRollout>,
+}
+
+/// Where a change of a host's keys has been made.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct KeyRollout {
+    /// Targets that export to the host and now hold its new keys.
+    pub updated: Vec<String>,
+    /// Targets that could not be changed now, with why; reconciliation
+    /// changes them when they answer (until then they hold the old keys).
+    pub pending: Vec<PendingTarget>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+pub struct PendingTarget {
+    pub target: String,
+    pub error: String,
+}
+
 /// `PUT /v1/targets/{id}/state`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "server", derive(utoipa::ToSchema))]

@@ -15,6 +15,7 @@
 //! |---|---|
 //! | `/targets/{id}` | [`Target`] |
 //! | `/target-credentials/{id}` | [`TargetCredential`]: the target's admin API token (never in the snapshot) |
+//! | `/host-keys/{host_nqn}` | [`HostKeys`]: the host's DH-HMAC-CHAP secrets (never in the snapshot) |
 //! | `/target-addresses/{kind}/{addr}` | the ID of the target at that address (keeps addresses unique; kinds `nvme-tcp`, `admin`, `nvme-rdma`) |
 //! | `/pools/{name}` | [`Pool`] |
 //! | `/volumes/{uuid}` | [`Volume`], with all its extents |
@@ -83,6 +84,12 @@ pub mod keys {
 
     pub fn target_credential(id: &str) -> String {
         format!("{TARGET_CREDENTIALS}{id}")
+    }
+
+    pub const HOST_KEYS: &str = "/host-keys/";
+
+    pub fn host_keys(host_nqn: &str) -> String {
+        format!("{HOST_KEYS}{host_nqn}")
     }
 
     /// The index key of one of a target's addresses (`kind` is an
@@ -161,6 +168,8 @@ pub enum StateError {
     Attached { volume: Uuid, hosts: Vec<String> },
     #[error("volume {volume} is not attached to {host}")]
     NotAttached { volume: Uuid, host: String },
+    #[error("host {0} has no DH-HMAC-CHAP keys")]
+    NoHostKeys(String),
     #[error(
         "volume {0} is being deleted (a forced delete is under way, or was interrupted: \
          finish it with `nvpool volume delete --force`)"
@@ -322,6 +331,29 @@ pub struct TargetCredential {
 }
 
 impl crate::model::Stored for TargetCredential {}
+
+/// A host's DH-HMAC-CHAP settings, which the control plane hands to every
+/// target that exports anything to the host (docs/ARCHITECTURE.md C24).
+/// Stored under `/host-keys/{host_nqn}`, outside the snapshot; the secrets
+/// leave the control plane only towards targets, never in an answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostKeys {
+    pub host: String,
+    /// Names this version of the keys on the targets (fresh on every
+    /// change): a target showing another one holds older keys.
+    pub key_id: String,
+    /// The host's secret, `DHHC-1:…` (`nvme connect --dhchap-secret`).
+    pub dhchap_key: Secret,
+    /// The controller's secret, for bidirectional authentication.
+    pub dhchap_ctrl_key: Option<Secret>,
+    /// `sha256`, `sha384`, `sha512`; `None`: the strongest the host offers.
+    pub dhchap_hash: Option<String>,
+    /// `null` or `ffdhe2048` … `ffdhe8192`; `None`: `null`.
+    pub dhchap_dhgroup: Option<String>,
+    pub updated_ms: u64,
+}
+
+impl crate::model::Stored for HostKeys {}
 
 /// A stored value and its version.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -952,6 +984,61 @@ impl Cluster {
             });
         }
         Ok(Some(c.admin_token))
+    }
+
+    /// The DH-HMAC-CHAP keys the cluster holds for `host`, if any.
+    pub fn host_keys(&self, host: &str) -> Result<Option<HostKeys>, StateError> {
+        crate::attach::validate_host_nqn(host)?;
+        let key = keys::host_keys(host);
+        let Some(kv) = self.store.get(&key)? else {
+            return Ok(None);
+        };
+        let k: HostKeys = decode_at("host keys", &key, &kv.value)?;
+        if k.host != host {
+            return Err(StateError::Corrupt {
+                key,
+                source: ModelError::Invalid(format!("the key holds the keys of {}", k.host)),
+            });
+        }
+        Ok(Some(k))
+    }
+
+    /// Sets `host`'s DH-HMAC-CHAP keys (replacing any), under a fresh
+    /// `key_id`; returns the record written.
+    pub fn set_host_keys(&self, mut keys: HostKeys) -> Result<HostKeys, StateError> {
+        crate::attach::validate_host_nqn(&keys.host)?;
+        let mut id = [0u8; 16];
+        getrandom::getrandom(&mut id).map_err(|e| {
+            StateError::Store(StoreError::Backend {
+                op: "drawing a key id",
+                source: e.to_string().into(),
+            })
+        })?;
+        keys.key_id = id.iter().map(|b| format!("{b:02x}")).collect();
+        keys.updated_ms = self.clock.now_ms();
+        // A plain put: the last writer's keys win, as with any secret.
+        self.commit(&[], &[Op::Put(keys::host_keys(&keys.host), encode(&keys))])?;
+        Ok(keys)
+    }
+
+    /// Forgets `host`'s keys; `NoHostKeys` when it had none.
+    pub fn remove_host_keys(&self, host: &str) -> Result<(), StateError> {
+        crate::attach::validate_host_nqn(host)?;
+        let key = keys::host_keys(host);
+        self.retry(|| {
+            let Some(kv) = self.store.get(&key)? else {
+                return Err(StateError::NoHostKeys(host.to_owned()));
+            };
+            let removed = self.commit(
+                &[Condition::VersionIs(key.clone(), kv.version)],
+                &[Op::Delete(key.clone())],
+            )?;
+            Ok(if removed {
+                Attempt::Done(())
+            } else {
+                Attempt::Retry
+            })
+        })
     }
 
     /// Records a heartbeat now; returns the updated target.

@@ -342,3 +342,50 @@ fn bad_export_requests_get_a_4xx() {
     let r = srv.raw("PUT", &path(HOST_A), None, None);
     assert_eq!(r.status, 401, "{}", r.body);
 }
+
+#[test]
+fn a_served_volume_makes_a_host_with_keys_authenticate_on_every_path() {
+    use nvpool_wire::dhchap::{Keys, Secret};
+    let s = served_cluster();
+    let keys = Keys {
+        host: Secret::new(&[0x42; 32], None).unwrap(),
+        ctrl: Some(Secret::new(&[0x24; 48], None).unwrap()),
+    };
+    let r = s.c.server.admin(
+        "PUT",
+        &format!("/v1/hosts/{}/dhchap", enc(HOST_A)),
+        Some(json!({
+            "dhchap_key": keys.host.to_dhhc(),
+            "dhchap_ctrl_key": keys.ctrl.as_ref().unwrap().to_dhhc(),
+        })),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let key_id = r.json()["key_id"].as_str().unwrap().to_owned();
+    let (vol, owner, other) = served_volume(&s);
+    let uuid: Uuid = vol.parse().unwrap();
+    let nqn = volume_subsystem_nqn(&uuid);
+    for t in [&owner, &other] {
+        let sub = node_of(&s.c, t).target.subsystem(&nqn).unwrap();
+        let held = sub.host_keys.get(HOST_A).map(|a| a.config.key_id.clone());
+        assert_eq!(held, Some(Some(key_id.clone())), "{t}");
+    }
+    let n = node_of(&s.c, &owner);
+    let plain = params(n.addr, &nqn, HOST_A);
+    assert!(
+        Controller::connect(plain.clone()).is_err(),
+        "a host without its keys connected"
+    );
+    let mut with = plain;
+    with.dhchap = Some(Arc::new(keys));
+    let ctrl = Controller::connect(with).unwrap();
+    let dev = Device::open(ctrl, 1, 1).unwrap();
+    let data = pattern(7, 64 << 10);
+    write(&dev, 0, &data).unwrap();
+    assert_eq!(read(&dev, 0, data.len()).unwrap(), data);
+    // Reconciling the path again changes nothing: the keys match.
+    let r =
+        s.c.server
+            .admin("POST", &format!("/v1/targets/{owner}/reconcile"), None);
+    assert_eq!(r.status, 200, "{}", r.body);
+    write(&dev, 4096, &data[..4096]).unwrap();
+}

@@ -231,6 +231,10 @@ pub struct VolumeOptions {
     /// Reach a target over NVMe/RDMA when the plan gives it an RDMA
     /// address and this host can do RDMA; false: NVMe/TCP always.
     pub prefer_rdma: bool,
+    /// The host's DH-HMAC-CHAP keys, for targets that require the host to
+    /// authenticate (the control plane holds the same keys for this host
+    /// NQN); `None`: connect without.
+    pub dhchap: Option<Arc<nvpool_wire::dhchap::Keys>>,
 }
 
 impl Default for VolumeOptions {
@@ -250,6 +254,7 @@ impl Default for VolumeOptions {
             syncing_extents: Vec::new(),
             moving: Vec::new(),
             prefer_rdma: true,
+            dhchap: None,
         }
     }
 }
@@ -270,6 +275,7 @@ impl fmt::Debug for VolumeOptions {
             .field("failed_extents", &self.failed_extents)
             .field("syncing_extents", &self.syncing_extents)
             .field("moving", &self.moving)
+            .field("dhchap", &self.dhchap.is_some())
             .finish()
     }
 }
@@ -780,9 +786,7 @@ impl Volume {
             ctrl_loss_timeout: loss,
             reconnect_delay: opts.reconnect_delay,
             connect_timeout: opts.connect_timeout,
-            // Pooled volumes reach targets the control plane configured
-            // without in-band authentication.
-            dhchap: None,
+            dhchap: opts.dhchap.clone(),
         };
         let shared = opts.connections.as_deref();
         let one_open = shared.map(|c| lock(&c.opening));
