@@ -16,6 +16,7 @@
 
 pub mod api;
 pub mod client;
+pub mod dhchap;
 pub mod metrics;
 pub mod serve;
 pub mod server;

@@ -191,7 +191,12 @@ pub fn control_plane(w: &Wanted) -> anyhow::Result<Client> {
 
 /// Serves `w`: opens the volume over `connections`, presents it, writes
 /// its record. `w.spec.frontend` must be resolved (not `auto`).
-pub fn open(w: &Wanted, connections: &Arc<Connections>) -> anyhow::Result<Served> {
+/// `dhchap`: the host's keys, for targets that make it authenticate.
+pub fn open(
+    w: &Wanted,
+    connections: &Arc<Connections>,
+    dhchap: Option<Arc<nvpool_wire::dhchap::Keys>>,
+) -> anyhow::Result<Served> {
     let uuid = w.uuid;
     let host = &w.spec.host_nqn;
     let client = control_plane(w)?;
@@ -212,6 +217,7 @@ pub fn open(w: &Wanted, connections: &Arc<Connections>) -> anyhow::Result<Served
         moving: view.copies.moving_at_open(),
         on_extent_failed: Some(on_failed),
         connections: Some(connections.clone()),
+        dhchap,
         ..VolumeOptions::default()
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).context("connecting the volume")?);

@@ -33,6 +33,12 @@ pub struct Args {
     /// address (loopback unless you mean it), e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// This host's DH-HMAC-CHAP secrets, for targets that make the host
+    /// authenticate (`nvpool host set-keys` gave them to the control
+    /// plane). Read again for every volume served, so a rotated file is
+    /// used from the next attach on.
+    #[command(flatten)]
+    pub dhchap: crate::dhchap::DhchapArgs,
 }
 
 enum Slot {
@@ -48,6 +54,7 @@ enum Slot {
 /// The agent's state, shared by the API handlers and the restore thread.
 struct Agent {
     connections: Arc<Connections>,
+    dhchap: crate::dhchap::DhchapArgs,
     volumes: Mutex<BTreeMap<Uuid, Slot>>,
     /// Attach, detach and restore run one at a time.
     ops: Mutex<()>,
@@ -104,7 +111,11 @@ impl Agent {
 
     /// Serves `w` (blocking: connects, presents). The caller holds `ops`.
     fn open(&self, w: &Wanted) -> anyhow::Result<VolumeOut> {
-        let served = serve::open(w, &self.connections)?;
+        let keys = self
+            .dhchap
+            .keys()
+            .context("this host's DH-HMAC-CHAP keys")?;
+        let served = serve::open(w, &self.connections, keys)?;
         let out = served.out();
         lock(&self.volumes).insert(w.uuid, Slot::Serving(Box::new(served)));
         self.save();
@@ -404,8 +415,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "clearing what the previous agent left");
         serve::cleanup_leftovers(&r);
     }
+    // Unusable key files stop the agent here rather than at an attach.
+    args.dhchap
+        .keys()
+        .context("this host's DH-HMAC-CHAP keys")?;
     let agent = Arc::new(Agent {
         connections: Connections::new(),
+        dhchap: args.dhchap.clone(),
         volumes: Mutex::new(BTreeMap::new()),
         ops: Mutex::new(()),
     });

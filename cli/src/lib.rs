@@ -12,7 +12,7 @@ pub mod attach;
 pub mod bench;
 pub mod cluster;
 pub mod dataset;
-pub mod dhchap;
+pub use nvpool_agent::dhchap;
 pub mod discover;
 pub mod nvmef;
 pub mod size;

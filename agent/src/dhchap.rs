@@ -1,5 +1,6 @@
-//! DH-HMAC-CHAP keys for the commands that connect to a controller
-//! directly (`nvpool bench`, `nvpool discover`).
+//! This host's DH-HMAC-CHAP keys, for the agent's volumes (targets the
+//! control plane gave the host's keys make it authenticate) and the CLI
+//! commands that connect to a controller directly (`nvpool bench`).
 //!
 //! Secrets come from a file or from the environment, never from an
 //! argument value: `ps` shows a process's arguments to every user.
@@ -13,6 +14,7 @@ use anyhow::{bail, Context};
 use nvpool_wire::dhchap::{Keys, Secret};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use zeroize::Zeroizing;
 
 /// The host's secret, when no file is named.
 pub const SECRET_ENV: &str = "NVPOOL_DHCHAP_SECRET";
@@ -33,22 +35,32 @@ pub struct DhchapArgs {
     pub dhchap_ctrl_secret_file: Option<PathBuf>,
 }
 
-fn read_secret(file: Option<&Path>, env: &str, what: &str) -> anyhow::Result<Option<Secret>> {
+/// A secret's text from `file` or else `env`, checked (`DHHC-1:…`) and
+/// trimmed; errors never quote it.
+fn read_text(
+    file: Option<&Path>,
+    env: &str,
+    what: &str,
+) -> anyhow::Result<Option<(Zeroizing<String>, Secret)>> {
     let text = match file {
-        Some(p) => zeroize::Zeroizing::new(
+        Some(p) => Zeroizing::new(
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
         ),
         None => match std::env::var(env) {
-            Ok(v) => zeroize::Zeroizing::new(v),
+            Ok(v) => Zeroizing::new(v),
             Err(std::env::VarError::NotPresent) => return Ok(None),
             Err(_) => bail!("{env} is not valid UTF-8"),
         },
     };
+    let text = Zeroizing::new(text.trim().to_owned());
     let secret = text
-        .trim()
         .parse::<Secret>()
         .with_context(|| format!("the {what} secret"))?;
-    Ok(Some(secret))
+    Ok(Some((text, secret)))
+}
+
+fn read_secret(file: Option<&Path>, env: &str, what: &str) -> anyhow::Result<Option<Secret>> {
+    Ok(read_text(file, env, what)?.map(|(_, s)| s))
 }
 
 impl DhchapArgs {
@@ -65,6 +77,24 @@ impl DhchapArgs {
             (Some(host), ctrl) => Ok(Some(Arc::new(Keys { host, ctrl }))),
             (None, Some(_)) => bail!("a controller secret needs a host secret too"),
             (None, None) => Ok(None),
+        }
+    }
+
+    /// The secrets as `DHHC-1:…` text (checked), for handing them to the
+    /// control plane: the host's (required) and the controller's.
+    pub fn texts(&self) -> anyhow::Result<(Zeroizing<String>, Option<Zeroizing<String>>)> {
+        let host = read_text(self.dhchap_secret_file.as_deref(), SECRET_ENV, "host")?;
+        let ctrl = read_text(
+            self.dhchap_ctrl_secret_file.as_deref(),
+            CTRL_SECRET_ENV,
+            "controller",
+        )?;
+        match host {
+            Some((h, _)) => Ok((h, ctrl.map(|(c, _)| c))),
+            None => bail!(
+                "no host secret: give --dhchap-secret-file or set {SECRET_ENV} \
+                 (`nvme gen-dhchap-key` makes one)"
+            ),
         }
     }
 }
