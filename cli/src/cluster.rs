@@ -11,7 +11,9 @@ use crate::size::format_iec;
 use crate::{Format, Usage};
 use comfy_table::Table;
 use nvpool_control::model::TargetState;
-use nvpool_control::rest::{DeviceRefBody, PoolBody, RebalanceBody, TargetStateBody};
+use nvpool_control::rest::{
+    DeviceRefBody, HostKeysBody, HostKeysOut, KeyRollout, PoolBody, RebalanceBody, TargetStateBody,
+};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -386,6 +388,124 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                 }
                 Format::Table => println!("target {id} removed"),
             }
+        }
+    }
+    Ok(())
+}
+
+// ----- nvpool host -----
+
+#[derive(Debug, clap::Args)]
+pub struct HostArgs {
+    #[command(flatten)]
+    pub out: OutputArgs,
+    #[command(subcommand)]
+    pub cmd: HostCmd,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum HostCmd {
+    /// Give the control plane a host's DH-HMAC-CHAP secrets: every target
+    /// that exports to the host then makes it authenticate with them.
+    /// The secrets come from files (or the environment), never arguments.
+    SetKeys {
+        /// The host's NQN.
+        host_nqn: String,
+        #[command(flatten)]
+        secrets: crate::dhchap::DhchapArgs,
+        /// Require this hash: sha256, sha384 or sha512 (default: the
+        /// strongest the host offers).
+        #[arg(long)]
+        hash: Option<String>,
+        /// Diffie-Hellman group: null (default), ffdhe2048, ffdhe3072,
+        /// ffdhe4096, ffdhe6144 or ffdhe8192.
+        #[arg(long)]
+        dhgroup: Option<String>,
+    },
+    /// Show a host's DH-HMAC-CHAP settings (never the secrets).
+    Keys {
+        /// The host's NQN.
+        host_nqn: String,
+    },
+    /// Forget a host's DH-HMAC-CHAP secrets: it connects without
+    /// authenticating again (its controllers reconnect).
+    ClearKeys {
+        /// The host's NQN.
+        host_nqn: String,
+    },
+}
+
+fn print_rollout(host: &str, r: &KeyRollout) {
+    if !r.updated.is_empty() {
+        println!("  changed on: {}", r.updated.join(", "));
+    }
+    for p in &r.pending {
+        println!(
+            "  pending on {} (reconciliation finishes it): {}",
+            p.target, p.error
+        );
+    }
+    if r.updated.is_empty() && r.pending.is_empty() {
+        println!("  no target exports to {host} yet");
+    }
+}
+
+pub fn run_host(conn: &Connection, a: HostArgs) -> anyhow::Result<()> {
+    let c = conn.client()?;
+    let fmt = a.out.output;
+    match a.cmd {
+        HostCmd::SetKeys {
+            host_nqn,
+            secrets,
+            hash,
+            dhgroup,
+        } => {
+            let (key, ctrl) = secrets.texts().map_err(|e| Usage(format!("{e:#}")))?;
+            let body = HostKeysBody {
+                dhchap_key: key.to_string(),
+                dhchap_ctrl_key: ctrl.map(|c| c.to_string()),
+                dhchap_hash: hash,
+                dhchap_dhgroup: dhgroup,
+            };
+            let path = format!("/v1/hosts/{}/dhchap", segment(&host_nqn));
+            let (_, out): (u16, HostKeysOut) = c.put(&path, &body)?;
+            if fmt == Format::Json {
+                return print_json(&serde_json::to_value(&out)?);
+            }
+            println!(
+                "host {host_nqn}: keys {} set ({})",
+                out.key_id,
+                if out.bidirectional {
+                    "bidirectional"
+                } else {
+                    "the host authenticates"
+                }
+            );
+            print_rollout(&host_nqn, &out.rollout.unwrap_or_default());
+        }
+        HostCmd::Keys { host_nqn } => {
+            let path = format!("/v1/hosts/{}/dhchap", segment(&host_nqn));
+            let out: HostKeysOut = typed("host keys", &c.get(&path)?)?;
+            if fmt == Format::Json {
+                return print_json(&serde_json::to_value(&out)?);
+            }
+            println!("host {host_nqn}");
+            println!("  key id:        {}", out.key_id);
+            println!("  bidirectional: {}", out.bidirectional);
+            println!(
+                "  hash:          {}",
+                out.dhchap_hash.as_deref().unwrap_or("any")
+            );
+            println!("  dh group:      {}", out.dhchap_dhgroup);
+        }
+        HostCmd::ClearKeys { host_nqn } => {
+            let path = format!("/v1/hosts/{}/dhchap", segment(&host_nqn));
+            let r: KeyRollout = c.delete_json(&path)?;
+            if fmt == Format::Json {
+                return print_json(&serde_json::to_value(&r)?);
+            }
+            println!("host {host_nqn}: keys cleared");
+            print_rollout(&host_nqn, &r);
         }
     }
     Ok(())

@@ -60,6 +60,8 @@ pub enum Command {
     Target(cluster::TargetArgs),
     /// Pools: named sets of target devices that volumes are placed on.
     Pool(cluster::PoolArgs),
+    /// Hosts: the DH-HMAC-CHAP secrets targets make them authenticate with.
+    Host(cluster::HostArgs),
     /// Volumes: create, list, grow, delete, attach to and detach from hosts.
     Volume(volume::VolumeArgs),
     /// A small-file training dataset: write one, or read it like an epoch (verified).
@@ -157,6 +159,7 @@ pub fn main() -> ExitCode {
         Command::Bench(a) => bench::run(&conn, a),
         Command::Target(a) => cluster::run_target(&conn, a),
         Command::Pool(a) => cluster::run_pool(&conn, a),
+        Command::Host(a) => cluster::run_host(&conn, a),
         Command::Volume(a) => volume::run(&conn, a),
         Command::Dataset(a) => dataset::run(a),
         Command::Top(a) => top::run(a),
