@@ -605,18 +605,23 @@ async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response
         )
         .into_response();
     };
-    let host = if need == Access::Host {
+    let (host, id) = if matches!(need, Access::Host | Access::Target) {
         match parts.extract::<RawPathParams>().await {
-            Ok(params) => params
-                .iter()
-                .find(|(k, _)| *k == "host_nqn")
-                .map(|(_, v)| v.to_owned()),
+            Ok(params) => {
+                let param = |name: &str| {
+                    params
+                        .iter()
+                        .find(|(k, _)| *k == name)
+                        .map(|(_, v)| v.to_owned())
+                };
+                (param("host_nqn"), param("id"))
+            }
             Err(e) => return ApiError::invalid(e.body_text()).into_response(),
         }
     } else {
-        None
+        (None, None)
     };
-    if !auth::permits(who, need, host.as_deref()) {
+    if !auth::permits(who, need, host.as_deref(), id.as_deref()) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             "forbidden",
@@ -628,6 +633,8 @@ async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response
         )
         .into_response();
     }
+    // The registration checks a bound target token against the body's id.
+    parts.extensions.insert(who.clone());
     next.run(Request::from_parts(parts, body)).await
 }
 
@@ -905,8 +912,19 @@ async fn openapi() -> Response {
 #[utoipa::path(post, path = "/v1/targets", tag = "targets", request_body = RegisterTargetBody, responses((status = 200, description = "registered (or re-registered)", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn register_target(
     State(api): State<Api>,
+    who: Option<axum::Extension<auth::Principal>>,
     JsonBody(body): JsonBody<RegisterTargetBody>,
 ) -> Result<Json<TargetOut>, ApiError> {
+    if !auth::permits_registration(who.as_ref().map(|w| &w.0), &body.id) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "this target token is bound to another target than {}",
+                body.id
+            ),
+        ));
+    }
     let reg = TargetRegistration {
         id: body.id,
         name: body.name,

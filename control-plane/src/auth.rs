@@ -10,6 +10,7 @@
 //! | `admin` | everything |
 //! | `reader` | every `GET` (lists, views, `/metrics`) |
 //! | `target` | read; register, heartbeat, renew owner leases; act for the owner host NQNs of served volumes |
+//! | `target` bound to a target id | the same, for that one target only (its id in the registration and the path, its own owner host NQNs) |
 //! | `host` (bound to one host NQN) | read; attach, detach and report (session, missed regions, failed copies, sync) for its own NQN only |
 //!
 //! `GET /healthz` and `GET /v1/openapi.json` need no token. A request
@@ -80,6 +81,10 @@ pub enum Principal {
     Admin,
     Reader,
     Target,
+    /// One target (`target TOKEN ID`): a target's calls for that id only,
+    /// so that a target's stolen token cannot act for another (keep a dead
+    /// owner's leases alive, re-register it elsewhere).
+    BoundTarget(String),
     /// A host's agent, for this host NQN only.
     Host(String),
 }
@@ -89,7 +94,7 @@ impl Principal {
         match self {
             Principal::Admin => Role::Admin,
             Principal::Reader => Role::Reader,
-            Principal::Target => Role::Target,
+            Principal::Target | Principal::BoundTarget(_) => Role::Target,
             Principal::Host(_) => Role::Host,
         }
     }
@@ -130,16 +135,34 @@ pub fn access(method: &str, template: &str) -> Access {
 }
 
 /// Whether `who` may make a call that needs `access`; `host_nqn` is the
-/// path's `{host_nqn}`, percent-decoded, for [`Access::Host`].
-pub fn permits(who: &Principal, access: Access, host_nqn: Option<&str>) -> bool {
+/// path's `{host_nqn}` (percent-decoded) for [`Access::Host`], `target_id`
+/// its `{id}` for [`Access::Target`]. The one target route without an
+/// `{id}`, the registration, carries the id in its body: its handler
+/// checks a bound target's id there ([`permits_registration`]).
+pub fn permits(
+    who: &Principal,
+    access: Access,
+    host_nqn: Option<&str>,
+    target_id: Option<&str>,
+) -> bool {
+    let owner_of = |h: Option<&str>| h.and_then(crate::paths::parse_owner_host).map(|(_, t)| t);
     match (who, access) {
         (_, Access::Public | Access::Read) | (Principal::Admin, _) => true,
         (Principal::Target, Access::Target) => true,
-        (Principal::Target, Access::Host) => {
-            host_nqn.is_some_and(|h| crate::paths::parse_owner_host(h).is_some())
-        }
+        (Principal::BoundTarget(mine), Access::Target) => target_id.is_none_or(|t| t == mine),
+        (Principal::Target, Access::Host) => owner_of(host_nqn).is_some(),
+        (Principal::BoundTarget(mine), Access::Host) => owner_of(host_nqn).as_ref() == Some(mine),
         (Principal::Host(mine), Access::Host) => host_nqn == Some(mine.as_str()),
         _ => false,
+    }
+}
+
+/// Whether `who` may register (or re-register) the target `id`: a bound
+/// target token only its own.
+pub fn permits_registration(who: Option<&Principal>, id: &str) -> bool {
+    match who {
+        Some(Principal::BoundTarget(mine)) => mine == id,
+        _ => true,
     }
 }
 
@@ -198,6 +221,10 @@ impl Tokens {
         if let Principal::Host(nqn) = &who {
             crate::attach::validate_host_nqn(nqn).map_err(|e| e.to_string())?;
         }
+        if let Principal::BoundTarget(id) = &who {
+            crate::model::validate_id("target id", id, crate::limits::ID_BYTES_MAX)
+                .map_err(|e| e.to_string())?;
+        }
         match self.by_digest.entry(digest(token)) {
             std::collections::hash_map::Entry::Occupied(_) => {
                 Err("the same token appears twice".to_owned())
@@ -230,8 +257,8 @@ impl Tokens {
         self.by_digest.get(&digest(token))
     }
 
-    /// Adds the entries of a tokens file: one per line, `ROLE TOKEN` or
-    /// `host TOKEN HOSTNQN`, separated by blanks; blank lines and lines
+    /// Adds the entries of a tokens file: one per line, `ROLE TOKEN`,
+    /// `target TOKEN TARGET_ID` or `host TOKEN HOSTNQN`, separated by blanks; blank lines and lines
     /// starting with `#` are skipped. `origin` names the file in errors,
     /// which never quote a token.
     pub fn add_file_text(&mut self, origin: &str, text: &str) -> Result<(), TokenError> {
@@ -255,8 +282,12 @@ impl Tokens {
                 (Role::Admin, [_]) => Principal::Admin,
                 (Role::Reader, [_]) => Principal::Reader,
                 (Role::Target, [_]) => Principal::Target,
+                (Role::Target, [_, id]) => Principal::BoundTarget((*id).to_owned()),
                 (Role::Host, [_, nqn]) => Principal::Host((*nqn).to_owned()),
                 (Role::Host, _) => return Err(invalid("expected `host TOKEN HOSTNQN`".into())),
+                (Role::Target, _) => {
+                    return Err(invalid("expected `target TOKEN [TARGET_ID]`".into()))
+                }
                 _ => return Err(invalid(format!("expected `{} TOKEN`", role.name()))),
             };
             self.add(who, fields[1]).map_err(invalid)?;
@@ -299,7 +330,7 @@ pub fn read_token_file(path: &Path) -> Result<String, TokenError> {
 /// Where the daemon's tokens come from: files, re-read when they change.
 #[derive(Debug, Clone, Default)]
 pub struct TokenFiles {
-    /// Files of `ROLE TOKEN [HOSTNQN]` lines.
+    /// Files of `ROLE TOKEN [HOSTNQN | TARGET_ID]` lines.
     pub tokens: Vec<PathBuf>,
     /// A file holding one admin token.
     pub admin: Option<PathBuf>,
@@ -465,22 +496,63 @@ mod tests {
             &Principal::Target,
             &host,
         ] {
-            assert!(permits(who, Access::Read, None));
-            assert!(permits(who, Access::Public, None));
+            assert!(permits(who, Access::Read, None, None));
+            assert!(permits(who, Access::Public, None, None));
         }
-        assert!(permits(&Principal::Admin, Access::Admin, None));
+        assert!(permits(&Principal::Admin, Access::Admin, None, None));
         for who in [&Principal::Reader, &Principal::Target, &host] {
-            assert!(!permits(who, Access::Admin, None));
+            assert!(!permits(who, Access::Admin, None, None));
         }
-        assert!(permits(&Principal::Target, Access::Target, None));
-        assert!(!permits(&Principal::Reader, Access::Target, None));
-        assert!(!permits(&host, Access::Target, None));
-        assert!(permits(&host, Access::Host, Some(NQN)));
-        assert!(!permits(&host, Access::Host, Some(owner)));
-        assert!(!permits(&host, Access::Host, None));
-        assert!(permits(&Principal::Target, Access::Host, Some(owner)));
-        assert!(!permits(&Principal::Target, Access::Host, Some(NQN)));
-        assert!(!permits(&Principal::Reader, Access::Host, Some(NQN)));
+        assert!(permits(&Principal::Target, Access::Target, None, None));
+        assert!(!permits(&Principal::Reader, Access::Target, None, None));
+        assert!(!permits(&host, Access::Target, None, None));
+        assert!(permits(&host, Access::Host, Some(NQN), None));
+        assert!(!permits(&host, Access::Host, Some(owner), None));
+        assert!(!permits(&host, Access::Host, None, None));
+        assert!(permits(&Principal::Target, Access::Host, Some(owner), None));
+        assert!(!permits(&Principal::Target, Access::Host, Some(NQN), None));
+        assert!(!permits(&Principal::Reader, Access::Host, Some(NQN), None));
+    }
+
+    #[test]
+    fn a_bound_target_token_acts_for_its_own_target_only() {
+        let t1 = Principal::BoundTarget("t1".into());
+        let own = "nqn.2026-11.io.nvpool:owner:11111111-2222-3333-4444-555555555555:t1";
+        let other = "nqn.2026-11.io.nvpool:owner:11111111-2222-3333-4444-555555555555:t2";
+        assert_eq!(t1.role(), Role::Target);
+        assert!(permits(&t1, Access::Read, None, None));
+        assert!(permits(&t1, Access::Target, None, Some("t1")));
+        assert!(!permits(&t1, Access::Target, None, Some("t2")));
+        assert!(permits(&t1, Access::Host, Some(own), None));
+        assert!(!permits(&t1, Access::Host, Some(other), None));
+        assert!(!permits(&t1, Access::Host, Some(NQN), None));
+        assert!(!permits(&t1, Access::Admin, None, None));
+        assert!(permits_registration(Some(&t1), "t1"));
+        assert!(!permits_registration(Some(&t1), "t2"));
+        assert!(permits_registration(Some(&Principal::Target), "t2"));
+        assert!(permits_registration(None, "t2"));
+
+        let mut set = Tokens::new();
+        set.add_file_text(
+            "tokens",
+            "target shared-target-token-0001\ntarget bound-target-token-0001 t1\n",
+        )
+        .unwrap();
+        assert_eq!(
+            set.identify("shared-target-token-0001"),
+            Some(&Principal::Target)
+        );
+        assert_eq!(set.identify("bound-target-token-0001"), Some(&t1));
+        let e = Tokens::new()
+            .add_file_text("tokens", "target bound-target-token-0001 t1 extra\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 1") && !e.contains("bound-target"), "{e}");
+        let e = Tokens::new()
+            .add_file_text("tokens", "target bound-target-token-0001 bad/id\n")
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("bound-target"), "{e}");
     }
 
     #[test]

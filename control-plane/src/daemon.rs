@@ -66,7 +66,8 @@ pub struct Args {
     #[command(flatten)]
     pub store_tls: StoreTlsArgs,
     /// File of bearer tokens with their roles, one per line: `admin TOKEN`,
-    /// `reader TOKEN`, `target TOKEN` or `host TOKEN HOSTNQN` (repeatable).
+    /// `reader TOKEN`, `target TOKEN [TARGET_ID]` (an id binds it to that
+    /// target) or `host TOKEN HOSTNQN` (repeatable).
     /// Files are read again when they change, so a token is rotated by
     /// adding the new one, moving clients, then removing the old.
     #[arg(

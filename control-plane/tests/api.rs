@@ -721,10 +721,16 @@ fn every_route_checks_the_token_and_its_role() {
     const OTHER: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000002";
     const HOST_TOKEN: &str = "host-secret-0123456789";
     const OTHER_TOKEN: &str = "other-host-secret-0123456789";
+    // Target tokens bound to t0 (the id every `{id}` is filled with) and
+    // to another target.
+    const T0_TOKEN: &str = "bound-t0-secret-0123456789";
+    const T9_TOKEN: &str = "bound-t9-secret-0123456789";
     let s = serve(AuthConfig::new(
         Tokens::new()
             .with(Principal::Admin, ADMIN)
             .with(Principal::Target, TARGET)
+            .with(Principal::BoundTarget("t0".into()), T0_TOKEN)
+            .with(Principal::BoundTarget("t9".into()), T9_TOKEN)
             .with(Principal::Reader, READER)
             .with(Principal::Host(HOST.into()), HOST_TOKEN)
             .with(Principal::Host(OTHER.into()), OTHER_TOKEN),
@@ -793,8 +799,18 @@ fn every_route_checks_the_token_and_its_role() {
                     s.expect_error(&r, 403, "forbidden");
                 }
             }
+            if template.contains("{id}") && method != "GET" && allowed.contains(&"target_token") {
+                // A bound target token acts for its own target only.
+                let r = call(Some(T0_TOKEN), HOST);
+                assert!(r.status != 401 && r.status != 403, "{what}: {}", r.body);
+                s.expect_error(&call(Some(T9_TOKEN), HOST), 403, "forbidden");
+            }
             if template.contains("{host_nqn}") && method != "GET" && allowed.contains(&"host_token")
             {
+                // ... and for its own owner NQNs only.
+                let r = call(Some(T0_TOKEN), &owner);
+                assert!(r.status != 401 && r.status != 403, "{what}: {}", r.body);
+                s.expect_error(&call(Some(T9_TOKEN), &owner), 403, "forbidden");
                 // A host acts for itself only; a target for owner NQNs only.
                 s.expect_error(&call(Some(OTHER_TOKEN), HOST), 403, "forbidden");
                 s.expect_error(&call(Some(HOST_TOKEN), &owner), 403, "forbidden");
@@ -809,6 +825,38 @@ fn every_route_checks_the_token_and_its_role() {
         }
     }
     assert!(checked >= 30, "only {checked} operations checked");
+}
+
+/// A target token bound to one target id (`target TOKEN ID`) registers
+/// that target only.
+#[test]
+fn a_bound_target_token_registers_its_own_target_only() {
+    const T1_TOKEN: &str = "bound-t1-secret-0123456789";
+    let s = serve(AuthConfig::new(
+        Tokens::new()
+            .with(Principal::Admin, ADMIN)
+            .with(Principal::BoundTarget("t1".into()), T1_TOKEN),
+    ));
+    let r = s.call(
+        "POST",
+        "/v1/targets",
+        Some(T1_TOKEN),
+        Some(registration(0, "r0", 1, 8)),
+    );
+    s.expect_error(&r, 403, "forbidden");
+    assert_eq!(
+        s.call("GET", "/v1/targets/t0", Some(ADMIN), None).status,
+        404
+    );
+    let r = s.call(
+        "POST",
+        "/v1/targets",
+        Some(T1_TOKEN),
+        Some(registration(1, "r1", 1, 8)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = s.call("PUT", "/v1/targets/t1/heartbeat", Some(T1_TOKEN), None);
+    assert_eq!(r.status, 200, "{}", r.body);
 }
 
 /// The router's routes, read from its source, are the document's paths:
