@@ -490,13 +490,13 @@ pub fn run_host(conn: &Connection, a: HostArgs) -> anyhow::Result<()> {
                 return print_json(&serde_json::to_value(&out)?);
             }
             println!("host {host_nqn}");
-            println!("  key id:        {}", out.key_id);
-            println!("  bidirectional: {}", out.bidirectional);
+            println!("key id:        {}", out.key_id);
+            println!("bidirectional: {}", out.bidirectional);
             println!(
-                "  hash:          {}",
+                "hash:          {}",
                 out.dhchap_hash.as_deref().unwrap_or("any")
             );
-            println!("  dh group:      {}", out.dhchap_dhgroup);
+            println!("dh group:      {}", out.dhchap_dhgroup);
         }
         HostCmd::ClearKeys { host_nqn } => {
             let path = format!("/v1/hosts/{}/dhchap", segment(&host_nqn));

@@ -215,6 +215,83 @@ fn field<'a>(text: &'a str, key: &str) -> &'a str {
         .trim()
 }
 
+// ----- hosts -----
+
+#[test]
+fn host_keys_are_set_from_files_shown_without_secrets_and_cleared() {
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
+    let cp = control_plane(0);
+    let dir = tempfile::tempdir().unwrap();
+    let secret = nvpool_wire::dhchap::Secret::new(&[7; 32], None)
+        .unwrap()
+        .to_dhhc();
+    let ctrl = nvpool_wire::dhchap::Secret::new(&[8; 48], None)
+        .unwrap()
+        .to_dhhc();
+    let file = dir.path().join("host.key");
+    std::fs::write(&file, format!("{secret}\n")).unwrap();
+    let ctrl_file = dir.path().join("ctrl.key");
+    std::fs::write(&ctrl_file, &ctrl).unwrap();
+    let (f, cf) = (file.to_str().unwrap(), ctrl_file.to_str().unwrap());
+
+    let set = cp.run(&[
+        "host",
+        "set-keys",
+        HOST,
+        "--dhchap-secret-file",
+        f,
+        "--dhchap-ctrl-secret-file",
+        cf,
+        "--dhgroup",
+        "ffdhe3072",
+        "-o",
+        "json",
+    ]);
+    set.expect_ok();
+    assert!(!set.stdout.contains(&secret[10..]) && !set.stdout.contains(&ctrl[10..]));
+    let out: Value = serde_json::from_str(&set.stdout).unwrap();
+    let key_id = out["key_id"].as_str().unwrap().to_owned();
+    assert_eq!(out["bidirectional"], true, "{out}");
+    assert_eq!(out["rollout"]["updated"], json!([]), "{out}");
+
+    let shown = cp.table(&["host", "keys", HOST]);
+    assert_eq!(field(&shown, "key id"), key_id);
+    assert_eq!(field(&shown, "dh group"), "ffdhe3072");
+    assert!(!shown.contains(&secret[10..]));
+
+    // Secrets come from files or the environment only, and a bad one is
+    // a usage error that does not quote it.
+    cp.run(&["host", "set-keys", HOST])
+        .expect_error(2, "no host secret");
+    let bad = dir.path().join("bad.key");
+    std::fs::write(&bad, "DHHC-1:00:c2VjcmV0LXNlY3JldC1zZWNyZXQ=:").unwrap();
+    let r = cp.run(&[
+        "host",
+        "set-keys",
+        HOST,
+        "--dhchap-secret-file",
+        bad.to_str().unwrap(),
+    ]);
+    r.expect_error(2, "host secret");
+    assert!(!r.stderr.contains("c2VjcmV0"), "{}", r.stderr);
+    cp.run(&[
+        "host",
+        "set-keys",
+        HOST,
+        "--dhchap-secret-file",
+        f,
+        "--hash",
+        "md5",
+    ])
+    .expect_error(1, "dhchap_hash");
+    // The failed attempts changed nothing.
+    assert_eq!(cp.json(&["host", "keys", HOST])["key_id"], key_id.as_str());
+
+    cp.table(&["host", "clear-keys", HOST]);
+    cp.run(&["host", "keys", HOST])
+        .expect_error(1, "no DH-HMAC-CHAP keys");
+}
+
 // ----- targets -----
 
 #[test]
