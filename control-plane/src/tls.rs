@@ -68,36 +68,62 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// unknown). Server names are always verified.
 #[cfg(feature = "client")]
 pub fn client_tls(cacert: Option<&Path>) -> Result<ureq::tls::TlsConfig, TlsError> {
-    use ureq::tls::{parse_pem, PemItem, RootCerts, TlsConfig, TlsProvider};
-    let (flag, path) = match cacert {
-        Some(p) => ("--cacert", Some(p)),
-        None => ("system CA bundle", Some(Path::new(SYSTEM_CA_BUNDLE))),
-    };
-    let mut roots = Vec::new();
-    if let Some(path) = path {
-        match read(flag, path) {
-            Ok(pem) => {
-                for item in parse_pem(&pem) {
-                    match item {
-                        Ok(PemItem::Certificate(c)) => roots.push(c),
-                        Ok(_) => {}
-                        Err(e) => return Err(invalid(flag, path, format!("not PEM: {e}"))),
-                    }
-                }
-                if roots.is_empty() && cacert.is_some() {
-                    return Err(invalid(flag, path, "no CERTIFICATE in it"));
-                }
+    client_tls_for("--cacert", cacert)
+}
+
+/// [`client_tls`] for a program whose option is not `--cacert`
+/// (`nvpool-target --control-plane-cacert`): `flag` names it in errors.
+#[cfg(feature = "client")]
+pub fn client_tls_for(
+    flag: &'static str,
+    cacert: Option<&Path>,
+) -> Result<ureq::tls::TlsConfig, TlsError> {
+    match cacert {
+        Some(path) => {
+            let roots = pem_certs(flag, path)?;
+            if roots.is_empty() {
+                return Err(invalid(flag, path, "no CERTIFICATE in it"));
             }
-            // Without --cacert a missing system bundle only means no roots.
-            Err(e) if cacert.is_some() => return Err(e),
-            Err(_) => {}
+            Ok(client_config(roots))
+        }
+        None => Ok(client_tls_system()),
+    }
+}
+
+/// [`client_tls`] without a file: the system bundle's CAs; a bundle that
+/// is missing or not PEM means none.
+#[cfg(feature = "client")]
+pub fn client_tls_system() -> ureq::tls::TlsConfig {
+    let path = Path::new(SYSTEM_CA_BUNDLE);
+    client_config(pem_certs("system CA bundle", path).unwrap_or_default())
+}
+
+#[cfg(feature = "client")]
+fn pem_certs(
+    flag: &'static str,
+    path: &Path,
+) -> Result<Vec<ureq::tls::Certificate<'static>>, TlsError> {
+    use ureq::tls::{parse_pem, PemItem};
+    let pem = read(flag, path)?;
+    let mut roots = Vec::new();
+    for item in parse_pem(&pem) {
+        match item {
+            Ok(PemItem::Certificate(c)) => roots.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(invalid(flag, path, format!("not PEM: {e}"))),
         }
     }
-    Ok(TlsConfig::builder()
+    Ok(roots)
+}
+
+#[cfg(feature = "client")]
+fn client_config(roots: Vec<ureq::tls::Certificate<'static>>) -> ureq::tls::TlsConfig {
+    use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
+    TlsConfig::builder()
         .provider(TlsProvider::Rustls)
         .unversioned_rustls_crypto_provider(provider())
         .root_certs(RootCerts::new_with_certs(&roots))
-        .build())
+        .build()
 }
 
 /// Refuses plain HTTP off loopback unless the operator asked for it

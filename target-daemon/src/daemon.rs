@@ -432,12 +432,15 @@ pub struct Cli {
     #[arg(long, hide = true, default_value_t = crate::limits::REACTOR_SPIN_US_DEFAULT,
           value_parser = clap::value_parser!(u64).range(0..=crate::limits::REACTOR_SPIN_US_MAX))]
     pub reactor_spin_us: u64,
-    /// Register with this control plane and heartbeat to it, e.g. http://10.0.0.5:4430 (plain HTTP only); a comma-separated list names instances of one control plane, tried in turn.
+    /// Register with this control plane and heartbeat to it, e.g. https://10.0.0.5:4430; a comma-separated list names instances of one control plane, tried in turn.
     #[arg(long, env = "NVPOOL_CONTROL_PLANE", value_name = "URL")]
     pub control_plane: Option<String>,
     /// File holding the bearer token for the control plane (whitespace trimmed).
     #[arg(long, env = "NVPOOL_TARGET_TOKEN_FILE", value_name = "PATH")]
     pub control_plane_token_file: Option<PathBuf>,
+    /// CA certificates (PEM) to trust for an https --control-plane, instead of the system's.
+    #[arg(long, env = "NVPOOL_TARGET_CONTROL_PLANE_CACERT", value_name = "FILE")]
+    pub control_plane_cacert: Option<PathBuf>,
     /// Offer a device to the pool: ID=BACKEND, e.g. d0=file:/dev/nvme1n1 (repeatable). The control plane exports extents of it; it is not exported by itself.
     #[arg(long = "device", value_name = "ID=BACKEND")]
     pub device: Vec<String>,
@@ -598,6 +601,23 @@ pub fn admin_tokens(cli: &Cli, state_dir: Option<&std::path::Path>) -> anyhow::R
         ),
     }
     Ok(tokens)
+}
+
+/// The exit status for an error of [`run`]: 2 when a TLS file given on the
+/// command line is unusable (a usage error), else 1.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    let tls_file = e.chain().any(|c| {
+        c.is::<nvpool_control::tls::TlsError>()
+            || matches!(
+                c.downcast_ref::<register::RegisterError>(),
+                Some(register::RegisterError::Tls(_))
+            )
+    });
+    if tls_file {
+        2
+    } else {
+        1
+    }
 }
 
 /// The whole daemon: configure, start, wait for SIGTERM/SIGINT, shut down.

@@ -56,6 +56,9 @@ pub enum RegisterError {
     /// A start-time option is unusable.
     #[error("{0}")]
     Usage(String),
+    /// `--control-plane-cacert` (or the system bundle) is unusable.
+    #[error(transparent)]
+    Tls(#[from] nvpool_control::tls::TlsError),
     #[error("--control-plane-token-file {path}: cannot read the token")]
     TokenFile {
         path: PathBuf,
@@ -241,6 +244,9 @@ pub struct RegistrationConfig {
     pub backoff_max: Duration,
     /// One HTTP request, connect to last byte.
     pub request_timeout: Duration,
+    /// Whom an https control plane must prove it is: the CA certificates
+    /// of `--control-plane-cacert`, else the system bundle.
+    pub tls: ureq::tls::TlsConfig,
 }
 
 impl RegistrationConfig {
@@ -269,6 +275,7 @@ impl RegistrationConfig {
             backoff_min: Duration::from_millis(REGISTER_BACKOFF_MIN_MS),
             backoff_max: Duration::from_millis(REGISTER_BACKOFF_MAX_MS),
             request_timeout: Duration::from_millis(CONTROL_PLANE_REQUEST_TIMEOUT_MS),
+            tls: nvpool_control::tls::client_tls_system(),
         }
     }
 
@@ -320,6 +327,7 @@ impl std::fmt::Debug for RegistrationConfig {
             .field("backoff_min", &self.backoff_min)
             .field("backoff_max", &self.backoff_max)
             .field("request_timeout", &self.request_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -337,6 +345,7 @@ pub struct Settings {
     advertise_rdma: Option<SocketAddr>,
     labels: BTreeMap<String, String>,
     devices: Vec<DeviceOffer>,
+    tls: ureq::tls::TlsConfig,
 }
 
 impl std::fmt::Debug for Settings {
@@ -386,6 +395,10 @@ impl Settings {
             Some(p) => Some(read_token(p)?),
             None => None,
         };
+        let tls = nvpool_control::tls::client_tls_for(
+            "--control-plane-cacert",
+            cli.control_plane_cacert.as_deref(),
+        )?;
         if let Some(id) = &cli.target_id {
             check_id("--target-id", id)?;
         }
@@ -436,6 +449,7 @@ impl Settings {
             advertise_rdma: cli.advertise_rdma,
             labels,
             devices,
+            tls,
         }))
     }
 
@@ -500,6 +514,7 @@ impl Settings {
         cfg.advertise_rdma = self.advertise_rdma;
         cfg.labels = labels;
         cfg.devices = self.devices;
+        cfg.tls = self.tls;
         Ok(cfg)
     }
 }
@@ -710,6 +725,7 @@ pub(crate) struct Client {
 impl Client {
     pub(crate) fn new(cfg: RegistrationConfig) -> Client {
         let agent = ureq::Agent::config_builder()
+            .tls_config(cfg.tls.clone())
             .timeout_global(Some(cfg.request_timeout))
             // Error statuses carry a JSON body we want to read.
             .http_status_as_error(false)

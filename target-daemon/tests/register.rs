@@ -3,6 +3,8 @@
 //! their devices, heartbeat, survive a refused token or an absent control
 //! plane, and re-register when the control plane forgets them.
 
+#[path = "../../control-plane/tests/common/certs.rs"]
+mod certs;
 mod common;
 
 use common::*;
@@ -49,6 +51,24 @@ impl ControlPlane {
 
     fn start(auth: AuthConfig) -> ControlPlane {
         ControlPlane::start_on("127.0.0.1:0".parse().unwrap(), auth)
+    }
+
+    /// Serves https with the certificate `certs` made.
+    fn start_https(auth: AuthConfig, c: &certs::Certs) -> ControlPlane {
+        let cluster = Cluster::new(
+            Arc::new(MemStore::new()),
+            Arc::new(SystemClock),
+            StateConfig {
+                extent_bytes: MIB,
+                ..StateConfig::default()
+            },
+        )
+        .unwrap();
+        let cluster = Arc::new(cluster);
+        let tls = nvpool_control::tls::ServerTls::load(&c.cert, &c.key).unwrap();
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let api = ApiServer::start_tls(cluster.clone(), auth, bind, Some(tls)).unwrap();
+        ControlPlane { api, cluster }
     }
 
     fn url(&self) -> ControlPlaneUrl {
@@ -270,6 +290,70 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     let r = Registrar::start(cfg).unwrap();
     wait_for("the target to be listed", || cp.target("t-token").is_some());
     r.stop();
+}
+
+/// An https control plane: the registrar trusts the CA of
+/// `--control-plane-cacert` and registers; without it (the system bundle
+/// does not know a test CA) every attempt fails saying why, and nothing is
+/// registered.
+#[test]
+fn a_registrar_reaches_an_https_control_plane_through_its_cacert_only() {
+    logs();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let c = certs::make(dir.path(), "cp");
+    let cp = ControlPlane::start_https(AuthConfig::default(), &c);
+    let url = ControlPlaneUrl::parse(&format!("https://{}", cp.api.addr)).unwrap();
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+
+    let r = Registrar::start(quick(url.clone(), "t-untrusted", &d)).unwrap();
+    wait_status(&r, "failed attempts", |s| s.failures >= 2);
+    let s = r.status();
+    assert!(!s.registered, "{s:?}");
+    let err = s.last_error.unwrap();
+    assert!(err.contains("cannot reach the control plane"), "{err}");
+    assert!(err.to_lowercase().contains("unknownissuer"), "{err}");
+    r.stop();
+
+    let mut cfg = quick(url, "t-https", &d);
+    cfg.tls = nvpool_control::tls::client_tls_for("--control-plane-cacert", Some(&c.ca)).unwrap();
+    let r = Registrar::start(cfg).unwrap();
+    wait_status(&r, "a heartbeat", |s| s.registered && s.heartbeats >= 1);
+    r.stop();
+    assert!(cp.cluster.target_credential("t-https").unwrap().is_some());
+    assert!(cp
+        .cluster
+        .target_credential("t-untrusted")
+        .unwrap()
+        .is_none());
+    d.shutdown();
+    cp.stop();
+}
+
+/// An unusable `--control-plane-cacert` stops the daemon at start: one
+/// line naming the option and the file, exit status 2.
+#[test]
+fn an_unusable_control_plane_cacert_is_a_usage_error() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let not_pem = dir.path().join("not-a-ca.pem");
+    std::fs::write(&not_pem, "hello\n").unwrap();
+    for (file, why) in [
+        ("/nonexistent/ca.pem", "cannot read it"),
+        (not_pem.to_str().unwrap(), "no CERTIFICATE in it"),
+    ] {
+        let out = daemon_bin()
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--control-plane", "https://127.0.0.1:1"])
+            .args(["--control-plane-cacert", file])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{e}");
+        assert!(
+            e.contains(&format!("--control-plane-cacert {file}: {why}")),
+            "{e}"
+        );
+        assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    }
 }
 
 /// A rotated admin token (a new first line in the token file) reaches the
