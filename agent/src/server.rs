@@ -33,6 +33,11 @@ pub struct Args {
     /// address (loopback unless you mean it), e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// CA certificates (PEM) every volume's https control plane is
+    /// trusted by, instead of the system's: `nvpool-agent --cacert`, or
+    /// the CLI's global `--cacert` for `nvpool agent`.
+    #[arg(skip)]
+    pub cacert: Option<std::path::PathBuf>,
 }
 
 enum Slot {
@@ -48,6 +53,8 @@ enum Slot {
 /// The agent's state, shared by the API handlers and the restore thread.
 struct Agent {
     connections: Arc<Connections>,
+    /// Whom every volume's control plane must prove it is (`--cacert`).
+    tls: ureq::tls::TlsConfig,
     volumes: Mutex<BTreeMap<Uuid, Slot>>,
     /// Attach, detach and restore run one at a time.
     ops: Mutex<()>,
@@ -104,7 +111,7 @@ impl Agent {
 
     /// Serves `w` (blocking: connects, presents). The caller holds `ops`.
     fn open(&self, w: &Wanted) -> anyhow::Result<VolumeOut> {
-        let served = serve::open(w, &self.connections)?;
+        let served = serve::open(w, &self.connections, &self.tls)?;
         let out = served.out();
         lock(&self.volumes).insert(w.uuid, Slot::Serving(Box::new(served)));
         self.save();
@@ -390,6 +397,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // directory; set before any thread starts.
         std::env::set_var("NVPOOL_RUN_DIR", d);
     }
+    // A CA file that cannot be used is a usage error, before anything runs.
+    let tls = nvpool_control::tls::client_tls(args.cacert.as_deref())
+        .map_err(crate::client::ClientError::Tls)?;
     let run = state::run_dir();
     std::fs::create_dir_all(run.join("volumes"))
         .with_context(|| format!("creating {}", run.display()))?;
@@ -406,6 +416,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let agent = Arc::new(Agent {
         connections: Connections::new(),
+        tls,
         volumes: Mutex::new(BTreeMap::new()),
         ops: Mutex::new(()),
     });
