@@ -183,28 +183,34 @@ mod server {
         /// `cert`: the server's certificate chain (PEM, leaf first);
         /// `key`: its private key (PEM: PKCS#8, PKCS#1 or SEC1).
         pub fn load(cert: &Path, key: &Path) -> Result<ServerTls, TlsError> {
-            let pem = read("--tls-cert", cert)?;
+            ServerTls::load_for(("--tls-cert", cert), ("--tls-key", key))
+        }
+
+        /// [`ServerTls::load`] for a program whose options have other
+        /// names (`nvpool-target --admin-tls-cert`): each path comes with
+        /// the option errors name.
+        pub fn load_for(
+            (cert_flag, cert): (&'static str, &Path),
+            (key_flag, key): (&'static str, &Path),
+        ) -> Result<ServerTls, TlsError> {
+            let pem = read(cert_flag, cert)?;
             let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<_, _>>()
-                .map_err(|e| invalid("--tls-cert", cert, format!("not PEM: {e}")))?;
+                .map_err(|e| invalid(cert_flag, cert, format!("not PEM: {e}")))?;
             if chain.is_empty() {
-                return Err(invalid("--tls-cert", cert, "no CERTIFICATE in it"));
+                return Err(invalid(cert_flag, cert, "no CERTIFICATE in it"));
             }
-            let pem = read("--tls-key", key)?;
+            let pem = read(key_flag, key)?;
             // The error of a key file never quotes it.
             let private = PrivateKeyDer::from_pem_slice(&pem)
-                .map_err(|_| invalid("--tls-key", key, "no private key (PEM) in it"))?;
+                .map_err(|_| invalid(key_flag, key, "no private key (PEM) in it"))?;
             let config = rustls::ServerConfig::builder_with_provider(provider())
                 .with_safe_default_protocol_versions()
-                .map_err(|e| invalid("--tls-cert", cert, e.to_string()))?
+                .map_err(|e| invalid(cert_flag, cert, e.to_string()))?
                 .with_no_client_auth()
                 .with_single_cert(chain, private)
                 .map_err(|e| {
-                    invalid(
-                        "--tls-key",
-                        key,
-                        format!("does not go with --tls-cert: {e}"),
-                    )
+                    invalid(key_flag, key, format!("does not go with {cert_flag}: {e}"))
                 })?;
             Ok(ServerTls {
                 config: Arc::new(config),

@@ -44,6 +44,8 @@ pub struct StartOptions {
 pub struct AdminOptions {
     pub listen: SocketAddr,
     pub tokens: AdminTokens,
+    /// https with this certificate; None: plain HTTP.
+    pub tls: Option<nvpool_control::tls::ServerTls>,
 }
 
 enum AcceptorCmd {
@@ -195,8 +197,14 @@ impl Running {
             .spawn(move || acc.run())?;
         let api = match &opts.admin {
             Some(a) => Some(
-                api::ApiServer::start(a.listen, a.tokens.clone(), target.clone(), control.clone())
-                    .with_context(|| format!("cannot start the admin API on {}", a.listen))?,
+                api::ApiServer::start_tls(
+                    a.listen,
+                    a.tokens.clone(),
+                    target.clone(),
+                    control.clone(),
+                    a.tls.clone(),
+                )
+                .with_context(|| format!("cannot start the admin API on {}", a.listen))?,
             ),
             None => None,
         };
@@ -411,6 +419,12 @@ pub struct Cli {
     /// Let the admin API listen on an address other than loopback over plain HTTP, where its bearer token crosses the network in clear.
     #[arg(long)]
     pub admin_insecure_http: bool,
+    /// Serve the admin API over https with this certificate chain (PEM, leaf first); needs --admin-tls-key.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_key")]
+    pub admin_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --admin-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
     /// Export a namespace: NQN=BACKEND, e.g. nqn.2026-11.io.nvpool:d1=file:/dev/sdb or ...=ram:1G (repeatable; NSIDs count up from 1 per NQN).
     #[arg(short, long = "export", value_name = "NQN=BACKEND")]
     pub export: Vec<String>,
@@ -567,20 +581,23 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
     }
     cfg.validate()?;
     if let Some(a) = cfg.admin_listen {
-        check_admin_exposure(a, cli.admin_insecure_http)?;
+        let tls = cli.admin_tls_cert.is_some();
+        check_admin_exposure(a, cli.admin_insecure_http || tls)?;
     }
     Ok((cfg, state_dir))
 }
 
-/// The admin API speaks plain HTTP, so its bearer token is readable by
-/// anyone on the path: it listens on loopback unless told otherwise.
-fn check_admin_exposure(listen: SocketAddr, insecure_http_ok: bool) -> anyhow::Result<()> {
-    if listen.ip().is_loopback() || insecure_http_ok {
+/// Over plain HTTP the admin API's bearer token is readable by anyone on
+/// the path: without `--admin-tls-cert` it listens on loopback unless told
+/// otherwise (`ok`: TLS, or `--admin-insecure-http`).
+fn check_admin_exposure(listen: SocketAddr, ok: bool) -> anyhow::Result<()> {
+    if listen.ip().is_loopback() || ok {
         return Ok(());
     }
     anyhow::bail!(
         "the admin API would listen on {listen} over plain HTTP, sending its bearer token in \
-         clear; listen on loopback, or accept that with --admin-insecure-http"
+         clear; give --admin-tls-cert and --admin-tls-key, listen on loopback, or accept that \
+         with --admin-insecure-http"
     )
 }
 
@@ -623,6 +640,13 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
 /// The whole daemon: configure, start, wait for SIGTERM/SIGINT, shut down.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let (cfg, state_dir) = resolve_config(&cli)?;
+    let admin_tls = match (&cli.admin_tls_cert, &cli.admin_tls_key) {
+        (Some(cert), Some(key)) => Some(nvpool_control::tls::ServerTls::load_for(
+            ("--admin-tls-cert", cert),
+            ("--admin-tls-key", key),
+        )?),
+        _ => None,
+    };
     // Checked (devices opened, token read) before anything is bound.
     let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
     let target = Target::new(state_dir.clone())?;
@@ -646,6 +670,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(listen) => Some(AdminOptions {
             listen,
             tokens: admin_tokens(&cli, state_dir.as_deref())?,
+            tls: admin_tls,
         }),
         None => None,
     };
