@@ -243,6 +243,9 @@ pub struct TargetRegistration {
     /// The NVMe/RDMA listener hosts may use instead of `addr`.
     #[serde(default)]
     pub rdma_addr: Option<SocketAddr>,
+    /// The admin API serves https ([`Target::admin_tls`]).
+    #[serde(default)]
+    pub admin_tls: bool,
     /// The target's admin API token, kept as its [`TargetCredential`];
     /// None keeps the one held (if any).
     #[serde(default, skip_serializing)]
@@ -885,6 +888,7 @@ impl Cluster {
                 last_heartbeat_ms: now,
                 state: existing.map_or(TargetState::Active, |e| e.value.state),
                 rdma_addr: reg.rdma_addr,
+                admin_tls: reg.admin_tls,
             };
             target.validate()?;
             if existing.is_none() && s.targets.len() >= TARGETS_MAX {
@@ -1679,6 +1683,7 @@ mod tests {
                 })
                 .collect(),
             rdma_addr: None,
+            admin_tls: false,
             admin_token: None,
         }
     }
@@ -1774,6 +1779,20 @@ mod tests {
     }
 
     #[test]
+    fn admin_tls_follows_the_latest_registration() {
+        let f = fixture();
+        let c = &f.cluster;
+        let mut reg = registration(0, "r0", 1, 4);
+        reg.admin_tls = true;
+        assert!(c.register_target(&reg).unwrap().admin_tls);
+        assert!(c.target("t0").unwrap().target.admin_tls);
+        // The target restarted without its certificate: plain HTTP again.
+        reg.admin_tls = false;
+        assert!(!c.register_target(&reg).unwrap().admin_tls);
+        assert!(!c.target("t0").unwrap().target.admin_tls);
+    }
+
+    #[test]
     fn addresses_are_unique_also_against_records_older_than_the_index() {
         let f = fixture();
         let c = &f.cluster;
@@ -1792,6 +1811,7 @@ mod tests {
             last_heartbeat_ms: T0,
             state: TargetState::Active,
             rdma_addr: None,
+            admin_tls: false,
         };
         let done = c
             .store()

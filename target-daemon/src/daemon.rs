@@ -706,8 +706,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     rc.rdma_listeners = Some(crate::register::RdmaListeners(Arc::new(move || {
                         t.rdma_listeners()
                     })));
-                    // The control plane calls the admin API with it.
+                    // The control plane calls the admin API with it, over
+                    // https when the API serves it.
                     rc.admin_tokens = opts.admin.as_ref().map(|a| a.tokens.clone());
+                    rc.admin_tls = opts.admin.as_ref().is_some_and(|a| a.tls.is_some());
                     rc
                 })
                 .and_then(|rc| {

@@ -225,6 +225,9 @@ pub struct RegistrationConfig {
     pub addr: SocketAddr,
     /// The admin API the control plane programs.
     pub admin_addr: SocketAddr,
+    /// The admin API serves https (`--admin-tls-cert`): the registration
+    /// says so, and the control plane calls `https://admin_addr`.
+    pub admin_tls: bool,
     /// The NVMe/RDMA address hosts may connect to instead of `addr`;
     /// `None`: this target serves NVMe/TCP only.
     pub rdma_addr: Option<SocketAddr>,
@@ -266,6 +269,7 @@ impl RegistrationConfig {
             name,
             addr,
             admin_addr,
+            admin_tls: false,
             rdma_addr: None,
             rdma_listeners: None,
             advertise_rdma: None,
@@ -303,6 +307,7 @@ impl RegistrationConfig {
                 })
                 .collect(),
             rdma_addr,
+            admin_tls: self.admin_tls,
             admin_token,
         }
     }
@@ -318,6 +323,7 @@ impl std::fmt::Debug for RegistrationConfig {
             .field("name", &self.name)
             .field("addr", &self.addr)
             .field("admin_addr", &self.admin_addr)
+            .field("admin_tls", &self.admin_tls)
             .field("rdma_addr", &self.rdma_addr)
             .field("rdma_listeners", &self.rdma_listeners)
             .field("advertise_rdma", &self.advertise_rdma)
@@ -1214,26 +1220,37 @@ mod tests {
     }
 
     #[test]
-    fn register_body_carries_rdma_only_when_present() {
-        let body = |rdma_addr| {
+    fn register_body_carries_rdma_and_admin_tls_only_when_present() {
+        let body = |rdma_addr, admin_tls| {
             serde_json::to_value(RegisterTargetBody {
                 id: "t".into(),
                 name: "t".into(),
                 addr: "10.0.0.5:4420".parse().unwrap(),
                 admin_addr: "10.0.0.5:4480".parse().unwrap(),
                 rdma_addr,
+                admin_tls,
                 labels: BTreeMap::new(),
                 devices: Vec::new(),
                 admin_token: None,
             })
             .unwrap()
         };
-        assert!(body(None).get("rdma_addr").is_none());
-        assert!(body(None).get("admin_token").is_none());
+        assert!(body(None, false).get("rdma_addr").is_none());
+        assert!(body(None, false).get("admin_token").is_none());
         assert_eq!(
-            body(Some("10.0.0.5:4421".parse().unwrap()))["rdma_addr"],
+            body(Some("10.0.0.5:4421".parse().unwrap()), false)["rdma_addr"],
             "10.0.0.5:4421"
         );
+        // Plain HTTP says nothing (an older control plane refuses unknown
+        // fields); https says so.
+        assert!(body(None, false).get("admin_tls").is_none());
+        assert_eq!(body(None, true)["admin_tls"], true);
+        let url = ControlPlaneUrl::parse("http://127.0.0.1:4430").unwrap();
+        let a: SocketAddr = "10.0.0.5:4420".parse().unwrap();
+        let mut cfg = RegistrationConfig::new(url, "t".into(), "t".into(), a, a);
+        assert!(!cfg.register_body(None, None).admin_tls);
+        cfg.admin_tls = true;
+        assert!(cfg.register_body(None, None).admin_tls);
     }
 
     #[test]
