@@ -463,6 +463,23 @@ pub struct Cluster {
     leadership: Arc<Leadership>,
     /// Every write also requires the leader's term (the leader's own work).
     fenced: bool,
+    /// Whom a target's https admin API must prove it is
+    /// (`nvpool-control --target-cacert`); None: the system CA bundle.
+    #[cfg(feature = "client")]
+    target_tls: Option<TargetTls>,
+}
+
+/// The trust of the control plane's calls to https admin APIs; its
+/// `Debug` does not list the certificates.
+#[cfg(feature = "client")]
+#[derive(Clone)]
+struct TargetTls(ureq::tls::TlsConfig);
+
+#[cfg(feature = "client")]
+impl std::fmt::Debug for TargetTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TargetTls(..)")
+    }
 }
 
 /// A mutation attempt: committed with a result, or lost a race.
@@ -571,7 +588,28 @@ impl Cluster {
             leases,
             leadership: Leadership::solo("this process"),
             fenced: false,
+            #[cfg(feature = "client")]
+            target_tls: None,
         })
+    }
+
+    /// The same cluster, calling https admin APIs trusting `tls` (from
+    /// `tls::client_tls_for("--target-cacert", …)`, loaded once at start)
+    /// instead of the system CA bundle.
+    #[cfg(feature = "client")]
+    pub fn with_target_tls(mut self, tls: ureq::tls::TlsConfig) -> Cluster {
+        self.target_tls = Some(TargetTls(tls));
+        self
+    }
+
+    /// What a call to a target's https admin API trusts: the CA given
+    /// with [`Cluster::with_target_tls`], else the system bundle.
+    #[cfg(feature = "client")]
+    pub fn target_tls(&self) -> ureq::tls::TlsConfig {
+        match &self.target_tls {
+            Some(t) => t.0.clone(),
+            None => crate::tls::client_tls_system(),
+        }
     }
 
     /// The same cluster, led as `leadership` says (an elected process).
