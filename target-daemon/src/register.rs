@@ -390,15 +390,6 @@ impl Settings {
             return Ok(None);
         };
         let control_plane = ControlPlaneUrl::parse(url)?;
-        if cli.admin_tls_cert.is_some() {
-            // The registration cannot say "https" yet, and the control
-            // plane calls every admin API over plain HTTP (ARCHITECTURE D7).
-            return Err(RegisterError::Usage(
-                "--admin-tls-cert with --control-plane: the control plane cannot program an \
-                 https admin API yet; use TLS for a standalone target only"
-                    .into(),
-            ));
-        }
         if admin_listen.is_none() {
             return Err(RegisterError::Usage(
                 "--control-plane needs the admin API (the control plane programs the target \
@@ -507,7 +498,7 @@ impl Settings {
         let host = hostname();
         if admin_addr.ip().is_loopback() && !self.control_plane.all_loopback() {
             tracing::warn!(admin = %admin_addr, control_plane = %self.control_plane,
-                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT --admin-insecure-http)");
+                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT with --admin-tls-cert and --admin-tls-key)");
         }
         let target_id = match self.target_id {
             Some(id) => id,

@@ -300,16 +300,4 @@ fn admin_tls_files_are_checked_at_start() {
     );
     assert_eq!(e.trim_end().lines().count(), 1, "{e}");
     assert!(!e.contains("PRIVATE KEY"), "{e}");
-    // Not with a control plane yet: it would call the API over plain HTTP.
-    let (cert, key) = (a.cert.to_str().unwrap(), a.key.to_str().unwrap());
-    let (code, e) = run(&[
-        "--admin-tls-cert",
-        cert,
-        "--admin-tls-key",
-        key,
-        "--control-plane",
-        "http://127.0.0.1:1",
-    ]);
-    assert_eq!(code, Some(1), "{e}");
-    assert!(e.contains("cannot program an https admin API yet"), "{e}");
 }
