@@ -181,8 +181,19 @@ impl Client {
         token: Option<String>,
         cacert: Option<&Path>,
     ) -> Result<Client, ClientError> {
-        let endpoints = Endpoints::new(parse_endpoint(endpoint)?);
         let tls = nvpool_control::tls::client_tls(cacert)?;
+        Client::with_tls(endpoint, token, tls)
+    }
+
+    /// [`Client::new`] with TLS settings already loaded
+    /// ([`nvpool_control::tls::client_tls`]): the agent loads its
+    /// `--cacert` once at start and gives it to every volume's client.
+    pub fn with_tls(
+        endpoint: &str,
+        token: Option<String>,
+        tls: ureq::tls::TlsConfig,
+    ) -> Result<Client, ClientError> {
+        let endpoints = Endpoints::new(parse_endpoint(endpoint)?);
         let agent = config(REQUEST_TIMEOUT_MS, tls).into();
         Ok(Client {
             shown: endpoints.shown(),

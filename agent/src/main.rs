@@ -14,6 +14,9 @@ struct Cli {
     /// Log filter (RUST_LOG syntax).
     #[arg(long, default_value = "info", env = "NVPOOL_LOG")]
     log: String,
+    /// CA certificates (PEM) to trust for the volumes' https control planes, instead of the system's.
+    #[arg(long, env = "NVPOOL_CACERT", value_name = "FILE")]
+    cacert: Option<std::path::PathBuf>,
     #[command(flatten)]
     args: nvpool_agent::Args,
 }
@@ -27,11 +30,17 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    match nvpool_agent::run(cli.args) {
+    let mut args = cli.args;
+    args.cacert = cli.cacert;
+    match nvpool_agent::run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("nvpool-agent: {}", format!("{e:#}").replace('\n', " "));
-            ExitCode::FAILURE
+            // An unusable --cacert is a usage error.
+            match e.downcast_ref::<nvpool_agent::client::ClientError>() {
+                Some(nvpool_agent::client::ClientError::Tls(_)) => ExitCode::from(2),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }

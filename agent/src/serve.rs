@@ -180,13 +180,14 @@ pub fn not_attached(e: &anyhow::Error) -> bool {
         == Some(404)
 }
 
-/// The control plane of a volume: its endpoint, with the token read now.
-pub fn control_plane(w: &Wanted) -> anyhow::Result<Client> {
+/// The control plane of a volume: its endpoint, with the token read now,
+/// trusted through `tls` (the agent's `--cacert`).
+pub fn control_plane(w: &Wanted, tls: &ureq::tls::TlsConfig) -> anyhow::Result<Client> {
     let token = match &w.spec.token_file {
         Some(p) => Some(crate::client::read_token(p)?),
         None => None,
     };
-    Ok(Client::new(&w.spec.endpoint, token)?)
+    Ok(Client::with_tls(&w.spec.endpoint, token, tls.clone())?)
 }
 
 /// Serves `w`: opens the volume over `connections`, presents it, writes
@@ -195,11 +196,12 @@ pub fn control_plane(w: &Wanted) -> anyhow::Result<Client> {
 pub fn open(
     w: &Wanted,
     connections: &Arc<Connections>,
+    tls: &ureq::tls::TlsConfig,
     dhchap: Option<Arc<nvpool_wire::dhchap::Keys>>,
 ) -> anyhow::Result<Served> {
     let uuid = w.uuid;
     let host = &w.spec.host_nqn;
-    let client = control_plane(w)?;
+    let client = control_plane(w, tls)?;
     let view: AttachmentView = follow::read_attachment(&client, &uuid, host)
         .map_err(|e| anyhow::Error::new(e).context("reading the attachment"))?;
     view.plan

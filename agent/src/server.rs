@@ -39,6 +39,11 @@ pub struct Args {
     /// used from the next attach on.
     #[command(flatten)]
     pub dhchap: crate::dhchap::DhchapArgs,
+    /// CA certificates (PEM) every volume's https control plane is
+    /// trusted by, instead of the system's: `nvpool-agent --cacert`, or
+    /// the CLI's global `--cacert` for `nvpool agent`.
+    #[arg(skip)]
+    pub cacert: Option<std::path::PathBuf>,
 }
 
 enum Slot {
@@ -55,6 +60,8 @@ enum Slot {
 struct Agent {
     connections: Arc<Connections>,
     dhchap: crate::dhchap::DhchapArgs,
+    /// Whom every volume's control plane must prove it is (`--cacert`).
+    tls: ureq::tls::TlsConfig,
     volumes: Mutex<BTreeMap<Uuid, Slot>>,
     /// Attach, detach and restore run one at a time.
     ops: Mutex<()>,
@@ -115,7 +122,7 @@ impl Agent {
             .dhchap
             .keys()
             .context("this host's DH-HMAC-CHAP keys")?;
-        let served = serve::open(w, &self.connections, keys)?;
+        let served = serve::open(w, &self.connections, &self.tls, keys)?;
         let out = served.out();
         lock(&self.volumes).insert(w.uuid, Slot::Serving(Box::new(served)));
         self.save();
@@ -401,6 +408,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // directory; set before any thread starts.
         std::env::set_var("NVPOOL_RUN_DIR", d);
     }
+    // A CA file that cannot be used is a usage error, before anything runs.
+    let tls = nvpool_control::tls::client_tls(args.cacert.as_deref())
+        .map_err(crate::client::ClientError::Tls)?;
     let run = state::run_dir();
     std::fs::create_dir_all(run.join("volumes"))
         .with_context(|| format!("creating {}", run.display()))?;
@@ -422,6 +432,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let agent = Arc::new(Agent {
         connections: Connections::new(),
         dhchap: args.dhchap.clone(),
+        tls,
         volumes: Mutex::new(BTreeMap::new()),
         ops: Mutex::new(()),
     });

@@ -82,6 +82,10 @@ pub struct TargetOut {
     pub name: String,
     pub addr: String,
     pub admin_addr: String,
+    /// The control plane calls the admin API over https; absent: an older
+    /// control plane, which calls it over plain HTTP.
+    #[serde(default)]
+    pub admin_tls: bool,
     /// NVMe/RDMA listener; absent: NVMe/TCP only (or an older control plane).
     #[serde(default)]
     pub rdma_addr: Option<String>,
@@ -320,6 +324,10 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
                     x.rdma_addr.clone().unwrap_or_else(|| "-".into()),
                 ),
                 ("Admin address", x.admin_addr.clone()),
+                (
+                    "Admin API",
+                    if x.admin_tls { "https" } else { "http" }.into(),
+                ),
                 ("Health", x.health.clone()),
                 ("State", state_text(&x)),
                 ("Labels", labels(&x.labels)),

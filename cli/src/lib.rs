@@ -163,7 +163,11 @@ pub fn main() -> ExitCode {
         Command::Volume(a) => volume::run(&conn, a),
         Command::Dataset(a) => dataset::run(a),
         Command::Top(a) => top::run(a),
-        Command::Agent(a) => nvpool_agent::run(a),
+        Command::Agent(mut a) => {
+            // The global --cacert: whom the volumes' control planes are trusted by.
+            a.cacert = conn.cacert.clone();
+            nvpool_agent::run(a)
+        }
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

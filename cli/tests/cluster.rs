@@ -332,6 +332,7 @@ fn target_ls_and_info_as_tables_and_json() {
 
     let info = cp.table(&["target", "info", "t2"]);
     assert_eq!(field(&info, "Admin address"), "127.0.0.1:44802");
+    assert_eq!(field(&info, "Admin API"), "http");
     assert_eq!(field(&info, "Health"), "online");
     assert_eq!(
         row(&info, "d1"),

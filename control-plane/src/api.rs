@@ -742,6 +742,7 @@ fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
         addr: t.addr,
         admin_addr: t.admin_addr,
         rdma_addr: t.rdma_addr,
+        admin_tls: t.admin_tls,
         labels: t.labels.clone(),
         health: v.health,
         state: t.state,
@@ -931,6 +932,7 @@ async fn register_target(
         addr: body.addr,
         admin_addr: body.admin_addr,
         rdma_addr: body.rdma_addr,
+        admin_tls: body.admin_tls,
         admin_token: body.admin_token,
         labels: body.labels,
         devices: body

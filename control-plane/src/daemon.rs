@@ -48,6 +48,11 @@ pub struct Args {
     /// Serve plain HTTP on a non-loopback --listen (tokens cross the network in clear).
     #[arg(long, conflicts_with = "tls_cert")]
     pub insecure_http: bool,
+    /// CA certificates (PEM) that sign the https admin APIs of targets
+    /// (`nvpool-target --admin-tls-cert`); default: the system CA bundle.
+    /// A target's certificate must name the IP address of its admin API.
+    #[arg(long, value_name = "FILE")]
+    pub target_cacert: Option<PathBuf>,
     /// Directory of the metadata store (default /var/lib/nvpool-control
     /// when running as root; required otherwise).
     #[arg(long, env = "NVPOOL_CONTROL_STATE_DIR")]
@@ -318,6 +323,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             None
         }
     };
+    // Read once: every call to a target's https admin API trusts it.
+    let target_tls = crate::tls::client_tls_for("--target-cacert", args.target_cacert.as_deref())?;
     let auth = AuthConfig::new(tokens);
     let config = StateConfig {
         extent_bytes: args.extent_size,
@@ -336,7 +343,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Leadership::solo(holder)
     };
     let cluster = Cluster::new(store.clone(), Arc::new(SystemClock), config)?
-        .with_leadership(leadership.clone());
+        .with_leadership(leadership.clone())
+        .with_target_tls(target_tls);
     let cluster = Arc::new(cluster);
     // The leader's own work runs on a fenced cluster (see `leader`).
     let leader_work = Arc::new(cluster.fenced());
@@ -444,7 +452,8 @@ async fn shutdown_signal() {
 }
 
 /// Parses the command line and runs: exit code 0 on a clean stop, 2 for a
-/// bad command line, 1 for any other failure.
+/// bad command line (an unusable TLS file given on it too), 1 for any
+/// other failure.
 pub fn main_exit_code() -> i32 {
     let args = match Args::try_parse() {
         Ok(a) => a,
@@ -483,7 +492,11 @@ pub fn main_exit_code() -> i32 {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("nvpool-control: {e:#}");
-            1
+            if e.chain().any(|c| c.is::<crate::tls::TlsError>()) {
+                2
+            } else {
+                1
+            }
         }
     }
 }
@@ -505,6 +518,9 @@ mod tests {
         let a = Args::try_parse_from(["nvpool-control", "--rebuild-rate", "8MiB"]).unwrap();
         assert_eq!(a.rebuild_rate, 8 << 20);
         assert_eq!(a.replace_after, 600_000, "ten minutes by default");
+        assert_eq!(a.target_cacert, None, "the system CA bundle by default");
+        let a = Args::try_parse_from(["nvpool-control", "--target-cacert", "ca.pem"]).unwrap();
+        assert_eq!(a.target_cacert, Some(PathBuf::from("ca.pem")));
         for (arg, ms) in [
             ("90", 90_000),
             ("5s", 5_000),

@@ -18,9 +18,10 @@
 //! |---|---|
 //! | 1 | first |
 //! | 2 | [`Target`] gains `rdma_addr` (read from format 1 as `None`) |
+//! | 3 | [`Target`] gains `admin_tls` (read from formats 1 and 2 as `false`) |
 //!
 //! Values are always written in the current format, so once a build writes
-//! format 2 an older build can no longer read what it wrote: upgrade, do
+//! format 3 an older build can no longer read what it wrote: upgrade, do
 //! not downgrade.
 
 use crate::limits::{
@@ -41,7 +42,7 @@ use std::fmt;
 use std::net::SocketAddr;
 
 /// Format byte in front of every value written (see the table above).
-pub const FORMAT: u8 = 2;
+pub const FORMAT: u8 = 3;
 /// The oldest format `decode` still reads.
 pub const FORMAT_MIN: u8 = 1;
 
@@ -94,8 +95,8 @@ impl From<LayoutError> for ModelError {
 pub trait Stored: Serialize + DeserializeOwned {
     /// Decodes the postcard body of a value written in `format`
     /// (`FORMAT_MIN <= format < FORMAT`), returning the bytes after it.
-    /// The default is for layouts unchanged since format 1: the body reads
-    /// as the current layout.
+    /// The default is for layouts unchanged since format 1: the body of
+    /// every older format reads as the current layout.
     fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(Self, &[u8])> {
         debug_assert!((FORMAT_MIN..FORMAT).contains(&format));
         postcard::take_from_bytes(body)
@@ -117,9 +118,13 @@ impl Stored for Target {
                 let (old, rest) = postcard::take_from_bytes::<TargetV1>(body)?;
                 Ok((old.into(), rest))
             }
-            // Formats after 1 have Target's current layout (a later change
-            // to Target adds a frozen `TargetV2` arm here).
-            _ => postcard::take_from_bytes(body),
+            2 => {
+                let (old, rest) = postcard::take_from_bytes::<TargetV2>(body)?;
+                Ok((old.into(), rest))
+            }
+            // `decode` passes only formats below FORMAT; a later change to
+            // Target adds a frozen `TargetV3` arm above.
+            _ => Err(postcard::Error::DeserializeBadEncoding),
         }
     }
 }
@@ -250,8 +255,12 @@ pub struct Target {
     pub last_heartbeat_ms: u64,
     pub state: TargetState,
     /// The NVMe/RDMA listener hosts may connect to instead of `addr`;
-    /// `None`: NVMe/TCP only. Last, since format 2.
+    /// `None`: NVMe/TCP only. Since format 2.
     pub rdma_addr: Option<SocketAddr>,
+    /// The admin API serves https (`nvpool-target --admin-tls-cert`): the
+    /// control plane calls `https://admin_addr` and verifies the
+    /// certificate for that IP. Last, since format 3.
+    pub admin_tls: bool,
 }
 
 /// [`Target`] as format 1 stored it: no `rdma_addr`. Frozen: never edit.
@@ -281,6 +290,42 @@ impl From<TargetV1> for Target {
             last_heartbeat_ms: t.last_heartbeat_ms,
             state: t.state,
             rdma_addr: None,
+            admin_tls: false,
+        }
+    }
+}
+
+/// [`Target`] as format 2 stored it: no `admin_tls`. Frozen: never edit.
+#[derive(Deserialize)]
+struct TargetV2 {
+    id: String,
+    name: String,
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    labels: BTreeMap<String, String>,
+    devices: Vec<Device>,
+    registered_ms: u64,
+    last_heartbeat_ms: u64,
+    state: TargetState,
+    rdma_addr: Option<SocketAddr>,
+}
+
+/// Format 2 had no https admin APIs: every target was called over plain
+/// HTTP.
+impl From<TargetV2> for Target {
+    fn from(t: TargetV2) -> Target {
+        Target {
+            id: t.id,
+            name: t.name,
+            addr: t.addr,
+            admin_addr: t.admin_addr,
+            labels: t.labels,
+            devices: t.devices,
+            registered_ms: t.registered_ms,
+            last_heartbeat_ms: t.last_heartbeat_ms,
+            state: t.state,
+            rdma_addr: t.rdma_addr,
+            admin_tls: false,
         }
     }
 }
@@ -750,6 +795,7 @@ mod tests {
             last_heartbeat_ms: 1_700_000_005_000,
             state: TargetState::Cordoned,
             rdma_addr,
+            admin_tls: false,
         }
     }
 
@@ -795,11 +841,15 @@ mod tests {
         assert_eq!(bytes, TARGET_FORMAT_1, "the fixture is the format-1 layout");
         assert_eq!(decode::<Target>("target", TARGET_FORMAT_1), Ok(t.clone()));
 
-        // Written again, it is format 2, and only format 2.
+        // Written again, it is the current format, and only that.
         let now = encode(&t);
-        assert_eq!(now[0], 2);
-        assert_eq!(&now[1..now.len() - 1], &TARGET_FORMAT_1[1..]);
-        assert_eq!(now.last(), Some(&0), "rdma_addr None, appended");
+        assert_eq!(now[0], 3);
+        assert_eq!(&now[1..now.len() - 2], &TARGET_FORMAT_1[1..]);
+        assert_eq!(
+            &now[now.len() - 2..],
+            &[0, 0],
+            "rdma_addr None and admin_tls false, appended"
+        );
         let mut mislabelled = now.clone();
         mislabelled[0] = 1;
         assert!(
@@ -807,25 +857,182 @@ mod tests {
                 decode::<Target>("target", &mislabelled),
                 Err(ModelError::Decode { .. })
             ),
-            "a format-2 body is not a format-1 target"
+            "a format-3 body is not a format-1 target"
         );
         assert!(decode::<Target>("target", &TARGET_FORMAT_1[..20]).is_err());
     }
 
+    /// `target(Some(10.0.0.1:4421))` as a format-2 build stored it
+    /// (captured from that build; never regenerate).
+    const TARGET_FORMAT_2: &[u8] = &[
+        2, 2, 116, 49, 6, 110, 111, 100, 101, 45, 49, 0, 10, 0, 0, 1, 196, 34, 1, 253, 0, 0, 0, 0,
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 217, 54, 1, 4, 114, 97, 99, 107, 2, 114, 49, 1, 5, 110,
+        118, 109, 101, 48, 17, 102, 105, 108, 101, 58, 47, 100, 101, 118, 47, 110, 118, 109, 101,
+        48, 110, 49, 128, 128, 128, 128, 128, 32, 0, 128, 208, 149, 255, 188, 49, 136, 247, 149,
+        255, 188, 49, 1, 1, 0, 10, 0, 0, 1, 197, 34,
+    ];
+
     #[test]
-    fn unchanged_types_read_format_1_as_is() {
-        let v = mirror(2);
-        let mut old = encode(&v);
-        old[0] = 1;
-        assert_eq!(decode::<Volume>("volume", &old), Ok(v));
-        let mut epoch = encode(&7u64);
-        epoch[0] = 1;
-        assert_eq!(decode::<u64>("allocation epoch", &epoch), Ok(7));
+    fn format_2_target_records_still_decode() {
+        // The format-2 layout, declared independently of `TargetV2`.
+        #[derive(Serialize)]
+        struct Format2Target {
+            id: String,
+            name: String,
+            addr: SocketAddr,
+            admin_addr: SocketAddr,
+            labels: BTreeMap<String, String>,
+            devices: Vec<Device>,
+            registered_ms: u64,
+            last_heartbeat_ms: u64,
+            state: TargetState,
+            rdma_addr: Option<SocketAddr>,
+        }
+        let t = target(Some("10.0.0.1:4421".parse().unwrap()));
+        let old = Format2Target {
+            id: t.id.clone(),
+            name: t.name.clone(),
+            addr: t.addr,
+            admin_addr: t.admin_addr,
+            labels: t.labels.clone(),
+            devices: t.devices.clone(),
+            registered_ms: t.registered_ms,
+            last_heartbeat_ms: t.last_heartbeat_ms,
+            state: t.state,
+            rdma_addr: t.rdma_addr,
+        };
+        let mut bytes = vec![2];
+        bytes.extend(postcard::to_allocvec(&old).unwrap());
+        assert_eq!(bytes, TARGET_FORMAT_2, "the fixture is the format-2 layout");
+        let read = decode::<Target>("target", TARGET_FORMAT_2).unwrap();
+        assert_eq!(read, t);
+        assert!(!read.admin_tls, "format 2 knew only plain HTTP");
+
+        // Written again, it is format 3: the same body, admin_tls appended.
+        let mut https = t.clone();
+        https.admin_tls = true;
+        let now = encode(&https);
+        assert_eq!(now[0], 3);
+        assert_eq!(&now[1..now.len() - 1], &TARGET_FORMAT_2[1..]);
+        assert_eq!(now.last(), Some(&1), "admin_tls true, appended");
+        let mut mislabelled = now.clone();
+        mislabelled[0] = 2;
+        assert!(
+            matches!(
+                decode::<Target>("target", &mislabelled),
+                Err(ModelError::Decode { .. })
+            ),
+            "a format-3 body is not a format-2 target"
+        );
+        // A format-2 body cut short is an error, not a guess.
+        assert!(decode::<Target>("target", &TARGET_FORMAT_2[..TARGET_FORMAT_2.len() - 1]).is_err());
+    }
+
+    /// `value`, written now and labelled with each older format, reads
+    /// back as itself: for types whose layout has not changed since
+    /// format 1 (the default `decode_older`).
+    #[track_caller]
+    pub(crate) fn reads_every_older_format<T>(value: &T)
+    where
+        T: Stored + PartialEq + fmt::Debug,
+    {
+        for format in FORMAT_MIN..FORMAT {
+            let mut old = encode(value);
+            old[0] = format;
+            assert_eq!(
+                decode::<T>("value", &old).as_ref(),
+                Ok(value),
+                "format {format}"
+            );
+        }
+    }
+
+    #[test]
+    fn unchanged_types_read_older_formats_as_is() {
+        reads_every_older_format(&mirror(2));
+        reads_every_older_format(&7u64);
+        reads_every_older_format(&"vol7".to_string());
+        reads_every_older_format(&uuid(7));
+        reads_every_older_format(&Pool {
+            name: "fast".into(),
+            devices: vec![DeviceRef::new("t1", "nvme0"), DeviceRef::new("t2", "nvme0")],
+            created_ms: 9,
+        });
+        // The stored types of other modules.
+        use crate::attach::{
+            Attachment, AttachmentState, Export, FailedCopies, HostRecord, StaleExports,
+        };
+        let host = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
+        reads_every_older_format(&Attachment {
+            volume: uuid(3),
+            host_nqn: host.into(),
+            state: AttachmentState::Attached,
+            created_ms: 4,
+            nsids: vec![1, 2],
+            failed_extents: vec![1],
+        });
+        reads_every_older_format(&FailedCopies {
+            volume: uuid(3),
+            extents: vec![0, 5],
+        });
+        reads_every_older_format(&HostRecord {
+            host_nqn: host.into(),
+            changes: 12,
+        });
+        reads_every_older_format(&StaleExports {
+            target: "t1".into(),
+            exports: vec![Export {
+                subsystem_nqn: "nqn.2026-11.io.nvpool:host:x".into(),
+                host_nqn: host.into(),
+                nsid: 3,
+                device: "nvme0".into(),
+                offset: MIB,
+                length: MIB,
+            }],
+        });
+        reads_every_older_format(&crate::moves::RebalanceRequest {
+            pool: Some("fast".into()),
+            requested_ms: 8,
+        });
+        reads_every_older_format(&crate::paths::Served {
+            volume: uuid(3),
+            hosts: vec![host.into()],
+            paths: vec!["t1".into(), "t2".into()],
+            owner: Some("t2".into()),
+            generation: 6,
+            serving: true,
+        });
+        reads_every_older_format(&crate::resync::CopyState {
+            volume: uuid(3),
+            revision: 2,
+            sessions: [(host.to_string(), 77)].into(),
+            missed: [(
+                1,
+                crate::resync::Missed {
+                    since_ms: 5,
+                    regions: Some([4, 9].into()),
+                    owed: BTreeSet::new(),
+                },
+            )]
+            .into(),
+            jobs: Vec::new(),
+            history: Vec::new(),
+            next_job: 3,
+        });
+        reads_every_older_format(&crate::state::TargetCredential {
+            target: "t1".into(),
+            admin_token: crate::rest::Secret::new("admin-token-0123456789").unwrap(),
+        });
     }
 
     #[test]
     fn unknown_formats_fail() {
-        for stored in [encode(&target(None)), TARGET_FORMAT_1.to_vec()] {
+        let stored = [
+            encode(&target(None)),
+            TARGET_FORMAT_1.to_vec(),
+            TARGET_FORMAT_2.to_vec(),
+        ];
+        for stored in stored {
             for found in [0, FORMAT + 1, u8::MAX] {
                 let mut b = stored.clone();
                 b[0] = found;
@@ -840,22 +1047,26 @@ mod tests {
         }
         let e = ModelError::UnknownFormat {
             what: "target",
-            found: 3,
+            found: 4,
         };
         assert_eq!(
             e.to_string(),
-            "target is stored in format 3; this build reads formats 1 to 2"
+            "target is stored in format 4; this build reads formats 1 to 3"
         );
     }
 
     #[test]
-    fn targets_round_trip_with_and_without_rdma() {
-        for rdma in [
+    fn targets_round_trip_with_and_without_rdma_and_tls() {
+        let rdma = [
             None,
             Some("10.0.0.1:4420".parse().unwrap()),
             Some("[fd00::7]:4421".parse().unwrap()),
-        ] {
-            let t = target(rdma);
+        ];
+        for (rdma, admin_tls) in rdma.into_iter().flat_map(|r| [(r, false), (r, true)]) {
+            let t = Target {
+                admin_tls,
+                ..target(rdma)
+            };
             t.validate().unwrap();
             let bytes = encode(&t);
             assert_eq!(bytes[0], FORMAT);
@@ -868,6 +1079,7 @@ mod tests {
                 json["rdma_addr"],
                 rdma.map_or(serde_json::Value::Null, |a| a.to_string().into())
             );
+            assert_eq!(json["admin_tls"], admin_tls);
         }
     }
 

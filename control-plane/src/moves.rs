@@ -329,6 +329,7 @@ pub(crate) mod tests {
                 labels: BTreeMap::new(),
             }],
             rdma_addr,
+            admin_tls: false,
             admin_token: None,
         })
         .unwrap();

@@ -765,6 +765,7 @@ mod tests {
             last_heartbeat_ms: 0,
             state: crate::model::TargetState::Active,
             rdma_addr: None,
+            admin_tls: false,
         };
         let mut d = Device {
             id: "d".into(),

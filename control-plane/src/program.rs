@@ -152,12 +152,27 @@ fn segment(s: &str) -> String {
     out
 }
 
+/// Whether a call failed in TLS: the handshake's own errors come from
+/// rustls wrapped in an I/O error.
+fn is_tls(e: &ureq::Error) -> bool {
+    match e {
+        ureq::Error::Tls(_) | ureq::Error::Rustls(_) => true,
+        ureq::Error::Io(io) => io.get_ref().is_some_and(|x| x.is::<rustls::Error>()),
+        _ => false,
+    }
+}
+
 /// A blocking client of one target's admin API, presenting the token the
-/// target registered with as a bearer token on every call.
+/// target registered with as a bearer token on every call. A target that
+/// registered `admin_tls` is called over https: its certificate must chain
+/// to the CA of `nvpool-control --target-cacert` (else the system bundle)
+/// and name the IP address of its `admin_addr`.
 pub(crate) struct TargetAdmin {
     agent: ureq::Agent,
     target: String,
     addr: SocketAddr,
+    /// `admin_addr` speaks https.
+    tls: bool,
     /// The target's admin token, when it gave one.
     token: Option<Secret>,
     /// The daemon at `addr` said it is `target`: set by the first change
@@ -170,24 +185,30 @@ impl TargetAdmin {
     /// for it.
     pub(crate) fn new(cluster: &Cluster, t: &Target) -> Result<TargetAdmin, ProgramError> {
         let token = cluster.target_credential(&t.id)?;
-        let config = ureq::Agent::config_builder()
+        let mut config = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_millis(TARGET_CALL_TIMEOUT_MS)))
             .http_status_as_error(false)
             // Cluster-internal calls carrying a credential: never through
             // an environment proxy.
-            .proxy(None)
-            .build();
+            .proxy(None);
+        if t.admin_tls {
+            config = config.tls_config(cluster.target_tls());
+        }
         Ok(TargetAdmin {
-            agent: ureq::Agent::new_with_config(config),
+            agent: ureq::Agent::new_with_config(config.build()),
             target: t.id.clone(),
             addr: t.admin_addr,
+            tls: t.admin_tls,
             token,
             confirmed: std::sync::OnceLock::new(),
         })
     }
 
+    /// The server name verified over https is the IP of `addr` (ureq
+    /// takes it from the URL).
     fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}{path}", self.addr)
     }
 
     fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
@@ -214,10 +235,21 @@ impl TargetAdmin {
     }
 
     fn unreachable(&self, e: ureq::Error) -> ProgramError {
+        let message = match e {
+            // A certificate the control plane does not trust, or one that
+            // does not name the address: say where the trust comes from.
+            e if is_tls(&e) => format!(
+                "TLS with its admin API failed: {e} (the control plane trusts the CA of \
+                 --target-cacert, else the system CA bundle, and the certificate must name \
+                 {})",
+                self.addr.ip()
+            ),
+            e => e.to_string(),
+        };
         ProgramError::Unreachable {
             target: self.target.clone(),
             addr: self.addr,
-            message: e.to_string(),
+            message,
         }
     }
 

@@ -182,6 +182,17 @@ pub struct RegisterTargetBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "server", schema(value_type = Option<String>, example = "10.0.0.1:4420"))]
     pub rdma_addr: Option<SocketAddr>,
+    /// The admin API serves https: the control plane calls
+    /// `https://admin_addr` and verifies the certificate against the CA of
+    /// `nvpool-control --target-cacert` (else the system CA bundle), for
+    /// the IP address of `admin_addr`, which the certificate must name.
+    /// Default false: plain HTTP.
+    // Left out when false, like `rdma_addr`: a target with a plain-HTTP
+    // admin API still registers with an older control plane, and one
+    // with https is refused there (unknown field) rather than called in
+    // clear.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub admin_tls: bool,
     /// The bearer token of the target's admin API: the control plane sends
     /// it on every call it makes there. Write-only: kept apart from the
     /// target's record and returned by no call. Absent: the token held
@@ -240,6 +251,8 @@ pub struct TargetOut {
     /// NVMe/RDMA listener; `null`: NVMe/TCP only.
     #[cfg_attr(feature = "server", schema(value_type = Option<String>))]
     pub rdma_addr: Option<SocketAddr>,
+    /// The control plane calls the admin API over https.
+    pub admin_tls: bool,
     pub labels: BTreeMap<String, String>,
     /// `online` or `offline`, from the age of the last heartbeat.
     #[cfg_attr(feature = "server", schema(value_type = String))]

@@ -252,6 +252,9 @@ pub struct TargetRegistration {
     /// The NVMe/RDMA listener hosts may use instead of `addr`.
     #[serde(default)]
     pub rdma_addr: Option<SocketAddr>,
+    /// The admin API serves https ([`Target::admin_tls`]).
+    #[serde(default)]
+    pub admin_tls: bool,
     /// The target's admin API token, kept as its [`TargetCredential`];
     /// None keeps the one held (if any).
     #[serde(default, skip_serializing)]
@@ -492,6 +495,23 @@ pub struct Cluster {
     leadership: Arc<Leadership>,
     /// Every write also requires the leader's term (the leader's own work).
     fenced: bool,
+    /// Whom a target's https admin API must prove it is
+    /// (`nvpool-control --target-cacert`); None: the system CA bundle.
+    #[cfg(feature = "client")]
+    target_tls: Option<TargetTls>,
+}
+
+/// The trust of the control plane's calls to https admin APIs; its
+/// `Debug` does not list the certificates.
+#[cfg(feature = "client")]
+#[derive(Clone)]
+struct TargetTls(ureq::tls::TlsConfig);
+
+#[cfg(feature = "client")]
+impl std::fmt::Debug for TargetTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TargetTls(..)")
+    }
 }
 
 /// A mutation attempt: committed with a result, or lost a race.
@@ -600,7 +620,28 @@ impl Cluster {
             leases,
             leadership: Leadership::solo("this process"),
             fenced: false,
+            #[cfg(feature = "client")]
+            target_tls: None,
         })
+    }
+
+    /// The same cluster, calling https admin APIs trusting `tls` (from
+    /// `tls::client_tls_for("--target-cacert", …)`, loaded once at start)
+    /// instead of the system CA bundle.
+    #[cfg(feature = "client")]
+    pub fn with_target_tls(mut self, tls: ureq::tls::TlsConfig) -> Cluster {
+        self.target_tls = Some(TargetTls(tls));
+        self
+    }
+
+    /// What a call to a target's https admin API trusts: the CA given
+    /// with [`Cluster::with_target_tls`], else the system bundle.
+    #[cfg(feature = "client")]
+    pub fn target_tls(&self) -> ureq::tls::TlsConfig {
+        match &self.target_tls {
+            Some(t) => t.0.clone(),
+            None => crate::tls::client_tls_system(),
+        }
     }
 
     /// The same cluster, led as `leadership` says (an elected process).
@@ -917,6 +958,7 @@ impl Cluster {
                 last_heartbeat_ms: now,
                 state: existing.map_or(TargetState::Active, |e| e.value.state),
                 rdma_addr: reg.rdma_addr,
+                admin_tls: reg.admin_tls,
             };
             target.validate()?;
             if existing.is_none() && s.targets.len() >= TARGETS_MAX {
@@ -1766,6 +1808,7 @@ mod tests {
                 })
                 .collect(),
             rdma_addr: None,
+            admin_tls: false,
             admin_token: None,
         }
     }
@@ -1861,6 +1904,20 @@ mod tests {
     }
 
     #[test]
+    fn admin_tls_follows_the_latest_registration() {
+        let f = fixture();
+        let c = &f.cluster;
+        let mut reg = registration(0, "r0", 1, 4);
+        reg.admin_tls = true;
+        assert!(c.register_target(&reg).unwrap().admin_tls);
+        assert!(c.target("t0").unwrap().target.admin_tls);
+        // The target restarted without its certificate: plain HTTP again.
+        reg.admin_tls = false;
+        assert!(!c.register_target(&reg).unwrap().admin_tls);
+        assert!(!c.target("t0").unwrap().target.admin_tls);
+    }
+
+    #[test]
     fn addresses_are_unique_also_against_records_older_than_the_index() {
         let f = fixture();
         let c = &f.cluster;
@@ -1879,6 +1936,7 @@ mod tests {
             last_heartbeat_ms: T0,
             state: TargetState::Active,
             rdma_addr: None,
+            admin_tls: false,
         };
         let done = c
             .store()

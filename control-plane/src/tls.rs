@@ -68,36 +68,62 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// unknown). Server names are always verified.
 #[cfg(feature = "client")]
 pub fn client_tls(cacert: Option<&Path>) -> Result<ureq::tls::TlsConfig, TlsError> {
-    use ureq::tls::{parse_pem, PemItem, RootCerts, TlsConfig, TlsProvider};
-    let (flag, path) = match cacert {
-        Some(p) => ("--cacert", Some(p)),
-        None => ("system CA bundle", Some(Path::new(SYSTEM_CA_BUNDLE))),
-    };
-    let mut roots = Vec::new();
-    if let Some(path) = path {
-        match read(flag, path) {
-            Ok(pem) => {
-                for item in parse_pem(&pem) {
-                    match item {
-                        Ok(PemItem::Certificate(c)) => roots.push(c),
-                        Ok(_) => {}
-                        Err(e) => return Err(invalid(flag, path, format!("not PEM: {e}"))),
-                    }
-                }
-                if roots.is_empty() && cacert.is_some() {
-                    return Err(invalid(flag, path, "no CERTIFICATE in it"));
-                }
+    client_tls_for("--cacert", cacert)
+}
+
+/// [`client_tls`] for a program whose option is not `--cacert`
+/// (`nvpool-target --control-plane-cacert`): `flag` names it in errors.
+#[cfg(feature = "client")]
+pub fn client_tls_for(
+    flag: &'static str,
+    cacert: Option<&Path>,
+) -> Result<ureq::tls::TlsConfig, TlsError> {
+    match cacert {
+        Some(path) => {
+            let roots = pem_certs(flag, path)?;
+            if roots.is_empty() {
+                return Err(invalid(flag, path, "no CERTIFICATE in it"));
             }
-            // Without --cacert a missing system bundle only means no roots.
-            Err(e) if cacert.is_some() => return Err(e),
-            Err(_) => {}
+            Ok(client_config(roots))
+        }
+        None => Ok(client_tls_system()),
+    }
+}
+
+/// [`client_tls`] without a file: the system bundle's CAs; a bundle that
+/// is missing or not PEM means none.
+#[cfg(feature = "client")]
+pub fn client_tls_system() -> ureq::tls::TlsConfig {
+    let path = Path::new(SYSTEM_CA_BUNDLE);
+    client_config(pem_certs("system CA bundle", path).unwrap_or_default())
+}
+
+#[cfg(feature = "client")]
+fn pem_certs(
+    flag: &'static str,
+    path: &Path,
+) -> Result<Vec<ureq::tls::Certificate<'static>>, TlsError> {
+    use ureq::tls::{parse_pem, PemItem};
+    let pem = read(flag, path)?;
+    let mut roots = Vec::new();
+    for item in parse_pem(&pem) {
+        match item {
+            Ok(PemItem::Certificate(c)) => roots.push(c),
+            Ok(_) => {}
+            Err(e) => return Err(invalid(flag, path, format!("not PEM: {e}"))),
         }
     }
-    Ok(TlsConfig::builder()
+    Ok(roots)
+}
+
+#[cfg(feature = "client")]
+fn client_config(roots: Vec<ureq::tls::Certificate<'static>>) -> ureq::tls::TlsConfig {
+    use ureq::tls::{RootCerts, TlsConfig, TlsProvider};
+    TlsConfig::builder()
         .provider(TlsProvider::Rustls)
         .unversioned_rustls_crypto_provider(provider())
         .root_certs(RootCerts::new_with_certs(&roots))
-        .build())
+        .build()
 }
 
 /// Refuses plain HTTP off loopback unless the operator asked for it
@@ -157,28 +183,34 @@ mod server {
         /// `cert`: the server's certificate chain (PEM, leaf first);
         /// `key`: its private key (PEM: PKCS#8, PKCS#1 or SEC1).
         pub fn load(cert: &Path, key: &Path) -> Result<ServerTls, TlsError> {
-            let pem = read("--tls-cert", cert)?;
+            ServerTls::load_for(("--tls-cert", cert), ("--tls-key", key))
+        }
+
+        /// [`ServerTls::load`] for a program whose options have other
+        /// names (`nvpool-target --admin-tls-cert`): each path comes with
+        /// the option errors name.
+        pub fn load_for(
+            (cert_flag, cert): (&'static str, &Path),
+            (key_flag, key): (&'static str, &Path),
+        ) -> Result<ServerTls, TlsError> {
+            let pem = read(cert_flag, cert)?;
             let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem)
                 .collect::<Result<_, _>>()
-                .map_err(|e| invalid("--tls-cert", cert, format!("not PEM: {e}")))?;
+                .map_err(|e| invalid(cert_flag, cert, format!("not PEM: {e}")))?;
             if chain.is_empty() {
-                return Err(invalid("--tls-cert", cert, "no CERTIFICATE in it"));
+                return Err(invalid(cert_flag, cert, "no CERTIFICATE in it"));
             }
-            let pem = read("--tls-key", key)?;
+            let pem = read(key_flag, key)?;
             // The error of a key file never quotes it.
             let private = PrivateKeyDer::from_pem_slice(&pem)
-                .map_err(|_| invalid("--tls-key", key, "no private key (PEM) in it"))?;
+                .map_err(|_| invalid(key_flag, key, "no private key (PEM) in it"))?;
             let config = rustls::ServerConfig::builder_with_provider(provider())
                 .with_safe_default_protocol_versions()
-                .map_err(|e| invalid("--tls-cert", cert, e.to_string()))?
+                .map_err(|e| invalid(cert_flag, cert, e.to_string()))?
                 .with_no_client_auth()
                 .with_single_cert(chain, private)
                 .map_err(|e| {
-                    invalid(
-                        "--tls-key",
-                        key,
-                        format!("does not go with --tls-cert: {e}"),
-                    )
+                    invalid(key_flag, key, format!("does not go with {cert_flag}: {e}"))
                 })?;
             Ok(ServerTls {
                 config: Arc::new(config),

@@ -139,6 +139,31 @@ fn targets_register_list_and_expire() {
 }
 
 #[test]
+fn targets_register_an_https_admin_api() {
+    let s = serve(tokens());
+    let mut reg = registration(1, "r0", 1, 8);
+    reg["admin_tls"] = json!(true);
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg.clone()));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["admin_tls"], true);
+    assert_eq!(s.read("/v1/targets/t1").json()["admin_tls"], true);
+    // Not a boolean: 400, and the record is unchanged.
+    reg["admin_tls"] = json!("yes");
+    let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+    s.expect_error(&r, 400, "invalid");
+    assert_eq!(s.read("/v1/targets/t1").json()["admin_tls"], true);
+    // Registered again without it: plain HTTP.
+    let r = s.call(
+        "POST",
+        "/v1/targets",
+        Some(TARGET),
+        Some(registration(1, "r0", 1, 8)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["admin_tls"], false);
+}
+
+#[test]
 fn targets_register_an_rdma_listener() {
     let s = serve(tokens());
     let mut reg = registration(1, "r0", 1, 8);

@@ -254,6 +254,7 @@ fn registration(i: usize) -> TargetRegistration {
             labels: BTreeMap::new(),
         }],
         rdma_addr: None,
+        admin_tls: false,
         admin_token: None,
     }
 }

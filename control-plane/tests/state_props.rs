@@ -107,6 +107,7 @@ fn registration(i: usize, plan: &TargetPlan) -> TargetRegistration {
             })
             .collect(),
         rdma_addr: None,
+        admin_tls: false,
         admin_token: None,
     }
 }

@@ -1,6 +1,7 @@
 //! The REST API over TLS: an in-process control plane serving https with
 //! a throwaway CA, clients that trust it or not, plain HTTP against the
-//! TLS port, and the daemon refusing plain HTTP off loopback.
+//! TLS port, the daemon refusing plain HTTP off loopback, and an unusable
+//! `--target-cacert` stopping it at start.
 
 #[path = "common/certs.rs"]
 mod certs;
@@ -134,4 +135,28 @@ fn the_daemon_refuses_plain_http_off_loopback() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// An unusable `--target-cacert` stops the daemon before it serves: one
+/// line naming the option and the file, exit status 2.
+#[test]
+fn an_unusable_target_cacert_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let not_pem = dir.path().join("not-a-ca.pem");
+    std::fs::write(&not_pem, "hello\n").unwrap();
+    for (file, why) in [
+        ("/nonexistent/ca.pem", "cannot read it"),
+        (not_pem.to_str().unwrap(), "no CERTIFICATE in it"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_nvpool-control"))
+            .args(["--listen", "127.0.0.1:0", "--store", "memory:"])
+            .args(["--target-cacert", file])
+            .env("NVPOOL_LOG", "error")
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{e}");
+        assert!(e.contains(&format!("--target-cacert {file}: {why}")), "{e}");
+        assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    }
 }

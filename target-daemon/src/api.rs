@@ -42,17 +42,37 @@ use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
 use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
 use crate::target::{Target, TargetError};
+use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, Path, Request, State};
 use axum::handler::Handler;
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
+use axum::serve::IncomingStream;
 use axum::{Json, Router};
+use nvpool_control::tls::{ServerTls, TlsListener};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+
+/// The peer of a connection, plain or TLS, for the refusal log lines
+/// (axum gives a `SocketAddr` for its own `TcpListener` only).
+#[derive(Debug, Clone, Copy)]
+struct Peer(SocketAddr);
+
+impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> Peer {
+        Peer(*stream.remote_addr())
+    }
+}
+
+impl Connected<IncomingStream<'_, TlsListener>> for Peer {
+    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Peer {
+        Peer(*stream.remote_addr())
+    }
+}
 
 #[derive(Debug, Clone)]
 struct Api {
@@ -69,18 +89,32 @@ pub struct ApiServer {
 }
 
 impl ApiServer {
+    /// Serves plain HTTP on `addr` (port 0 for any).
     pub fn start(
         addr: SocketAddr,
         tokens: AdminTokens,
         target: Arc<Target>,
         listeners: ListenerControl,
     ) -> std::io::Result<ApiServer> {
+        ApiServer::start_tls(addr, tokens, target, listeners, None)
+    }
+
+    /// [`ApiServer::start`], serving https with `tls` when given
+    /// (`--admin-tls-cert`, `--admin-tls-key`; the control plane's
+    /// listener, `nvpool_control::tls::TlsListener`).
+    pub fn start_tls(
+        addr: SocketAddr,
+        tokens: AdminTokens,
+        target: Arc<Target>,
+        listeners: ListenerControl,
+        tls: Option<ServerTls>,
+    ) -> std::io::Result<ApiServer> {
         let std_listener = std::net::TcpListener::bind(addr)?;
         std_listener.set_nonblocking(true)?;
         let bound = std_listener.local_addr()?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let app = router(Api { target, listeners }, tokens)
-            .into_make_service_with_connect_info::<SocketAddr>();
+        let app =
+            router(Api { target, listeners }, tokens).into_make_service_with_connect_info::<Peer>();
         let thread = std::thread::Builder::new()
             .name("nvpool-admin-api".into())
             .spawn(move || {
@@ -102,10 +136,21 @@ impl ApiServer {
                             return;
                         }
                     };
-                    let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+                    let stopped = async {
                         let _ = stop_rx.await;
-                    });
-                    if let Err(e) = serve.await {
+                    };
+                    let served = match tls {
+                        None => {
+                            axum::serve(listener, app)
+                                .with_graceful_shutdown(stopped)
+                                .await
+                        }
+                        Some(tls) => match TlsListener::new(listener, &tls) {
+                            Ok(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
+                            Err(e) => Err(e),
+                        },
+                    };
+                    if let Err(e) = served {
                         tracing::error!(error = %e, "admin API stopped");
                     }
                 });
@@ -219,10 +264,7 @@ async fn require_token(State(tokens): State<AdminTokens>, req: Request, next: Ne
     if ok {
         return next.run(req).await;
     }
-    let peer = req
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0);
+    let peer = req.extensions().get::<ConnectInfo<Peer>>().map(|c| c.0 .0);
     let why = match presented {
         None => "no Authorization header",
         Some(None) => "not a bearer token",

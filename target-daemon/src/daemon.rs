@@ -44,6 +44,8 @@ pub struct StartOptions {
 pub struct AdminOptions {
     pub listen: SocketAddr,
     pub tokens: AdminTokens,
+    /// https with this certificate; None: plain HTTP.
+    pub tls: Option<nvpool_control::tls::ServerTls>,
 }
 
 enum AcceptorCmd {
@@ -195,8 +197,14 @@ impl Running {
             .spawn(move || acc.run())?;
         let api = match &opts.admin {
             Some(a) => Some(
-                api::ApiServer::start(a.listen, a.tokens.clone(), target.clone(), control.clone())
-                    .with_context(|| format!("cannot start the admin API on {}", a.listen))?,
+                api::ApiServer::start_tls(
+                    a.listen,
+                    a.tokens.clone(),
+                    target.clone(),
+                    control.clone(),
+                    a.tls.clone(),
+                )
+                .with_context(|| format!("cannot start the admin API on {}", a.listen))?,
             ),
             None => None,
         };
@@ -411,6 +419,12 @@ pub struct Cli {
     /// Let the admin API listen on an address other than loopback over plain HTTP, where its bearer token crosses the network in clear.
     #[arg(long)]
     pub admin_insecure_http: bool,
+    /// Serve the admin API over https with this certificate chain (PEM, leaf first); needs --admin-tls-key.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_key")]
+    pub admin_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --admin-tls-cert.
+    #[arg(long, value_name = "FILE", requires = "admin_tls_cert")]
+    pub admin_tls_key: Option<PathBuf>,
     /// Export a namespace: NQN=BACKEND, e.g. nqn.2026-11.io.nvpool:d1=file:/dev/sdb or ...=ram:1G (repeatable; NSIDs count up from 1 per NQN).
     #[arg(short, long = "export", value_name = "NQN=BACKEND")]
     pub export: Vec<String>,
@@ -432,12 +446,15 @@ pub struct Cli {
     #[arg(long, hide = true, default_value_t = crate::limits::REACTOR_SPIN_US_DEFAULT,
           value_parser = clap::value_parser!(u64).range(0..=crate::limits::REACTOR_SPIN_US_MAX))]
     pub reactor_spin_us: u64,
-    /// Register with this control plane and heartbeat to it, e.g. http://10.0.0.5:4430 (plain HTTP only); a comma-separated list names instances of one control plane, tried in turn.
+    /// Register with this control plane and heartbeat to it, e.g. https://10.0.0.5:4430; a comma-separated list names instances of one control plane, tried in turn.
     #[arg(long, env = "NVPOOL_CONTROL_PLANE", value_name = "URL")]
     pub control_plane: Option<String>,
     /// File holding the bearer token for the control plane (whitespace trimmed).
     #[arg(long, env = "NVPOOL_TARGET_TOKEN_FILE", value_name = "PATH")]
     pub control_plane_token_file: Option<PathBuf>,
+    /// CA certificates (PEM) to trust for an https --control-plane, instead of the system's.
+    #[arg(long, env = "NVPOOL_TARGET_CONTROL_PLANE_CACERT", value_name = "FILE")]
+    pub control_plane_cacert: Option<PathBuf>,
     /// Offer a device to the pool: ID=BACKEND, e.g. d0=file:/dev/nvme1n1 (repeatable). The control plane exports extents of it; it is not exported by itself.
     #[arg(long = "device", value_name = "ID=BACKEND")]
     pub device: Vec<String>,
@@ -564,20 +581,23 @@ pub fn resolve_config(cli: &Cli) -> anyhow::Result<(Config, Option<PathBuf>)> {
     }
     cfg.validate()?;
     if let Some(a) = cfg.admin_listen {
-        check_admin_exposure(a, cli.admin_insecure_http)?;
+        let tls = cli.admin_tls_cert.is_some();
+        check_admin_exposure(a, cli.admin_insecure_http || tls)?;
     }
     Ok((cfg, state_dir))
 }
 
-/// The admin API speaks plain HTTP, so its bearer token is readable by
-/// anyone on the path: it listens on loopback unless told otherwise.
-fn check_admin_exposure(listen: SocketAddr, insecure_http_ok: bool) -> anyhow::Result<()> {
-    if listen.ip().is_loopback() || insecure_http_ok {
+/// Over plain HTTP the admin API's bearer token is readable by anyone on
+/// the path: without `--admin-tls-cert` it listens on loopback unless told
+/// otherwise (`ok`: TLS, or `--admin-insecure-http`).
+fn check_admin_exposure(listen: SocketAddr, ok: bool) -> anyhow::Result<()> {
+    if listen.ip().is_loopback() || ok {
         return Ok(());
     }
     anyhow::bail!(
         "the admin API would listen on {listen} over plain HTTP, sending its bearer token in \
-         clear; listen on loopback, or accept that with --admin-insecure-http"
+         clear; give --admin-tls-cert and --admin-tls-key, listen on loopback, or accept that \
+         with --admin-insecure-http"
     )
 }
 
@@ -600,9 +620,33 @@ pub fn admin_tokens(cli: &Cli, state_dir: Option<&std::path::Path>) -> anyhow::R
     Ok(tokens)
 }
 
+/// The exit status for an error of [`run`]: 2 when a TLS file given on the
+/// command line is unusable (a usage error), else 1.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    let tls_file = e.chain().any(|c| {
+        c.is::<nvpool_control::tls::TlsError>()
+            || matches!(
+                c.downcast_ref::<register::RegisterError>(),
+                Some(register::RegisterError::Tls(_))
+            )
+    });
+    if tls_file {
+        2
+    } else {
+        1
+    }
+}
+
 /// The whole daemon: configure, start, wait for SIGTERM/SIGINT, shut down.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let (cfg, state_dir) = resolve_config(&cli)?;
+    let admin_tls = match (&cli.admin_tls_cert, &cli.admin_tls_key) {
+        (Some(cert), Some(key)) => Some(nvpool_control::tls::ServerTls::load_for(
+            ("--admin-tls-cert", cert),
+            ("--admin-tls-key", key),
+        )?),
+        _ => None,
+    };
     // Checked (devices opened, token read) before anything is bound.
     let registration = register::Settings::from_cli(&cli, cfg.admin_listen)?;
     let target = Target::new(state_dir.clone())?;
@@ -626,6 +670,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Some(listen) => Some(AdminOptions {
             listen,
             tokens: admin_tokens(&cli, state_dir.as_deref())?,
+            tls: admin_tls,
         }),
         None => None,
     };
@@ -661,8 +706,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     rc.rdma_listeners = Some(crate::register::RdmaListeners(Arc::new(move || {
                         t.rdma_listeners()
                     })));
-                    // The control plane calls the admin API with it.
+                    // The control plane calls the admin API with it, over
+                    // https when the API serves it.
                     rc.admin_tokens = opts.admin.as_ref().map(|a| a.tokens.clone());
+                    rc.admin_tls = opts.admin.as_ref().is_some_and(|a| a.tls.is_some());
                     rc
                 })
                 .and_then(|rc| {

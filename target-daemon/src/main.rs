@@ -16,7 +16,7 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("nvpool-target: {e:#}");
-            std::process::ExitCode::FAILURE
+            std::process::ExitCode::from(nvpool_target::daemon::exit_code(&e))
         }
     }
 }

@@ -56,6 +56,9 @@ pub enum RegisterError {
     /// A start-time option is unusable.
     #[error("{0}")]
     Usage(String),
+    /// `--control-plane-cacert` (or the system bundle) is unusable.
+    #[error(transparent)]
+    Tls(#[from] nvpool_control::tls::TlsError),
     #[error("--control-plane-token-file {path}: cannot read the token")]
     TokenFile {
         path: PathBuf,
@@ -222,6 +225,9 @@ pub struct RegistrationConfig {
     pub addr: SocketAddr,
     /// The admin API the control plane programs.
     pub admin_addr: SocketAddr,
+    /// The admin API serves https (`--admin-tls-cert`): the registration
+    /// says so, and the control plane calls `https://admin_addr`.
+    pub admin_tls: bool,
     /// The NVMe/RDMA address hosts may connect to instead of `addr`;
     /// `None`: this target serves NVMe/TCP only.
     pub rdma_addr: Option<SocketAddr>,
@@ -241,6 +247,9 @@ pub struct RegistrationConfig {
     pub backoff_max: Duration,
     /// One HTTP request, connect to last byte.
     pub request_timeout: Duration,
+    /// Whom an https control plane must prove it is: the CA certificates
+    /// of `--control-plane-cacert`, else the system bundle.
+    pub tls: ureq::tls::TlsConfig,
 }
 
 impl RegistrationConfig {
@@ -260,6 +269,7 @@ impl RegistrationConfig {
             name,
             addr,
             admin_addr,
+            admin_tls: false,
             rdma_addr: None,
             rdma_listeners: None,
             advertise_rdma: None,
@@ -269,6 +279,7 @@ impl RegistrationConfig {
             backoff_min: Duration::from_millis(REGISTER_BACKOFF_MIN_MS),
             backoff_max: Duration::from_millis(REGISTER_BACKOFF_MAX_MS),
             request_timeout: Duration::from_millis(CONTROL_PLANE_REQUEST_TIMEOUT_MS),
+            tls: nvpool_control::tls::client_tls_system(),
         }
     }
 
@@ -296,6 +307,7 @@ impl RegistrationConfig {
                 })
                 .collect(),
             rdma_addr,
+            admin_tls: self.admin_tls,
             admin_token,
         }
     }
@@ -311,6 +323,7 @@ impl std::fmt::Debug for RegistrationConfig {
             .field("name", &self.name)
             .field("addr", &self.addr)
             .field("admin_addr", &self.admin_addr)
+            .field("admin_tls", &self.admin_tls)
             .field("rdma_addr", &self.rdma_addr)
             .field("rdma_listeners", &self.rdma_listeners)
             .field("advertise_rdma", &self.advertise_rdma)
@@ -320,6 +333,7 @@ impl std::fmt::Debug for RegistrationConfig {
             .field("backoff_min", &self.backoff_min)
             .field("backoff_max", &self.backoff_max)
             .field("request_timeout", &self.request_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -337,6 +351,7 @@ pub struct Settings {
     advertise_rdma: Option<SocketAddr>,
     labels: BTreeMap<String, String>,
     devices: Vec<DeviceOffer>,
+    tls: ureq::tls::TlsConfig,
 }
 
 impl std::fmt::Debug for Settings {
@@ -386,6 +401,10 @@ impl Settings {
             Some(p) => Some(read_token(p)?),
             None => None,
         };
+        let tls = nvpool_control::tls::client_tls_for(
+            "--control-plane-cacert",
+            cli.control_plane_cacert.as_deref(),
+        )?;
         if let Some(id) = &cli.target_id {
             check_id("--target-id", id)?;
         }
@@ -436,6 +455,7 @@ impl Settings {
             advertise_rdma: cli.advertise_rdma,
             labels,
             devices,
+            tls,
         }))
     }
 
@@ -478,7 +498,7 @@ impl Settings {
         let host = hostname();
         if admin_addr.ip().is_loopback() && !self.control_plane.all_loopback() {
             tracing::warn!(admin = %admin_addr, control_plane = %self.control_plane,
-                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT --admin-insecure-http)");
+                "the admin API listens on loopback only; a remote control plane cannot program this target (use --admin-listen ADDR:PORT with --admin-tls-cert and --admin-tls-key)");
         }
         let target_id = match self.target_id {
             Some(id) => id,
@@ -500,6 +520,7 @@ impl Settings {
         cfg.advertise_rdma = self.advertise_rdma;
         cfg.labels = labels;
         cfg.devices = self.devices;
+        cfg.tls = self.tls;
         Ok(cfg)
     }
 }
@@ -710,6 +731,7 @@ pub(crate) struct Client {
 impl Client {
     pub(crate) fn new(cfg: RegistrationConfig) -> Client {
         let agent = ureq::Agent::config_builder()
+            .tls_config(cfg.tls.clone())
             .timeout_global(Some(cfg.request_timeout))
             // Error statuses carry a JSON body we want to read.
             .http_status_as_error(false)
@@ -1189,26 +1211,37 @@ mod tests {
     }
 
     #[test]
-    fn register_body_carries_rdma_only_when_present() {
-        let body = |rdma_addr| {
+    fn register_body_carries_rdma_and_admin_tls_only_when_present() {
+        let body = |rdma_addr, admin_tls| {
             serde_json::to_value(RegisterTargetBody {
                 id: "t".into(),
                 name: "t".into(),
                 addr: "10.0.0.5:4420".parse().unwrap(),
                 admin_addr: "10.0.0.5:4480".parse().unwrap(),
                 rdma_addr,
+                admin_tls,
                 labels: BTreeMap::new(),
                 devices: Vec::new(),
                 admin_token: None,
             })
             .unwrap()
         };
-        assert!(body(None).get("rdma_addr").is_none());
-        assert!(body(None).get("admin_token").is_none());
+        assert!(body(None, false).get("rdma_addr").is_none());
+        assert!(body(None, false).get("admin_token").is_none());
         assert_eq!(
-            body(Some("10.0.0.5:4421".parse().unwrap()))["rdma_addr"],
+            body(Some("10.0.0.5:4421".parse().unwrap()), false)["rdma_addr"],
             "10.0.0.5:4421"
         );
+        // Plain HTTP says nothing (an older control plane refuses unknown
+        // fields); https says so.
+        assert!(body(None, false).get("admin_tls").is_none());
+        assert_eq!(body(None, true)["admin_tls"], true);
+        let url = ControlPlaneUrl::parse("http://127.0.0.1:4430").unwrap();
+        let a: SocketAddr = "10.0.0.5:4420".parse().unwrap();
+        let mut cfg = RegistrationConfig::new(url, "t".into(), "t".into(), a, a);
+        assert!(!cfg.register_body(None, None).admin_tls);
+        cfg.admin_tls = true;
+        assert!(cfg.register_body(None, None).admin_tls);
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The daemon binary's admin API credentials: a token file (from the
 //! command line or the environment, rotated by editing it), the state
 //! directory's generated token that survives restarts, tokens kept out of
-//! logs and the command line, and plain HTTP off loopback only when asked
-//! for. (Every route refusing a missing or wrong token is in admin_api.rs.)
+//! logs and the command line, plain HTTP off loopback only when asked
+//! for, and https (`--admin-tls-cert`) anywhere. (Every route refusing a missing or wrong token is in admin_api.rs.)
 
+#[path = "../../control-plane/tests/common/certs.rs"]
+mod certs;
 mod common;
 
 use common::*;
@@ -208,4 +210,94 @@ fn an_unusable_token_file_stops_the_daemon_at_start() {
     let e = start_error(&["--admin-token-file", f]);
     assert!(e.contains("no token"), "{e}");
     assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+}
+
+/// `GET /v1/health` over https trusting `ca`: the status, or the error.
+fn https_health(admin: SocketAddr, ca: &Path, token: &str) -> Result<u16, String> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(nvpool_control::tls::client_tls(Some(ca)).unwrap())
+        .http_status_as_error(false)
+        .proxy(None)
+        .build()
+        .into();
+    agent
+        .get(format!("https://{admin}/v1/health"))
+        .header("Authorization", format!("Bearer {token}"))
+        .call()
+        .map(|r| r.status().as_u16())
+        .map_err(|e| e.to_string())
+}
+
+/// With a certificate the admin API serves https and may listen off
+/// loopback without `--admin-insecure-http`; a client that does not trust
+/// its CA gets no answer, and plain HTTP gets none either.
+#[test]
+fn tls_serves_the_admin_api_off_loopback() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let c = certs::make(dir.path(), "admin");
+    let other = certs::make(dir.path(), "other");
+    let port = free_port();
+    let state = dir.path().join("state");
+    let child = spawn(
+        &format!("0.0.0.0:{port}"),
+        &[
+            "--admin-tls-cert",
+            c.cert.to_str().unwrap(),
+            "--admin-tls-key",
+            c.key.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+        ],
+        &[],
+        &dir.path().join("log"),
+    );
+    let admin: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_for("the admin API", || {
+        std::net::TcpStream::connect(admin).is_ok()
+    });
+    let token = std::fs::read_to_string(state.join("admin-token")).unwrap();
+    let token = token.trim();
+    assert_eq!(https_health(admin, &c.ca, token), Ok(200));
+    assert_eq!(
+        https_health(admin, &c.ca, "wrong-token-0123456789"),
+        Ok(401)
+    );
+    let e = https_health(admin, &other.ca, token).unwrap_err();
+    assert!(e.to_lowercase().contains("unknownissuer"), "{e}");
+    // Plain HTTP to a TLS port: the handshake fails, nothing answers.
+    let plain = std::panic::catch_unwind(|| http_auth(admin, None, "GET", "/v1/health", None));
+    assert!(plain.is_err(), "plain HTTP was answered");
+    stop(child);
+}
+
+/// A certificate without its key, or a key that is not the certificate's,
+/// stops the daemon at start: one line naming the options, exit status 2.
+#[test]
+fn admin_tls_files_are_checked_at_start() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let a = certs::make(dir.path(), "a");
+    let b = certs::make(dir.path(), "b");
+    let run = |args: &[&str]| {
+        let out = daemon_bin()
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), e)
+    };
+    let (code, e) = run(&["--admin-tls-cert", a.cert.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{e}");
+    assert!(e.contains("--admin-tls-key"), "{e}");
+    let (cert, key) = (a.cert.to_str().unwrap(), b.key.to_str().unwrap());
+    let (code, e) = run(&["--admin-tls-cert", cert, "--admin-tls-key", key]);
+    assert_eq!(code, Some(2), "{e}");
+    assert!(
+        e.contains(&format!(
+            "--admin-tls-key {key}: does not go with --admin-tls-cert"
+        )),
+        "{e}"
+    );
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    assert!(!e.contains("PRIVATE KEY"), "{e}");
 }

@@ -1,8 +1,12 @@
 //! Registration with the control plane: an in-process `nvpool-control` API
 //! (MemStore, real clock) on a loopback port, and targets that register
 //! their devices, heartbeat, survive a refused token or an absent control
-//! plane, and re-register when the control plane forgets them.
+//! plane, and re-register when the control plane forgets them; a target
+//! daemon whose admin API serves https, which the control plane programs
+//! only when it trusts its CA (`--target-cacert`).
 
+#[path = "../../control-plane/tests/common/certs.rs"]
+mod certs;
 mod common;
 
 use common::*;
@@ -16,6 +20,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -51,6 +56,33 @@ impl ControlPlane {
         ControlPlane::start_on("127.0.0.1:0".parse().unwrap(), auth)
     }
 
+    /// Serves `store`, calling https admin APIs trusting `target_ca` as
+    /// `nvpool-control --target-cacert` does (None: the system bundle).
+    fn start_trusting(store: Arc<MemStore>, target_ca: Option<&Path>) -> ControlPlane {
+        let cluster = Arc::new(cluster_trusting(store, target_ca));
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let api = ApiServer::start(cluster.clone(), AuthConfig::default(), bind).unwrap();
+        ControlPlane { api, cluster }
+    }
+
+    /// Serves https with the certificate `certs` made.
+    fn start_https(auth: AuthConfig, c: &certs::Certs) -> ControlPlane {
+        let cluster = Cluster::new(
+            Arc::new(MemStore::new()),
+            Arc::new(SystemClock),
+            StateConfig {
+                extent_bytes: MIB,
+                ..StateConfig::default()
+            },
+        )
+        .unwrap();
+        let cluster = Arc::new(cluster);
+        let tls = nvpool_control::tls::ServerTls::load(&c.cert, &c.key).unwrap();
+        let bind = "127.0.0.1:0".parse().unwrap();
+        let api = ApiServer::start_tls(cluster.clone(), auth, bind, Some(tls)).unwrap();
+        ControlPlane { api, cluster }
+    }
+
     fn url(&self) -> ControlPlaneUrl {
         ControlPlaneUrl::parse(&format!("http://{}", self.api.addr)).unwrap()
     }
@@ -70,6 +102,33 @@ impl ControlPlane {
         (status, r.body_mut().read_json().unwrap())
     }
 
+    /// A PUT or DELETE (no token: the tests' control planes without
+    /// tokens allow every call): the status and the JSON answer (null
+    /// when empty).
+    fn send(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .build()
+            .into();
+        let url = format!("http://{}{path}", self.api.addr);
+        let r = match (method, body) {
+            ("PUT", Some(b)) => agent.put(url).send_json(b),
+            ("PUT", None) => agent.put(url).send_empty(),
+            ("DELETE", None) => agent.delete(url).call(),
+            other => panic!("the tests do not send {other:?}"),
+        };
+        let mut r = r.unwrap();
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().unwrap();
+        let v = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap()
+        };
+        (status, v)
+    }
+
     fn targets(&self) -> Vec<Value> {
         let (status, v) = self.get("/v1/targets");
         assert_eq!(status, 200, "{v}");
@@ -83,6 +142,20 @@ impl ControlPlane {
     fn stop(self) {
         self.api.shutdown();
     }
+}
+
+/// A cluster over `store` whose calls to https admin APIs trust
+/// `target_ca` (None: the system CA bundle), loaded as `nvpool-control
+/// --target-cacert` loads it.
+fn cluster_trusting(store: Arc<MemStore>, target_ca: Option<&Path>) -> Cluster {
+    let config = StateConfig {
+        extent_bytes: MIB,
+        ..StateConfig::default()
+    };
+    let tls = nvpool_control::tls::client_tls_for("--target-cacert", target_ca).unwrap();
+    Cluster::new(store, Arc::new(SystemClock), config)
+        .unwrap()
+        .with_target_tls(tls)
 }
 
 // ----- helpers -----
@@ -270,6 +343,70 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     let r = Registrar::start(cfg).unwrap();
     wait_for("the target to be listed", || cp.target("t-token").is_some());
     r.stop();
+}
+
+/// An https control plane: the registrar trusts the CA of
+/// `--control-plane-cacert` and registers; without it (the system bundle
+/// does not know a test CA) every attempt fails saying why, and nothing is
+/// registered.
+#[test]
+fn a_registrar_reaches_an_https_control_plane_through_its_cacert_only() {
+    logs();
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let c = certs::make(dir.path(), "cp");
+    let cp = ControlPlane::start_https(AuthConfig::default(), &c);
+    let url = ControlPlaneUrl::parse(&format!("https://{}", cp.api.addr)).unwrap();
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+
+    let r = Registrar::start(quick(url.clone(), "t-untrusted", &d)).unwrap();
+    wait_status(&r, "failed attempts", |s| s.failures >= 2);
+    let s = r.status();
+    assert!(!s.registered, "{s:?}");
+    let err = s.last_error.unwrap();
+    assert!(err.contains("cannot reach the control plane"), "{err}");
+    assert!(err.to_lowercase().contains("unknownissuer"), "{err}");
+    r.stop();
+
+    let mut cfg = quick(url, "t-https", &d);
+    cfg.tls = nvpool_control::tls::client_tls_for("--control-plane-cacert", Some(&c.ca)).unwrap();
+    let r = Registrar::start(cfg).unwrap();
+    wait_status(&r, "a heartbeat", |s| s.registered && s.heartbeats >= 1);
+    r.stop();
+    assert!(cp.cluster.target_credential("t-https").unwrap().is_some());
+    assert!(cp
+        .cluster
+        .target_credential("t-untrusted")
+        .unwrap()
+        .is_none());
+    d.shutdown();
+    cp.stop();
+}
+
+/// An unusable `--control-plane-cacert` stops the daemon at start: one
+/// line naming the option and the file, exit status 2.
+#[test]
+fn an_unusable_control_plane_cacert_is_a_usage_error() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let not_pem = dir.path().join("not-a-ca.pem");
+    std::fs::write(&not_pem, "hello\n").unwrap();
+    for (file, why) in [
+        ("/nonexistent/ca.pem", "cannot read it"),
+        (not_pem.to_str().unwrap(), "no CERTIFICATE in it"),
+    ] {
+        let out = daemon_bin()
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--control-plane", "https://127.0.0.1:1"])
+            .args(["--control-plane-cacert", file])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{e}");
+        assert!(
+            e.contains(&format!("--control-plane-cacert {file}: {why}")),
+            "{e}"
+        );
+        assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    }
 }
 
 /// A rotated admin token (a new first line in the token file) reaches the
@@ -535,4 +672,218 @@ fn the_registrar_fails_over_between_control_plane_instances() {
     }
     r.stop();
     d.shutdown();
+}
+
+// ----- an https admin API programmed by the control plane -----
+
+/// A daemon process, killed if a test fails before it stops it.
+struct Proc(std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// SIGTERM, and the daemon must exit 0.
+    fn stop(mut self) {
+        // SAFETY: kill has no memory preconditions; the pid is our child's.
+        assert_eq!(unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) }, 0);
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = self.0.try_wait().unwrap() {
+                break s;
+            }
+            assert!(start.elapsed() < PATIENCE, "the daemon did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(status.success(), "{status:?}");
+    }
+}
+
+/// `nvpool-target` registered as `id` with `cp`, its admin API serving
+/// https with the certificate of `c` (for 127.0.0.1) on a loopback port,
+/// offering one 4 MiB file device; its state (and admin token) in
+/// `state`.
+fn spawn_tls_target(
+    cp: &ControlPlane,
+    c: &certs::Certs,
+    id: &str,
+    state: &Path,
+    device: &Path,
+) -> Proc {
+    let child = daemon_bin()
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--no-io-uring", "--reactors", "1"])
+        .arg("--admin-tls-cert")
+        .arg(&c.cert)
+        .arg("--admin-tls-key")
+        .arg(&c.key)
+        .arg("--state-dir")
+        .arg(state)
+        .args(["--control-plane", &format!("http://{}", cp.api.addr)])
+        .args(["--target-id", id])
+        .args(["--device", &format!("d0={}", file_spec(device))])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    Proc(child)
+}
+
+/// A GET of the target's admin API over https trusting `ca`, with the
+/// token in its state directory: the status and the JSON answer.
+fn admin_get(admin: SocketAddr, ca: &Path, state: &Path, path: &str) -> (u16, Value) {
+    let token = std::fs::read_to_string(state.join("admin-token")).unwrap();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(nvpool_control::tls::client_tls(Some(ca)).unwrap())
+        .http_status_as_error(false)
+        .proxy(None)
+        .build()
+        .into();
+    let mut r = agent
+        .get(format!("https://{admin}{path}"))
+        .header("Authorization", format!("Bearer {}", token.trim()))
+        .call()
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.body_mut().read_json().unwrap_or(Value::Null))
+}
+
+/// The host subsystems (nvpool's prefix) the target exports, by NQN.
+fn host_subsystems(admin: SocketAddr, ca: &Path, state: &Path) -> Vec<Value> {
+    let (status, v) = admin_get(admin, ca, state, "/v1/subsystems");
+    assert_eq!(status, 200, "{v}");
+    v.as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["nqn"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("nqn.2026-11.io.nvpool:host:"))
+        })
+        .cloned()
+        .collect()
+}
+
+const VOLUME: &str = "0000000a-0000-4000-8000-000000000000";
+
+fn attachment_path() -> String {
+    format!(
+        "/v1/volumes/{VOLUME}/attachments/{}",
+        HOST_A.replace(':', "%3A")
+    )
+}
+
+/// Waits for `id` to register and creates a 1 MiB volume on it: the
+/// target as listed.
+fn registered_with_a_volume(cp: &ControlPlane, id: &str) -> Value {
+    wait_for("the target to register", || cp.target(id).is_some());
+    // A registration reconciles the target in the background; let that
+    // settle so it does not race with the attach (as the control plane's
+    // own attach tests do).
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, v) = cp.send(
+        "PUT",
+        &format!("/v1/volumes/{VOLUME}"),
+        Some(serde_json::json!({"name": "v10", "size_bytes": MIB, "layout": {"type": "concat"}})),
+    );
+    assert_eq!(status, 201, "{v}");
+    cp.target(id).unwrap()
+}
+
+/// A target with `--admin-tls-cert` registers saying so, and a control
+/// plane trusting its CA programs it over https: the attach exports the
+/// volume's namespace to the host there, the detach removes it.
+#[test]
+fn the_control_plane_programs_an_https_admin_api_it_trusts() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let c = certs::make(dir.path(), "admin");
+    let (_dev_dir, device) = scratch_file(4 * MIB);
+    let state: PathBuf = dir.path().join("state");
+    let cp = ControlPlane::start_trusting(Arc::new(MemStore::new()), Some(&c.ca));
+    let target = spawn_tls_target(&cp, &c, "t-tls", &state, &device);
+    let t = registered_with_a_volume(&cp, "t-tls");
+    assert_eq!(t["admin_tls"], true, "{t}");
+    let admin: SocketAddr = t["admin_addr"].as_str().unwrap().parse().unwrap();
+
+    let (status, a) = cp.send("PUT", &attachment_path(), None);
+    assert_eq!(status, 201, "{a}");
+    assert_eq!(a["state"], "attached");
+    let extent = &a["plan"]["extents"][0];
+    assert_eq!(extent["target"], "t-tls");
+    let nqn = extent["subsystem_nqn"].as_str().unwrap();
+    let subs = host_subsystems(admin, &c.ca, &state);
+    assert_eq!(subs.len(), 1, "{subs:?}");
+    assert_eq!(subs[0]["nqn"], nqn);
+    assert_eq!(subs[0]["allowed_hosts"], serde_json::json!([HOST_A]));
+    let ns = &subs[0]["namespaces"][0];
+    assert_eq!(ns["nsid"], extent["nsid"]);
+    assert_eq!(
+        ns["backend"],
+        format!("{},offset=0,length={MIB}", file_spec(&device))
+    );
+
+    let (status, v) = cp.send("DELETE", &attachment_path(), None);
+    assert_eq!(status, 204, "{v}");
+    assert!(host_subsystems(admin, &c.ca, &state).is_empty());
+    target.stop();
+    cp.stop();
+}
+
+/// A control plane that does not trust the target's CA (another CA, or
+/// the system bundle without `--target-cacert`) refuses the attach with
+/// an error naming TLS, and leaves nothing behind: no attachment record,
+/// no subsystem on the target. The same records then attach through a
+/// control plane that trusts the CA.
+#[test]
+fn a_control_plane_that_does_not_trust_the_admin_api_changes_nothing() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let c = certs::make(dir.path(), "admin");
+    let other = certs::make(dir.path(), "other");
+    let (_dev_dir, device) = scratch_file(4 * MIB);
+    let state: PathBuf = dir.path().join("state");
+    let store = Arc::new(MemStore::new());
+    let cp = ControlPlane::start_trusting(store.clone(), Some(&other.ca));
+    let target = spawn_tls_target(&cp, &c, "t-untrusting", &state, &device);
+    let t = registered_with_a_volume(&cp, "t-untrusting");
+    let admin: SocketAddr = t["admin_addr"].as_str().unwrap().parse().unwrap();
+
+    let (status, e) = cp.send("PUT", &attachment_path(), None);
+    assert_eq!(status, 503, "{e}");
+    assert_eq!(e["kind"], "target_unreachable", "{e}");
+    let message = e["message"].as_str().unwrap();
+    assert!(
+        message.contains("TLS with its admin API failed")
+            && message.contains("UnknownIssuer")
+            && message.contains("--target-cacert")
+            && message.contains("127.0.0.1"),
+        "{message}"
+    );
+    let nothing_behind = || {
+        let (status, v) = cp.get(&format!("/v1/volumes/{VOLUME}/attachments"));
+        assert_eq!((status, &v), (200, &serde_json::json!([])));
+        assert!(host_subsystems(admin, &c.ca, &state).is_empty());
+    };
+    nothing_behind();
+
+    // Without --target-cacert: the system bundle knows no test CA.
+    let uuid: nvpool_control::Uuid = VOLUME.parse().unwrap();
+    let system = cluster_trusting(store.clone(), None);
+    let e = nvpool_control::program::attach(&system, &uuid, HOST_A).unwrap_err();
+    assert!(
+        matches!(&e, nvpool_control::program::ProgramError::Unreachable { message, .. }
+            if message.contains("UnknownIssuer")),
+        "{e}"
+    );
+    nothing_behind();
+
+    // Trusting the target's CA, the same records attach.
+    let trusting = cluster_trusting(store, Some(&c.ca));
+    let done = nvpool_control::program::attach(&trusting, &uuid, HOST_A).unwrap();
+    assert!(done.created);
+    assert_eq!(host_subsystems(admin, &c.ca, &state).len(), 1);
+    target.stop();
+    cp.stop();
 }

@@ -131,6 +131,7 @@ impl Tgt {
                 admin: Some(AdminOptions {
                     listen: self.admin,
                     tokens: AdminTokens::fixed(vec![Secret::new(self.admin_token()).unwrap()]),
+                    tls: None,
                 }),
             },
         )

@@ -52,6 +52,7 @@ pub fn start_running(
         admin: Some(AdminOptions {
             listen: admin,
             tokens: AdminTokens::fixed(vec![Secret::new(admin_token).unwrap()]),
+            tls: None,
         }),
     };
     // A port a previous daemon just left may take a moment to free up.

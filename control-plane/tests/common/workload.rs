@@ -48,6 +48,7 @@ pub fn registration(i: usize) -> TargetRegistration {
             })
             .collect(),
         rdma_addr: None,
+        admin_tls: false,
         admin_token: None,
     }
 }

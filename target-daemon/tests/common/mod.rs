@@ -120,6 +120,7 @@ impl Daemon {
             admin: Some(AdminOptions {
                 listen: "127.0.0.1:0".parse().expect("addr"),
                 tokens: tokens.clone(),
+                tls: None,
             }),
         };
         let running = Running::start(target.clone(), &opts).expect("daemon starts");
