@@ -2,9 +2,11 @@
 # End to end on this host, as root: three etcd members, three control planes
 # sharing them, two targets, and a RAID1 volume attached through FUSE + loop
 # under fio with verify=crc32c, in a loop, while
-#   1. etcd loses its quorum for 10 s: the API answers 503 with a clear
-#      message, the volume keeps serving I/O; etcd back: the API answers
-#      again and one control plane leads, with no restart;
+#   1. a target is killed and restarted, and while its copy is being
+#      resynced (throttled) etcd loses its quorum for 10 s: the API answers
+#      503 with a clear message, the volume keeps serving I/O; etcd back:
+#      the API answers again and one control plane leads, with no restart,
+#      and the resync resumes and completes;
 #   2. the leading control plane is SIGKILLed: another leads within seconds
 #      (the CLI and the targets are given all three and fail over).
 # Every fio pass verifies with no error; the volume then detaches and deletes.
@@ -81,6 +83,9 @@ for i in 0 1 2; do start_etcd "$i" new; done
 check "etcd members are healthy" wait_for 30 etcd_healthy 0
 CP_STORE=etcd://127.0.0.1:$ETCD_CLIENT_BASE,127.0.0.1:$((ETCD_CLIENT_BASE + 1)),127.0.0.1:$((ETCD_CLIENT_BASE + 2))/nvpool-e2e
 CP_LOG=info
+# Throttled, so that the resync below is still copying when etcd loses
+# its quorum.
+CP_ARGS=(--rebuild-rate 8M)
 for n in 0 1 2; do
     start_control_plane "$n" || { bad "control plane $n starts"; summary; exit 1; }
 done
@@ -112,7 +117,19 @@ check "attached as a block device ($dev)" test -b "$dev"
 FIO_LOOP=$!
 sleep 3
 
-log "etcd loses its quorum (members 1 and 2 SIGKILLed)"
+# has_stale NAME: the host gave some copy up. copying NAME: a copy job is
+# copying.
+has_stale() { nvpool volume info "$1" -o json | jq -e '(.failed_extents | length) > 0' >/dev/null; }
+copying() { nvpool volume info "$1" -o json | jq -e 'any(.copy_jobs[]; .state == "copying")' >/dev/null; }
+
+log "target t1 SIGKILLed and restarted: its copy is resynced"
+kill -9 "${TARGET_PIDS[1]}"
+check "the host gives up the copies on t1" wait_for 30 has_stale ha
+sleep 2
+start_target 1 4G
+check "a resync is copying" wait_for 60 copying ha
+
+log "etcd loses its quorum (members 1 and 2 SIGKILLed) in the middle of the resync"
 kill -9 "${ETCD_PIDS[1]}" "${ETCD_PIDS[2]}"
 code=$(curl -s -o "$E2E_DIR/quorum.json" -w '%{http_code}' "$CP0/v1/volumes")
 check "without quorum the API answers 503 (got $code)" test "$code" = 503
@@ -130,6 +147,7 @@ etcd_back() { etcd_healthy 1 && etcd_healthy 2; }
 check "etcd is healthy again" wait_for 60 etcd_back
 check "the API answers again without a restart" wait_for 60 nvpool volume info ha
 check "one control plane leads again" wait_for 30 one_leader
+check "the resync resumes and completes: every copy in sync" wait_for 180 in_sync ha
 
 old=$(leader)
 log "SIGKILL the leading control plane (cp$old)"
