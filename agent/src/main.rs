@@ -36,10 +36,17 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("nvpool-agent: {}", format!("{e:#}").replace('\n', " "));
-            // An unusable --cacert is a usage error.
-            match e.downcast_ref::<nvpool_agent::client::ClientError>() {
-                Some(nvpool_agent::client::ClientError::Tls(_)) => ExitCode::from(2),
-                _ => ExitCode::FAILURE,
+            // An unusable --cacert or certificate, or options that do not
+            // go together, are usage errors.
+            let usage = matches!(
+                e.downcast_ref::<nvpool_agent::client::ClientError>(),
+                Some(nvpool_agent::client::ClientError::Tls(_))
+            ) || e.is::<nvpool_control::tls::TlsError>()
+                || e.is::<nvpool_agent::server::Usage>();
+            if usage {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
             }
         }
     }

@@ -29,10 +29,20 @@ pub struct Args {
     /// /run/nvpool for root).
     #[arg(long, env = "NVPOOL_RUN_DIR", value_name = "DIR")]
     pub run_dir: Option<std::path::PathBuf>,
-    /// Also serve `/metrics` (Prometheus) and `/v1/stats` over HTTP on this
-    /// address (loopback unless you mean it), e.g. 127.0.0.1:9464.
+    /// Also serve `/metrics` (Prometheus) and `/v1/stats` on this address,
+    /// e.g. 127.0.0.1:9464: over https with `--metrics-tls-cert`, else
+    /// plain HTTP, on loopback only unless `--metrics-insecure-http`.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Certificate chain (PEM) the metrics listener serves https with.
+    #[arg(long, value_name = "FILE", requires = "metrics_tls_key")]
+    pub metrics_tls_cert: Option<std::path::PathBuf>,
+    /// Its private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "metrics_tls_cert")]
+    pub metrics_tls_key: Option<std::path::PathBuf>,
+    /// Serve the metrics over plain HTTP on an address other than loopback.
+    #[arg(long)]
+    pub metrics_insecure_http: bool,
     /// This host's DH-HMAC-CHAP secrets, for targets that make the host
     /// authenticate (`nvpool host set-keys` gave them to the control
     /// plane). Read again for every volume served, so a rotated file is
@@ -379,6 +389,40 @@ fn metrics_router(a: Arc<Agent>) -> Router {
         .with_state(a)
 }
 
+/// The metrics listener: plain HTTP, or https (`--metrics-tls-cert`).
+enum MetricsListener {
+    Http(tokio::net::TcpListener),
+    Https(nvpool_control::tls::TlsListener),
+}
+
+/// A bad combination of options: `nvpool-agent` exits 2 on it.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
+
+/// The metrics listener's TLS, loaded, and the check that plain HTTP is
+/// served beyond loopback only when asked for. Done before anything starts.
+fn metrics_tls(args: &Args) -> anyhow::Result<Option<nvpool_control::tls::ServerTls>> {
+    let tls = match (&args.metrics_tls_cert, &args.metrics_tls_key) {
+        (Some(cert), Some(key)) => Some(nvpool_control::tls::ServerTls::load_for(
+            ("--metrics-tls-cert", cert),
+            ("--metrics-tls-key", key),
+        )?),
+        _ => None,
+    };
+    if let Some(addr) = args.metrics_listen {
+        if tls.is_none() && !addr.ip().is_loopback() && !args.metrics_insecure_http {
+            return Err(Usage(format!(
+                "--metrics-listen {addr} would serve plain HTTP beyond loopback; give \
+                 --metrics-tls-cert and --metrics-tls-key, listen on loopback, or accept that \
+                 with --metrics-insecure-http"
+            ))
+            .into());
+        }
+    }
+    Ok(tls)
+}
+
 /// Holds the run directory's lock: one agent per run directory.
 fn take_lock(dir: &std::path::Path) -> anyhow::Result<std::fs::File> {
     let path = dir.join("agent.lock");
@@ -411,6 +455,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // A CA file that cannot be used is a usage error, before anything runs.
     let tls = nvpool_control::tls::client_tls(args.cacert.as_deref())
         .map_err(crate::client::ClientError::Tls)?;
+    let metrics_tls = metrics_tls(&args)?;
     let run = state::run_dir();
     std::fs::create_dir_all(run.join("volumes"))
         .with_context(|| format!("creating {}", run.display()))?;
@@ -483,6 +528,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
+    let metrics_listener = match (metrics_listener, metrics_tls) {
+        (Some(l), Some(tls)) => {
+            let _g = rt.enter();
+            let l =
+                nvpool_control::tls::TlsListener::new(l, &tls).context("the metrics listener")?;
+            Some(MetricsListener::Https(l))
+        }
+        (Some(l), None) => Some(MetricsListener::Http(l)),
+        (None, _) => None,
+    };
     tracing::info!(socket = %sock.display(), pid = std::process::id(), "agent ready");
 
     let mut signals = signal_hook::iterator::Signals::new([
@@ -502,7 +557,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if let Some(l) = metrics_listener {
             let m = metrics_app;
             tokio::spawn(async move {
-                if let Err(e) = axum::serve(l, m).await {
+                let served = match l {
+                    MetricsListener::Http(l) => axum::serve(l, m).await,
+                    MetricsListener::Https(l) => axum::serve(l, m).await,
+                };
+                if let Err(e) = served {
                     tracing::error!(error = %e, "the metrics listener failed");
                 }
             });
