@@ -202,6 +202,9 @@ impl Outcome {
         match e {
             E::HostNotFound | E::ConnectionFailed | E::Tls(_) | E::Rustls(_) => Outcome::NotSent,
             E::Timeout(T::Resolve | T::Connect) => Outcome::NotSent,
+            // ureq hands a failed handshake (an untrusted certificate) up
+            // as an I/O error around rustls': the request was never sent.
+            E::Io(io) if io.get_ref().is_some_and(|i| i.is::<rustls::Error>()) => Outcome::NotSent,
             E::Io(io) => match io.kind() {
                 K::ConnectionRefused
                 | K::AddrNotAvailable

@@ -80,6 +80,34 @@ fn https_round_trips_with_the_right_ca_only() {
     s.shutdown();
 }
 
+/// A handshake that fails (an instance whose certificate this client does
+/// not trust) means the request never left: even a call that must not be
+/// sent twice goes on to the next endpoint.
+#[test]
+fn a_call_made_once_fails_over_past_an_untrusted_instance() {
+    use nvpool_control::http::{Call, Endpoints};
+    let dir = tempfile::tempdir().unwrap();
+    let mine = certs::make(dir.path(), "mine");
+    let other = certs::make(dir.path(), "other");
+    let untrusted = server(&other);
+    let trusted = server(&mine);
+    let bases = vec![
+        format!("https://127.0.0.1:{}", untrusted.addr.port()),
+        format!("https://127.0.0.1:{}", trusted.addr.port()),
+    ];
+    let client = agent(Some(&mine.ca));
+    let endpoints = Endpoints::new(bases.clone());
+    let mut tried = Vec::new();
+    let r = endpoints
+        .send(Call::Once, |base| {
+            tried.push(base.to_owned());
+            client.get(format!("{base}/v1/targets")).call()
+        })
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(tried, bases);
+}
+
 #[test]
 fn unusable_tls_files_are_one_clear_error() {
     let dir = tempfile::tempdir().unwrap();
