@@ -1131,6 +1131,14 @@ impl Queue {
         let was = auth.authenticated();
         let slot = &mut self.slots[si];
         let reply = if slot.sqe.fctype() == fctype::AUTH_SEND {
+            // A new exchange (a re-authentication of a live queue) checks
+            // the host's keys as the subsystem holds them now, so that
+            // rotated keys take effect without a reconnect.
+            if let Some(ctrl) = &self.ctrl {
+                if let Some(a) = ctrl.subsystem().host_keys.get(&ctrl.hostnqn) {
+                    auth.renew_policy(a.policy.clone());
+                }
+            }
             auth.on_send(slot.buf.as_slice(slot.len));
             Reply::ok()
         } else {

@@ -538,6 +538,21 @@ impl CtrlAuth {
         }
     }
 
+    /// Replaces the keys and policy the next exchange uses, when no
+    /// exchange is under way (none yet, or the last one over); returns
+    /// whether it did. A re-authentication on a live queue then checks the
+    /// host's keys as they are now, not as they were at Connect.
+    pub fn renew_policy(&mut self, policy: Arc<CtrlPolicy>) -> bool {
+        let between = matches!(
+            self.step,
+            CtrlStep::Idle | CtrlStep::Done | CtrlStep::Failed
+        );
+        if between {
+            self.policy = policy;
+        }
+        between
+    }
+
     /// Commands other than authentication may run on the queue.
     pub fn authenticated(&self) -> bool {
         self.authenticated
@@ -1117,6 +1132,12 @@ mod tests {
             dhgroup: group,
         };
         let mut c = CtrlAuth::new(Arc::new(policy), HOSTNQN, SUBNQN);
+        assert!(!c.authenticated());
+        run(&mut c, host_keys)
+    }
+
+    /// Runs one exchange on `c` (first or re-authentication).
+    fn run(c: &mut CtrlAuth, host_keys: &Keys) -> (bool, Result<(), AuthError>) {
         let mut h = HostAuth::new(host_keys, HostOffer::default(), HOSTNQN, SUBNQN, 5);
         let (mut rc, mut rh) = ([0u8; RANDOM_BYTES], [0u8; RANDOM_BYTES]);
         for (i, x) in rc.iter_mut().enumerate() {
@@ -1125,7 +1146,6 @@ mod tests {
         for (i, x) in rh.iter_mut().enumerate() {
             *x = (i * 13 + 1) as u8;
         }
-        assert!(!c.authenticated());
         c.on_send(&h.negotiate());
         let mut msg = c.on_receive(&rc);
         loop {
@@ -1168,6 +1188,35 @@ mod tests {
         // Default policy: the strongest hash offered.
         let k = keys(false);
         assert!(exchange(k.clone(), &k, None, DhGroup::Ffdhe3072).0);
+    }
+
+    #[test]
+    fn a_re_authentication_checks_the_keys_as_they_are_now() {
+        let old = keys(true);
+        let new = Keys {
+            host: Secret::new(&[0x51; 32], None).unwrap(),
+            ctrl: Some(Secret::new(&[0x52; 48], None).unwrap()),
+        };
+        let policy = |k: &Keys| {
+            Arc::new(CtrlPolicy {
+                keys: k.clone(),
+                hash: None,
+                dhgroup: DhGroup::Ffdhe2048,
+            })
+        };
+        let mut c = CtrlAuth::new(policy(&old), HOSTNQN, SUBNQN);
+        assert_eq!(run(&mut c, &old), (true, Ok(())));
+        // Rotated on the controller: the old secret no longer passes a
+        // re-authentication, and the queue stops being authenticated.
+        assert!(c.renew_policy(policy(&new)));
+        let (ok, _) = run(&mut c, &old);
+        assert!(!ok && !c.authenticated());
+        // The new one does, on the same queue.
+        assert_eq!(run(&mut c, &new), (true, Ok(())));
+        // Never in the middle of an exchange.
+        let mut h = HostAuth::new(&new, HostOffer::default(), HOSTNQN, SUBNQN, 5);
+        c.on_send(&h.negotiate());
+        assert!(!c.renew_policy(policy(&old)));
     }
 
     #[test]
