@@ -6,7 +6,9 @@
 #    host 1 unidirectional (SHA-256, null group, a secret with SHA-256 key transform),
 #    host 2 bidirectional (ffdhe2048, the target's default hash, a host secret without
 #    key transform).  Right secret: connects, a pattern written with dd reads back and
-#    dmesg says "authenticated"; wrong host secret: refused; a wrong controller secret on
+#    dmesg says "authenticated"; the secret rotated on the live controller (the target's
+#    admin API, then the host's sysfs dhchap_secret): the host re-authenticates its queues
+#    and I/O goes on; wrong host secret: refused; a wrong controller secret on
 #    the host side: the host refuses the controller; both secrets right: connects, and
 #    reads what host 1 wrote.
 # 2. nvpool's initiator (`nvpool bench --verify`, secrets from files) against the kernel's
@@ -52,6 +54,8 @@ KEY_HOST_WRONG='DHHC-1:01:3MafP8j3qkLBWHKrYyAbA0nkxRZtUqMYaAHRhAKhcCqYS0dS:'
 KEY_CTRL='DHHC-1:01:lUCO51mjGVtOkK2fAIlXuA9HS05zAVkBRqZn9YfaRUcm4WXQ:'
 KEY_CTRL_WRONG='DHHC-1:01:nq6FQxWijl0fTlwkyPPiQ4nQ/SkqEmPzOfZAmvhSMXx2zjxe:'
 KEY_HOST2='DHHC-1:00:f3/AlTdhrPJ99upJEv+RbBTXq3Ur0knNdH73B2xtV5LFrA3P:'
+# Host 1's secret after rotation (SHA-256 of "nvpool-vm-dhchap-host-new").
+KEY_HOST_NEW='DHHC-1:01:UYI96Y4bZiRNhNbWmkmEZWRXYPhaVQnAQxV0pIJs3+70UNKV:'
 
 nvmet=/sys/kernel/config/nvmet
 
@@ -131,6 +135,25 @@ check_pattern() {
         die "the 1 MiB at ${1} MiB of $DEV differs from the pattern written there"
 }
 
+# admin_put PATH JSON: PUT on the target's admin API with its token (bash's /dev/tcp: the
+# guest has no HTTP client); fails unless the answer is 200.
+admin_put() {
+    local token status
+    token=$(cat "$TARGET_STATE_DIR/admin-token")
+    exec 3<>/dev/tcp/127.0.0.1/4480 || die "admin API: cannot connect"
+    printf 'PUT %s HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n' "$1" "$token" >&3
+    printf 'Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' \
+        "${#2}" "$2" >&3
+    read -r _ status _ <&3
+    exec 3<&-
+    [[ $status == 200 ]] || die "admin API: PUT $1 answered ${status:-nothing}"
+}
+
+# reauthenticated: the host logged a new successful exchange on the admin queue.
+reauthenticated() {
+    new_dmesg | grep -qE 'qid 0: authenticated'
+}
+
 start_auth_target() {
     truncate -s 256M "$BACKING"
     mkdir -p "$TARGET_STATE_DIR"
@@ -175,8 +198,31 @@ kernel_host_vs_target() {
     expect_dmesg host-sha256-null 'qid 0: authenticated with hash [^ ]*sha256[^ ]* dhgroup null'
     write_pattern 3
     write_pattern 200
-    disconnect
     step_ok kernel-host-auth-sha256-null
+
+    # Rotation on the live controller: the target first (its queues keep running), then
+    # the host, which re-authenticates the admin queue and every I/O queue against the
+    # target's new key.
+    admin_put "/v1/subsystems/$NVME_NQN/hosts/$HOST1" \
+        "{\"dhchap_key\": \"$KEY_HOST_NEW\", \"dhchap_hash\": \"sha256\", \"dhchap_dhgroup\": \"null\"}"
+    mark_dmesg
+    printf '%s\n' "$KEY_HOST_NEW" >"/sys/class/nvme/$CTRL/dhchap_secret"
+    wait_until 60 "host re-authenticated with the rotated secret" reauthenticated
+    expect_dmesg reauth 'qid 0: authenticated with hash [^ ]*sha256[^ ]* dhgroup null'
+    ! new_dmesg | grep -iE 'auth.*(fail|error)' ||
+        die "a queue failed to re-authenticate"
+    ctrl_live
+    check_pattern 3
+    write_pattern 100
+    disconnect
+    step_ok kernel-host-reauth-after-rotation
+
+    # A new connection needs the new secret; the old one is refused.
+    refused old-host-secret "$HOST1" --dhchap-secret="$KEY_HOST"
+    connect_as host-rotated "$HOST1" --dhchap-secret="$KEY_HOST_NEW"
+    check_pattern 100
+    disconnect
+    step_ok kernel-host-rotated-secret
 
     refused wrong-host-secret "$HOST1" --dhchap-secret="$KEY_HOST_WRONG"
     step_ok kernel-host-wrong-secret-refused
