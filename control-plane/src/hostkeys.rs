@@ -15,6 +15,7 @@
 //! random label drawn at every change, which tells the control plane that
 //! a target holds older keys without secrets ever being read back.
 
+use crate::limits::HOST_KEY_ROLLOUT_PARALLEL;
 use crate::model::{Health, ModelError};
 use crate::program::{ensure_host_keys, ProgramError, TargetAdmin};
 use crate::rest::{HostKeysBody, HostKeysOut, KeyRollout, PendingTarget, Secret};
@@ -81,26 +82,28 @@ pub fn out(k: &HostKeys, rollout: Option<KeyRollout>) -> HostKeysOut {
 }
 
 /// Makes every target that exports anything to `host` hold `keys` for it
-/// (`None`: no keys). Targets are changed in parallel; one that is offline
-/// or fails is reported as pending, for reconciliation to finish.
+/// (`None`: no keys). Targets are changed [`HOST_KEY_ROLLOUT_PARALLEL`] at
+/// a time; one that is offline or fails is reported as pending, for
+/// reconciliation to finish.
 pub fn roll_out(
     cluster: &Cluster,
     host: &str,
     keys: Option<&HostKeys>,
 ) -> Result<KeyRollout, StateError> {
     let targets = cluster.targets()?;
-    let results: Vec<(String, Result<bool, ProgramError>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = targets
-            .iter()
-            .map(|tv| {
-                scope.spawn(move || (tv.target.id.clone(), roll_out_on(cluster, tv, host, keys)))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    });
+    let mut results: Vec<(String, Result<bool, ProgramError>)> = Vec::new();
+    for round in targets.chunks(HOST_KEY_ROLLOUT_PARALLEL) {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = round
+                .iter()
+                .map(|tv| scope.spawn(move || roll_out_on(cluster, tv, host, keys)))
+                .collect();
+            for (tv, h) in round.iter().zip(handles) {
+                let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                results.push((tv.target.id.clone(), r));
+            }
+        });
+    }
     let mut rollout = KeyRollout::default();
     for (target, r) in results {
         match r {

@@ -68,6 +68,11 @@ pub const NAMESPACES_PER_HOST_TARGET_MAX: usize = 1024;
 /// an attach to a dead target fails in seconds, not minutes.
 pub const TARGET_CALL_TIMEOUT_MS: u64 = 5_000;
 
+/// Targets changed at once when a host's DH-HMAC-CHAP keys change (one
+/// thread each): a rollout over a large cluster takes
+/// ⌈targets / this⌉ rounds, each bounded by the calls' timeout.
+pub const HOST_KEY_ROLLOUT_PARALLEL: usize = 16;
+
 /// How often every online target is reconciled against the attachment
 /// records (besides right after it registers).
 pub const RECONCILE_INTERVAL_MS: u64 = 30_000;
