@@ -195,16 +195,26 @@ enum Outcome {
     Final,
 }
 
+/// Whether a call failed in TLS (an untrusted or misnamed certificate, a
+/// failed handshake): ureq reports the handshake's own errors as an I/O
+/// error around rustls'.
+pub fn is_tls(e: &ureq::Error) -> bool {
+    match e {
+        ureq::Error::Tls(_) | ureq::Error::Rustls(_) => true,
+        ureq::Error::Io(io) => io.get_ref().is_some_and(|x| x.is::<rustls::Error>()),
+        _ => false,
+    }
+}
+
 impl Outcome {
     fn of(e: &ureq::Error) -> Outcome {
         use std::io::ErrorKind as K;
         use ureq::{Error as E, Timeout as T};
         match e {
-            E::HostNotFound | E::ConnectionFailed | E::Tls(_) | E::Rustls(_) => Outcome::NotSent,
+            E::HostNotFound | E::ConnectionFailed => Outcome::NotSent,
+            // A failed handshake: the request was never sent.
+            e if is_tls(e) => Outcome::NotSent,
             E::Timeout(T::Resolve | T::Connect) => Outcome::NotSent,
-            // ureq hands a failed handshake (an untrusted certificate) up
-            // as an I/O error around rustls': the request was never sent.
-            E::Io(io) if io.get_ref().is_some_and(|i| i.is::<rustls::Error>()) => Outcome::NotSent,
             E::Io(io) => match io.kind() {
                 K::ConnectionRefused
                 | K::AddrNotAvailable

@@ -152,16 +152,6 @@ fn segment(s: &str) -> String {
     out
 }
 
-/// Whether a call failed in TLS: the handshake's own errors come from
-/// rustls wrapped in an I/O error.
-fn is_tls(e: &ureq::Error) -> bool {
-    match e {
-        ureq::Error::Tls(_) | ureq::Error::Rustls(_) => true,
-        ureq::Error::Io(io) => io.get_ref().is_some_and(|x| x.is::<rustls::Error>()),
-        _ => false,
-    }
-}
-
 /// A blocking client of one target's admin API, presenting the token the
 /// target registered with as a bearer token on every call. A target that
 /// registered `admin_tls` is called over https: its certificate must chain
@@ -238,7 +228,7 @@ impl TargetAdmin {
         let message = match e {
             // A certificate the control plane does not trust, or one that
             // does not name the address: say where the trust comes from.
-            e if is_tls(&e) => format!(
+            e if crate::http::is_tls(&e) => format!(
                 "TLS with its admin API failed: {e} (the control plane trusts the CA of \
                  --target-cacert, else the system CA bundle, and the certificate must name \
                  {})",
