@@ -407,6 +407,9 @@ impl ApiError {
             ),
             StateError::Deleting(volume) => (S::CONFLICT, "deleting", json!({"volume": volume})),
             StateError::NoHostKeys(host) => (S::NOT_FOUND, "not_found", json!({"host_nqn": host})),
+            StateError::HostKeysRequired(host) => {
+                (S::CONFLICT, "host_keys_required", json!({"host_nqn": host}))
+            }
             StateError::NotAttached { volume, host } => (
                 S::NOT_FOUND,
                 "not_found",
@@ -1252,7 +1255,7 @@ fn parse_host(s: &str) -> Result<String, ApiError> {
 /// alone; the answer is the connection plan. Idempotent: attaching again
 /// returns the same plan (200) and re-exports anything missing. If a
 /// target fails, whatever this call set up is taken back.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached, or the daemon at a target's admin address is another target (wrong_target)", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached, the daemon at a target's admin address is another target (wrong_target), or the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
 async fn put_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -1345,7 +1348,7 @@ async fn delete_attachment(
 /// paths (one optimized, the owner running the volume engine; the others
 /// inaccessible until a failover). Connect with `nvme connect` to every
 /// path. Idempotent: again, 200 with the same view.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
 async fn put_export(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,

@@ -53,6 +53,11 @@ pub struct Args {
     /// A target's certificate must name the IP address of its admin API.
     #[arg(long, value_name = "FILE")]
     pub target_cacert: Option<PathBuf>,
+    /// Attach and serve volumes only to hosts with DH-HMAC-CHAP keys
+    /// (`nvpool host set-keys`): no host reaches a namespace without a
+    /// credential. Others get 409 host_keys_required.
+    #[arg(long)]
+    pub require_host_keys: bool,
     /// Directory of the metadata store (default /var/lib/nvpool-control
     /// when running as root; required otherwise).
     #[arg(long, env = "NVPOOL_CONTROL_STATE_DIR")]
@@ -329,6 +334,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let config = StateConfig {
         extent_bytes: args.extent_size,
         rebuild_rate_bytes_per_sec: args.rebuild_rate,
+        require_host_keys: args.require_host_keys,
         ..StateConfig::default()
     };
     config.validate().context("invalid --extent-size")?;

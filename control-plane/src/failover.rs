@@ -237,6 +237,7 @@ pub fn export(
     host: &str,
     paths: usize,
 ) -> Result<(ServedView, bool), ProgramError> {
+    cluster.keys_to_serve(host)?;
     let before = cluster.served(volume)?;
     let created = before
         .as_ref()

@@ -726,8 +726,8 @@ pub fn attach_avoiding(
     unreachable: &[String],
 ) -> Result<Attached, ProgramError> {
     validate_host_nqn(host).map_err(StateError::from)?;
+    let keys = cluster.keys_to_serve(host)?;
     let start = cluster.begin_attach(volume, host)?;
-    let keys = cluster.host_keys(host)?;
     let work = exports_by_target(cluster, &start.volume, &start.attachment)?;
     let results = on_targets(work, |t, xs| {
         if unreachable.contains(&t.id) {

@@ -171,6 +171,11 @@ pub enum StateError {
     #[error("host {0} has no DH-HMAC-CHAP keys")]
     NoHostKeys(String),
     #[error(
+        "host {0} has no DH-HMAC-CHAP keys, and this cluster serves only hosts that \
+         authenticate: set them first (nvpool host set-keys)"
+    )]
+    HostKeysRequired(String),
+    #[error(
         "volume {0} is being deleted (a forced delete is under way, or was interrupted: \
          finish it with `nvpool volume delete --force`)"
     )]
@@ -208,6 +213,11 @@ pub struct StateConfig {
     /// Copy rate of each copy job (for estimates; the heal loop enforces
     /// it), bytes per second; 0: unthrottled.
     pub rebuild_rate_bytes_per_sec: u64,
+    /// Attach and serve volumes only to hosts that have DH-HMAC-CHAP keys
+    /// (`nvpool-control --require-host-keys`): no host reaches a namespace
+    /// without a credential. nvpool's own initiators (served volumes'
+    /// owners, copiers) are exempt.
+    pub require_host_keys: bool,
 }
 
 impl Default for StateConfig {
@@ -217,6 +227,7 @@ impl Default for StateConfig {
             heartbeat_timeout_ms: HEARTBEAT_TIMEOUT_MS,
             failure_domain_label: DEFAULT_FAILURE_DOMAIN_LABEL.into(),
             rebuild_rate_bytes_per_sec: crate::limits::REBUILD_RATE_BYTES_PER_SEC,
+            require_host_keys: false,
         }
     }
 }
@@ -1026,6 +1037,19 @@ impl Cluster {
             });
         }
         Ok(Some(c.admin_token))
+    }
+
+    /// The keys `host` must be served with: its DH-HMAC-CHAP keys, or
+    /// none; `HostKeysRequired` when the cluster requires keys
+    /// ([`StateConfig::require_host_keys`]) and `host` (not one of nvpool's
+    /// own initiators) has none.
+    pub fn keys_to_serve(&self, host: &str) -> Result<Option<HostKeys>, StateError> {
+        let keys = self.host_keys(host)?;
+        let own = crate::paths::parse_owner_host(host).is_some();
+        if keys.is_none() && self.config.require_host_keys && !own {
+            return Err(StateError::HostKeysRequired(host.to_owned()));
+        }
+        Ok(keys)
     }
 
     /// The DH-HMAC-CHAP keys the cluster holds for `host`, if any.

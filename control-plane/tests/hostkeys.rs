@@ -204,3 +204,75 @@ fn bad_host_key_requests_get_a_4xx_that_never_quotes_a_secret() {
     // Nothing was stored by any of it.
     assert_eq!(c.server.read(&keys_path(HOST_A)).status, 404);
 }
+
+/// `--require-host-keys`: a host without keys is neither attached nor
+/// served (409 host_keys_required, nothing recorded); with keys it is.
+#[test]
+fn a_cluster_requiring_host_keys_serves_no_host_without_them() {
+    use nvpool_control::api::{ApiServer, AuthConfig};
+    use nvpool_control::auth::{Principal, Tokens};
+    use nvpool_control::store::MemStore;
+    use nvpool_control::{Cluster, ManualClock, StateConfig};
+    let config = StateConfig {
+        extent_bytes: MIB,
+        require_host_keys: true,
+        ..StateConfig::default()
+    };
+    let clock = Arc::new(ManualClock::new(common::T0));
+    let cluster = Arc::new(Cluster::new(Arc::new(MemStore::new()), clock, config).unwrap());
+    let api = ApiServer::start(
+        cluster.clone(),
+        AuthConfig::new(Tokens::new().with(Principal::Admin, common::ADMIN)),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .unwrap();
+    let call = |method: &str, path: &str, body: Option<Value>| {
+        let text = body.map(|b| b.to_string());
+        common::http(api.addr, method, path, Some(common::ADMIN), text.as_deref()).unwrap()
+    };
+    let vol = uuid(1);
+    for (method, path) in [
+        (
+            "PUT",
+            format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
+        ),
+        ("PUT", format!("/v1/volumes/{vol}/exports/{}", enc(HOST_A))),
+    ] {
+        let r = call(method, &path, None);
+        assert_eq!(r.status, 409, "{path}: {}", r.body);
+        let j = r.json();
+        assert_eq!(j["kind"], "host_keys_required", "{j}");
+        assert!(
+            j["message"]
+                .as_str()
+                .unwrap()
+                .contains("nvpool host set-keys"),
+            "{j}"
+        );
+    }
+    // nvpool's own initiators (a served volume's owner) are exempt.
+    let owner = nvpool_control::paths::owner_host_nqn(&vol.parse().unwrap(), "t0");
+    assert!(cluster.keys_to_serve(&owner).unwrap().is_none());
+    // Nothing was recorded for the host.
+    let r = call(
+        "GET",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
+        None,
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    // Given keys, the host passes the check (and meets the next one: the
+    // volume does not exist).
+    let r = call(
+        "PUT",
+        &keys_path(HOST_A),
+        Some(json!({"dhchap_key": secret(4).to_dhhc()})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let r = call(
+        "PUT",
+        &format!("/v1/volumes/{vol}/attachments/{}", enc(HOST_A)),
+        None,
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert_eq!(r.json()["kind"], "not_found");
+}
