@@ -191,7 +191,7 @@ fn read_pem(path: &Path) -> anyhow::Result<Vec<u8>> {
 pub fn open_store(url: &StoreUrl, tls: Option<&EtcdTls>) -> anyhow::Result<Arc<dyn Store>> {
     Ok(match url {
         StoreUrl::Redb(dir) => {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            // open_in_dir makes the directory itself, private (0700).
             Arc::new(
                 RedbStore::open_in_dir(dir)
                     .with_context(|| format!("opening the store in {}", dir.display()))?,

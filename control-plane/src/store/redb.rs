@@ -68,13 +68,54 @@ fn backend<E: Into<::redb::Error>>(op: &'static str) -> impl FnOnce(E) -> StoreE
     }
 }
 
+/// Creates `path` mode 0600 if it is missing (whatever the umask), and
+/// narrows an existing file readable by others to 0600: the store holds
+/// secrets.
+fn private_file(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    let mode = f.metadata()?.permissions().mode();
+    if mode & 0o077 != 0 {
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        tracing::warn!(path = %path.display(), was = format!("{:o}", mode & 0o777),
+            "store file was readable by others; now 0600");
+    }
+    Ok(())
+}
+
 impl RedbStore {
     /// Opens (creating if needed) `dir/control.redb`, creating `dir` too.
+    /// The store holds targets' admin tokens and hosts' DH-HMAC-CHAP
+    /// secrets, so `dir` is made (or narrowed to) 0700, whatever the umask.
     pub fn open_in_dir(dir: &Path) -> Result<RedbStore, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|e| StoreError::Backend {
-            op: "create state directory",
-            source: Box::new(e),
-        })?;
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        let io = |op: &'static str| {
+            move |e: std::io::Error| StoreError::Backend {
+                op,
+                source: Box::new(e),
+            }
+        };
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io("create state directory"))?;
+        let mode = std::fs::metadata(dir)
+            .map_err(io("stat state directory"))?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(io("restrict state directory"))?;
+            tracing::warn!(dir = %dir.display(), was = format!("{:o}", mode & 0o777),
+                "state directory was readable by others; now 0700");
+        }
         Self::open(&dir.join(STORE_FILE))
     }
 
@@ -86,6 +127,10 @@ impl RedbStore {
 
     /// Opens with explicit history limits (tests use small ones).
     pub fn open_with_history(path: &Path, limits: HistoryLimits) -> Result<RedbStore, StoreError> {
+        private_file(path).map_err(|e| StoreError::Backend {
+            op: "create store file",
+            source: Box::new(e),
+        })?;
         let db = Database::create(path).map_err(|e| match e {
             ::redb::DatabaseError::DatabaseAlreadyOpen => {
                 StoreError::InUse(path.display().to_string())
@@ -373,6 +418,39 @@ mod tests {
             &RedbStore::open_in_dir(dir.path()).unwrap(),
             Revisions::Private,
         );
+    }
+
+    fn mode(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    /// The store holds secrets: a new state directory is 0700 and its file
+    /// 0600 whatever the umask, and ones left readable by others (made by
+    /// hand, or by a version before this) are narrowed when opened.
+    #[test]
+    fn the_store_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let top = tempfile::tempdir().unwrap();
+        let fresh = top.path().join("a/state");
+        drop(RedbStore::open_in_dir(&fresh).unwrap());
+        assert_eq!(mode(&fresh), 0o700);
+        assert_eq!(mode(&fresh.join(STORE_FILE)), 0o600);
+
+        let old = top.path().join("old");
+        std::fs::create_dir(&old).unwrap();
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+        drop(RedbStore::open_in_dir(&old).unwrap());
+        std::fs::set_permissions(old.join(STORE_FILE), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let store = RedbStore::open_in_dir(&old).unwrap();
+        assert_eq!(mode(&old), 0o700);
+        assert_eq!(mode(&old.join(STORE_FILE)), 0o600);
+        drop(store);
+        let direct = top.path().join("direct.redb");
+        drop(RedbStore::open(&direct).unwrap());
+        assert_eq!(mode(&direct), 0o600);
     }
 
     #[test]
