@@ -6,7 +6,6 @@ use crate::api::{AttachBody, Attached, VolumeOut, VolumeStatsOut};
 use crate::serve::{self, Served};
 use crate::state::{self, Wanted};
 use anyhow::Context;
-use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -258,16 +257,21 @@ async fn metrics(State(a): State<Arc<Agent>>) -> impl IntoResponse {
 async fn attach(
     State(a): State<Arc<Agent>>,
     Path(uuid): Path<String>,
-    body: Bytes,
+    req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
     let uuid = parse_uuid(&uuid)?;
-    let mut spec: AttachBody = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid",
-            format!("bad request body: {e}"),
-        )
-    })?;
+    // The control plane's rules for a body (JSON content type, no key
+    // twice, objects where the type has a struct).
+    let mut spec: AttachBody = nvpool_control::httpd::json_body(req, &(), false)
+        .await
+        .map_err(|r| ApiError::new(r.status, r.kind, r.message))?
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid",
+                "a JSON body is required",
+            )
+        })?;
     let r = blocking(move || {
         let _ops = lock(&a.ops);
         match lock(&a.volumes).get(&uuid) {
@@ -368,6 +372,15 @@ async fn unknown() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such route")
 }
 
+/// Answers 405 with the JSON error for a method a path does not take.
+async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("this path does not take {method}"),
+    )
+}
+
 fn router(a: Arc<Agent>) -> Router {
     Router::new()
         .route("/v1/volumes", get(list))
@@ -377,6 +390,7 @@ fn router(a: Arc<Agent>) -> Router {
         )
         .route("/v1/stats", get(stats))
         .route("/metrics", get(metrics))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(unknown)
         .with_state(a)
 }
@@ -385,6 +399,7 @@ fn metrics_router(a: Arc<Agent>) -> Router {
     Router::new()
         .route("/v1/stats", get(stats))
         .route("/metrics", get(metrics))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(unknown)
         .with_state(a)
 }

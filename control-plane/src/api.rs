@@ -139,11 +139,24 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
                 .get(get_host_keys)
                 .delete(delete_host_keys),
         )
+        // Before the route layer, which would make each route's fallback
+        // its own: a method the path does not take is a JSON 405 (with
+        // axum's Allow header) once the token was checked.
+        .method_not_allowed_fallback(method_not_allowed)
         .route_layer(axum::middleware::from_fn_with_state(api.clone(), authorize))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
         .with_state(api)
+}
+
+/// The answer to a method a route does not take.
+async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("this path does not take {method}"),
+    )
 }
 
 // ----- an embedded server -----
@@ -486,42 +499,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// A request body as its type, integers written as `3.0` included.
-fn decode_body<T: serde::de::DeserializeOwned>(mut v: Value) -> Result<T, ApiError> {
-    integral_floats_as_integers(&mut v);
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let at = e.path().to_string();
-        ApiError::invalid(match at.as_str() {
-            "." => format!("invalid JSON body: {}", e.inner()),
-            _ => format!("invalid JSON body: {at}: {}", e.inner()),
-        })
-    })
-}
-
-/// JSON Schema counts `3.0` as an integer, and the document says
-/// "integer": such numbers become integers before the body is decoded
-/// (serde would refuse a float where it wants a u64). Others stay floats.
-fn integral_floats_as_integers(v: &mut Value) {
-    match v {
-        Value::Number(n) if !n.is_u64() && !n.is_i64() => {
-            if let Some(f) = n.as_f64() {
-                // Exactly representable and integral: below 2^53 every such
-                // float is an exact integer.
-                if f.fract() == 0.0 && f.abs() < (1u64 << 53) as f64 {
-                    *v = if f < 0.0 {
-                        Value::from(f as i64)
-                    } else {
-                        Value::from(f as u64)
-                    };
-                }
-            }
-        }
-        Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
-        Value::Object(fields) => fields.values_mut().for_each(integral_floats_as_integers),
-        _ => {}
-    }
-}
-
 /// Path parameters whose rejections (a segment that is not UTF-8 once
 /// percent-decoded, say) are JSON errors like every other 400.
 #[derive(Debug)]
@@ -543,9 +520,16 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> axum::extract::FromR
     }
 }
 
-/// JSON body extractor whose rejections are JSON errors too: 415 without
-/// a JSON content type, 400 for anything that does not parse or does not
-/// fit the request type (unknown layout, missing field…).
+impl From<crate::httpd::Rejection> for ApiError {
+    fn from(r: crate::httpd::Rejection) -> ApiError {
+        ApiError::new(r.status, r.kind, r.message)
+    }
+}
+
+/// A JSON request body as `T` ([`crate::httpd::json_body`]: 415 without
+/// a JSON content type; 400 for anything that does not parse, names a key
+/// twice, is an array where the schema has an object, or does not fit
+/// the request type).
 #[derive(Debug)]
 struct JsonBody<T>(T);
 
@@ -553,15 +537,25 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for JsonBody
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        match Json::<Value>::from_request(req, state).await {
-            Ok(Json(v)) => decode_body(v).map(JsonBody),
-            Err(e) if e.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE => Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                e.body_text(),
-            )),
-            Err(e) => Err(ApiError::invalid(e.body_text())),
+        match crate::httpd::json_body(req, state, false).await? {
+            Some(v) => Ok(JsonBody(v)),
+            None => Err(ApiError::invalid("a JSON body is required")),
         }
+    }
+}
+
+/// [`JsonBody`] for a body that may be left out: an empty body is
+/// `None`; any other is held to the same rules.
+#[derive(Debug)]
+struct OptionalJsonBody<T>(Option<T>);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for OptionalJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        Ok(OptionalJsonBody(
+            crate::httpd::json_body(req, state, true).await?,
+        ))
     }
 }
 
@@ -585,12 +579,10 @@ async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response
     if need == Access::Public || tokens.is_empty() {
         return next.run(Request::from_parts(parts, body)).await;
     }
-    let presented = parts
-        .headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+    let presented = crate::httpd::bearer_of(&parts.headers)
+        .ok()
+        .flatten()
+        .and_then(|t| std::str::from_utf8(t).ok());
     let Some(presented) = presented else {
         return ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -1273,7 +1265,7 @@ async fn put_attachment(
     Ok((code, Json(attachment_out(r.attachment, r.plan))))
 }
 
-#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), WatchQuery), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
 async fn get_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -1348,21 +1340,15 @@ async fn delete_attachment(
 /// paths (one optimized, the owner running the volume engine; the others
 /// inaccessible until a failover). Connect with `nvme connect` to every
 /// path. Idempotent: again, 200 with the same view.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional: without a body (and then without a content type), the defaults"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ApiError)))]
 async fn put_export(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
-    body: axum::body::Bytes,
+    OptionalJsonBody(body): OptionalJsonBody<ExportBody>,
 ) -> Result<(StatusCode, Json<crate::failover::ServedView>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
-    let body: ExportBody = if body.iter().all(u8::is_ascii_whitespace) {
-        ExportBody::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
-            .and_then(decode_body)?
-    };
+    let body = body.unwrap_or_default();
     let paths = body.paths.unwrap_or(crate::paths::PATHS_DEFAULT);
     let (view, created) = api
         .program(move |c| crate::failover::export(c, &uuid, &host, paths))
@@ -1985,17 +1971,32 @@ fn object(
     }
 }
 
-/// The property `field` of the component schema `schema`.
+/// The property `field` of the component schema `schema`, when it is an
+/// object schema (a string, a number, a map…).
 fn body_field<'a>(
     components: &'a mut utoipa::openapi::Components,
     schema: &str,
     field: &str,
 ) -> Option<&'a mut utoipa::openapi::schema::Object> {
-    object(
-        object(components.schemas.get_mut(schema))?
-            .properties
-            .get_mut(field),
-    )
+    match body_schema(components, schema, field) {
+        Some(utoipa::openapi::schema::Schema::Object(o)) => Some(o),
+        _ => None,
+    }
+}
+
+/// The property `field` of the component schema `schema`, whatever it is.
+fn body_schema<'a>(
+    components: &'a mut utoipa::openapi::Components,
+    schema: &str,
+    field: &str,
+) -> Option<&'a mut utoipa::openapi::schema::Schema> {
+    match object(components.schemas.get_mut(schema))?
+        .properties
+        .get_mut(field)
+    {
+        Some(utoipa::openapi::RefOr::T(s)) => Some(s),
+        _ => None,
+    }
 }
 
 /// Declares the bearer-token schemes and writes every operation's
@@ -2071,6 +2072,12 @@ struct Formats;
 const ID_PATTERN: &str = "^[A-Za-z0-9._:-]+$";
 const UUID_PATTERN: &str =
     "^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$";
+/// `SocketAddr`'s text: IPv4:port or [IPv6]:port (an IPv6 scope id
+/// allowed), the port 0..=65535 in up to 5 digits.
+const ADDR_PATTERN: &str =
+    "^([0-9]{1,3}([.][0-9]{1,3}){3}|\\[[0-9A-Fa-f:.]+(%[0-9A-Za-z]+)?\\]):[0-9]{1,5}$";
+/// The longest such text: `[` IPv6 with an IPv4 tail `%` scope `]:65535`.
+const ADDR_BYTES_MAX: usize = 64;
 /// `nqn.` then printable ASCII without `/`: see `attach::validate_host_nqn`.
 const NQN_PATTERN: &str = "^nqn\\.[!-.0-~]+$";
 
@@ -2116,6 +2123,17 @@ impl utoipa::Modify for Formats {
                         Ref::from_response_name("UnsupportedMediaType").into(),
                     );
                 }
+            }
+        }
+        // Bodies that may be left out (`OptionalJsonBody`).
+        if let Some(op) = doc
+            .paths
+            .paths
+            .get_mut("/v1/volumes/{uuid}/exports/{host_nqn}")
+            .and_then(|item| item.put.as_mut())
+        {
+            if let Some(utoipa::openapi::RefOr::T(b)) = op.request_body.as_mut() {
+                b.required = Some(utoipa::openapi::Required::False);
             }
         }
         let components = doc.components.get_or_insert_with(Default::default);
@@ -2173,6 +2191,41 @@ impl utoipa::Modify for Formats {
         if let Some(f) = body_field(components, "DeviceBody", "backend") {
             f.min_length = Some(1);
             f.max_length = Some(crate::limits::BACKEND_SPEC_BYTES_MAX);
+        }
+        // A target's state (`model::TargetState`), in and out.
+        for schema in ["TargetStateBody", "TargetOut"] {
+            if let Some(f) = body_field(components, schema, "state") {
+                f.enum_values = Some(TargetState::ALL.iter().map(|s| s.name().into()).collect());
+            }
+        }
+        // The target's admin token (`rest::Secret`).
+        if let Some(f) = body_field(components, "RegisterTargetBody", "admin_token") {
+            f.pattern = Some("^[!-~]+$".into());
+            f.min_length = Some(crate::rest::SECRET_BYTES_MIN);
+            f.max_length = Some(crate::rest::SECRET_BYTES_MAX);
+        }
+        // Addresses are IP:port (an IPv6 address in brackets), never a
+        // name; that the IP is not a wildcard and the port not 0 (for the
+        // addresses hosts are told) the pattern does not say.
+        for field in ["addr", "admin_addr", "rdma_addr"] {
+            if let Some(f) = body_field(components, "RegisterTargetBody", field) {
+                f.pattern = Some(ADDR_PATTERN.into());
+                f.min_length = Some(1);
+                f.max_length = Some(ADDR_BYTES_MAX);
+            }
+        }
+        let lists: [(&str, &str, usize); 2] = [
+            (
+                "RegisterTargetBody",
+                "devices",
+                crate::limits::DEVICES_PER_TARGET_MAX,
+            ),
+            ("PoolBody", "devices", crate::limits::DEVICES_PER_POOL_MAX),
+        ];
+        for (schema, field, max) in lists {
+            if let Some(Schema::Array(a)) = body_schema(components, schema, field) {
+                a.max_items = Some(max);
+            }
         }
         if let Some(f) = body_field(components, "ExportBody", "paths") {
             f.minimum = Some(utoipa::Number::UInt(1));

@@ -6,7 +6,9 @@
 //! ```text
 //!   daemon ── command line, store (redb, etcd), migrate, signals
 //!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
-//!          │      └── rest ── request and response bodies (no feature)
+//!          │      ├── rest ── request and response bodies (no feature)
+//!          │      └── httpd ── bearer tokens, JSON bodies: shared with the
+//!          │                   target's and the agent's APIs ("http-server")
 //!          │           └── http ── client endpoint failover (feature "client")
 //!          │
 //!   state::Cluster ── register, heartbeat, pools, create/grow/delete volumes
@@ -43,6 +45,8 @@ pub mod heal;
 pub mod hostkeys;
 #[cfg(feature = "client")]
 pub mod http;
+#[cfg(feature = "http-server")]
+pub mod httpd;
 pub mod leader;
 pub mod limits;
 pub mod mapping;

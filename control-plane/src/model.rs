@@ -227,6 +227,24 @@ pub enum TargetState {
     Draining,
 }
 
+impl TargetState {
+    /// Every state, in declaration order (the API document lists them).
+    pub const ALL: [TargetState; 3] = [
+        TargetState::Active,
+        TargetState::Cordoned,
+        TargetState::Draining,
+    ];
+
+    /// The state as JSON writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            TargetState::Active => "active",
+            TargetState::Cordoned => "cordoned",
+            TargetState::Draining => "draining",
+        }
+    }
+}
+
 /// A target's liveness as judged from its last heartbeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -644,6 +662,14 @@ pub enum VolumeStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn target_state_names_are_serde_names() {
+        for st in TargetState::ALL {
+            let json = serde_json::to_value(st).unwrap();
+            assert_eq!(json, serde_json::Value::from(st.name()));
+        }
+    }
     use crate::limits::{EXTENTS_PER_VOLUME_MAX, VOLUME_ENCODED_BYTES_MAX};
 
     const MIB: u64 = 1 << 20;

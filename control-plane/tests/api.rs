@@ -1078,3 +1078,199 @@ fn openapi_is_current() {
         assert!(doc["paths"][p].is_object(), "{p} is documented");
     }
 }
+
+/// One request with exactly these header lines (besides Host, Connection
+/// and Content-Length): status, head and body.
+fn send_with(s: &Server, method: &str, path: &str, headers: &[&str], body: &str) -> common::Reply {
+    let mut stream = TcpStream::connect(s.addr).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    stream.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").expect("a whole answer");
+    common::Reply {
+        status: head[9..12].parse().unwrap(),
+        headers: head.to_owned(),
+        body: body.to_owned(),
+    }
+}
+
+#[test]
+fn request_bodies_are_json_objects_without_duplicate_keys() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let admin = format!("Authorization: Bearer {ADMIN}");
+    let json = "Content-Type: application/json";
+    // An array where the schema has an object starts nothing.
+    let r = send_with(&s, "POST", "/v1/rebalance", &[&admin, json], "[]");
+    s.expect_error(&r, 400, "invalid");
+    let r = send_with(&s, "POST", "/v1/rebalance", &[&admin, json], "[true]");
+    s.expect_error(&r, 400, "invalid");
+    assert_eq!(s.read("/v1/rebalance").json()["pending"], json!([]));
+    let r = send_with(
+        &s,
+        "POST",
+        "/v1/rebalance",
+        &[&admin, json],
+        r#"{"dry_run": true, "dry_run": false}"#,
+    );
+    s.expect_error(&r, 400, "invalid");
+    assert!(r.json()["message"]
+        .as_str()
+        .unwrap()
+        .contains("duplicate key"));
+    assert_eq!(s.read("/v1/rebalance").json()["pending"], json!([]));
+    // The same rules below the top level.
+    let path = format!("/v1/volumes/{}", uuid(1));
+    for (what, body) in [
+        (
+            "a key twice",
+            r#"{"name": "v", "name": "w", "size_bytes": 1048576, "layout": {"type": "concat"}}"#,
+        ),
+        (
+            "a nested key twice",
+            r#"{"name": "v", "size_bytes": 1048576, "layout": {"type": "raid1", "copies": 2, "copies": 3}}"#,
+        ),
+        (
+            "a layout as an array",
+            r#"{"name": "v", "size_bytes": 1048576, "layout": ["concat"]}"#,
+        ),
+        (
+            "the body as an array",
+            r#"["v", 1048576, {"type": "concat"}]"#,
+        ),
+    ] {
+        let r = send_with(&s, "PUT", &path, &[&admin, json], body);
+        assert_eq!(r.status, 400, "{what}: {}", r.body);
+        assert_eq!(r.json()["kind"], "invalid", "{what}");
+    }
+    let r = send_with(
+        &s,
+        "POST",
+        "/v1/pools/p1",
+        &[&admin, json],
+        r#"{"devices": [["t0", "d0"]]}"#,
+    );
+    assert_eq!(r.status, 405, "{}", r.body);
+    let r = send_with(
+        &s,
+        "PUT",
+        "/v1/pools/p1",
+        &[&admin, json],
+        r#"{"devices": [["t0", "d0"]]}"#,
+    );
+    s.expect_error(&r, 400, "invalid");
+    assert_eq!(s.read("/v1/volumes").json(), json!([]));
+    assert_eq!(s.read("/v1/pools").json(), json!([]));
+    // And the body written the documented way still works.
+    let r = send_with(
+        &s,
+        "POST",
+        "/v1/rebalance",
+        &[&admin, "Content-Type: application/json; charset=utf-8"],
+        r#"{"dry_run": true}"#,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn every_body_needs_a_json_content_type() {
+    let s = serve(tokens());
+    cluster_of_four(&s);
+    let admin = format!("Authorization: Bearer {ADMIN}");
+    let exports = format!("/v1/volumes/{}/exports/nqn.2014-08.org.example:h1", uuid(1));
+    for ct in [
+        None,
+        Some("Content-Type: text/plain"),
+        Some("Content-Type: application/x-www-form-urlencoded"),
+    ] {
+        let headers: Vec<&str> = std::iter::once(admin.as_str()).chain(ct).collect();
+        for (method, path, body) in [
+            ("PUT", exports.as_str(), r#"{"paths": 2}"#),
+            ("POST", "/v1/rebalance", r#"{}"#),
+            ("PUT", "/v1/pools/p1", r#"{"devices": []}"#),
+        ] {
+            let r = send_with(&s, method, path, &headers, body);
+            s.expect_error(&r, 415, "unsupported_media_type");
+        }
+    }
+    assert_eq!(s.read("/v1/rebalance").json()["pending"], json!([]));
+    assert_eq!(s.read("/v1/pools").json(), json!([]));
+    // The export's body is optional: none at all needs no content type
+    // (the volume is unknown here, so 404 rather than 415).
+    let r = send_with(&s, "PUT", &exports, &[&admin], "");
+    s.expect_error(&r, 404, "not_found");
+    let r = send_with(
+        &s,
+        "PUT",
+        &exports,
+        &[&admin, "Content-Type: application/json"],
+        "[]",
+    );
+    s.expect_error(&r, 400, "invalid");
+    let r = send_with(
+        &s,
+        "PUT",
+        &exports,
+        &[&admin, "Content-Type: application/json"],
+        r#"{"paths": 2}"#,
+    );
+    s.expect_error(&r, 404, "not_found");
+}
+
+#[test]
+fn the_bearer_scheme_is_case_insensitive() {
+    let s = serve(tokens());
+    for header in [
+        format!("Authorization: Bearer {READER}"),
+        format!("Authorization: bearer {READER}"),
+        format!("Authorization: BEARER   {READER}"),
+        format!("authorization: bEaReR {READER} "),
+    ] {
+        let r = send_with(&s, "GET", "/v1/volumes", &[&header], "");
+        assert_eq!(r.status, 200, "{header}: {}", r.body);
+    }
+    for header in [
+        format!("Authorization: Basic {READER}"),
+        format!("Authorization: Bearer{READER}"),
+        "Authorization: bearer ".to_owned(),
+        format!("Authorization: {READER}"),
+    ] {
+        let r = send_with(&s, "GET", "/v1/volumes", &[&header], "");
+        s.expect_error(&r, 401, "unauthorized");
+    }
+}
+
+#[test]
+fn a_method_a_path_does_not_take_is_a_json_405() {
+    let s = serve(tokens());
+    for (method, path) in [
+        ("DELETE", "/v1/rebalance"),
+        ("PATCH", "/v1/volumes"),
+        ("POST", "/v1/pools/p1"),
+        ("PUT", "/v1/targets"),
+    ] {
+        let r = s.admin(method, path, None);
+        s.expect_error(&r, 405, "method_not_allowed");
+        let allow = r
+            .headers
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("allow:")
+                    .map(str::to_owned)
+            })
+            .unwrap_or_else(|| panic!("{method} {path}: no Allow header: {}", r.headers));
+        assert!(!allow.trim().is_empty(), "{method} {path}");
+    }
+    // Still behind the token check.
+    let r = s.call("DELETE", "/v1/rebalance", None, None);
+    s.expect_error(&r, 401, "unauthorized");
+    let r = s.admin("GET", "/v2/nothing", None);
+    s.expect_error(&r, 404, "not_found");
+}

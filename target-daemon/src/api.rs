@@ -242,11 +242,18 @@ fn router(api: Api, tokens: AdminTokens) -> Router {
         // Several methods of one path merge into one route.
         r = r.route(path, handler);
     }
-    r.fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
-        // Outermost, so it runs first for every route and the fallback:
-        // nothing is parsed or looked up for a request without a token.
-        .layer(axum::middleware::from_fn_with_state(tokens, require_token))
-        .with_state(api)
+    r.method_not_allowed_fallback(|method: Method| async move {
+        ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("this path does not take {method}"),
+        )
+    })
+    .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint") })
+    // Outermost, so it runs first for every route and the fallback:
+    // nothing is parsed or looked up for a request without a token.
+    .layer(axum::middleware::from_fn_with_state(tokens, require_token))
+    .with_state(api)
 }
 
 /// Refused admin requests, rate-limited per peer address.
@@ -257,7 +264,7 @@ async fn require_token(State(tokens): State<AdminTokens>, req: Request, next: Ne
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
-        .map(|v| crate::auth::bearer(v.as_bytes()));
+        .map(|v| nvpool_control::httpd::bearer(v.as_bytes()));
     // The token file may be read again: a short blocking read, bounded by
     // ADMIN_TOKEN_RECHECK_MS, on the admin API's own thread.
     let ok = matches!(presented, Some(Some(p)) if tokens.check(p));
@@ -359,20 +366,30 @@ impl From<CopyError> for ApiError {
     }
 }
 
-/// JSON body extractor whose rejections are JSON errors too.
+impl From<nvpool_control::httpd::Rejection> for ApiError {
+    fn from(r: nvpool_control::httpd::Rejection) -> ApiError {
+        ApiError::new(r.status, r.kind, r.message)
+    }
+}
+
+/// A JSON request body as `T`, by the control plane's rules
+/// (`nvpool_control::httpd::json_body`): 415 without a JSON content
+/// type, 400 for a body that does not parse, names a key twice, is an
+/// array where an object belongs, or does not fit `T`.
 struct JsonBody<T>(T);
 
 impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(v)) => Ok(JsonBody(v)),
-            Err(e) => Err(ApiError::bad_request(e.body_text())),
+        match nvpool_control::httpd::json_body(req, state, false).await? {
+            Some(v) => Ok(JsonBody(v)),
+            None => Err(ApiError::bad_request("a JSON body is required")),
         }
     }
 }
 
-/// A JSON body that may be absent (an empty body gives None).
+/// A JSON body that may be absent (an empty body gives None); a body
+/// given is held to [`JsonBody`]'s rules.
 struct OptionalJsonBody<T>(Option<T>);
 
 impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S>
@@ -380,15 +397,9 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
 {
     type Rejection = ApiError;
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
-        let bytes = axum::body::Bytes::from_request(req, state)
-            .await
-            .map_err(|e| ApiError::bad_request(e.body_text()))?;
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Ok(OptionalJsonBody(None));
-        }
-        serde_json::from_slice(&bytes)
-            .map(|v| OptionalJsonBody(Some(v)))
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+        Ok(OptionalJsonBody(
+            nvpool_control::httpd::json_body(req, state, true).await?,
+        ))
     }
 }
 

@@ -311,18 +311,6 @@ fn warn_if_readable_by_others(path: &Path) {
     }
 }
 
-/// The token an `Authorization` header value presents: `Bearer TOKEN`
-/// (the scheme in any case, RFC 7235).
-pub fn bearer(value: &[u8]) -> Option<&[u8]> {
-    let (scheme, rest) = value.split_at_checked(7)?;
-    if !scheme.eq_ignore_ascii_case(b"bearer ") {
-        return None;
-    }
-    let start = rest.iter().position(|b| *b != b' ')?;
-    let end = rest.iter().rposition(|b| *b != b' ')? + 1;
-    Some(&rest[start..end])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -424,15 +412,5 @@ mod tests {
             AdminTokens::generated().current(),
             AdminTokens::generated().current()
         );
-    }
-
-    #[test]
-    fn bearer_headers() {
-        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"bearer  abc "), Some(&b"abc"[..]));
-        assert_eq!(bearer(b"Basic abc"), None);
-        assert_eq!(bearer(b"Bearer "), None);
-        assert_eq!(bearer(b"Bearer"), None);
-        assert_eq!(bearer(b""), None);
     }
 }

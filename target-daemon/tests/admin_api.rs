@@ -413,3 +413,113 @@ fn the_target_says_who_it_is() {
     let v = http(d.api, "GET", "/v1/identity", None).json();
     assert_eq!(v["identity"], identity.as_str(), "{v}");
 }
+
+/// A request with exactly these extra header lines; the status and body.
+fn raw_request(
+    api: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[&str],
+    body: &str,
+) -> (u16, String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(api).expect("connect");
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {api}\r\nConnection: close\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n"
+    );
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).expect("send");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("answer");
+    let (head, body) = out.split_once("\r\n\r\n").expect("a whole answer");
+    (
+        head[9..12].parse().expect("status"),
+        head.to_owned(),
+        body.to_owned(),
+    )
+}
+
+#[test]
+fn bodies_follow_the_control_planes_rules() {
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    let json = "Content-Type: application/json";
+    let leases = r#"{"nqns": [], "valid_ms": 1000}"#;
+    // No JSON content type: 415, whatever the body.
+    for headers in [&[][..], &["Content-Type: text/plain"][..]] {
+        let (status, _, body) = raw_request(d.api, "POST", "/v1/leases", headers, leases);
+        assert_eq!(status, 415, "{body}");
+        let v: Value = serde_json::from_str(&body).expect("JSON error");
+        assert_eq!(v["kind"], "unsupported_media_type", "{v}");
+    }
+    let (status, _, body) = raw_request(d.api, "POST", "/v1/leases", &[json], leases);
+    assert_eq!(status, 200, "{body}");
+    // A key twice, at the top or further down; an array for an object.
+    let ns = format!("{}/namespaces/2", sub_path(SUBNQN));
+    for (path, body) in [
+        (
+            "/v1/leases",
+            r#"{"nqns": [], "valid_ms": 1000, "valid_ms": 60000}"#,
+        ),
+        ("/v1/leases", r#"[[], 1000]"#),
+    ] {
+        let (status, _, answer) = raw_request(d.api, "POST", path, &[json], body);
+        assert_eq!(status, 400, "{body}: {answer}");
+    }
+    for body in [
+        r#"{"backend": "ram:1M", "backend": "ram:2M"}"#.to_owned(),
+        r#"["ram:1M"]"#.to_owned(),
+    ] {
+        let (status, _, answer) = raw_request(d.api, "PUT", &ns, &[json], &body);
+        assert_eq!(status, 400, "{body}: {answer}");
+    }
+    let (status, _, answer) = raw_request(
+        d.api,
+        "PUT",
+        &sub_path(OTHER_NQN),
+        &[json],
+        r#"{"namespaces": [{"nsid": 1, "backend": "ram:1M", "nsid": 2}]}"#,
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(d.target.subsystem(OTHER_NQN).is_none());
+    assert_eq!(d.target.subsystem(SUBNQN).unwrap().namespaces.len(), 1);
+    // A host's keys are optional: no body needs no content type.
+    let host = format!("{}/hosts/{HOST_A}", sub_path(SUBNQN));
+    let (status, _, answer) = raw_request(d.api, "PUT", &host, &[], "");
+    assert_eq!(status, 200, "{answer}");
+    let (status, _, answer) = raw_request(d.api, "PUT", &host, &["Content-Type: text/plain"], "{}");
+    assert_eq!(status, 415, "{answer}");
+}
+
+#[test]
+fn a_method_a_path_does_not_take_is_a_json_405() {
+    let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, RAM_SPEC)])]);
+    for (method, path) in [
+        ("POST", "/v1/health"),
+        ("DELETE", "/v1/leases"),
+        ("PATCH", "/v1/subsystems"),
+    ] {
+        let r = http(d.api, method, path, None);
+        assert_error(&r, 405, "method_not_allowed");
+    }
+    let (status, head, _) = raw_request(d.api, "DELETE", "/v1/target", &[], "");
+    assert_eq!(status, 405);
+    assert!(head.to_ascii_lowercase().contains("\r\nallow: "), "{head}");
+    // The token comes first, as for every path.
+    let r = http_auth(d.api, None, "POST", "/v1/health", None);
+    assert_error(&r, 401, "unauthorized");
+    // Any case of the scheme, one space or more.
+    for scheme in ["BEARER", "bearer", "Bearer  "] {
+        let r = http_auth(
+            d.api,
+            Some(&format!("{scheme} {ADMIN_TOKEN}")),
+            "GET",
+            "/v1/health",
+            None,
+        );
+        assert_eq!(r.status, 200, "{scheme}: {}", r.body);
+    }
+}
