@@ -7,7 +7,8 @@ use crate::auth::AdminTokens;
 use crate::config::{
     Config, DEFAULT_ADMIN_LISTEN, DEFAULT_DISCOVERY_LISTEN, DEFAULT_LISTEN, DEFAULT_STATE_DIR,
 };
-use crate::peerlog::peer_warn;
+use crate::limits;
+use crate::peerlog::{peer_info, peer_warn};
 use crate::reactor::{Reactor, ReactorHandle};
 use crate::register::{self, Registrar};
 use crate::ring::Ring;
@@ -186,6 +187,7 @@ impl Running {
             live: live.clone(),
             target: target.clone(),
             ctl: ctl_rx,
+            held: None,
         };
         for a in &opts.listeners {
             acc.bind(*a)
@@ -269,11 +271,24 @@ struct Acceptor {
     live: Arc<AtomicUsize>,
     target: Arc<Target>,
     ctl: Receiver<AcceptorCmdBox>,
+    /// A connection accepted when every reactor's queue was full, handed
+    /// over before anything more is accepted.
+    held: Option<std::net::TcpStream>,
 }
 
 impl Acceptor {
     fn bind(&mut self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
         let mut l = TcpListener::bind(addr)?;
+        // mio listens with a backlog of 128. Connections wait there while
+        // the reactors' queues are full, so a burst of hosts connecting
+        // at once needs room: Linux takes a second listen() as a new
+        // backlog (and caps it at net.core.somaxconn).
+        let backlog = i32::try_from(limits::LISTEN_BACKLOG).unwrap_or(i32::MAX);
+        // SAFETY: listen(2) on a socket this listener owns; no memory is
+        // passed.
+        if unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&l), backlog) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
         let bound = l.local_addr()?;
         if self.listeners.values().any(|(a, _)| *a == bound) {
             return Err(std::io::Error::new(
@@ -300,60 +315,96 @@ impl Acceptor {
     fn run(mut self) {
         let mut events = Events::with_capacity(64);
         while !self.target.shutting_down() {
-            if let Err(e) = self
-                .poll
-                .poll(&mut events, Some(Duration::from_millis(500)))
-            {
+            // While a connection waits for room in a reactor's queue, look
+            // again soon; otherwise sleep until a listener or the waker fires.
+            let wait = match self.held {
+                Some(_) => Duration::from_millis(limits::ACCEPT_RETRY_MS),
+                None => Duration::from_millis(500),
+            };
+            if let Err(e) = self.poll.poll(&mut events, Some(wait)) {
                 if e.kind() != std::io::ErrorKind::Interrupted {
                     tracing::error!(error = %e, "acceptor poll failed");
                 }
                 continue;
             }
+            let mut ready = Vec::new();
             for ev in events.iter() {
                 if ev.token() == ACCEPT_WAKER {
                     self.commands();
+                } else {
+                    ready.push(ev.token());
+                }
+            }
+            if let Some(s) = self.held.take() {
+                if let Err(back) = self.hand_off(s) {
+                    self.held = Some(back);
                     continue;
                 }
-                let Some((_, l)) = self.listeners.get(&ev.token()) else {
-                    continue;
-                };
-                loop {
-                    match l.accept() {
-                        Ok((s, peer)) => {
-                            // mio hands out a nonblocking stream; reactors take std ones.
-                            let s = std::net::TcpStream::from(std::os::fd::OwnedFd::from(s));
-                            let max = self.target.connections_max();
-                            if self.live.load(Ordering::Acquire) >= max {
-                                peer_warn!(%peer, max, "connection limit reached; refusing connections");
-                                continue;
-                            }
-                            self.live.fetch_add(1, Ordering::AcqRel);
-                            let start = self.next_reactor;
-                            let mut s = Some(s);
-                            for k in 0..self.reactors.len() {
-                                let r = &self.reactors[(start + k) % self.reactors.len()];
-                                match r.adopt(s.take().expect("stream present")) {
-                                    Ok(()) => break,
-                                    Err(back) => s = Some(back),
-                                }
-                            }
-                            if s.is_some() {
-                                self.live.fetch_sub(1, Ordering::AcqRel);
-                                peer_warn!(%peer, "all reactors saturated; connection refused");
-                            }
-                            self.next_reactor = (start + 1) % self.reactors.len();
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                        Err(e) => {
-                            // EMFILE and the like, when peers open
-                            // connections faster than they close.
-                            peer_warn!(error = %e, "accept failed");
-                            break;
-                        }
-                    }
+                // Readiness is edge-triggered: connections that queued up
+                // while accepting was paused raised no new event, so every
+                // listener is looked at.
+                ready = self.listeners.keys().copied().collect();
+            }
+            for t in ready {
+                if !self.accept_from(t) {
+                    break;
                 }
             }
         }
+    }
+
+    /// Accepts from listener `t` until it has nothing more (true), or until
+    /// every reactor's hand-off queue is full (false): then the connection
+    /// just accepted is held, and the rest stay in the kernel's listen
+    /// backlog until there is room. Only the connection limit refuses.
+    fn accept_from(&mut self, t: Token) -> bool {
+        loop {
+            let Some((_, l)) = self.listeners.get(&t) else {
+                return true;
+            };
+            match l.accept() {
+                Ok((s, peer)) => {
+                    // mio hands out a nonblocking stream; reactors take std ones.
+                    let s = std::net::TcpStream::from(std::os::fd::OwnedFd::from(s));
+                    let max = self.target.connections_max();
+                    if self.live.load(Ordering::Acquire) >= max {
+                        peer_warn!(%peer, max, "connection limit reached; refusing connections");
+                        continue;
+                    }
+                    self.live.fetch_add(1, Ordering::AcqRel);
+                    if let Err(back) = self.hand_off(s) {
+                        peer_info!(%peer, "every reactor's hand-off queue is full; connections wait in the listen backlog");
+                        self.held = Some(back);
+                        return false;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                Err(e) => {
+                    // EMFILE and the like, when peers open
+                    // connections faster than they close.
+                    peer_warn!(error = %e, "accept failed");
+                    return true;
+                }
+            }
+        }
+    }
+
+    /// Gives `s` to the next reactor with room in its queue, round-robin;
+    /// `Err(s)` when every queue is full.
+    fn hand_off(&mut self, s: std::net::TcpStream) -> Result<(), std::net::TcpStream> {
+        let n = self.reactors.len();
+        let start = self.next_reactor;
+        let mut s = s;
+        for k in 0..n {
+            match self.reactors[(start + k) % n].adopt(s) {
+                Ok(()) => {
+                    self.next_reactor = (start + 1) % n;
+                    return Ok(());
+                }
+                Err(back) => s = back,
+            }
+        }
+        Err(s)
     }
 
     fn commands(&mut self) {

@@ -14,6 +14,14 @@ pub const IO_QUEUES_PER_CTRL_MAX: u16 = 64;
 pub const CONTROLLERS_MAX: usize = 4096;
 /// TCP connections alive at once: every controller's admin queue plus I/O queues.
 pub const CONNECTIONS_MAX: usize = 16384;
+/// The listen backlog asked for: room for as many connections as the
+/// target may serve, so a burst waits in the kernel while the reactors'
+/// hand-off queues are full (the kernel caps it at net.core.somaxconn,
+/// 4096 by default).
+pub const LISTEN_BACKLOG: usize = CONNECTIONS_MAX;
+/// How soon the acceptor tries again to hand a connection to a reactor
+/// whose queue was full (it accepts nothing meanwhile).
+pub const ACCEPT_RETRY_MS: u64 = 1;
 
 /// MDTS in units of 4 KiB pages as a power of two: 2^5 × 4 KiB = 128 KiB.
 /// Bounds the data buffer one command can need.

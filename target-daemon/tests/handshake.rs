@@ -136,3 +136,79 @@ fn the_deadline_is_ten_seconds_unless_changed() {
     t.set_connections_max(usize::MAX);
     assert_eq!(t.connections_max(), nvpool_target::limits::CONNECTIONS_MAX);
 }
+
+/// 1,000 connections opened at once to a target with one reactor, whose
+/// hand-off queue holds far fewer, and under the connection limit: every
+/// one is adopted and answers its ICReq. The acceptor leaves connections
+/// in the kernel's listen backlog while the reactors' queues are full
+/// instead of accepting and dropping them.
+#[test]
+fn a_burst_of_connections_far_beyond_the_hand_off_queue_is_served_whole() {
+    const THREADS: usize = 8;
+    const PER_THREAD: usize = 125;
+    let t = Target::new(None).expect("target");
+    t.put_subsystem(&subsystem(SUBNQN, &[], &[(1, RAM_SPEC)]))
+        .expect("subsystem");
+    let opts = nvpool_target::StartOptions {
+        listeners: vec!["127.0.0.1:0".parse().expect("addr")],
+        rdma_listeners: vec![],
+        reactors: 1,
+        io_uring: true,
+        admin: None,
+    };
+    let running = nvpool_target::Running::start(t, &opts).expect("daemon starts");
+    let addr = running.listen_addrs()[0];
+    let start = std::sync::Arc::new(std::sync::Barrier::new(THREADS));
+    let threads: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                start.wait();
+                (0..PER_THREAD)
+                    .map(|_| TcpStream::connect(addr))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut socks = Vec::new();
+    for th in threads {
+        for s in th.join().expect("connecting thread") {
+            socks.push(s.expect("connect"));
+        }
+    }
+    let icreq = nvpool_wire::tcp::IcReq {
+        pfv: 0,
+        hpda: 0,
+        digests: NO_DIGESTS,
+        maxr2t: 0,
+    }
+    .encode();
+    for s in &mut socks {
+        s.write_all(&icreq).expect("ICReq sent");
+    }
+    let mut answered = 0;
+    let mut failures = Vec::new();
+    for (i, s) in socks.iter_mut().enumerate() {
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut b = [0u8; nvpool_wire::tcp::IC_PDU_LEN];
+        match s.read_exact(&mut b) {
+            Ok(()) if nvpool_wire::tcp::IcResp::decode(&b).is_ok() => answered += 1,
+            Ok(()) => failures.push(format!("{i}: not an ICResp")),
+            Err(e) => failures.push(format!("{i}: {e}")),
+        }
+    }
+    assert_eq!(
+        answered,
+        THREADS * PER_THREAD,
+        "connections not served: {}",
+        failures
+            .iter()
+            .take(5)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    drop(socks);
+    running.shutdown();
+}
