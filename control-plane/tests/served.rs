@@ -40,7 +40,7 @@ fn served_cluster() -> Served {
     for n in &c.nodes {
         let rc = registration(&c, n);
         n.target
-            .set_volume_source(Arc::new(ControlPlaneSource::new(rc.clone())));
+            .set_volume_source(Arc::new(ControlPlaneSource::new(rc.clone(), &n.target)));
         keepers.push(Some(LeaseKeeper::start(rc, n.target.clone()).unwrap()));
     }
     Served { c, keepers }

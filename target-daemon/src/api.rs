@@ -12,7 +12,7 @@
 //! | `GET /v1/target` | listeners, subsystems, controllers |
 //! | `GET /v1/subsystems` | every subsystem with namespaces and hosts |
 //! | `PUT /v1/subsystems/{nqn}` | create or replace (body: allowed_hosts, allow_any_host, host_keys, serial, model, ana, namespaces) |
-//! | `PUT /v1/subsystems/{nqn}/ana` | set the ANA state here (body: `{"state": "optimized"}`; 503 when a backend cannot be activated) |
+//! | `PUT /v1/subsystems/{nqn}/ana` | set the ANA state here (body: `{"state": "optimized"}`, and for a served volume's owner `owner_keys`: the DH-HMAC-CHAP keys its volume engine authenticates with, write-only, shown as `owner_key_id`; 503 when a backend cannot be activated) |
 //! | `POST /v1/leases` | renew ANA leases (body: `{"nqns": [...], "valid_ms": N}`, N ≤ 60000) |
 //! | `DELETE /v1/subsystems/{nqn}` | remove (its controllers are disconnected) |
 //! | `PUT /v1/subsystems/{nqn}/namespaces/{nsid}` | add or replace a namespace (body: backend, uuid, read_only) |
@@ -441,6 +441,10 @@ struct SubsystemView {
     host_auth: BTreeMap<String, HostAuthView>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ana: Option<AnaView>,
+    /// The label of the owner keys this target holds for the subsystem's
+    /// volume (never the keys).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    owner_key_id: Option<String>,
     namespaces: Vec<NamespaceView>,
 }
 
@@ -474,6 +478,7 @@ fn view(t: &Target, s: &crate::target::Subsystem) -> SubsystemView {
         }),
         allow_any_host: s.allow_any_host,
         allowed_hosts: s.hosts.iter().cloned().collect(),
+        owner_key_id: t.owner_keys(&s.nqn).and_then(|k| k.config.key_id),
         host_auth: s
             .host_keys
             .iter()
@@ -691,6 +696,10 @@ async fn delete_host(
 #[serde(deny_unknown_fields)]
 struct AnaStateBody {
     state: String,
+    /// The DH-HMAC-CHAP keys of this target's owner host NQN, for the
+    /// volume engine a serving state opens (C19); write-only.
+    #[serde(default)]
+    owner_keys: Option<HostKeyConfig>,
 }
 
 async fn put_ana(
@@ -707,7 +716,8 @@ async fn put_ana(
     let t = api.target.clone();
     let n = nqn.clone();
     // Activating or deactivating backends may take a while: off the runtime.
-    blocking(move || t.set_ana_state(&n, state)).await?;
+    let keys = b.owner_keys;
+    blocking(move || t.set_ana_state_owning(&n, state, keys.as_ref())).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
 

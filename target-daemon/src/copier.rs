@@ -163,6 +163,11 @@ pub struct CopySource {
     pub nsid: u32,
     /// The host NQN the copier connects as.
     pub host_nqn: String,
+    /// DH-HMAC-CHAP keys the copier authenticates with as `host_nqn` (the
+    /// control plane draws them and the source target requires them);
+    /// write-only, never shown or logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap: Option<crate::config::HostKeyConfig>,
 }
 
 /// Body of `PUT /v1/copies/{id}`.
@@ -415,6 +420,11 @@ fn validate_request(req: &CopyRequest) -> Result<SocketAddr, CopyError> {
         .map_err(|e| invalid(format!("source.subsystem_nqn: {e}")))?;
     crate::config::validate_nqn(&req.source.host_nqn)
         .map_err(|e| invalid(format!("source.host_nqn: {e}")))?;
+    if let Some(k) = &req.source.dhchap {
+        // The error names the field, never the secret.
+        k.policy()
+            .map_err(|e| invalid(format!("source.dhchap: {e}")))?;
+    }
     if req.source.nsid == 0 || req.source.nsid == u32::MAX {
         return Err(invalid(format!(
             "source.nsid {} is not a namespace id",
@@ -778,6 +788,12 @@ fn connect_source(job: &Job) -> Result<(Arc<Controller>, IoQueue, u32), Stop> {
     let mut p = ConnectParams::new(job.source, &s.subsystem_nqn);
     p.hostnqn.clone_from(&s.host_nqn);
     p.hostid = crate::target::derive_uuid(&[0; 16], &s.host_nqn, 0);
+    if let Some(k) = &s.dhchap {
+        let policy = k
+            .policy()
+            .map_err(|e| Stop::Failed(format!("source.dhchap: {e}")))?;
+        p.dhchap = Some(Arc::new(policy.keys));
+    }
     // The copy becomes the authoritative data: check it on the wire.
     p.digests = Digests {
         header: true,
@@ -1005,6 +1021,7 @@ mod tests {
                 subsystem_nqn: "nqn.2026-11.io.nvpool:src".into(),
                 nsid: 1,
                 host_nqn: "nqn.2026-11.io.nvpool:copier:t1".into(),
+                dhchap: None,
             },
             region_bytes: 1 << 20,
             rate_bytes_per_sec: 0,
@@ -1024,6 +1041,19 @@ mod tests {
         assert!(bad(&|r| r.source.addr = "localhost".into()).contains("ADDR:PORT"));
         assert!(bad(&|r| r.source.host_nqn = "host".into()).contains("host_nqn"));
         assert!(bad(&|r| r.source.nsid = 0).contains("nsid"));
+        let e = bad(&|r| {
+            r.source.dhchap = Some(crate::config::HostKeyConfig {
+                dhchap_key: crate::config::SecretText::new("DHHC-1:00:not-base64-secret:".into()),
+                dhchap_ctrl_key: None,
+                dhchap_hash: None,
+                dhchap_dhgroup: None,
+                key_id: None,
+            })
+        });
+        assert!(
+            e.contains("source.dhchap") && !e.contains("not-base64"),
+            "{e}"
+        );
         assert!(bad(&|r| r.region_bytes = 0).contains("region_bytes"));
         assert!(bad(&|r| r.region_bytes = 1000).contains("region_bytes"));
         assert!(validate_id("0f8e-aa_1.b").is_ok());

@@ -770,6 +770,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                     // owner host NQN, and owners renew their lease (C19).
                     target.set_volume_source(Arc::new(crate::served::ControlPlaneSource::new(
                         rc.clone(),
+                        &target,
                     )));
                     let leases = crate::served::LeaseKeeper::start(rc.clone(), target.clone())?;
                     Ok((Registrar::start(rc)?, leases))

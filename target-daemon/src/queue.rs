@@ -2239,6 +2239,7 @@ mod tests {
                             subsystem_nqn: "nqn.2026-11.io.nvpool:src".into(),
                             nsid: 1,
                             host_nqn: "nqn.2026-11.io.nvpool:copier:t".into(),
+                            dhchap: None,
                         },
                         region_bytes: 1 << 20,
                         rate_bytes_per_sec: 0,

@@ -6,19 +6,22 @@
 //! whose serving state needs one.
 //!
 //! Both talk to the control plane through the registration's client, so
-//! they use the same URL and target token.
+//! they use the same URL and target token. The engine authenticates to the
+//! volume's extents with the owner keys the control plane gave this target
+//! with the serving state, over its admin API
+//! ([`Target::set_ana_state_owning`]): the target token gives none.
 
 use crate::backend::{OpenedVolume, VolumeSource};
 use crate::register::{Client, RegistrationConfig};
 use crate::target::Target;
 use nvpool_control::http::Call;
-use nvpool_control::paths::{owner_host_nqn, LeaseGrant, LEASE_RENEW_MS};
+use nvpool_control::paths::{owner_host_nqn, volume_subsystem_nqn, LeaseGrant, LEASE_RENEW_MS};
 use nvpool_control::Uuid;
 use nvpool_initiator::follow::{self, ControlPlane, Watcher};
 use nvpool_initiator::{Volume, VolumeOptions};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -36,12 +39,15 @@ impl ControlPlane for Client {
 #[derive(Debug)]
 pub struct ControlPlaneSource {
     client: Arc<Client>,
+    /// Where the owner keys are (weak: the target holds this source).
+    target: Weak<Target>,
 }
 
 impl ControlPlaneSource {
-    pub fn new(cfg: RegistrationConfig) -> ControlPlaneSource {
+    pub fn new(cfg: RegistrationConfig, target: &Arc<Target>) -> ControlPlaneSource {
         ControlPlaneSource {
             client: Arc::new(Client::new(cfg)),
+            target: Arc::downgrade(target),
         }
     }
 }
@@ -73,6 +79,11 @@ impl VolumeSource for ControlPlaneSource {
         view.plan
             .validate()
             .map_err(|e| format!("the control plane sent an unusable plan: {e}"))?;
+        let keys = self
+            .target
+            .upgrade()
+            .and_then(|t| t.owner_keys(&volume_subsystem_nqn(&uuid)))
+            .map(|k| Arc::new(k.policy.keys.clone()));
         let (on_failed, _reporter) =
             follow::spawn_failure_reporter(self.client.clone(), &uuid, &host)
                 .map_err(|e| format!("starting the failure reporter: {e}"))?;
@@ -82,6 +93,7 @@ impl VolumeSource for ControlPlaneSource {
             moving: view.copies.moving_at_open(),
             on_extent_failed: Some(on_failed),
             host_id: Some(nvpool_initiator::hostnqn::host_id_of(&host)),
+            dhchap: keys,
             ..VolumeOptions::default()
         };
         let vol = Arc::new(

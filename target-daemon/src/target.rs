@@ -270,6 +270,13 @@ pub struct Target {
     volumes: Arc<VolumeContext>,
     /// ANA change counters and leases by subsystem NQN.
     ana: Mutex<HashMap<String, Arc<AnaRuntime>>>,
+    /// The DH-HMAC-CHAP keys of this target's owner host NQN, by served
+    /// volume subsystem NQN (C19): the control plane hands them over with
+    /// the serving state, and the volume engine opened for that subsystem
+    /// authenticates to the volume's extents with them. In memory only: a
+    /// restarted target serves again only once the control plane set the
+    /// state again, and gives them again then. Never shown.
+    owner_keys: Mutex<HashMap<String, HostAuth>>,
     /// The buffer budget of reactors started from now on (bytes).
     reactor_buf_budget: AtomicUsize,
     reactor_spin_us: AtomicU64,
@@ -315,6 +322,7 @@ impl Target {
             copies: Arc::new(Copies::default()),
             volumes: VolumeContext::new(),
             ana: Mutex::new(HashMap::new()),
+            owner_keys: Mutex::new(HashMap::new()),
             reactor_buf_budget: AtomicUsize::new(limits::REACTOR_BUF_BUDGET_BYTES),
             reactor_spin_us: AtomicU64::new(limits::REACTOR_SPIN_US_DEFAULT),
             handshake_timeout_ms: AtomicU64::new(limits::HANDSHAKE_TIMEOUT_MS),
@@ -636,6 +644,37 @@ impl Target {
         })
     }
 
+    /// [`Target::set_ana_state`], for a served volume's subsystem whose
+    /// volume this target owns: `owner_keys` are the DH-HMAC-CHAP keys of
+    /// its owner host NQN, kept before a serving state activates the
+    /// volume engine (which authenticates to the extents with them). A
+    /// non-serving state forgets them.
+    pub fn set_ana_state_owning(
+        &self,
+        nqn: &str,
+        state: AnaState,
+        owner_keys: Option<&HostKeyConfig>,
+    ) -> Result<(), TargetError> {
+        let keys = owner_keys.map(HostAuth::new).transpose()?;
+        if self.subsystem(nqn).is_none() {
+            return Err(TargetError::NotFound(format!("subsystem {nqn}")));
+        }
+        if let Some(k) = keys {
+            lock(&self.owner_keys).insert(nqn.to_owned(), k);
+        }
+        self.set_ana_state(nqn, state)?;
+        if !state.is_serving() {
+            lock(&self.owner_keys).remove(nqn);
+        }
+        Ok(())
+    }
+
+    /// The keys of this target's owner host NQN for the served volume
+    /// subsystem `nqn`, if the control plane gave some.
+    pub fn owner_keys(&self, nqn: &str) -> Option<HostAuth> {
+        lock(&self.owner_keys).get(nqn).cloned()
+    }
+
     /// Extends the leases of the named subsystems to `valid_until_ms`
     /// ([`Target::now_ms`] units; a lease never moves backwards). Names
     /// that are unknown, or whose subsystem has no lease-gated ANA state,
@@ -695,6 +734,7 @@ impl Target {
             };
             self.commit(map)?;
             lock(&self.ana).remove(nqn);
+            lock(&self.owner_keys).remove(nqn);
             let killed = self
                 .controllers_of(nqn)
                 .iter()
