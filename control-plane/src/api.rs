@@ -576,7 +576,15 @@ async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response
     };
     let need = auth::access(parts.method.as_str(), &template);
     let tokens = api.auth.current();
-    if need == Access::Public || tokens.is_empty() {
+    if need == Access::Public {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    if tokens.is_empty() {
+        // No tokens (loopback only): every role, but still only the
+        // owners the control plane issued.
+        if let Err(refused) = check_own_initiators(&api, need, &template, &mut parts).await {
+            return refused;
+        }
         return next.run(Request::from_parts(parts, body)).await;
     }
     let presented = crate::httpd::bearer_of(&parts.headers)
@@ -600,7 +608,7 @@ async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response
         )
         .into_response();
     };
-    let (host, id) = if matches!(need, Access::Host | Access::Target) {
+    let (host, id) = if matches!(need, Access::Host | Access::Report | Access::Target) {
         match parts.extract::<RawPathParams>().await {
             Ok(params) => {
                 let param = |name: &str| {
@@ -628,9 +636,57 @@ async fn authorize(State(api): State<Api>, req: Request, next: Next) -> Response
         )
         .into_response();
     }
+    if let Err(refused) = check_own_initiators(&api, need, &template, &mut parts).await {
+        return refused;
+    }
     // The registration checks a bound target token against the body's id.
     parts.extensions.insert(who.clone());
     next.run(Request::from_parts(parts, body)).await
+}
+
+/// What no token may do for nvpool's own initiators ([`auth::reserved`]),
+/// and a report for an owner NQN the control plane did not issue
+/// ([`auth::owner_issued`]): 403 before any handler runs, so nothing is
+/// recorded.
+async fn check_own_initiators(
+    api: &Api,
+    need: Access,
+    template: &str,
+    parts: &mut axum::http::request::Parts,
+) -> Result<(), Response> {
+    if !template.contains("{host_nqn}") || matches!(need, Access::Public | Access::Read) {
+        return Ok(());
+    }
+    let params = parts
+        .extract::<RawPathParams>()
+        .await
+        .map_err(|e| ApiError::invalid(e.body_text()).into_response())?;
+    let param = |name: &str| {
+        params
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.to_owned())
+    };
+    let Some(host) = param("host_nqn") else {
+        return Ok(());
+    };
+    let forbidden =
+        |why: String| ApiError::new(StatusCode::FORBIDDEN, "forbidden", why).into_response();
+    if let Some(why) = auth::reserved(need, template, Some(&host)) {
+        return Err(forbidden(why));
+    }
+    if need != Access::Report || !host.starts_with(crate::paths::OWNER_HOST_PREFIX) {
+        return Ok(());
+    }
+    let volume = parse_uuid(&param("uuid").unwrap_or_default()).map_err(|e| e.into_response())?;
+    match api
+        .run(move |c| auth::owner_issued(c, &volume, &host))
+        .await
+    {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(why)) => Err(forbidden(why)),
+        Err(e) => Err(e.into_response()),
+    }
 }
 
 /// Logs an unknown token at most once per [`REFUSED_TOKEN_LOG_INTERVAL_MS`],
@@ -2014,7 +2070,7 @@ impl utoipa::Modify for BearerSchemes {
         let schemes = [
             ("admin_token", "an admin token: every call"),
             ("reader_token", "a reader token: every GET"),
-            ("target_token", "a target token: registration, heartbeats, leases, and the owner host NQNs of served volumes"),
+            ("target_token", "a target token: registration, heartbeats, leases, and reports for the owner host NQNs the control plane issued"),
             ("host_token", "a host token, bound to one host NQN: attach, detach and report for that NQN"),
         ];
         let components = doc.components.get_or_insert_with(Default::default);
@@ -2044,7 +2100,8 @@ impl utoipa::Modify for BearerSchemes {
                     Access::Public => continue,
                     Access::Read => &["admin_token", "reader_token", "target_token", "host_token"],
                     Access::Target => &["admin_token", "target_token"],
-                    Access::Host => &["admin_token", "host_token", "target_token"],
+                    Access::Host => &["admin_token", "host_token"],
+                    Access::Report => &["admin_token", "host_token", "target_token"],
                     Access::Admin => &["admin_token"],
                 };
                 op.security = Some(

@@ -9,9 +9,23 @@
 //! |---|---|
 //! | `admin` | everything |
 //! | `reader` | every `GET` (lists, views, `/metrics`) |
-//! | `target` | read; register, heartbeat, renew owner leases; act for the owner host NQNs of served volumes |
-//! | `target` bound to a target id | the same, for that one target only (its id in the registration and the path, its own owner host NQNs) |
+//! | `target` | read; register, heartbeat, renew owner leases; report (session, missed regions, failed copies, sync) for the owner host NQNs the control plane issued |
+//! | `target` bound to a target id | the same, for that one target only (its id in the registration and the path, its own issued owner host NQNs) |
 //! | `host` (bound to one host NQN) | read; attach, detach and report (session, missed regions, failed copies, sync) for its own NQN only |
+//!
+//! nvpool's own initiators — a served volume's owner
+//! (`nqn.2026-11.io.nvpool:owner:{volume}:{target}`) and a target's copier
+//! (`nqn.2026-11.io.nvpool:copier:{target}`) — are attached, detached and
+//! given their DH-HMAC-CHAP keys by the control plane alone, never through
+//! this API ([`reserved`]): no token, not even the admin's, attaches or
+//! detaches one, and no host token may be bound to one. A report for an
+//! owner NQN is taken, whatever the token, only for the owner the control
+//! plane issued ([`owner_issued`]): the NQN names the path's volume, that
+//! volume is served, the NQN's target is its current owner, and the owner's
+//! attachment exists. Anything else is 403 before a handler runs, so
+//! nothing is recorded for a made-up owner. Knowing an owner's or a
+//! copier's NQN gives no data either: the targets make them authenticate
+//! with keys only the control plane and that target's admin API hold.
 //!
 //! `GET /healthz` and `GET /v1/openapi.json` need no token. A request
 //! without a known token gets 401; a known token whose role does not allow
@@ -109,9 +123,14 @@ pub enum Access {
     Read,
     /// A target's token (or the admin's).
     Target,
-    /// The host named by the path's `{host_nqn}`; a target when that NQN
-    /// is the owner host of a served volume; or the admin.
+    /// Attach or detach: the host named by the path's `{host_nqn}`, or the
+    /// admin; never for one of nvpool's own initiators ([`reserved`]).
     Host,
+    /// A report under an attachment (session, missed regions, failed
+    /// copies, sync): the host named by `{host_nqn}`; a target when that
+    /// NQN is an owner host NQN the control plane issued
+    /// ([`owner_issued`]); or the admin.
+    Report,
     /// The admin's token.
     Admin,
 }
@@ -129,16 +148,20 @@ pub fn access(method: &str, template: &str) -> Access {
         ("POST", "/v1/targets")
         | ("PUT", "/v1/targets/{id}/heartbeat")
         | ("POST", "/v1/targets/{id}/lease") => Access::Target,
-        (_, t) if t.starts_with("/v1/volumes/{uuid}/attachments/{host_nqn}") => Access::Host,
+        (_, "/v1/volumes/{uuid}/attachments/{host_nqn}") => Access::Host,
+        (_, t) if t.starts_with("/v1/volumes/{uuid}/attachments/{host_nqn}/") => Access::Report,
         _ => Access::Admin,
     }
 }
 
 /// Whether `who` may make a call that needs `access`; `host_nqn` is the
-/// path's `{host_nqn}` (percent-decoded) for [`Access::Host`], `target_id`
-/// its `{id}` for [`Access::Target`]. The one target route without an
-/// `{id}`, the registration, carries the id in its body: its handler
-/// checks a bound target's id there ([`permits_registration`]).
+/// path's `{host_nqn}` (percent-decoded) for [`Access::Host`] and
+/// [`Access::Report`], `target_id` its `{id}` for [`Access::Target`]. The
+/// one target route without an `{id}`, the registration, carries the id
+/// in its body: its handler checks a bound target's id there
+/// ([`permits_registration`]). What no token may do ([`reserved`]) and
+/// whether an owner NQN was issued ([`owner_issued`], a store read) are
+/// checked after this, for every token.
 pub fn permits(
     who: &Principal,
     access: Access,
@@ -150,10 +173,86 @@ pub fn permits(
         (_, Access::Public | Access::Read) | (Principal::Admin, _) => true,
         (Principal::Target, Access::Target) => true,
         (Principal::BoundTarget(mine), Access::Target) => target_id.is_none_or(|t| t == mine),
-        (Principal::Target, Access::Host) => owner_of(host_nqn).is_some(),
-        (Principal::BoundTarget(mine), Access::Host) => owner_of(host_nqn).as_ref() == Some(mine),
-        (Principal::Host(mine), Access::Host) => host_nqn == Some(mine.as_str()),
+        (Principal::Target, Access::Report) => owner_of(host_nqn).is_some(),
+        (Principal::BoundTarget(mine), Access::Report) => owner_of(host_nqn).as_ref() == Some(mine),
+        (Principal::Host(mine), Access::Host | Access::Report) => host_nqn == Some(mine.as_str()),
         _ => false,
+    }
+}
+
+/// Host NQN prefix of a target's copier (`resync::copier_nqn`).
+pub const COPIER_HOST_PREFIX: &str = "nqn.2026-11.io.nvpool:copier:";
+
+/// Whether `nqn` is one of nvpool's own initiators: a served volume's
+/// owner or a target's copier. The control plane alone attaches them and
+/// holds their keys.
+pub fn is_internal_host(nqn: &str) -> bool {
+    nqn.starts_with(crate::paths::OWNER_HOST_PREFIX) || nqn.starts_with(COPIER_HOST_PREFIX)
+}
+
+/// Why no token, whatever its role, may make a call that needs `access`
+/// on the route `template` for the path's `host_nqn`: attaching or
+/// detaching one of nvpool's own initiators (the control plane does that
+/// itself: failover, copy jobs), setting or clearing their DH-HMAC-CHAP
+/// keys (the control plane draws them), or reporting as a copier (copiers
+/// report to the control plane through their target's admin API, never
+/// here). `None`: the role decides.
+pub fn reserved(access: Access, template: &str, host_nqn: Option<&str>) -> Option<String> {
+    let host = host_nqn?;
+    match access {
+        Access::Admin if template.starts_with("/v1/hosts/{host_nqn}") && is_internal_host(host) => {
+            Some(format!(
+                "{host} is one of nvpool's own initiators: the control plane draws its \
+                 DH-HMAC-CHAP keys itself"
+            ))
+        }
+        Access::Host if is_internal_host(host) => Some(format!(
+            "{host} is one of nvpool's own initiators (an owner or a copier): only the \
+             control plane attaches and detaches it"
+        )),
+        Access::Report if host.starts_with(COPIER_HOST_PREFIX) => Some(format!(
+            "{host} is a target's copier: it reports nothing through this API"
+        )),
+        _ => None,
+    }
+}
+
+/// Whether a report under `/v1/volumes/{volume}/attachments/{host}` may
+/// be taken for `host`, when it is an owner host NQN: only for the owner
+/// the control plane issued — the NQN names `volume`, the volume is
+/// served, the NQN's target is its owner now, and that owner's attachment
+/// exists. `Ok(Err(why))` refuses (403); any other host NQN is `Ok(Ok(()))`.
+pub fn owner_issued(
+    cluster: &crate::state::Cluster,
+    volume: &crate::model::Uuid,
+    host: &str,
+) -> Result<Result<(), String>, crate::state::StateError> {
+    if !host.starts_with(crate::paths::OWNER_HOST_PREFIX) {
+        return Ok(Ok(()));
+    }
+    let not_issued = |why: String| {
+        Ok(Err(format!(
+            "{host} is not an owner NQN the control plane issued for volume {volume}: {why}"
+        )))
+    };
+    let Some((named, target)) = crate::paths::parse_owner_host(host) else {
+        return not_issued("it is malformed".into());
+    };
+    if named != *volume {
+        return not_issued(format!("it names volume {named}"));
+    }
+    let Some((served, _)) = cluster.served(volume)? else {
+        return not_issued("the volume is not served".into());
+    };
+    if served.owner.as_deref() != Some(target.as_str()) {
+        return not_issued(format!("target {target} does not own the volume"));
+    }
+    match cluster.attachment(volume, host) {
+        Ok(_) => Ok(Ok(())),
+        Err(crate::state::StateError::NotAttached { .. }) => {
+            not_issued("the owner is not attached".into())
+        }
+        Err(e) => Err(e),
     }
 }
 
@@ -220,6 +319,11 @@ impl Tokens {
         check_token(token)?;
         if let Principal::Host(nqn) = &who {
             crate::attach::validate_host_nqn(nqn).map_err(|e| e.to_string())?;
+            if is_internal_host(nqn) {
+                return Err(format!(
+                    "{nqn} is one of nvpool's own initiators: a host token cannot act for it"
+                ));
+            }
         }
         if let Principal::BoundTarget(id) = &who {
             crate::model::validate_id("target id", id, crate::limits::ID_BYTES_MAX)
@@ -476,8 +580,21 @@ mod tests {
         assert_eq!(access("DELETE", "/v1/targets/{id}"), Access::Admin);
         assert_eq!(
             access("PUT", "/v1/volumes/{uuid}/attachments/{host_nqn}/missed"),
-            Access::Host
+            Access::Report
         );
+        assert_eq!(
+            access(
+                "PUT",
+                "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}"
+            ),
+            Access::Report
+        );
+        for m in ["PUT", "DELETE"] {
+            assert_eq!(
+                access(m, "/v1/volumes/{uuid}/attachments/{host_nqn}"),
+                Access::Host
+            );
+        }
         assert_eq!(
             access("PUT", "/v1/volumes/{uuid}/exports/{host_nqn}"),
             Access::Admin
@@ -506,12 +623,56 @@ mod tests {
         assert!(permits(&Principal::Target, Access::Target, None, None));
         assert!(!permits(&Principal::Reader, Access::Target, None, None));
         assert!(!permits(&host, Access::Target, None, None));
-        assert!(permits(&host, Access::Host, Some(NQN), None));
-        assert!(!permits(&host, Access::Host, Some(owner), None));
-        assert!(!permits(&host, Access::Host, None, None));
-        assert!(permits(&Principal::Target, Access::Host, Some(owner), None));
-        assert!(!permits(&Principal::Target, Access::Host, Some(NQN), None));
-        assert!(!permits(&Principal::Reader, Access::Host, Some(NQN), None));
+        for a in [Access::Host, Access::Report] {
+            assert!(permits(&host, a, Some(NQN), None));
+            assert!(!permits(&host, a, Some(owner), None));
+            assert!(!permits(&host, a, None, None));
+            assert!(!permits(&Principal::Target, a, Some(NQN), None));
+            assert!(!permits(&Principal::Reader, a, Some(NQN), None));
+        }
+        assert!(permits(
+            &Principal::Target,
+            Access::Report,
+            Some(owner),
+            None
+        ));
+        // A target never attaches or detaches: the control plane attaches
+        // owners itself.
+        assert!(!permits(
+            &Principal::Target,
+            Access::Host,
+            Some(owner),
+            None
+        ));
+    }
+
+    /// nvpool's own initiators: no token attaches or detaches them, no
+    /// one reports as a copier, and no host token is bound to one.
+    #[test]
+    fn own_initiators_are_reserved() {
+        let owner = "nqn.2026-11.io.nvpool:owner:11111111-2222-3333-4444-555555555555:t1";
+        let copier = "nqn.2026-11.io.nvpool:copier:t1";
+        assert!(is_internal_host(owner) && is_internal_host(copier));
+        assert!(!is_internal_host(NQN));
+        let at = "/v1/volumes/{uuid}/attachments/{host_nqn}";
+        let report = "/v1/volumes/{uuid}/attachments/{host_nqn}/session";
+        let keys = "/v1/hosts/{host_nqn}/dhchap";
+        assert!(reserved(Access::Host, at, Some(owner)).is_some());
+        assert!(reserved(Access::Host, at, Some(copier)).is_some());
+        assert!(reserved(Access::Report, report, Some(copier)).is_some());
+        assert!(reserved(Access::Admin, keys, Some(owner)).is_some());
+        assert!(reserved(Access::Admin, keys, Some(copier)).is_some());
+        assert_eq!(reserved(Access::Report, report, Some(owner)), None);
+        assert_eq!(reserved(Access::Host, at, Some(NQN)), None);
+        assert_eq!(reserved(Access::Admin, keys, Some(NQN)), None);
+        assert_eq!(reserved(Access::Read, keys, Some(owner)), None);
+        for nqn in [owner, copier] {
+            let e = Tokens::new()
+                .add_file_text("f", &format!("host {H} {nqn}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("own initiators") && !e.contains("0123"), "{e}");
+        }
     }
 
     #[test]
@@ -523,9 +684,10 @@ mod tests {
         assert!(permits(&t1, Access::Read, None, None));
         assert!(permits(&t1, Access::Target, None, Some("t1")));
         assert!(!permits(&t1, Access::Target, None, Some("t2")));
-        assert!(permits(&t1, Access::Host, Some(own), None));
-        assert!(!permits(&t1, Access::Host, Some(other), None));
-        assert!(!permits(&t1, Access::Host, Some(NQN), None));
+        assert!(permits(&t1, Access::Report, Some(own), None));
+        assert!(!permits(&t1, Access::Report, Some(other), None));
+        assert!(!permits(&t1, Access::Report, Some(NQN), None));
+        assert!(!permits(&t1, Access::Host, Some(own), None));
         assert!(!permits(&t1, Access::Admin, None, None));
         assert!(permits_registration(Some(&t1), "t1"));
         assert!(!permits_registration(Some(&t1), "t2"));

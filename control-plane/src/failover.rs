@@ -165,8 +165,22 @@ fn ensure_path(
         admin.put_subsystem_value(&nqn, &want)?;
     }
     let state = if serve { "optimized" } else { "inaccessible" };
-    if current != state || have.is_none() {
-        admin.set_ana(&nqn, state)?;
+    // The owner's engine authenticates to the extents with its owner host
+    // NQN's keys: handed over with the serving state, and again when the
+    // target holds others (shown by label only).
+    let owner_keys = match serve {
+        true => cluster.host_keys(&owner_host_nqn(&served.volume, target))?,
+        false => None,
+    };
+    let held_owner_keys = have
+        .as_ref()
+        .and_then(|h| h.get("owner_key_id"))
+        .and_then(|k| k.as_str());
+    let keys_differ = owner_keys
+        .as_ref()
+        .is_some_and(|k| held_owner_keys != Some(k.key_id.as_str()));
+    if current != state || have.is_none() || keys_differ {
+        admin.set_ana_owning(&nqn, state, owner_keys.as_ref())?;
     }
     if serve {
         // Serving starts with the owner's first lease renewal: wait for it
@@ -296,6 +310,7 @@ pub fn unexport(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<(), Prog
             Ok(_) | Err(ProgramError::State(StateError::NotAttached { .. })) => {}
             Err(e) => return Err(e),
         }
+        crate::hostkeys::forget_internal(cluster, &h)?;
     }
     for t in &served.paths {
         if let Ok(tv) = cluster.target(t) {
@@ -338,7 +353,8 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
     let nqn = volume_subsystem_nqn(volume);
     let mut served = served;
     let mut unreached = Vec::new();
-    if served.owner.as_deref() != Some(new) {
+    let changed = served.owner.as_deref() != Some(new);
+    if changed {
         let old = served.owner.clone();
         // Taking over from an owner means judging its lease, which only
         // the leader can (it alone grants them, C21): elsewhere, 503
@@ -364,6 +380,9 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
                 })
                 .is_ok(),
         };
+        // The decision (a dead owner's: its lease ran out), timed by the
+        // VM test's failover breakdown.
+        tracing::info!(%volume, old = ?old, new, planned, "taking the served volume over");
         let generation = served.generation;
         served = cluster
             .update_served(volume, generation, |s| {
@@ -389,9 +408,14 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
             "served volume has a new owner");
     }
     let h = owner_host_nqn(volume, new);
+    // Keys only the new owner gets (over its admin API): a new owner gets
+    // new ones, so what an earlier term of the same target held is void.
+    crate::hostkeys::internal_keys(cluster, &h, changed)?;
     program::attach_avoiding(cluster, volume, &h, &unreached)?;
+    tracing::info!(%volume, owner = new, "the new owner is attached to the extents");
     let v = volume_of(cluster, volume)?;
     ensure_path(cluster, &served, &v, new, true)?;
+    tracing::info!(%volume, owner = new, "the owner serves the volume");
     let generation = served.generation;
     Ok(cluster
         .update_served(volume, generation, |s| s.serving = true)?
@@ -412,6 +436,7 @@ fn fence(cluster: &Cluster, volume: &Uuid, old: &str) -> Result<Vec<String>, Pro
         Err(ProgramError::State(StateError::NotAttached { .. })) => Vec::new(),
         Err(e) => return Err(e),
     };
+    crate::hostkeys::forget_internal(cluster, &h)?;
     if unreached.is_empty() {
         return Ok(unreached);
     }

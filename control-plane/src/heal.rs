@@ -285,13 +285,17 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
             let src_target = cluster.target(&src.target)?.target;
             let x = copier_export(v, job)
                 .ok_or_else(|| StepError::Other("the job names no extent".into()))?;
+            // The destination's copier authenticates with keys the
+            // control plane draws for it: the source target requires them,
+            // and the copier gets them with the copy, over its target's
+            // admin API only.
+            let copier_keys = crate::hostkeys::internal_keys(cluster, &x.host_nqn, false)?;
             let mut added = Added::default();
             ensure_exports(
                 &TargetAdmin::new(cluster, &src_target)?,
                 &src_target,
                 &x.host_nqn,
-                // The source target's copier: never authenticates.
-                None,
+                Some(&copier_keys),
                 std::slice::from_ref(&x),
                 &mut added,
             )?;
@@ -305,6 +309,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                     "subsystem_nqn": host_subsystem_nqn(&copier_nqn(&dest.target)),
                     "nsid": job.copier_nsid,
                     "host_nqn": copier_nqn(&dest.target),
+                    "dhchap": crate::program::target_keys(&copier_keys),
                 },
                 "region_bytes": RESYNC_REGION_BYTES,
                 "rate_bytes_per_sec": cfg.rate_bytes_per_sec,

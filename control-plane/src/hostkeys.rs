@@ -143,3 +143,61 @@ fn roll_out_on(
     }
     Ok(exports)
 }
+
+/// Fresh DH-HMAC-CHAP keys for one of nvpool's own initiators (a served
+/// volume's owner, a target's copier; `auth::is_internal_host`): a random
+/// 256-bit host secret and a random controller secret (bidirectional, so
+/// the initiator checks the extent's target too), in the standard
+/// `DHHC-1:01:…:` form, stored as `host`'s keys under a fresh `key_id`.
+/// Every target exporting to `host` then requires them ([`roll_out`]
+/// sets them on the ones already exporting; attach and reconciliation
+/// hand them to the others); the initiator gets them from the control
+/// plane over its own target's admin API only.
+pub fn draw_internal(cluster: &Cluster, host: &str) -> Result<HostKeys, StateError> {
+    let draw = || -> Result<Secret, StateError> {
+        let mut key = [0u8; 32];
+        getrandom::getrandom(&mut key).map_err(|e| {
+            StateError::Store(crate::store::StoreError::Backend {
+                op: "drawing a DH-HMAC-CHAP secret",
+                source: e.to_string().into(),
+            })
+        })?;
+        // The wire crate's secret wipes its copy when dropped.
+        let secret = nvpool_wire::dhchap::Secret::new(&key, Some(HashId::Sha256));
+        key.fill(0);
+        let text = secret
+            .map_err(|e| StateError::Invalid(ModelError::Invalid(e.to_string())))?
+            .to_dhhc();
+        Secret::new(text).map_err(|e| StateError::Invalid(ModelError::Invalid(e.to_string())))
+    };
+    let keys = HostKeys {
+        host: host.to_owned(),
+        key_id: String::new(),
+        dhchap_key: draw()?,
+        dhchap_ctrl_key: Some(draw()?),
+        dhchap_hash: None,
+        dhchap_dhgroup: None,
+        updated_ms: 0,
+    };
+    cluster.set_host_keys(keys)
+}
+
+/// The keys of one of nvpool's own initiators: the ones it has, or fresh
+/// ones ([`draw_internal`]) when it has none or `fresh` (an owner that
+/// just took over: the keys of an earlier term of the same target stop
+/// working).
+pub fn internal_keys(cluster: &Cluster, host: &str, fresh: bool) -> Result<HostKeys, StateError> {
+    match cluster.host_keys(host)? {
+        Some(k) if !fresh => Ok(k),
+        _ => draw_internal(cluster, host),
+    }
+}
+
+/// Forgets the keys of one of nvpool's own initiators once nothing exports
+/// to it any more (a fenced owner); none is fine.
+pub fn forget_internal(cluster: &Cluster, host: &str) -> Result<(), StateError> {
+    match cluster.remove_host_keys(host) {
+        Ok(()) | Err(StateError::NoHostKeys(_)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}

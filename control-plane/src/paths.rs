@@ -198,7 +198,7 @@ impl Cluster {
         paths: usize,
     ) -> Result<Served, StateError> {
         validate_host_nqn(host)?;
-        if parse_owner_host(host).is_some() {
+        if crate::auth::is_internal_host(host) {
             return Err(
                 ModelError::Invalid(format!("{host} is reserved for nvpool targets")).into(),
             );

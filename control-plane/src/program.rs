@@ -379,7 +379,25 @@ impl TargetAdmin {
     /// state waits on the target for the I/O in flight, so this call gets
     /// a longer timeout.
     pub(crate) fn set_ana(&self, nqn: &str, state: &str) -> Result<(), ProgramError> {
+        self.set_ana_owning(nqn, state, None)
+    }
+
+    /// [`set_ana`](Self::set_ana), handing the target the DH-HMAC-CHAP
+    /// keys of its owner host NQN (`owner_keys`), with which the volume
+    /// engine it opens authenticates to the volume's extents (C19): the
+    /// owner gets them over its admin API only, never through the control
+    /// plane's REST API.
+    pub(crate) fn set_ana_owning(
+        &self,
+        nqn: &str,
+        state: &str,
+        owner_keys: Option<&HostKeys>,
+    ) -> Result<(), ProgramError> {
         self.confirm_identity()?;
+        let mut body = serde_json::json!({ "state": state });
+        if let Some(k) = owner_keys {
+            body["owner_keys"] = target_keys(k);
+        }
         let r = self
             .put(&format!("/v1/subsystems/{}/ana", segment(nqn)))
             .config()
@@ -387,7 +405,7 @@ impl TargetAdmin {
                 crate::limits::ANA_CHANGE_TIMEOUT_MS,
             )))
             .build()
-            .send_json(serde_json::json!({ "state": state }));
+            .send_json(body);
         match self.check(&format!("ANA state {state} of {nqn}"), r)? {
             Some(_) => Ok(()),
             None => Err(ProgramError::Refused {

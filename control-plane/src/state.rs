@@ -1045,7 +1045,7 @@ impl Cluster {
     /// own initiators) has none.
     pub fn keys_to_serve(&self, host: &str) -> Result<Option<HostKeys>, StateError> {
         let keys = self.host_keys(host)?;
-        let own = crate::paths::parse_owner_host(host).is_some();
+        let own = crate::auth::is_internal_host(host);
         if keys.is_none() && self.config.require_host_keys && !own {
             return Err(StateError::HostKeysRequired(host.to_owned()));
         }

@@ -168,9 +168,13 @@ pub struct Cluster {
 }
 
 pub fn cluster(n: usize) -> Cluster {
+    cluster_with_tokens(n, Tokens::new())
+}
+
+/// [`cluster`], the control plane also knowing `more` tokens.
+pub fn cluster_with_tokens(n: usize, more: Tokens) -> Cluster {
     let server = serve(AuthConfig::new(
-        Tokens::new()
-            .with(Principal::Admin, ADMIN)
+        more.with(Principal::Admin, ADMIN)
             .with(Principal::Reader, READER),
     ));
     let nodes: Vec<Node> = (0..n).map(Node::start).collect();
