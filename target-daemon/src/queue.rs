@@ -1188,15 +1188,7 @@ impl Queue {
     /// touched. Never with DNR: the host retries it on another path. True
     /// if it did.
     fn refuse_ana(&mut self, si: usize, tx: &mut Tx, ex: &mut Exec<'_>) -> bool {
-        let Some(ctrl) = &self.ctrl else {
-            return false;
-        };
-        let status = ctrl
-            .subsystem()
-            .ana
-            .as_ref()
-            .and_then(|a| a.effective(ex.now_ms).io_status());
-        match status {
+        match self.path_status(ex.now_ms) {
             Some(st) => {
                 self.finish(si, Reply::status(st), tx, ex.now_ms);
                 true
@@ -1432,10 +1424,35 @@ impl Queue {
             }
             Ok(_) => Reply::ok(),
             // The backend logs its own errors (rate-limited: a host can
-            // cause them) and decides whether they make it failed.
-            Err(e) => Reply::status(io_error_status(slot.kind, &e)),
+            // cause them) and decides whether they make it failed. A path
+            // that stopped serving while the command was in its backend
+            // (set inaccessible, its lease ran out) answers with its ANA
+            // status instead: whatever failed the command (a fence taking
+            // the volume engine's extents away) came with that, and the
+            // host retries the command on another path. A media error
+            // here would fail it for good.
+            Err(e) => {
+                let kind = slot.kind;
+                Reply::status(
+                    self.path_status(ex.now_ms)
+                        .unwrap_or_else(|| io_error_status(kind, &e)),
+                )
+            }
         };
         self.finish(si, reply, tx, ex.now_ms);
+    }
+
+    /// The ANA status I/O on this queue's path gets at `now_ms` when its
+    /// group does not serve I/O here (the check [`Queue::refuse_ana`]
+    /// makes); None while it serves, or without ANA.
+    fn path_status(&self, now_ms: u64) -> Option<Status> {
+        self.ctrl
+            .as_ref()?
+            .subsystem()
+            .ana
+            .as_ref()?
+            .effective(now_ms)
+            .io_status()
     }
 
     /// Accounts one completed backend operation of slot `si`, which must

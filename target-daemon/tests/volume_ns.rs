@@ -21,6 +21,7 @@ use nvpool_initiator::{ConnectParams, Controller, Device, IoError, Volume, Volum
 use nvpool_target::backend::{
     Backend, BackendSpec, FaultBackend, FaultConfig, OpenedVolume, VolumeBackend, VolumeSource,
 };
+use nvpool_target::config::{AnaConfig, AnaState, SubsystemConfig};
 use nvpool_target::Target;
 use nvpool_wire::Status;
 use std::collections::HashMap;
@@ -660,4 +661,189 @@ fn closing_the_host_connection_with_io_in_flight_strands_no_slot() {
     assert!(!vb.failed());
     vb.deactivate();
     assert_eq!(src.sessions_closed(), 1);
+}
+
+// ----- hand-over and fence with writes in the engine (C19) -----
+
+/// Writes the host keeps in the volume across the end of its path's
+/// term: enough that some of them wait, on every backing connection,
+/// behind one the backing target is still executing when the path stops
+/// serving.
+const FENCE_WRITES: u64 = 8;
+/// Latency of every backing operation in these tests.
+const FENCE_LATENCY: Duration = Duration::from_millis(500);
+
+/// What a fence does to an old owner's engine, made deterministic: every
+/// copy fails the writes still waiting at the backing targets, so each of
+/// those writes fails in the engine with no copy left that took it (as
+/// when the fence kills the engine's controllers and its reconnects are
+/// refused, sc 0x82, until the controller-loss timeout).
+fn fence(c: &Cluster) {
+    for b in &c.backing {
+        for f in &b.faults {
+            f.set(FaultConfig {
+                latency: FENCE_LATENCY,
+                fail_writes: true,
+                ..FaultConfig::default()
+            });
+        }
+    }
+}
+
+/// Sends `FENCE_WRITES` single-block writes (all on row 0, so every
+/// backing connection of the row's copies holds several), each from a
+/// thread of its own; their results arrive on the returned channel.
+fn fence_writes(dev: &Arc<Device>) -> mpsc::Receiver<(u64, Result<(), IoError>)> {
+    let (tx, rx) = mpsc::channel();
+    for i in 0..FENCE_WRITES {
+        let (d, tx) = (dev.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let (r, _) = block_on(d.write(i * BLOCK, pattern(500 + i, BLOCK as usize), false));
+            let _ = tx.send((i, r));
+        });
+    }
+    rx
+}
+
+/// Every write is answered: either it completed (it reached the copies
+/// before the fence) or it failed with ANA inaccessible, a path status a
+/// multipath host retries on another path. Never a media error (Write
+/// Fault, which the Linux host reports as a critical medium error and
+/// does not retry), never anything else. Returns how many got the path
+/// status.
+#[track_caller]
+fn expect_path_status_or_success(rx: &mpsc::Receiver<(u64, Result<(), IoError>)>) -> usize {
+    let mut path_errors = 0;
+    for _ in 0..FENCE_WRITES {
+        let (i, r) = rx.recv_timeout(WAIT).expect("every write is answered");
+        match r {
+            Ok(()) => {}
+            Err(IoError::Status(s))
+                if (s.sct, s.sc) == (Status::ANA_INACCESSIBLE.sct, Status::ANA_INACCESSIBLE.sc) =>
+            {
+                assert!(
+                    !s.dnr,
+                    "write {i}: a path status must let the host retry: {s}"
+                );
+                path_errors += 1;
+            }
+            Err(e) => panic!("write {i}, in the engine across the fence, failed with {e}"),
+        }
+    }
+    path_errors
+}
+
+/// A planned hand-over whose fence comes while writes are still in the
+/// old owner's engine (its deactivation waits for them; the control plane
+/// fences once it answered, or once that answer timed out): the engine's
+/// controllers to the extents are killed and its reconnects refused, so
+/// the writes fail in the engine, after the namespace stopped serving the
+/// volume. Each is answered with a path status, the backend is not
+/// failed, and the namespace serves again once activated.
+#[test]
+fn writes_failed_by_a_fence_during_deactivation_get_a_path_status() {
+    let c = cluster(LayoutBody::Raid1 { copies: 2 }, 4 * MIB, 0x55);
+    let src = TestSource::new(&c);
+    // No ANA on this path: only the backend knows it stopped serving.
+    let (s, vb) = serving_by_hand(&c, src.clone());
+    vb.activate().expect("activate");
+    let dev = connect_host(s.addr, 1);
+    write(&dev, 0, pattern(1, BLOCK as usize)).expect("a write before the hand-over");
+
+    c.set_latency(FENCE_LATENCY);
+    let rx = fence_writes(&dev);
+    eventually("every write in the volume", || {
+        vb.in_flight() >= FENCE_WRITES as usize
+    });
+    let closer = {
+        let vb = vb.clone();
+        std::thread::spawn(move || vb.deactivate())
+    };
+    eventually("the namespace to stop serving", || !vb.is_active());
+    assert!(vb.in_flight() > 0, "the writes are still in the engine");
+    fence(&c);
+    let path_errors = expect_path_status_or_success(&rx);
+    assert!(
+        path_errors > 0,
+        "no write failed in the engine: the test did not put one across the fence"
+    );
+    closer.join().expect("deactivate");
+    assert_eq!(vb.in_flight(), 0);
+    assert!(
+        !vb.failed(),
+        "a fenced engine's errors are no device failure"
+    );
+    // Inactive now: I/O gets the same path status at once.
+    expect_status(write(&dev, 0, vec![1; 4096]), Status::ANA_INACCESSIBLE);
+}
+
+/// The owner's lease runs out while writes are in its engine (the control
+/// plane stopped renewing it, and takes the volume over after the lease):
+/// the backend still has the volume open, but the path no longer serves,
+/// so the writes the fence then fails are answered with the path's ANA
+/// status, not a media error.
+#[test]
+fn writes_failed_by_a_fence_after_the_lease_ran_out_get_a_path_status() {
+    const LEASE_MS: u64 = 1_000;
+    let c = cluster(LayoutBody::Raid1 { copies: 2 }, 4 * MIB, 0x66);
+    let src = TestSource::new(&c);
+    let target = Target::new(None).expect("target");
+    target.set_volume_source(src.clone());
+    let sub = SubsystemConfig {
+        ana: Some(AnaConfig {
+            state: AnaState::Optimized,
+            cntlid_min: 1,
+            cntlid_max: 0x0FFF,
+            lease: true,
+        }),
+        ..subsystem(SERVE_NQN, &[HOST_A], &[])
+    };
+    let s = Daemon::start_with(target, &[sub]);
+    let vb = Arc::new(VolumeBackend::new(
+        c.uuid(),
+        c.plan.size_bytes,
+        c.plan.block_bytes,
+        s.target.volumes().clone(),
+    ));
+    // Optimized as configured: published, the namespace opens the volume.
+    s.target
+        .put_namespace_backend(SERVE_NQN, 1, vb.clone())
+        .expect("add the volume namespace");
+    assert!(vb.is_active());
+    let dev = connect_host(s.addr, 1);
+
+    c.set_latency(FENCE_LATENCY);
+    // The owner's one renewal (a lease never moves backwards).
+    let until = s.target.now_ms() + LEASE_MS;
+    s.target.renew_leases(&[SERVE_NQN], until);
+    let rx = fence_writes(&dev);
+    eventually("every write in the volume", || {
+        vb.in_flight() >= FENCE_WRITES as usize
+    });
+    assert!(
+        s.target.now_ms() < until,
+        "the writes reached the volume only after the lease: the test proves nothing"
+    );
+    eventually("the lease to run out", || s.target.now_ms() > until);
+    let effective = s
+        .target
+        .subsystem(SERVE_NQN)
+        .expect("subsystem")
+        .ana
+        .as_ref()
+        .map(|a| a.effective(s.target.now_ms()));
+    assert_eq!(effective, Some(AnaState::Inaccessible));
+    assert!(vb.in_flight() > 0, "the writes are still in the engine");
+    // Only now, as the control plane does after the lease.
+    fence(&c);
+    let path_errors = expect_path_status_or_success(&rx);
+    assert!(
+        path_errors > 0,
+        "no write failed in the engine: the test did not put one across the fence"
+    );
+    assert!(
+        vb.is_active(),
+        "the path answered by its lease, not by a deactivation"
+    );
+    vb.deactivate();
 }

@@ -4,7 +4,7 @@
 //! ```text
 //!  reactor ── submit(AsyncOp, AsyncDone) ──► VolumeBackend
 //!                                             │ active? (one atomic load)
-//!                                             ├─ no: done(EIO) at once
+//!                                             ├─ no: done(ENOTCONN) at once
 //!                                             └─ yes: task on the executor (try_spawn, never waits)
 //!                                                   │ Volume::read/write/… ── extents on other targets
 //!                                                   ▼
@@ -19,7 +19,11 @@
 //! closes the volume (flush, disconnect). I/O while inactive fails with an
 //! I/O error and does not make the backend [`Backend::failed`]; a mutation
 //! the engine fails (no copy in sync took it) does, until the next
-//! activation opens the volume afresh.
+//! activation opens the volume afresh. An operation the engine fails
+//! after its namespace stopped serving that volume (deactivated while it
+//! was in flight, e.g. by a hand-over whose fence then cut the engine off
+//! its extents) fails like I/O while inactive: a path error, never a
+//! media error, and no device failure.
 //!
 //! The engine's calls run on one executor per target ([`VolumeContext`],
 //! the initiator's [`Executor`]): the reactor polls a task once to issue
@@ -176,12 +180,35 @@ impl Shared {
 
     /// An engine error: logged (rate-limited), recorded when a mutation
     /// failed, mapped to the errno the reactor turns into a status.
-    fn engine_error(&self, mutates: bool, e: &IoError) -> io::Error {
+    ///
+    /// `volume` is the one the operation ran on. When the namespace no
+    /// longer serves it (deactivated, or opened afresh meanwhile) the
+    /// error is the path's, not the device's: this path stopped serving
+    /// while the operation was in the engine, and what failed it is what
+    /// comes with that (its controllers to the extents killed by the
+    /// fence, reconnects refused once its host NQN was detached, every
+    /// copy of a row failed for it). It is answered like I/O to an
+    /// inactive namespace ([`not_active`], a path status the host retries
+    /// on another path) and does not make the backend failed.
+    fn engine_error(&self, mutates: bool, volume: &Arc<Volume>, e: &IoError) -> io::Error {
+        if !self.serves(volume) {
+            self.warn("volume I/O failed after its path stopped serving", e);
+            return not_active();
+        }
         if mutates && !matches!(e, IoError::Invalid(_)) {
             self.failed.store(true, Ordering::Release);
         }
         self.warn("volume I/O failed", e);
         io::Error::from_raw_os_error(nvpool_initiator::frontend::errno(e))
+    }
+
+    /// Whether `volume` is the one this namespace serves now. The caller
+    /// holds a reference, so its address cannot belong to another volume.
+    fn serves(&self, volume: &Arc<Volume>) -> bool {
+        self.volume
+            .load()
+            .as_ref()
+            .is_some_and(|v| Arc::ptr_eq(v, volume))
     }
 }
 
@@ -283,10 +310,11 @@ impl VolumeBackend {
             return Err(not_active());
         };
         let mutates = op.mutates();
-        let r = nvpool_initiator::device::block_on(run(&volume, op));
+        let r = nvpool_initiator::device::block_on(run(&volume, op))
+            .map_err(|e| self.shared.engine_error(mutates, &volume, &e));
         drop(volume);
         drop(hold);
-        r.map_err(|e| self.shared.engine_error(mutates, &e))
+        r
     }
 }
 
@@ -523,10 +551,12 @@ impl Backend for VolumeBackend {
         let started = exec.try_spawn(|| {
             let (volume, hold, op, done) = job.take().expect("built once");
             async move {
-                let r = run(&volume, op).await;
+                let r = run(&volume, op)
+                    .await
+                    .map_err(|e| shared.engine_error(mutates, &volume, &e));
                 // Before the hold goes: see the module docs.
                 drop(volume);
-                done.complete(r.map_err(|e| shared.engine_error(mutates, &e)));
+                done.complete(r);
                 drop(hold);
             }
         });
