@@ -271,6 +271,31 @@ pub fn spawn_failure_reporter<C: ControlPlane>(
     volume: &Uuid,
     host_nqn: &str,
 ) -> std::io::Result<(ExtentFailedFn, JoinHandle<()>)> {
+    spawn_reporter(cp, volume, host_nqn, None)
+}
+
+/// [`spawn_failure_reporter`] for an engine that serves only for a term,
+/// a target's as a served volume's owner (C19): once `ended` is set (the
+/// namespace closed the volume, its term is over) the thread ends and
+/// drops what it has not sent yet. Those failures are of the fenced
+/// term (its extents taken away), and the owner NQN is the same in the
+/// target's next term: sent later, they would be taken as the new
+/// engine's and mark copies failed that it reaches fine.
+pub fn spawn_failure_reporter_until<C: ControlPlane>(
+    cp: C,
+    volume: &Uuid,
+    host_nqn: &str,
+    ended: Arc<AtomicBool>,
+) -> std::io::Result<(ExtentFailedFn, JoinHandle<()>)> {
+    spawn_reporter(cp, volume, host_nqn, Some(ended))
+}
+
+fn spawn_reporter<C: ControlPlane>(
+    cp: C,
+    volume: &Uuid,
+    host_nqn: &str,
+    ended: Option<Arc<AtomicBool>>,
+) -> std::io::Result<(ExtentFailedFn, JoinHandle<()>)> {
     let (tx, rx) = std::sync::mpsc::sync_channel::<usize>(FOLLOW_FAILURES_QUEUED_MAX);
     let path = format!("{}/failed-extents", attachment_path(volume, host_nqn));
     let span = tracing::info_span!("follow", volume = %volume);
@@ -278,7 +303,7 @@ pub fn spawn_failure_reporter<C: ControlPlane>(
         .name("nvpool-report".into())
         .spawn(move || {
             let _s = span.entered();
-            report_failures(&cp, &path, &rx)
+            report_failures(&cp, &path, &rx, ended.as_deref())
         })?;
     let volume = *volume;
     let on_failed: ExtentFailedFn = Arc::new(move |f: &ExtentFailure| {
@@ -289,10 +314,24 @@ pub fn spawn_failure_reporter<C: ControlPlane>(
     Ok((on_failed, thread))
 }
 
-/// Sends failed extents to the control plane, retrying until it answers.
-fn report_failures(cp: &impl ControlPlane, path: &str, rx: &Receiver<usize>) {
+/// Sends failed extents to the control plane, retrying until it answers
+/// (or, with `ended`, until that is set: what is pending then is dropped).
+fn report_failures(
+    cp: &impl ControlPlane,
+    path: &str,
+    rx: &Receiver<usize>,
+    ended: Option<&AtomicBool>,
+) {
+    let over = || ended.is_some_and(|e| e.load(Ordering::Acquire));
     let mut pending: Vec<u32> = Vec::new();
     loop {
+        if over() {
+            if !pending.is_empty() {
+                tracing::info!(extents = ?pending,
+                    "the engine's term ended: its failed extents are not reported");
+            }
+            return;
+        }
         let wait = if pending.is_empty() {
             FOLLOW_REPORT_IDLE
         } else {
@@ -307,7 +346,7 @@ fn report_failures(cp: &impl ControlPlane, path: &str, rx: &Receiver<usize>) {
         while let Ok(i) = rx.try_recv() {
             pending.push(i as u32);
         }
-        if pending.is_empty() {
+        if pending.is_empty() || over() {
             continue;
         }
         pending.sort_unstable();

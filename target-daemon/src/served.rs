@@ -84,8 +84,12 @@ impl VolumeSource for ControlPlaneSource {
             .upgrade()
             .and_then(|t| t.owner_keys(&volume_subsystem_nqn(&uuid)))
             .map(|k| Arc::new(k.policy.keys.clone()));
+        // Set when the session drops (the namespace closed the volume): the
+        // copy watcher stops, and so does the failure reporter, which drops
+        // what this term did not report (see spawn_failure_reporter_until).
+        let stop = Arc::new(AtomicBool::new(false));
         let (on_failed, _reporter) =
-            follow::spawn_failure_reporter(self.client.clone(), &uuid, &host)
+            follow::spawn_failure_reporter_until(self.client.clone(), &uuid, &host, stop.clone())
                 .map_err(|e| format!("starting the failure reporter: {e}"))?;
         let opts = VolumeOptions {
             failed_extents: view.copies.stale_at_open(),
@@ -99,7 +103,6 @@ impl VolumeSource for ControlPlaneSource {
         let vol = Arc::new(
             Volume::open(&view.plan, opts).map_err(|e| format!("opening the volume: {e}"))?,
         );
-        let stop = Arc::new(AtomicBool::new(false));
         let watcher = Arc::new(Watcher::new(
             self.client.clone(),
             &uuid,
