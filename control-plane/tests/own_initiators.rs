@@ -274,6 +274,24 @@ fn an_owner_nqn_reaches_no_extent_without_the_keys_its_target_was_given() {
     let held = node_of(c, &owner).target.owner_keys(&served_nqn).unwrap();
     assert_eq!(held.config.key_id.as_deref(), Some(key_id.as_str()));
     assert!(node_of(c, &other).target.owner_keys(&served_nqn).is_none());
+    // Its admin API shows their label only.
+    let n = node_of(c, &owner);
+    let shown = common::http(
+        n.admin,
+        "GET",
+        &format!("/v1/subsystems/{}", enc(&served_nqn)),
+        Some(&n.admin_token),
+        None,
+    )
+    .unwrap();
+    assert_eq!(shown.status, 200, "{}", shown.body);
+    assert_eq!(
+        shown.json()["owner_key_id"],
+        key_id.as_str(),
+        "{}",
+        shown.body
+    );
+    assert!(!shown.body.contains("DHHC-1"), "{}", shown.body);
 
     // A plain NVMe/TCP connect as the owner NQN, to every target that
     // exports the volume's extents to it, is refused; with the owner's
