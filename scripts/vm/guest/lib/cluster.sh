@@ -7,6 +7,7 @@
 # CP_ARGS (extra nvpool-control flags, may be empty) and ROW_TARGETS (extents per
 # row of the volumes it creates); CLUSTER_RDMA_ADDR (optional) makes every target also
 # listen for NVMe/RDMA on that address (lib/rdma.sh), on its TCP port number.
+# CP_LOG and TARGET_LOG (optional, default warn) are the daemons' --log filters.
 
 export NVPOOL_ENDPOINT=http://127.0.0.1:$CP_PORT
 export NVPOOL_RUN_DIR=$WORK/run
@@ -51,7 +52,8 @@ cp_up() {
 
 start_control_plane() {
     mkdir -p "$WORK/cp"
-    nvpool-control --listen "127.0.0.1:$CP_PORT" --state-dir "$WORK/cp" --log warn "${CP_ARGS[@]}" \
+    nvpool-control --listen "127.0.0.1:$CP_PORT" --state-dir "$WORK/cp" --log "${CP_LOG:-warn}" \
+        "${CP_ARGS[@]}" \
         >"$WORK/cp.log" 2>&1 &
     cp_pid=$!
     wait_until "$START_S" "nvpool-control on port $CP_PORT" cp_up
@@ -69,7 +71,7 @@ start_target() {
     nvpool-target --state-dir "$WORK/t$i" --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" "${rdma[@]}" \
         --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
         --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \
-        --label "rack=r$i" --device "d0=file:$WORK/t$i.img" --reactors 1 --log warn \
+        --label "rack=r$i" --device "d0=file:$WORK/t$i.img" --reactors 1 --log "${TARGET_LOG:-warn}" \
         >>"$WORK/t$i.log" 2>&1 &
     TARGET_PIDS[i]=$!
 }
