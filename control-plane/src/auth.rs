@@ -247,12 +247,11 @@ pub fn owner_issued(
     if served.owner.as_deref() != Some(target.as_str()) {
         return not_issued(format!("target {target} does not own the volume"));
     }
-    match cluster.attachment(volume, host) {
-        Ok(_) => Ok(Ok(())),
-        Err(crate::state::StateError::NotAttached { .. }) => {
-            not_issued("the owner is not attached".into())
-        }
-        Err(e) => Err(e),
+    // One key read, not a snapshot: every report of an owner passes here.
+    let key = crate::attach::attach_keys::attachment(volume, host);
+    match cluster.store().get(&key)? {
+        Some(_) => Ok(Ok(())),
+        None => not_issued("the owner is not attached".into()),
     }
 }
 
@@ -673,6 +672,61 @@ mod tests {
                 .to_string();
             assert!(e.contains("own initiators") && !e.contains("0123"), "{e}");
         }
+    }
+
+    /// An owner NQN is taken only as issued: for the path's volume, served,
+    /// owned by the NQN's target, attached.
+    #[test]
+    fn owner_nqns_are_taken_only_as_issued() {
+        use crate::model::{Layout, Uuid, VolumeSpec};
+        use crate::moves::tests::{cluster, register};
+        let e = crate::limits::EXTENT_BYTES_MIN;
+        let (c, _) = cluster(e);
+        register(&c, 0, 4 * e);
+        register(&c, 1, 4 * e);
+        let (vol, other_vol) = (Uuid([7; 16]), Uuid([8; 16]));
+        for uuid in [vol, other_vol] {
+            c.create_volume(&VolumeSpec {
+                uuid,
+                name: format!("v{}", uuid.0[0]),
+                size_bytes: e,
+                layout: Layout::Concat,
+                pool: None,
+            })
+            .unwrap();
+        }
+        let owner = crate::paths::owner_host_nqn(&vol, "t0");
+        let refused = |volume: &Uuid, host: &str| owner_issued(&c, volume, host).unwrap().is_err();
+        // Not an owner NQN: not this check's business.
+        assert_eq!(owner_issued(&c, &vol, NQN).unwrap(), Ok(()));
+        // Not served yet.
+        assert!(refused(&vol, &owner));
+        let served = c.add_served_host(&vol, NQN, 2).unwrap();
+        let served = c
+            .update_served(&vol, served.generation, |s| {
+                s.owner = Some("t0".into());
+                s.generation += 1;
+            })
+            .unwrap()
+            .unwrap();
+        // Served and owned, but never attached.
+        assert!(refused(&vol, &owner));
+        c.begin_attach(&vol, &owner).unwrap();
+        c.finish_attach(&vol, &owner).unwrap();
+        assert_eq!(owner_issued(&c, &vol, &owner).unwrap(), Ok(()));
+        // The same NQN under another volume's path, another target's NQN,
+        // a malformed one.
+        assert!(refused(&other_vol, &owner));
+        assert!(refused(&vol, &crate::paths::owner_host_nqn(&vol, "t1")));
+        assert!(refused(
+            &vol,
+            &format!("{}{vol}", crate::paths::OWNER_HOST_PREFIX)
+        ));
+        // The owner moved: its old NQN is refused, attached or not.
+        c.update_served(&vol, served.generation, |s| s.owner = Some("t1".into()))
+            .unwrap()
+            .unwrap();
+        assert!(refused(&vol, &owner));
     }
 
     #[test]
