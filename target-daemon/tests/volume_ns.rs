@@ -784,7 +784,9 @@ fn writes_failed_by_a_fence_during_deactivation_get_a_path_status() {
 /// status, not a media error.
 #[test]
 fn writes_failed_by_a_fence_after_the_lease_ran_out_get_a_path_status() {
-    const LEASE_MS: u64 = 1_000;
+    // Long enough that the writes reach the engine well inside it, even on
+    // a busy machine; the backing targets hold them past it.
+    const LEASE_MS: u64 = 2_000;
     let c = cluster(LayoutBody::Raid1 { copies: 2 }, 4 * MIB, 0x66);
     let src = TestSource::new(&c);
     let target = Target::new(None).expect("target");
@@ -812,7 +814,7 @@ fn writes_failed_by_a_fence_after_the_lease_ran_out_get_a_path_status() {
     assert!(vb.is_active());
     let dev = connect_host(s.addr, 1);
 
-    c.set_latency(FENCE_LATENCY);
+    c.set_latency(Duration::from_millis(LEASE_MS / 2));
     // The owner's one renewal (a lease never moves backwards).
     let until = s.target.now_ms() + LEASE_MS;
     s.target.renew_leases(&[SERVE_NQN], until);
