@@ -541,6 +541,9 @@ pub struct ExportBody {
 /// Body of `PUT /v1/hosts/{host_nqn}/dhchap`: the host's DH-HMAC-CHAP
 /// settings. The secrets are `DHHC-1:XX:…:` strings (`nvme gen-dhchap-key`);
 /// they are never shown again.
+// The secrets' pattern is `nvpool_wire::dhchap::Secret`'s parser: base64
+// (canonical) of a 32-, 48- or 64-byte key and its CRC-32, which JSON
+// Schema cannot check (a wrong CRC is a 400).
 #[derive(Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
@@ -548,7 +551,9 @@ pub struct HostKeysBody {
     /// The host's secret (what `nvme connect --dhchap-secret` is given).
     #[cfg_attr(
         feature = "server",
-        schema(pattern = r"^DHHC-1:0[0-3]:[A-Za-z0-9+/]+={0,2}:$")
+        schema(
+            pattern = r"^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{69}[AQgw]==|[A-Za-z0-9+/]{90}[AEIMQUYcgkosw048]=):$"
+        )
     )]
     pub dhchap_key: String,
     /// The controller's secret, for bidirectional authentication
@@ -556,7 +561,9 @@ pub struct HostKeysBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(
         feature = "server",
-        schema(pattern = r"^DHHC-1:0[0-3]:[A-Za-z0-9+/]+={0,2}:$")
+        schema(
+            pattern = r"^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{69}[AQgw]==|[A-Za-z0-9+/]{90}[AEIMQUYcgkosw048]=):$"
+        )
     )]
     pub dhchap_ctrl_key: Option<String>,
     /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
