@@ -606,3 +606,71 @@ fn shutdown(a: &Agent) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// The API router on a loopback port of its own runtime's thread.
+    fn serve_api() -> std::net::SocketAddr {
+        let agent = Arc::new(Agent {
+            connections: Connections::new(),
+            dhchap: crate::dhchap::DhchapArgs::default(),
+            tls: ureq::tls::TlsConfig::default(),
+            volumes: Mutex::new(BTreeMap::new()),
+            ops: Mutex::new(()),
+        });
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(l).unwrap();
+                let _ = axum::serve(l, router(agent)).await;
+            });
+        });
+        addr
+    }
+
+    fn request(addr: std::net::SocketAddr, head: &str, body: &str) -> (u16, serde_json::Value) {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "{head}\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (h, b) = out.split_once("\r\n\r\n").unwrap();
+        (h[9..12].parse().unwrap(), serde_json::from_str(b).unwrap())
+    }
+
+    #[test]
+    fn wrong_methods_and_bodies_get_json_errors() {
+        let addr = serve_api();
+        let uuid = "00000001-0000-4000-8000-000000000000";
+        let (status, v) = request(addr, "POST /v1/stats HTTP/1.1", "");
+        assert_eq!((status, &v["kind"]), (405, &"method_not_allowed".into()));
+        let (status, v) = request(addr, "GET /v1/nothing HTTP/1.1", "");
+        assert_eq!((status, &v["kind"]), (404, &"not_found".into()));
+        let body = r#"{"host_nqn": "nqn.2014-08.org.example:h", "frontend": "nbd", "endpoint": "http://127.0.0.1:1"}"#;
+        let put = format!("PUT /v1/volumes/{uuid} HTTP/1.1");
+        let (status, v) = request(addr, &put, body);
+        assert_eq!(
+            (status, &v["kind"]),
+            (415, &"unsupported_media_type".into())
+        );
+        let json = format!("{put}\r\nContent-Type: application/json");
+        let dup = r#"{"host_nqn": "a", "host_nqn": "b", "frontend": "nbd", "endpoint": "x"}"#;
+        let (status, v) = request(addr, &json, dup);
+        assert_eq!((status, &v["kind"]), (400, &"invalid".into()), "{v}");
+        let (status, v) = request(addr, &json, r#"["a", "nbd", "x"]"#);
+        assert_eq!((status, &v["kind"]), (400, &"invalid".into()), "{v}");
+    }
+}
