@@ -43,7 +43,7 @@ use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
 use crate::target::{Target, TargetError};
 use axum::extract::connect_info::Connected;
-use axum::extract::{ConnectInfo, Path, Request, State};
+use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::handler::Handler;
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
@@ -369,6 +369,23 @@ impl From<CopyError> for ApiError {
 impl From<nvpool_control::httpd::Rejection> for ApiError {
     fn from(r: nvpool_control::httpd::Rejection) -> ApiError {
         ApiError::new(r.status, r.kind, r.message)
+    }
+}
+
+/// Path parameters as axum's `Path`, whose rejections (a segment that is
+/// not UTF-8 once percent-decoded) are the JSON error like every other 400.
+struct Path<T>(T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(Path(v)),
+            Err(e) => Err(ApiError::bad_request(e.body_text())),
+        }
     }
 }
 

@@ -508,6 +508,17 @@ fn a_method_a_path_does_not_take_is_a_json_405() {
     let (status, head, _) = raw_request(d.api, "DELETE", "/v1/target", &[], "");
     assert_eq!(status, 405);
     assert!(head.to_ascii_lowercase().contains("\r\nallow: "), "{head}");
+    // A path segment that is not UTF-8: the JSON 400 too.
+    assert_error(
+        &http(d.api, "GET", "/v1/subsystems/%FF%FE", None),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &http(d.api, "DELETE", "/v1/subsystems/%C3%28/namespaces/1", None),
+        400,
+        "invalid",
+    );
     // The token comes first, as for every path.
     let r = http_auth(d.api, None, "POST", "/v1/health", None);
     assert_error(&r, 401, "unauthorized");
