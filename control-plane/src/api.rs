@@ -52,7 +52,7 @@ use crate::rest::{
 use crate::state::{Cluster, StateError, TargetRegistration, TargetView, VolumeView};
 use crate::store::StoreError;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{FromRequest, MatchedPath, Path, Query, RawPathParams, Request, State};
+use axum::extract::{FromRequest, MatchedPath, Query, RawPathParams, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -513,10 +513,7 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> axum::extract::FromR
         parts: &mut axum::http::request::Parts,
         state: &S,
     ) -> Result<Self, ApiError> {
-        match Path::<T>::from_request_parts(parts, state).await {
-            Ok(Path(v)) => Ok(Segments(v)),
-            Err(e) => Err(ApiError::invalid(e.body_text())),
-        }
+        Ok(Segments(crate::httpd::path(parts, state).await?))
     }
 }
 

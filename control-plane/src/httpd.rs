@@ -11,6 +11,7 @@
 //!   object in the body, never an array (serde alone would fill a struct
 //!   from an array by position): else 400. Integral floats (`3.0`) count as
 //!   integers, as JSON Schema says.
+//! - [`path`]: path parameters, a segment that does not decode a 400.
 //! - [`Rejection`]: what went wrong, with the status and the error kind;
 //!   each API wraps it into its own `{kind, message}` error body.
 //!
@@ -116,6 +117,21 @@ pub async fn json_body<T: DeserializeOwned, S: Send + Sync>(
     }
     let v = parse(&bytes).map_err(|e| Rejection::invalid(format!("invalid JSON body: {e}")))?;
     decode(v).map(Some).map_err(Rejection::invalid)
+}
+
+/// The path parameters of a request as a `T` (axum's `Path`), a segment
+/// that does not decode (not UTF-8 once percent-decoded, not a number
+/// where one is wanted) refused as a 400 the API answers with its JSON
+/// error, never axum's plain-text one.
+pub async fn path<T: DeserializeOwned + Send, S: Send + Sync>(
+    parts: &mut axum::http::request::Parts,
+    state: &S,
+) -> Result<T, Rejection> {
+    use axum::extract::FromRequestParts;
+    match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+        Ok(axum::extract::Path(v)) => Ok(v),
+        Err(e) => Err(Rejection::invalid(e.body_text())),
+    }
 }
 
 /// One JSON document, refusing an object that names a key twice (serde

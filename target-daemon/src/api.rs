@@ -382,10 +382,7 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> FromRequestParts<S> 
         parts: &mut axum::http::request::Parts,
         state: &S,
     ) -> Result<Self, ApiError> {
-        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
-            Ok(axum::extract::Path(v)) => Ok(Path(v)),
-            Err(e) => Err(ApiError::bad_request(e.body_text())),
-        }
+        Ok(Path(nvpool_control::httpd::path(parts, state).await?))
     }
 }
 
