@@ -71,14 +71,7 @@ fn served_volume(c: &Cluster, n: u8) -> (String, String, String) {
     assert_eq!(r.status, 201, "{}", r.body);
     let v = r.json();
     assert_eq!(v["serving"], true, "{v}");
-    let owner = v["owner"].as_str().unwrap().to_owned();
-    let other = v["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["target"].as_str().unwrap().to_owned())
-        .find(|t| *t != owner)
-        .unwrap();
+    let (owner, other) = owner_and_other(&v);
     (vol, owner, other)
 }
 

@@ -113,14 +113,7 @@ fn served_volume(s: &Served) -> (String, String, String) {
     let v = r.json();
     assert_eq!(v["paths"].as_array().unwrap().len(), 2, "{v}");
     assert_eq!(v["serving"], true, "{v}");
-    let owner = v["owner"].as_str().unwrap().to_owned();
-    let other = v["paths"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["target"].as_str().unwrap().to_owned())
-        .find(|t| *t != owner)
-        .unwrap();
+    let (owner, other) = owner_and_other(&v);
     // Exporting again is idempotent.
     let again = export(&s.c, &vol, HOST_A);
     assert_eq!(again.status, 200, "{}", again.body);

@@ -249,3 +249,17 @@ pub fn read_file_at(path: &Path, offset: u64, len: usize) -> Vec<u8> {
     f.read_exact(&mut buf).unwrap();
     buf
 }
+
+/// The owner of a served volume and one of its other paths, from the
+/// served view an export answers with.
+pub fn owner_and_other(served: &Value) -> (String, String) {
+    let owner = served["owner"].as_str().expect("an owner").to_owned();
+    let other = served["paths"]
+        .as_array()
+        .expect("paths")
+        .iter()
+        .map(|p| p["target"].as_str().expect("a path's target").to_owned())
+        .find(|t| *t != owner)
+        .expect("a path besides the owner");
+    (owner, other)
+}
