@@ -45,11 +45,12 @@
 
 use crate::admin::{Controller, NamespaceInfo};
 use crate::error::{Error, IoError};
-use crate::limits::{JOBS_PER_WORKER_MAX, WORKER_IDLE_WAKE_MS};
+use crate::limits::{JOBS_PER_WORKER_MAX, WORKER_IDLE_WAKE};
 use crate::queue::{Completion, IoQueue, Op, Request};
+use nvpool_rt::{wake, Wakeup};
 use std::collections::VecDeque;
 use std::future::Future;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
@@ -125,7 +126,7 @@ const NEEDS_RUN: u8 = 8;
 #[derive(Debug)]
 struct QueueShared {
     state: Mutex<QueueState>,
-    efd: OwnedFd,
+    efd: Wakeup,
     /// `ASLEEP` and what it waits for while the queue's thread sleeps in
     /// poll(2); 0 while it runs. Set under the state lock.
     asleep: AtomicU8,
@@ -137,9 +138,7 @@ impl QueueShared {
     }
 
     fn wake(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a u64 to our own eventfd.
-        unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.efd.wake();
     }
 
     /// Issues `job` on the calling thread when nobody holds the queue: no
@@ -301,14 +300,7 @@ impl ControllerIo {
             q.set_block_size(block_size);
             depth_total += q.depth();
             let (tx, rx) = mpsc::sync_channel(JOBS_PER_WORKER_MAX);
-            // SAFETY: eventfd takes no pointers; the fd is owned below.
-            let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-            if fd < 0 {
-                return Err(Error::Invalid(format!(
-                    "eventfd: {}",
-                    std::io::Error::last_os_error()
-                )));
-            }
+            let efd = Wakeup::nonblocking().map_err(|e| Error::Invalid(format!("eventfd: {e}")))?;
             let shared = Arc::new(QueueShared {
                 state: Mutex::new(QueueState::new(
                     q,
@@ -317,8 +309,7 @@ impl ControllerIo {
                     io.stop.clone(),
                     io.lost.clone(),
                 )),
-                // SAFETY: a fresh descriptor nobody else owns.
-                efd: unsafe { OwnedFd::from_raw_fd(fd) },
+                efd,
                 asleep: AtomicU8::new(0),
             });
             let run = shared.clone();
@@ -1023,28 +1014,19 @@ fn run_queue(shared: &QueueShared) {
             events |= libc::POLLOUT;
         }
         let mut fds = [
-            libc::pollfd {
-                fd: shared.efd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: qfd,
-                events,
-                revents: 0,
-            },
+            wake::pollfd(shared.efd.as_raw_fd(), libc::POLLIN),
+            wake::pollfd(qfd, events),
         ];
         let n = if events != 0 && qfd >= 0 { 2 } else { 1 };
-        // SAFETY: fds holds n valid pollfds for the call's duration.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), n, WORKER_IDLE_WAKE_MS) };
+        // An interrupted wait looks like a timeout: the check below is
+        // harmless then.
+        let ready = wake::poll(&mut fds[..n], Some(WORKER_IDLE_WAKE)).unwrap_or(1);
         shared.asleep.store(0, Ordering::SeqCst);
         if n == 2 && fds[1].revents != 0 {
             shared.lock().socket_ready = true;
         }
         if fds[0].revents & libc::POLLIN != 0 {
-            let mut v = 0u64;
-            // SAFETY: reads 8 bytes into a u64 from our own eventfd.
-            unsafe { libc::read(shared.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+            shared.efd.drain();
         }
         // Commands and a silent socket: a target that vanished without
         // closing its connections looks like this. Its controller's

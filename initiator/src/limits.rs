@@ -105,7 +105,7 @@ pub const DRAIN_NAP_MIN: Duration = Duration::from_micros(50);
 pub const DRAIN_NAP_MAX: Duration = Duration::from_millis(5);
 /// A device worker idle in poll(2) wakes this often, to notice a stop
 /// request or a controller declared lost while its commands get no answer.
-pub const WORKER_IDLE_WAKE_MS: i32 = 1000;
+pub const WORKER_IDLE_WAKE: Duration = Duration::from_secs(1);
 /// How long dropping an executor waits for its live tasks. Longer than the
 /// controller-loss timeout, after which a lost device fails every request,
 /// so only a device that never answers is abandoned.

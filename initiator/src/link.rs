@@ -185,20 +185,8 @@ fn transport_sgl(len: usize) -> Sgl {
 /// the events that came, none after a timeout or an interrupted wait. The
 /// one blocking wait of both transports.
 pub(crate) fn poll_fd(fd: RawFd, events: i16, ms: i32) -> std::io::Result<i16> {
-    let mut pfd = libc::pollfd {
-        fd,
-        events,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd for the duration of the call.
-    if unsafe { libc::poll(&mut pfd, 1, ms) } < 0 {
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-        return Ok(0);
-    }
-    Ok(pfd.revents)
+    let ms = u64::try_from(ms).unwrap_or(0);
+    nvpool_rt::wake::poll_one(fd, events, Some(Duration::from_millis(ms)))
 }
 
 /// A wait's timeout in poll(2) milliseconds: at least 1, at most `i32::MAX`.

@@ -30,7 +30,7 @@ use nvpool_wire::{Cqe, Sqe};
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 /// Bytes of one command capsule (no in-capsule data: keyed SGLs only).
@@ -192,7 +192,8 @@ impl RdmaConn {
         // yet.
         let mr = unsafe { ep.register(mem.as_mut_ptr(), mem.len()) }
             .map_err(|e| cerr("memory registration", e))?;
-        let waiter = epoll_of(&[ep.comp_fd(), ch.fd()]).map_err(|e| cerr("epoll", e))?;
+        let waiter =
+            nvpool_rt::wake::epoll_of(&[ep.comp_fd(), ch.fd()]).map_err(|e| cerr("epoll", e))?;
         let c = RdmaConn {
             mr,
             ep,
@@ -533,28 +534,6 @@ fn reject_name(sts: u16) -> &'static str {
         INVALID_CNTLID => "invalid CNTLID",
         _ => "unknown",
     }
-}
-
-/// An epoll set readable when any of `fds` is.
-fn epoll_of(fds: &[RawFd]) -> io::Result<OwnedFd> {
-    // SAFETY: no pointers; a negative return sets errno.
-    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if ep < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `ep` is a new descriptor nobody else owns.
-    let owned = unsafe { OwnedFd::from_raw_fd(ep) };
-    for &fd in fds {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: fd as u64,
-        };
-        // SAFETY: `ev` is valid for the call; both descriptors are live.
-        if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(owned)
 }
 
 #[cfg(test)]

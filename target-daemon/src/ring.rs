@@ -26,7 +26,9 @@ use io_uring::types::{BufRingEntry, CancelBuilder, Fd, SubmitArgs, Timespec};
 use io_uring::{cqueue, opcode, squeue, IoUring, Probe};
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
+
+pub use nvpool_rt::Wakeup;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -269,7 +271,7 @@ impl Ring {
     /// Reads the counter of `w` (completes when something woke it).
     pub fn push_wake_read(&mut self, w: &Wakeup, user_data: u64) {
         let e = opcode::Read::new(
-            Fd(w.fd.as_raw_fd()),
+            Fd(w.as_raw_fd()),
             (&mut *self.wake_buf as *mut u64).cast(),
             8,
         )
@@ -589,36 +591,6 @@ impl Drop for RecvBufs {
             libc::munmap(self.mem.cast(), self.mem_len);
             libc::munmap(self.entries.cast(), self.entries_len);
         }
-    }
-}
-
-/// An eventfd that wakes a reactor sleeping in its ring: the reactor
-/// keeps a read of it in the ring ([`Ring::push_wake_read`]); anyone
-/// holding it calls [`Wakeup::wake`].
-#[derive(Debug)]
-pub struct Wakeup {
-    fd: OwnedFd,
-}
-
-impl Wakeup {
-    pub fn new() -> io::Result<Wakeup> {
-        // Blocking on purpose: the ring then waits for the counter instead
-        // of failing the read with EAGAIN. Writes never block (the counter
-        // would have to reach 2^64 - 1).
-        // SAFETY: eventfd takes no pointers; we own the returned fd.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Wakeup { fd })
-    }
-
-    pub fn wake(&self) {
-        let v = 1u64;
-        // SAFETY: writes 8 bytes from a u64 to our own eventfd.
-        unsafe { libc::write(self.fd.as_raw_fd(), (&v as *const u64).cast(), 8) };
     }
 }
 

@@ -51,10 +51,11 @@ use crate::limits::{
     NBD_IO_THREADS_DEFAULT, NBD_OPTIONS_MAX, NBD_OPTION_DATA_BYTES_MAX, NBD_PAYLOAD_BYTES_MAX,
     NBD_PEER_LOG_INTERVAL_MS, NBD_TASKS_MAX,
 };
+use nvpool_rt::{wake, Wakeup};
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -345,7 +346,7 @@ impl Shared {
 /// and removes the Unix socket.
 pub struct NbdServer {
     shared: Arc<Shared>,
-    stop: Arc<OwnedFd>,
+    stop: Arc<Wakeup>,
     listeners: Vec<JoinHandle<()>>,
     unix_socket: Option<PathBuf>,
     tcp: Option<SocketAddr>,
@@ -406,13 +407,7 @@ impl NbdServer {
             false,
         )
         .map_err(NbdError::Thread)?;
-        // SAFETY: eventfd takes no pointers; the descriptor is owned below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(NbdError::Thread(io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor nobody else owns.
-        let stop = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+        let stop = Arc::new(Wakeup::nonblocking().map_err(NbdError::Thread)?);
         Ok(NbdServer {
             shared: Arc::new(Shared {
                 span: Arc::new(Span::new(dev)),
@@ -481,9 +476,7 @@ impl NbdServer {
 
     fn stop_all(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a u64 to our own eventfd.
-        unsafe { libc::write(self.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.stop.wake();
         for t in self.listeners.drain(..) {
             let _ = t.join();
         }
@@ -561,7 +554,7 @@ fn bind_unix(path: &Path) -> Result<UnixListener, NbdError> {
     })
 }
 
-fn accept_loop(l: Listener, shared: &Arc<Shared>, stop: &OwnedFd) {
+fn accept_loop(l: Listener, shared: &Arc<Shared>, stop: &Wakeup) {
     let nonblocking = match &l {
         Listener::Unix(u) => u.set_nonblocking(true),
         Listener::Tcp(t) => t.set_nonblocking(true),
@@ -572,24 +565,12 @@ fn accept_loop(l: Listener, shared: &Arc<Shared>, stop: &OwnedFd) {
     }
     loop {
         let mut fds = [
-            libc::pollfd {
-                fd: l.fd().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
+            wake::pollfd(l.fd().as_raw_fd(), libc::POLLIN),
+            wake::pollfd(stop.as_raw_fd(), libc::POLLIN),
         ];
-        // SAFETY: fds holds two valid pollfds for the call's duration.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n < 0 {
-            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            tracing::error!(error = %io::Error::last_os_error(), "nbd: poll failed");
+        // Interrupted: no events, look again.
+        if let Err(e) = wake::poll(&mut fds, None) {
+            tracing::error!(error = %e, "nbd: poll failed");
             return;
         }
         if fds[1].revents != 0 || shared.stopping.load(Ordering::SeqCst) {

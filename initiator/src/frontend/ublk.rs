@@ -66,10 +66,11 @@ use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::{with_task_io_ring_mut, UblkDev, UblkQueue};
 use libublk::uring_async::{ublk_reap_io_events_with_update_queue, ublk_wake_task};
 use libublk::{sys, BufDesc, UblkError, UblkFlags, UblkUringData};
+use nvpool_rt::Wakeup;
 use std::cell::Cell;
 use std::future::Future;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -721,7 +722,7 @@ fn block_on<F: Future>(fut: F) -> F::Output {
 /// The wake-up side of one queue thread: the tags ready to run, and an
 /// eventfd its ring polls so another thread can end its sleep.
 struct Kick {
-    efd: OwnedFd,
+    efd: Wakeup,
     /// False only while the queue thread is about to sleep or sleeping in
     /// io_uring_enter: then a waker must write the eventfd.
     awake: AtomicBool,
@@ -732,14 +733,8 @@ struct Kick {
 
 impl Kick {
     fn new(depth: u16) -> io::Result<Kick> {
-        // SAFETY: eventfd takes no pointers; the result is checked.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
         Ok(Kick {
-            // SAFETY: fd is a new descriptor that nothing else owns.
-            efd: unsafe { OwnedFd::from_raw_fd(fd) },
+            efd: Wakeup::nonblocking()?,
             awake: AtomicBool::new(true),
             ready: Mutex::new(Vec::with_capacity(usize::from(depth))),
         })
@@ -750,9 +745,7 @@ impl Kick {
         // Pairs with the SeqCst store in `may_sleep`: either the queue
         // thread sees the tag before sleeping or this sees it asleep.
         if !self.awake.swap(true, Ordering::SeqCst) {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes from a u64 to our own eventfd.
-            unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            self.efd.wake();
         }
     }
 
@@ -774,12 +767,6 @@ impl Kick {
 
     fn woke(&self) {
         self.awake.store(true, Ordering::SeqCst);
-    }
-
-    fn drain(&self) {
-        let mut n = 0u64;
-        // SAFETY: reads 8 bytes into a u64 from our own nonblocking eventfd.
-        unsafe { libc::read(self.efd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
     }
 
     /// Queues a one-shot poll of the eventfd on the calling queue thread's ring.
@@ -959,7 +946,7 @@ fn run_queue(
             return Err(io::Error::other(Error::ublk("reaping completions", e)));
         }
         if rearm {
-            kick.drain();
+            kick.efd.drain();
             kick.arm()?;
         }
     }

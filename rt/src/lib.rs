@@ -1,0 +1,12 @@
+//! One copy of each run-time mechanism the daemons and the initiator share.
+//!
+//! - [`wake`]: the eventfd [`Wakeup`] and the poll(2)/epoll waits off the
+//!   io_uring ring; the only syscall `unsafe` outside the ring and FFI
+//!   modules.
+//!
+//! Nothing here knows NVMe; every crate that sleeps, retries or draws
+//! random bytes uses these instead of its own.
+
+pub mod wake;
+
+pub use wake::Wakeup;
