@@ -13,7 +13,7 @@ impl Queue {
         tx: &mut Tx,
         ex: &mut Exec<'_>,
     ) -> Result<(), Fatal> {
-        if self.draining || self.poisoned {
+        if self.phase != Phase::Open {
             return Ok(());
         }
         self.sq_head = (self.sq_head + 1) % self.entries.max(1);
@@ -83,8 +83,8 @@ impl Queue {
         ex: &mut Exec<'_>,
     ) -> Option<PoolBuf> {
         let si = slot as usize;
-        if self.closed
-            || self.poisoned
+        if self.is_closed()
+            || self.poisoned()
             || self
                 .slots
                 .get(si)
@@ -147,7 +147,7 @@ impl Queue {
                     r2to: 0,
                     r2tl: slot.len as u32,
                 }
-                .encode(self.dg, &mut out);
+                .encode(self.dg(), &mut out);
                 tx.put(&out[..n]);
             }
             _ => self.execute(si, tx, ex),
@@ -347,7 +347,7 @@ impl Queue {
             self.violation(si, "answering a command whose slot holds none");
             return;
         }
-        if self.closed {
+        if self.is_closed() {
             self.release(si);
             return;
         }
@@ -369,7 +369,7 @@ impl Queue {
             }
             put_c2h_data(
                 tx,
-                self.dg,
+                self.dg(),
                 cid,
                 slot.buf.as_slice(reply.data_len),
                 si as u16,
@@ -412,7 +412,7 @@ impl Queue {
             return;
         }
         let mut out = [0u8; wtcp::CAPSULE_RESP_HLEN + wtcp::DIGEST_LEN];
-        let n = wtcp::encode_capsule_resp(&cqe, self.dg, &mut out);
+        let n = wtcp::encode_capsule_resp(&cqe, self.dg(), &mut out);
         tx.put(&out[..n]);
     }
 

@@ -143,7 +143,7 @@ impl Queue {
         if !self.backend_completion(si, "an asynchronous completion") {
             return;
         }
-        if self.closed {
+        if self.is_closed() {
             self.release(si);
             return;
         }
@@ -200,7 +200,7 @@ impl Queue {
     /// be in the backend. False: nothing more to do with it (the queue is
     /// poisoned, or just found broken).
     pub(super) fn backend_completion(&mut self, si: usize, what: &'static str) -> bool {
-        if self.poisoned {
+        if self.poisoned() {
             self.inflight = self.inflight.saturating_sub(1);
             return false;
         }
@@ -230,7 +230,7 @@ impl Queue {
             self.on_zero_completion(si, tag, res, tx, ex);
             return;
         }
-        if self.closed {
+        if self.is_closed() {
             self.release(si);
             return;
         }
@@ -287,7 +287,7 @@ impl Queue {
         tx: &mut Tx,
         ex: &mut Exec<'_>,
     ) {
-        let closed = self.closed;
+        let closed = self.is_closed();
         if self.slots.get(si).is_none_or(|s| s.zero.is_none()) {
             self.violation(si, "a zeroing completion for a slot without a zeroing job");
             return;

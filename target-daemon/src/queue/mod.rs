@@ -162,6 +162,38 @@ pub fn user_data_tag(ud: u64) -> u16 {
     (ud >> 48) as u16
 }
 
+/// Where a queue is in its life. It only moves down this list, but for a
+/// broken slot invariant, which ends any phase in `Poisoned` (or marks a
+/// detached or closed queue poisoned).
+///
+/// ```text
+///   Open ─► [Draining] ─► [Closing] ─► [Terminated | Poisoned] ─► Detached ─► Closed
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Reading and running commands (a TCP queue after its ICReq too).
+    Open,
+    /// Shutdown: commands accepted finish and are answered; new ones are
+    /// left unanswered for the host to retry after it reconnects.
+    Draining,
+    /// Ending gracefully: nothing new runs; it closes once accepted
+    /// commands are answered, or `SHUTDOWN_DRAIN_MS` after the tick that
+    /// first saw it (`since_ms`).
+    Closing { since_ms: Option<u64> },
+    /// A termination was sent or received: nothing more is read; it closes
+    /// once its answers are out.
+    Terminated { since_ms: Option<u64> },
+    /// A slot-state invariant broke: it ends as `Terminated`, and the
+    /// reactor keeps it (and every buffer it holds) rather than free
+    /// anything the ring might still use.
+    Poisoned { since_ms: Option<u64> },
+    /// Its QID is given back to its controller ([`Queue::detach`]); the
+    /// connection is closing.
+    Detached { poisoned: bool },
+    /// The connection is gone: backend completions only free their slots.
+    Closed { poisoned: bool },
+}
+
 #[derive(Debug)]
 pub struct Queue {
     target: Arc<Target>,
@@ -171,17 +203,10 @@ pub struct Queue {
     /// NVMe/RDMA: the QID the RDMA CM connect request named (the Connect
     /// command must name the same).
     cm_qid: Option<u16>,
-    ic_done: bool,
-    draining: bool,
-    closed: bool,
-    /// The queue's QID was given back to its controller ([`Queue::detach`]).
-    detached: bool,
-    close_requested: bool,
-    /// When close was requested (graceful drains end at a deadline).
-    close_since_ms: Option<u64>,
-    /// A termination was sent or received: nothing more is read.
-    terminated: bool,
-    dg: Digests,
+    phase: Phase,
+    /// The digests the ICReq negotiated; None until it came (TCP). An
+    /// RDMA queue has no ICReq and no digests.
+    ic: Option<Digests>,
     qid: Option<u16>,
     ctrl: Option<Arc<Controller>>,
     entries: u16,
@@ -199,10 +224,6 @@ pub struct Queue {
     /// Pool buffers of freed slots, for the reactor to take back
     /// ([`Queue::take_returned`]).
     returned: Vec<PoolBuf>,
-    /// A slot-state invariant was found broken: the connection ends, and
-    /// the reactor keeps it (and every buffer it holds) rather than free
-    /// anything the ring might still use.
-    poisoned: bool,
     /// Backend operations submitted to the ring or to an asynchronous
     /// backend and not yet completed.
     pub inflight: u32,
@@ -220,14 +241,8 @@ impl Queue {
             peer,
             transport: Transport::Tcp,
             cm_qid: None,
-            ic_done: false,
-            draining: false,
-            closed: false,
-            detached: false,
-            close_requested: false,
-            close_since_ms: None,
-            terminated: false,
-            dg: Digests::default(),
+            phase: Phase::Open,
+            ic: None,
             qid: None,
             ctrl: None,
             entries: 1,
@@ -240,7 +255,6 @@ impl Queue {
             scratch: Vec::new(),
             parked: Vec::new(),
             returned: Vec::new(),
-            poisoned: false,
             inflight: 0,
             auth: None,
         }
@@ -258,7 +272,7 @@ impl Queue {
             transport: Transport::Rdma,
             cm_qid: Some(cm_qid),
             // No ICReq exchange on RDMA.
-            ic_done: true,
+            ic: Some(Digests::default()),
             ..Queue::new(target, local, peer, now_ms)
         }
     }
@@ -274,7 +288,51 @@ impl Queue {
     /// The queue broke a slot-state invariant (it ended): the reactor must
     /// never free it.
     pub fn poisoned(&self) -> bool {
-        self.poisoned
+        matches!(
+            self.phase,
+            Phase::Poisoned { .. }
+                | Phase::Detached { poisoned: true }
+                | Phase::Closed { poisoned: true }
+        )
+    }
+
+    /// Where the queue is in its life.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// The connection is gone ([`Queue::close`]).
+    fn is_closed(&self) -> bool {
+        matches!(self.phase, Phase::Closed { .. })
+    }
+
+    /// The digests in use (none before the ICReq).
+    fn dg(&self) -> Digests {
+        self.ic.unwrap_or_default()
+    }
+
+    /// When an ending queue's tick first saw it end (its drain deadline
+    /// counts from there).
+    fn end_since_ms(&self) -> Option<u64> {
+        match self.phase {
+            Phase::Closing { since_ms }
+            | Phase::Terminated { since_ms }
+            | Phase::Poisoned { since_ms } => since_ms,
+            _ => None,
+        }
+    }
+
+    /// A termination was sent or received: nothing more is read, and the
+    /// connection closes once its answers are out.
+    fn end(&mut self) {
+        if matches!(
+            self.phase,
+            Phase::Open | Phase::Draining | Phase::Closing { .. }
+        ) {
+            self.phase = Phase::Terminated {
+                since_ms: self.end_since_ms(),
+            };
+        }
     }
 
     pub fn controller(&self) -> Option<&Arc<Controller>> {
@@ -284,12 +342,15 @@ impl Queue {
     /// The queue has ended its side (termination sent or received): close
     /// once the transmit buffer is flushed.
     pub fn wants_close(&self) -> bool {
-        self.close_requested
+        !matches!(self.phase, Phase::Open | Phase::Draining)
     }
 
     /// The connection was terminated: stop reading, close once flushed.
     pub fn terminated(&self) -> bool {
-        self.terminated
+        !matches!(
+            self.phase,
+            Phase::Open | Phase::Draining | Phase::Closing { .. }
+        )
     }
 
     /// Commands accepted and not yet answered.
@@ -300,14 +361,17 @@ impl Queue {
     /// Stops executing new commands (shutdown): in-flight ones finish, new
     /// ones are left unanswered for the host to retry after it reconnects.
     pub fn begin_drain(&mut self) {
-        self.draining = true;
+        if self.phase == Phase::Open {
+            self.phase = Phase::Draining;
+        }
     }
 
     /// Ends the queue gracefully: no new commands run, commands already
     /// accepted finish and are answered, then the connection closes.
     pub fn request_close(&mut self) {
-        self.draining = true;
-        self.close_requested = true;
+        if matches!(self.phase, Phase::Open | Phase::Draining) {
+            self.phase = Phase::Closing { since_ms: None };
+        }
     }
 
     fn inline_max(&self) -> usize {
@@ -328,15 +392,21 @@ impl Queue {
     /// Periodic work. Returns false when the connection must close now;
     /// a controller that went away makes the queue drain first.
     pub fn tick(&mut self, now_ms: u64, tx: &mut Tx) -> bool {
-        if self.close_requested {
-            let since = *self.close_since_ms.get_or_insert(now_ms);
-            return now_ms.saturating_sub(since) < limits::SHUTDOWN_DRAIN_MS;
+        match &mut self.phase {
+            Phase::Open | Phase::Draining => {}
+            Phase::Closing { since_ms }
+            | Phase::Terminated { since_ms }
+            | Phase::Poisoned { since_ms } => {
+                let since = *since_ms.get_or_insert(now_ms);
+                return now_ms.saturating_sub(since) < limits::SHUTDOWN_DRAIN_MS;
+            }
+            Phase::Detached { .. } | Phase::Closed { .. } => return false,
         }
         let Some(ctrl) = self.ctrl.clone() else {
             // No Connect yet (nor, on TCP, maybe an ICReq): the handshake
             // deadline frees the connection's place.
             if now_ms >= self.handshake_deadline_ms {
-                peer_info!(peer = %self.peer, transport = ?self.transport, ic_done = self.ic_done,
+                peer_info!(peer = %self.peer, transport = ?self.transport, ic_done = self.ic.is_some(),
                     "no Connect before the handshake deadline; closing the connection");
                 return false;
             }
@@ -380,10 +450,12 @@ impl Queue {
     /// socket, so a host that sees the close and connects the same QID
     /// again (from any reactor) finds it free.
     pub fn detach(&mut self) {
-        if self.detached {
+        if matches!(self.phase, Phase::Detached { .. } | Phase::Closed { .. }) {
             return;
         }
-        self.detached = true;
+        self.phase = Phase::Detached {
+            poisoned: self.poisoned(),
+        };
         if let (Some(c), Some(q)) = (&self.ctrl, self.qid) {
             c.detach_queue(q);
             if q == 0 {
@@ -395,11 +467,13 @@ impl Queue {
     /// The connection is gone: detach from the controller. Closing the admin
     /// queue ends the controller, as it does for the Linux target.
     pub fn close(&mut self) {
-        if self.closed {
+        if self.is_closed() {
             return;
         }
-        self.closed = true;
         self.detach();
+        self.phase = Phase::Closed {
+            poisoned: self.poisoned(),
+        };
         // Slots waiting for a buffer or data, or parked (nothing of theirs
         // is in the ring) are free now; those in the backend are released
         // by their completions. (The reactor forgets the buffer waits.)

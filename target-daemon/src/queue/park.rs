@@ -86,7 +86,7 @@ impl Queue {
     /// (called by the reactor each loop iteration while some are parked).
     pub fn retry_parked(&mut self, tx: &mut Tx, ex: &mut Exec<'_>) {
         let mut i = 0;
-        while i < self.parked.len() && !self.poisoned {
+        while i < self.parked.len() && !self.poisoned() {
             let si = self.parked[i] as usize;
             if !self.expect_state(
                 si,

@@ -53,7 +53,7 @@ impl Queue {
     /// NVMe/RDMA: the RDMA READ of slot `slot`'s host data completed.
     pub fn on_rdma_fetched(&mut self, slot: u16, tx: &mut Tx, ex: &mut Exec<'_>) {
         let si = slot as usize;
-        if self.closed || self.poisoned {
+        if self.is_closed() || self.poisoned() {
             return;
         }
         if !self.expect_state(

@@ -150,10 +150,13 @@ impl Queue {
     pub(super) fn violation(&mut self, si: usize, what: &'static str) {
         let state = self.slots.get(si).map(|s| s.state);
         peer_error!(peer = %self.peer, qid = ?self.qid, slot = si, ?state, "{what}: slot-state invariant broken; ending the connection");
-        self.poisoned = true;
-        self.draining = true;
-        self.close_requested = true;
-        self.terminated = true;
+        self.phase = match self.phase {
+            Phase::Detached { .. } => Phase::Detached { poisoned: true },
+            Phase::Closed { .. } => Phase::Closed { poisoned: true },
+            _ => Phase::Poisoned {
+                since_ms: self.end_since_ms(),
+            },
+        };
     }
 
     /// Checks that slot `si` exists and is in `want` before a step that
@@ -170,7 +173,7 @@ impl Queue {
     pub fn reclaim(&mut self, tx: &mut Tx) {
         for i in 0..tx.released.len() {
             let si = tx.released[i] as usize;
-            if self.poisoned
+            if self.poisoned()
                 || !self.expect_state(si, SlotState::Sending, "data sent from a slot not sending")
             {
                 break;
@@ -181,7 +184,7 @@ impl Queue {
     }
 
     pub(super) fn release(&mut self, si: usize) {
-        if self.poisoned {
+        if self.poisoned() {
             return;
         }
         let Some(s) = self

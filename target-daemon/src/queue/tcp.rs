@@ -10,13 +10,13 @@ impl Queue {
     pub fn check_header(&self, raw: &[u8]) -> Result<usize, Fatal> {
         let ch = CommonHeader::decode(raw)?;
         let hd = if ch.pdu_type.has_header_digest() {
-            self.dg.hdgst_len()
+            self.dg().hdgst_len()
         } else {
             0
         };
         // Room for a header digest and alignment padding (at most 128 bytes).
-        let overhead = ch.hlen as usize + hd + 128 + self.dg.ddgst_len();
-        let max = match (ch.pdu_type, self.ic_done) {
+        let overhead = ch.hlen as usize + hd + 128 + self.dg().ddgst_len();
+        let max = match (ch.pdu_type, self.ic.is_some()) {
             (PduType::IcReq, false) => wtcp::IC_PDU_LEN,
             (_, false) => return Err(fatal(fes::PDU_SEQUENCE_ERROR, 0, "PDU before ICReq")),
             (PduType::IcReq, true) => {
@@ -64,9 +64,7 @@ impl Queue {
         peer_warn!(peer = %self.peer, fes = f.fes, fei = f.fei, why = f.why, "protocol violation: terminating the connection");
         if self.transport == Transport::Rdma {
             // No termination PDU on RDMA: the queue pair is disconnected.
-            self.draining = true;
-            self.close_requested = true;
-            self.terminated = true;
+            self.end();
             return;
         }
         let hlen = pdu
@@ -81,9 +79,7 @@ impl Queue {
         }
         .encode(PduType::C2HTermReq, &pdu[..hlen], &mut out);
         tx.put(&out[..n]);
-        self.draining = true;
-        self.close_requested = true;
-        self.terminated = true;
+        self.end();
     }
 
     pub(super) fn dispatch(
@@ -98,9 +94,7 @@ impl Queue {
             PduType::H2CTermReq => {
                 let t = TermReq::decode(pdu).ok();
                 peer_info!(peer = %self.peer, fes = t.map(|t| t.fes), "host terminated the connection");
-                self.draining = true;
-                self.close_requested = true;
-                self.terminated = true;
+                self.end();
                 return Ok(());
             }
             _ => {}
@@ -115,19 +109,19 @@ impl Queue {
 
     pub(super) fn check_digest_flags(&self, ch: &CommonHeader, pdu: &[u8]) -> Result<(), Fatal> {
         let hflag = ch.flags & flags::HDGSTF != 0;
-        if hflag != self.dg.header {
+        if hflag != self.dg().header {
             return Err(fatal(
                 fes::INVALID_HEADER_FIELD,
                 1,
                 "HDGSTF does not match the negotiated digest",
             ));
         }
-        if self.dg.header && !wtcp::header_digest_ok(pdu, ch.hlen as usize) {
+        if self.dg().header && !wtcp::header_digest_ok(pdu, ch.hlen as usize) {
             return Err(fatal(fes::HEADER_DIGEST_ERROR, 0, "header digest mismatch"));
         }
         let has_data = ch.pdo != 0;
         let dflag = ch.flags & flags::DDGSTF != 0;
-        if dflag != (self.dg.data && has_data) {
+        if dflag != (self.dg().data && has_data) {
             return Err(fatal(
                 fes::INVALID_HEADER_FIELD,
                 1,
@@ -143,10 +137,10 @@ impl Queue {
         ch: &CommonHeader,
         pdu: &'p [u8],
     ) -> Result<(&'p [u8], bool), Fatal> {
-        let start = wtcp::data_offset(ch, self.dg);
+        let start = wtcp::data_offset(ch, self.dg());
         let end = pdu
             .len()
-            .checked_sub(self.dg.ddgst_len())
+            .checked_sub(self.dg().ddgst_len())
             .filter(|&e| e >= start)
             .ok_or(fatal(
                 fes::INVALID_HEADER_FIELD,
@@ -155,7 +149,7 @@ impl Queue {
             ))?;
         let data = &pdu[start..end];
         let ok =
-            !self.dg.data || nvpool_wire::digest::crc32c(data).to_le_bytes() == pdu[end..end + 4];
+            !self.dg().data || nvpool_wire::digest::crc32c(data).to_le_bytes() == pdu[end..end + 4];
         Ok((data, ok))
     }
 
@@ -176,8 +170,7 @@ impl Queue {
                 "host PDU data alignment not supported",
             ));
         }
-        self.dg = req.digests;
-        self.ic_done = true;
+        self.ic = Some(req.digests);
         tx.put(
             &IcResp {
                 pfv: 0,
@@ -200,7 +193,7 @@ impl Queue {
         let sqe = Sqe::from_slice(&pdu[wtcp::CH_LEN..wtcp::CAPSULE_CMD_HLEN])
             .expect("header length checked");
         let icd = if ch.pdo == 0 {
-            if pdu.len() != wtcp::CAPSULE_CMD_HLEN + self.dg.hdgst_len() {
+            if pdu.len() != wtcp::CAPSULE_CMD_HLEN + self.dg().hdgst_len() {
                 return Err(fatal(
                     fes::INVALID_HEADER_FIELD,
                     4,
@@ -221,7 +214,7 @@ impl Queue {
         tx: &mut Tx,
         ex: &mut Exec<'_>,
     ) -> Result<(), Fatal> {
-        let h = DataHeader::decode(ch, pdu, self.dg)?;
+        let h = DataHeader::decode(ch, pdu, self.dg())?;
         if h.datal > limits::MAXH2CDATA_BYTES {
             return Err(fatal(
                 fes::R2T_LIMIT_EXCEEDED,
