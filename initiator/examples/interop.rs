@@ -272,10 +272,7 @@ fn pattern(seed: u64, lba: u64, blocks: u32, bs: usize) -> Vec<u8> {
     let mut buf = vec![0u8; blocks as usize * bs];
     for (i, blk) in buf.chunks_mut(bs).enumerate() {
         let l = lba + i as u64;
-        let mut r = Rng::new(seed ^ l.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        for c in blk.chunks_mut(8) {
-            c.copy_from_slice(&r.next().to_le_bytes()[..c.len()]);
-        }
+        nvpool_testkit::fill(seed ^ l.wrapping_mul(0x9E37_79B9_7F4A_7C15), blk);
         blk[0..8].copy_from_slice(&l.to_le_bytes());
         blk[8..16].copy_from_slice(&seed.to_le_bytes());
     }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{open_device, subsystem, Tgt};
+use common::{open_device, pattern, subsystem, Tgt};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::{Device, IoError};
 use std::sync::Arc;
@@ -17,12 +17,6 @@ fn open(r: &Tgt, queues: u16) -> Device {
     open_device(r, NQN, queues, 16)
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed))
-        .collect()
-}
-
 #[test]
 fn reads_writes_and_large_requests_split_at_the_max_transfer() {
     let r = start("ram:64M");
@@ -34,7 +28,7 @@ fn reads_writes_and_large_requests_split_at_the_max_transfer() {
         (1 << 20, 1 << 20, 2),
         ((64 << 20) - 8192, 8192, 3),
     ] {
-        let data = pattern(len, seed);
+        let data = pattern(u64::from(seed), len);
         let (w, _) = block_on(d.write(off, data.clone(), false));
         w.unwrap();
         let (rr, back) = block_on(d.read(off, vec![0; len]));
@@ -76,7 +70,7 @@ fn many_concurrent_callers() {
             std::thread::spawn(move || {
                 for i in 0..200u64 {
                     let off = ((t as u64) << 22) + i * 8192;
-                    let data = pattern(8192, t ^ i as u8);
+                    let data = pattern(u64::from(t ^ i as u8), 8192);
                     let (w, _) = block_on(d.write(off, data.clone(), false));
                     w.unwrap();
                     let (rr, back) = block_on(d.read(off, vec![0; 8192]));
@@ -99,8 +93,8 @@ fn a_shared_write_buffer_serves_several_requests_and_is_released_by_each() {
     let d = open(&r, 2);
     // One buffer, written to two places at once and split at the maximum
     // transfer (1 MiB is eight commands here), as a mirror's copies do.
-    let data = Arc::new(pattern(1 << 20, 9));
-    let small = Arc::new(pattern(4096, 4));
+    let data = Arc::new(pattern(9, 1 << 20));
+    let small = Arc::new(pattern(4, 4096));
     let all = [
         d.write_shared(0, data.clone(), false),
         d.write_shared(4 << 20, data.clone(), true),
@@ -136,7 +130,7 @@ fn callers_on_many_threads_submit_on_the_socket_themselves_and_all_complete() {
             std::thread::spawn(move || {
                 for i in 0..300u64 {
                     let off = ((t as u64) << 22) + (i % 64) * 4096;
-                    let data = pattern(4096, t.wrapping_add(i as u8));
+                    let data = pattern(u64::from(t.wrapping_add(i as u8)), 4096);
                     let (w, _) = block_on(d.write(off, data.clone(), i % 7 == 0));
                     w.unwrap();
                     let (rr, back) = block_on(d.read(off, vec![0; 4096]));

@@ -10,7 +10,7 @@ use nvpool_initiator::frontend::fuse::{
 mod common;
 
 use common::memdev::MemDev;
-use common::{open_device, subsystem, Tgt};
+use common::{open_device, pattern, subsystem, Tgt};
 use nvpool_initiator::BlockDev;
 use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
@@ -73,18 +73,6 @@ fn run(cmd: &str, args: &[&str]) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn hash(b: &[u8]) -> u64 {
@@ -174,12 +162,12 @@ fn ext4_scenario(dev: Arc<dyn BlockDev>, dir: &Path) {
     let _unmount = Unmount(mnt.clone());
     let mut sums = Vec::new();
     for i in 0..200u64 {
-        let data = pattern(100 + (i as usize * 997) % 20_000, i);
+        let data = pattern(i, 100 + (i as usize * 997) % 20_000);
         let p = mnt.join(format!("f{i:03}"));
         std::fs::write(&p, &data).unwrap();
         sums.push((p, hash(&data)));
     }
-    let big = pattern(64 << 20, 4242);
+    let big = pattern(4242, 64 << 20);
     let p = mnt.join("big");
     std::fs::write(&p, &big).unwrap();
     sums.push((p, hash(&big)));
@@ -282,14 +270,14 @@ fn discard_zeroing_flush_and_unaligned_io_reach_the_block_device() {
         .open(&loopdev)
         .unwrap();
     let (mut v, at) = aligned(1 << 20);
-    v[at..at + (1 << 20)].copy_from_slice(&pattern(1 << 20, 7));
+    v[at..at + (1 << 20)].copy_from_slice(&pattern(7, 1 << 20));
     f.write_all_at(&v[at..at + (1 << 20)], 1 << 20).unwrap();
     f.sync_all().unwrap();
     assert!(
         dev.flushes.load(Ordering::Relaxed) > 0,
         "fsync did not flush"
     );
-    assert_eq!(dev.bytes(1 << 20, 1 << 20), pattern(1 << 20, 7));
+    assert_eq!(dev.bytes(1 << 20, 1 << 20), pattern(7, 1 << 20));
     let before = dev.zeroes_unmap.load(Ordering::Relaxed);
     run("blkdiscard", &["-o", "1048576", "-l", "524288", name]);
     assert!(
@@ -299,7 +287,7 @@ fn discard_zeroing_flush_and_unaligned_io_reach_the_block_device() {
     assert!(dev.bytes(1 << 20, 512 << 10).iter().all(|&b| b == 0));
     assert_eq!(
         dev.bytes((1 << 20) + (512 << 10), 512 << 10),
-        pattern(1 << 20, 7)[512 << 10..].to_vec()
+        pattern(7, 1 << 20)[512 << 10..].to_vec()
     );
     // blkdiscard -z zeroes without unmapping.
     let before = dev.zeroes_keep.load(Ordering::Relaxed);
@@ -314,9 +302,9 @@ fn discard_zeroing_flush_and_unaligned_io_reach_the_block_device() {
         .write(true)
         .open(fl.mount().file_path())
         .unwrap();
-    let base = pattern(8192, 9);
+    let base = pattern(9, 8192);
     file.write_all_at(&base, 8 << 20).unwrap();
-    let patch = pattern(1000, 10);
+    let patch = pattern(10, 1000);
     file.write_all_at(&patch, (8 << 20) + 300).unwrap();
     let mut want = base.clone();
     want[300..1300].copy_from_slice(&patch);
@@ -491,7 +479,7 @@ fn a_grown_device_grows_its_loop_device_online() {
         .read(true)
         .open(&loopdev)
         .unwrap();
-    let before = pattern(64 << 10, 31);
+    let before = pattern(31, 64 << 10);
     let got = write_read_direct(&loopdev, (16 << 20) - (64 << 10), &before).unwrap();
     assert_eq!(got, before);
     // The write made the kernel forget the file's size; a stat has it ask
@@ -504,7 +492,7 @@ fn a_grown_device_grows_its_loop_device_online() {
     // loop device still ends there.
     assert_eq!(std::fs::metadata(&file).unwrap().len(), 16 << 20);
     assert_eq!(sysfs_bytes(&loopdev), 16 << 20);
-    assert!(write_read_direct(&loopdev, 16 << 20, &pattern(4096, 1)).is_err());
+    assert!(write_read_direct(&loopdev, 16 << 20, &pattern(1, 4096)).is_err());
 
     assert_eq!(fl.resize().unwrap(), 40 << 20);
     assert_eq!(sysfs_bytes(&loopdev), 40 << 20);
@@ -516,7 +504,7 @@ fn a_grown_device_grows_its_loop_device_online() {
         ((16 << 20) - 8192, 16384, 33),
         ((40 << 20) - 65536, 65536, 34),
     ] {
-        let data = pattern(len, seed);
+        let data = pattern(seed, len);
         let got = write_read_direct(&loopdev, off, &data).unwrap();
         assert_eq!(got, data, "loop device bytes {off}+{len}");
         assert_eq!(
@@ -525,7 +513,7 @@ fn a_grown_device_grows_its_loop_device_online() {
             "device bytes {off}+{len}"
         );
     }
-    assert!(write_read_direct(&loopdev, 40 << 20, &pattern(4096, 2)).is_err());
+    assert!(write_read_direct(&loopdev, 40 << 20, &pattern(2, 4096)).is_err());
     // Again without growth: nothing changes.
     assert_eq!(fl.resize().unwrap(), 40 << 20);
     drop(held);
@@ -548,7 +536,7 @@ fn a_grown_mirrored_volume_grows_its_loop_device_and_both_copies_get_the_new_byt
     let _dog = watchdog(&fl, WATCHDOG_SECS);
     let loopdev = fl.device_path().to_path_buf();
     assert_eq!(fl.loop_device().block_size(), VOLUME_BLOCK as u32);
-    let head = pattern(256 << 10, 41);
+    let head = pattern(41, 256 << 10);
     assert_eq!(write_read_direct(&loopdev, MIB, &head).unwrap(), head);
     // Cached by the kernel for a minute from here (see the test above).
     let file = fl.mount().file_path().to_path_buf();
@@ -560,10 +548,10 @@ fn a_grown_mirrored_volume_grows_its_loop_device_and_both_copies_get_the_new_byt
     assert_eq!(fl.resize().unwrap(), 7 * MIB);
     assert_eq!(sysfs_bytes(&loopdev), 7 * MIB);
     // Across the old end into the new rows, and the last block.
-    let tail = pattern(2 * MIB as usize, 42);
+    let tail = pattern(42, 2 * MIB as usize);
     let at = 4 * MIB - 64 * 1024;
     assert_eq!(write_read_direct(&loopdev, at, &tail).unwrap(), tail);
-    let last = pattern(4096, 43);
+    let last = pattern(43, 4096);
     assert_eq!(
         write_read_direct(&loopdev, 7 * MIB - 4096, &last).unwrap(),
         last

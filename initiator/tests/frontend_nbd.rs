@@ -8,7 +8,7 @@ use nvpool_initiator::frontend::nbd::{NbdOptions, NbdServer};
 mod common;
 
 use common::memdev::MemDev;
-use common::{open_device, subsystem, Tgt};
+use common::{open_device, pattern, subsystem, Tgt};
 use nvpool_initiator::BlockDev;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -188,12 +188,6 @@ impl Client {
     }
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
-
 #[test]
 fn handshake_options_and_info() {
     let dir = tempfile::tempdir().unwrap();
@@ -284,13 +278,13 @@ fn every_command_with_simple_replies() {
     assert_eq!(size, 64 << 20);
     assert_eq!(flags & 1, 1);
 
-    let data = pattern(65536, 1);
+    let data = pattern(1, 65536);
     c.write_ok(4096, &data, FUA);
     assert!(dev.fua_writes.load(Ordering::Relaxed) >= 1);
     assert_eq!(c.read_simple(4096, 65536), data);
     assert_eq!(dev.bytes(4096, 65536), data);
     // Unaligned (no block sizes were negotiated): read-modify-write.
-    let odd = pattern(1001, 2);
+    let odd = pattern(2, 1001);
     c.write_ok(4096 + 7, &odd, 0);
     let mut want = data.clone();
     want[7..1008].copy_from_slice(&odd);
@@ -353,7 +347,7 @@ fn a_grown_device_is_served_to_its_new_end_and_announced_to_new_clients() {
     dev.grow(24 << 20);
     // The same connection: served from now on (the kernel driver learns
     // the size out of band and keeps its socket).
-    let data = pattern(8192, 3);
+    let data = pattern(3, 8192);
     c.write_ok((16 << 20) - 4096, &data, 0);
     assert_eq!(c.read_simple((16 << 20) - 4096, 8192), data);
     assert_eq!(dev.bytes((16 << 20) - 4096, 8192), data);
@@ -379,8 +373,8 @@ fn structured_replies_and_out_of_order_completion() {
     assert_eq!(c.opt_reply(8).0, ACK);
     let (_, k) = c.info(7, "vol", &[3]);
     assert_eq!(k, ACK);
-    let slow = pattern(4096, 3);
-    let fast = pattern(8192, 4);
+    let slow = pattern(3, 4096);
+    let fast = pattern(4, 8192);
     c.write_ok(SLOW_OFFSET, &slow, 0);
     c.write_ok(0, &fast, 0);
     // The slow read is sent first but completes last.
@@ -421,7 +415,7 @@ fn structured_replies_and_out_of_order_completion() {
     c.request(0, READ, 5, 0, 0, &[]);
     assert_eq!(c.chunk(), (1, 0, 5, vec![]));
     // Writes answer with simple replies.
-    c.write_ok(8192, &pattern(4096, 9), FUA);
+    c.write_ok(8192, &pattern(9, 4096), FUA);
     c.request(0, DISC, 6, 0, 0, &[]);
     assert!(c.closed());
 }
@@ -434,7 +428,7 @@ fn malformed_input_closes_only_that_connection() {
     let sock = srv.unix_socket().unwrap().to_path_buf();
     let mut good = Client::connect(&sock, 3);
     good.export_name("");
-    good.write_ok(0, &pattern(4096, 5), 0);
+    good.write_ok(0, &pattern(5, 4096), 0);
 
     // Unknown client flags.
     let mut c = Client::connect(&sock, 1 << 7);
@@ -464,7 +458,7 @@ fn malformed_input_closes_only_that_connection() {
     drop(c);
 
     // The first connection never noticed.
-    assert_eq!(good.read_simple(0, 4096), pattern(4096, 5));
+    assert_eq!(good.read_simple(0, 4096), pattern(5, 4096));
     let deadline = Instant::now() + Duration::from_secs(5);
     while srv.connections() != 1 {
         assert!(
@@ -494,9 +488,9 @@ fn kernel_handoff_reports_a_missing_nbd_module() {
             .open(&path)
             .unwrap();
         use std::os::unix::fs::FileExt;
-        f.write_all_at(&pattern(4096, 6), 8192).unwrap();
+        f.write_all_at(&pattern(6, 4096), 8192).unwrap();
         f.sync_all().unwrap();
-        assert_eq!(dev.bytes(8192, 4096), pattern(4096, 6));
+        assert_eq!(dev.bytes(8192, 4096), pattern(6, 4096));
         // Grown while attached and open: the kernel is told, and the new
         // bytes are served.
         dev.grow(24 << 20);
@@ -510,10 +504,10 @@ fn kernel_handoff_reports_a_missing_nbd_module() {
             .write(true)
             .open(&path)
             .unwrap();
-        f.write_all_at(&pattern(8192, 7), (16 << 20) - 4096)
+        f.write_all_at(&pattern(7, 8192), (16 << 20) - 4096)
             .unwrap();
         f.sync_all().unwrap();
-        assert_eq!(dev.bytes((16 << 20) - 4096, 8192), pattern(8192, 7));
+        assert_eq!(dev.bytes((16 << 20) - 4096, 8192), pattern(7, 8192));
         drop(f);
         k.detach().unwrap();
         return;

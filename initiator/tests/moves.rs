@@ -164,12 +164,12 @@ fn a_copy_in_sync_moves_to_another_target_under_writers() {
         let _stop = StopOnDrop(&stop);
         let (v, stop, done) = (&v, &stop, &done);
         let w = sc.spawn(move || writers(v, stop, done));
-        eventually("the writers to get going", || {
+        wait_for("the writers to get going", WAIT, || {
             done.load(Ordering::Relaxed) >= SLOTS
         });
         v.switch_move(0).unwrap();
         let after = done.load(Ordering::Relaxed);
-        eventually("the writers to go on after the switch", || {
+        wait_for("the writers to go on after the switch", WAIT, || {
             done.load(Ordering::Relaxed) >= after + 2 * SLOTS
         });
         stop.store(true, Ordering::Relaxed);
@@ -572,7 +572,7 @@ fn writes_racing_switches_reach_both_places() {
         let _stop = StopOnDrop(&stop);
         let (v, stop, done) = (&v, &stop, &done);
         let w = sc.spawn(move || writers(v, stop, done));
-        eventually("the writers to get going", || {
+        wait_for("the writers to get going", WAIT, || {
             done.load(Ordering::Relaxed) >= SLOTS
         });
         for k in 0..SWITCHES {
@@ -581,7 +581,7 @@ fn writes_racing_switches_reach_both_places() {
             let before = done.load(Ordering::Relaxed);
             v.switch_move(0).unwrap();
             assert_eq!(&v.extent_location(0), to);
-            eventually("writes across the switch", || {
+            wait_for("writes across the switch", WAIT, || {
                 done.load(Ordering::Relaxed) >= before + WRITERS
             });
         }

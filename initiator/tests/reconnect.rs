@@ -152,15 +152,6 @@ fn writer(mut q: IoQueue, stop: &AtomicBool, progress: &AtomicU64) -> Outcome {
     out
 }
 
-#[track_caller]
-fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// Checks the file holds every acknowledged write.
 fn check_file(path: &Path, acked: &[(u64, usize, u64)]) {
     let disk = std::fs::read(path).expect("read the backing file");

@@ -152,7 +152,7 @@ fn a_syncing_copy_is_written_and_never_read_until_finish_sync() {
             }
             last
         });
-        eventually("the writer to get going", || {
+        wait_for("the writer to get going", WAIT, || {
             done.load(Ordering::Relaxed) >= slots
         });
         let record = v.begin_sync(1);
@@ -165,7 +165,7 @@ fn a_syncing_copy_is_written_and_never_read_until_finish_sync() {
         for _ in 0..40 {
             read_check(v, &model, 2 * REGION, 2 * REGION);
         }
-        eventually("every slot to be rewritten after begin_sync", || {
+        wait_for("every slot to be rewritten after begin_sync", WAIT, || {
             done.load(Ordering::Relaxed) >= after + 2 * slots
         });
         stop.store(true, Ordering::Relaxed);
@@ -230,7 +230,7 @@ fn begin_sync_waits_for_the_writes_issued_before_it_and_only_those() {
     let record = std::thread::scope(|sc| {
         let (v, slow) = (&v, &slow);
         let w = sc.spawn(move || block_on(v.write(2 * REGION, slow.clone(), false)).0);
-        eventually("the slow write to be in flight", || {
+        wait_for("the slow write to be in flight", WAIT, || {
             v.controllers().iter().any(|c| c.in_flight() > 0)
         });
         let record = v.begin_sync(1).unwrap();
@@ -273,7 +273,7 @@ fn begin_sync_waits_for_the_writes_issued_before_it_and_only_those() {
                 }
             });
         }
-        eventually("the writers to get going", || {
+        wait_for("the writers to get going", WAIT, || {
             done.load(Ordering::Relaxed) >= 4
         });
         let again = v.begin_sync(1);

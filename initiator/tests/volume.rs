@@ -7,9 +7,7 @@
 
 mod common;
 
-use common::volumes::{
-    self, eventually, host_controllers, host_subsystem, read_check, write, Setup,
-};
+use common::volumes::{self, host_controllers, host_subsystem, read_check, write, Setup};
 use common::*;
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::ExtentFailure;
@@ -255,9 +253,11 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
 
     v.close().expect("close flushes");
     for (i, t) in s.all().into_iter().enumerate() {
-        eventually(&format!("target {i} to see the controller go"), || {
-            host_controllers(t) == 0
-        });
+        wait_for(
+            &format!("target {i} to see the controller go"),
+            WAIT,
+            || host_controllers(t) == 0,
+        );
     }
     check_placement(&s, &model);
 }
@@ -312,7 +312,9 @@ fn plans_that_do_not_match_the_targets_are_refused() {
     );
     // Nothing stays connected after a refused open.
     for t in s.all() {
-        eventually("refused opens to disconnect", || host_controllers(t) == 0);
+        wait_for("refused opens to disconnect", WAIT, || {
+            host_controllers(t) == 0
+        });
     }
 }
 
@@ -376,16 +378,16 @@ fn mirror_keeps_serving_when_a_target_dies() {
                 })
             })
             .collect();
-        eventually("writers to get going", || {
+        wait_for("writers to get going", WAIT, || {
             progress.load(Ordering::Relaxed) >= 40
         });
         // Kill one target mid-way: its listener and connections go.
         s.stop(1);
-        eventually("the dead target's copies to be marked failed", || {
+        wait_for("the dead target's copies to be marked failed", WAIT, || {
             !v.health().failed_extents.is_empty()
         });
         let after = progress.load(Ordering::Relaxed);
-        eventually("writers to go on without the dead copies", || {
+        wait_for("writers to go on without the dead copies", WAIT, || {
             progress.load(Ordering::Relaxed) >= after + 40
         });
         stop.store(true, Ordering::Relaxed);
@@ -710,7 +712,9 @@ fn volumes_sharing_connections_share_one_controller_per_target() {
     b.close().unwrap();
     assert_eq!(shared.controller_count(), 0);
     for t in s.all() {
-        eventually("the shared controllers to go", || host_controllers(t) == 0);
+        wait_for("the shared controllers to go", WAIT, || {
+            host_controllers(t) == 0
+        });
     }
 }
 
@@ -901,15 +905,15 @@ fn a_mirror_grows_under_writers_and_serves_the_new_rows_on_every_copy() {
             }
             flips
         });
-        eventually("the writer to get going", || {
+        wait_for("the writer to get going", WAIT, || {
             progress.load(Ordering::Relaxed) >= 30
         });
-        eventually("the reader to be refused past the old end", || {
+        wait_for("the reader to be refused past the old end", WAIT, || {
             refused.load(Ordering::Relaxed) >= 10
         });
         assert!(v.grow(&grown).expect("the volume grows"));
         let after = progress.load(Ordering::Relaxed);
-        eventually("the writer to go on after the grow", || {
+        wait_for("the writer to go on after the grow", WAIT, || {
             progress.load(Ordering::Relaxed) >= after + 30
         });
         stop.store(true, Ordering::Relaxed);

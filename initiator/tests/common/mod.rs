@@ -7,10 +7,11 @@
 #![allow(dead_code)]
 
 use nvpool_initiator::{Completion, ConnectParams, IoError, IoQueue, Op, Request};
-use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{Running, StartOptions, Target};
+use nvpool_target::config::SubsystemConfig;
+use nvpool_target::{StartOptions, Target};
+use nvpool_testkit::target::{loopback, start, Serving, LOOPBACK};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +31,6 @@ pub const RAM_BLOCKS: u64 = (16 << 20) / 512;
 /// Longest any single synchronous helper waits before the test fails.
 pub const WAIT: Duration = Duration::from_secs(15);
 
-/// A subsystem with the given allowed hosts (none: any host) and namespaces.
 /// Sets the stop flag when a test assertion unwinds, so writer threads end.
 pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
 
@@ -40,31 +40,17 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
-pub fn subsystem(nqn: &str, hosts: &[&str], namespaces: &[(u32, &str)]) -> SubsystemConfig {
-    SubsystemConfig {
-        nqn: nqn.to_owned(),
-        allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
-        allow_any_host: hosts.is_empty(),
-        host_keys: Default::default(),
-        serial: None,
-        model: None,
-        ana: None,
-        namespaces: namespaces
-            .iter()
-            .map(|&(nsid, backend)| NamespaceConfig {
-                nsid,
-                backend: backend.to_owned(),
-                uuid: None,
-                read_only: false,
-            })
-            .collect(),
-    }
-}
+// What the suites of every crate share (nvpool-testkit), under the names
+// these tests use; each test binary uses some of them.
+#[allow(unused_imports)]
+pub use nvpool_testkit::target::subsystem;
+#[allow(unused_imports)]
+pub use nvpool_testkit::{file_spec, pattern, wait_for};
 
 /// An nvpool-target running inside the test process.
 #[derive(Debug)]
 pub struct Tgt {
-    running: Option<Running>,
+    serving: Serving,
     pub target: Arc<Target>,
     /// The one NVMe/TCP listener (it also serves discovery).
     pub addr: SocketAddr,
@@ -73,11 +59,7 @@ pub struct Tgt {
 impl Tgt {
     /// A target without a state directory on 127.0.0.1, port 0.
     pub fn start(subsystems: &[SubsystemConfig]) -> Tgt {
-        Tgt::start_on(
-            Target::new(None).expect("target"),
-            "127.0.0.1:0".parse().expect("addr"),
-            subsystems,
-        )
+        Tgt::start_on(Target::new(None).expect("target"), LOOPBACK, subsystems)
     }
 
     /// Starts `target` on `addr` after adding `subsystems`. Binding an
@@ -88,42 +70,19 @@ impl Tgt {
         }
         let opts = StartOptions {
             listeners: vec![addr],
-            rdma_listeners: vec![],
-            reactors: 2,
-            io_uring: true,
-            admin: None,
+            ..loopback()
         };
-        let give_up = Instant::now() + Duration::from_secs(5);
-        let running = loop {
-            match Running::start(target.clone(), &opts) {
-                Ok(r) => break r,
-                Err(e) if Instant::now() < give_up => {
-                    eprintln!("target start on {addr} failed ({e:#}); retrying");
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                Err(e) => panic!("target does not start on {addr}: {e:#}"),
-            }
-        };
-        let addrs = running.listen_addrs();
-        assert_eq!(addrs.len(), 1, "one listener: {addrs:?}");
+        let serving = start(&target, &opts);
         Tgt {
-            addr: addrs[0],
+            addr: serving.addr,
             target,
-            running: Some(running),
+            serving,
         }
     }
 
     /// Stops the target: drains in-flight commands and flushes backends.
     pub fn stop(mut self) {
-        self.running.take().expect("running").shutdown();
-    }
-}
-
-impl Drop for Tgt {
-    fn drop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.shutdown();
-        }
+        self.serving.stop();
     }
 }
 
@@ -155,33 +114,9 @@ pub fn params(addr: SocketAddr, subnqn: &str, hostnqn: &str) -> ConnectParams {
     p
 }
 
-/// A zero-filled sparse file of `size` bytes on the build disk (not tmpfs,
-/// so the file backend gets O_DIRECT and io_uring).
+/// A zero-filled sparse file of `size` bytes on the build disk.
 pub fn scratch_file(size: u64) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    let path = dir.path().join("disk.img");
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(size))
-        .expect("create scratch file");
-    (dir, path)
-}
-
-/// `file:PATH` backend spec.
-pub fn file_spec(path: &Path) -> String {
-    format!("file:{}", path.display())
-}
-
-/// Deterministic test data: xorshift bytes from `seed` (never all zero).
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    nvpool_testkit::scratch_file(env!("CARGO_TARGET_TMPDIR"), size)
 }
 
 /// Same status code, ignoring DNR, CRD and More.

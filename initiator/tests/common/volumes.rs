@@ -3,7 +3,7 @@
 //! built by hand, and access to each extent copy beside the volume (to
 //! check where bytes landed, or to change a copy behind its back).
 
-use super::{assert_same, params, pattern, subsystem, Tgt, HOST_A, WAIT};
+use super::{assert_same, params, pattern, subsystem, Tgt, HOST_A};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::{Controller, ControllerIo, Device, Volume, VolumeOptions};
 use nvpool_layout::model::Uuid;
@@ -13,7 +13,7 @@ use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
 use nvpool_target::Target;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub const MIB: u64 = 1 << 20;
 /// The volumes' logical block.
@@ -52,19 +52,10 @@ pub fn setup(n: usize, layout: LayoutBody, size: u64, extent_bytes: u64, ns_spec
         layout,
         extents: Vec::new(),
     };
-    let g = plan.geometry();
+    let placed = nvpool_testkit::place(&plan.geometry(), n);
     let mut namespaces: Vec<Vec<u32>> = vec![Vec::new(); n];
-    let mut placed = Vec::new();
-    for row in 0..g.rows() {
-        for member in 0..g.width {
-            for copy in 0..g.copies {
-                let t =
-                    (row as usize + (member as usize) * usize::from(g.copies) + copy as usize) % n;
-                let nsid = namespaces[t].len() as u32 + 1;
-                namespaces[t].push(nsid);
-                placed.push((t, nsid, row, member, copy));
-            }
-        }
+    for p in &placed {
+        namespaces[p.target].push(p.nsid);
     }
     let nqn = host_subsystem();
     let configs: Vec<SubsystemConfig> = namespaces
@@ -78,19 +69,19 @@ pub fn setup(n: usize, layout: LayoutBody, size: u64, extent_bytes: u64, ns_spec
         .iter()
         .map(|c| Tgt::start(std::slice::from_ref(c)))
         .collect();
-    for (t, nsid, row, member, copy) in placed {
+    for p in placed {
         plan.extents.push(PlanExtent {
-            target: format!("target-{t}"),
-            addr: targets[t].addr,
+            target: format!("target-{}", p.target),
+            addr: targets[p.target].addr,
             rdma_addr: None,
             subsystem_nqn: nqn.clone(),
-            nsid,
+            nsid: p.nsid,
             device: "ram".into(),
             offset: 0,
             length: extent_bytes,
-            member,
-            row,
-            copy,
+            member: p.member,
+            row: p.row,
+            copy: p.copy,
         });
     }
     plan.validate().expect("the test builds valid plans");
@@ -319,16 +310,6 @@ pub fn volume_opts() -> VolumeOptions {
         connect_timeout: Duration::from_secs(1),
         ctrl_loss_timeout: Some(Duration::from_secs(2)),
         ..VolumeOptions::default()
-    }
-}
-
-/// Waits until `f` holds, failing the test after `WAIT`.
-#[track_caller]
-pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let until = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < until, "still waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
