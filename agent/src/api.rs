@@ -12,7 +12,7 @@
 //! Errors are `{kind, message}` with a 4xx/5xx status, as the control
 //! plane's.
 
-use nvpool_control::Uuid;
+use nvpool_layout::Uuid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

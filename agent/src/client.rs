@@ -1,7 +1,7 @@
 //! A blocking client of the control plane's REST API (`nvpool-control`).
 //!
 //! JSON over HTTP/1.1 (ureq), https trusting `--cacert` (or the system
-//! bundle, [`nvpool_control::tls::client_tls`]). Every call carries the
+//! bundle, [`nvpool_api::tls::client_tls`]). Every call carries the
 //! bearer token when one is configured. The endpoint may be a
 //! comma-separated list of control-plane instances: every call goes
 //! through [`Endpoints::send`], the one failover rule of nvpool's clients
@@ -16,8 +16,8 @@
 //! the agent's Unix socket ([`Client::agent`]), how the CLI talks to the
 //! agent.
 
-use nvpool_control::http::{Call, Endpoints, NoAnswer};
-use nvpool_control::rest::parse_endpoints;
+use nvpool_api::http::{Call, Endpoints, NoAnswer};
+use nvpool_api::rest::parse_endpoints;
 use nvpool_initiator::follow::ControlPlane;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -64,7 +64,7 @@ pub enum ClientError {
     #[error("--endpoint {url:?}: {reason}")]
     Endpoint { url: String, reason: String },
     #[error(transparent)]
-    Tls(#[from] nvpool_control::tls::TlsError),
+    Tls(#[from] nvpool_api::tls::TlsError),
     #[error("--token-file {path}: cannot read the token")]
     TokenFile {
         path: PathBuf,
@@ -181,12 +181,12 @@ impl Client {
         token: Option<String>,
         cacert: Option<&Path>,
     ) -> Result<Client, ClientError> {
-        let tls = nvpool_control::tls::client_tls(cacert)?;
+        let tls = nvpool_api::tls::client_tls(cacert)?;
         Client::with_tls(endpoint, token, tls)
     }
 
     /// [`Client::new`] with TLS settings already loaded
-    /// ([`nvpool_control::tls::client_tls`]): the agent loads its
+    /// ([`nvpool_api::tls::client_tls`]): the agent loads its
     /// `--cacert` once at start and gives it to every volume's client.
     pub fn with_tls(
         endpoint: &str,

@@ -41,7 +41,7 @@ fn main() -> ExitCode {
             let usage = matches!(
                 e.downcast_ref::<nvpool_agent::client::ClientError>(),
                 Some(nvpool_agent::client::ClientError::Tls(_))
-            ) || e.is::<nvpool_control::tls::TlsError>()
+            ) || e.is::<nvpool_api::tls::TlsError>()
                 || e.is::<nvpool_agent::server::Usage>();
             if usage {
                 ExitCode::from(2)

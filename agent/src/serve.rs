@@ -384,7 +384,7 @@ fn present(w: &Wanted, dev: Arc<dyn BlockDev>) -> anyhow::Result<Presented> {
 }
 
 impl Served {
-    pub fn uuid(&self) -> nvpool_control::Uuid {
+    pub fn uuid(&self) -> nvpool_layout::Uuid {
         self.record.uuid
     }
 

@@ -11,8 +11,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use nvpool_control::Uuid;
 use nvpool_initiator::volume::Connections;
+use nvpool_layout::Uuid;
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -262,7 +262,7 @@ async fn attach(
     let uuid = parse_uuid(&uuid)?;
     // The control plane's rules for a body (JSON content type, no key
     // twice, objects where the type has a struct).
-    let mut spec: AttachBody = nvpool_control::httpd::json_body(req, &(), false)
+    let mut spec: AttachBody = nvpool_api::httpd::json_body(req, &(), false)
         .await
         .map_err(|r| ApiError::new(r.status, r.kind, r.message))?
         .ok_or_else(|| {
@@ -407,7 +407,7 @@ fn metrics_router(a: Arc<Agent>) -> Router {
 /// The metrics listener: plain HTTP, or https (`--metrics-tls-cert`).
 enum MetricsListener {
     Http(tokio::net::TcpListener),
-    Https(nvpool_control::tls::TlsListener),
+    Https(nvpool_api::tls::TlsListener),
 }
 
 /// A bad combination of options: `nvpool-agent` exits 2 on it.
@@ -417,9 +417,9 @@ pub struct Usage(pub String);
 
 /// The metrics listener's TLS, loaded, and the check that plain HTTP is
 /// served beyond loopback only when asked for. Done before anything starts.
-fn metrics_tls(args: &Args) -> anyhow::Result<Option<nvpool_control::tls::ServerTls>> {
+fn metrics_tls(args: &Args) -> anyhow::Result<Option<nvpool_api::tls::ServerTls>> {
     let tls = match (&args.metrics_tls_cert, &args.metrics_tls_key) {
-        (Some(cert), Some(key)) => Some(nvpool_control::tls::ServerTls::load_for(
+        (Some(cert), Some(key)) => Some(nvpool_api::tls::ServerTls::load_for(
             ("--metrics-tls-cert", cert),
             ("--metrics-tls-key", key),
         )?),
@@ -468,7 +468,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         std::env::set_var("NVPOOL_RUN_DIR", d);
     }
     // A CA file that cannot be used is a usage error, before anything runs.
-    let tls = nvpool_control::tls::client_tls(args.cacert.as_deref())
+    let tls = nvpool_api::tls::client_tls(args.cacert.as_deref())
         .map_err(crate::client::ClientError::Tls)?;
     let metrics_tls = metrics_tls(&args)?;
     let run = state::run_dir();
@@ -546,8 +546,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let metrics_listener = match (metrics_listener, metrics_tls) {
         (Some(l), Some(tls)) => {
             let _g = rt.enter();
-            let l =
-                nvpool_control::tls::TlsListener::new(l, &tls).context("the metrics listener")?;
+            let l = nvpool_api::tls::TlsListener::new(l, &tls).context("the metrics listener")?;
             Some(MetricsListener::Https(l))
         }
         (Some(l), None) => Some(MetricsListener::Http(l)),

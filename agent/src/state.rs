@@ -13,7 +13,7 @@
 
 use crate::api::{AttachBody, Frontend};
 use anyhow::Context;
-use nvpool_control::Uuid;
+use nvpool_layout::Uuid;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 

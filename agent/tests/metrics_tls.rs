@@ -5,7 +5,7 @@
 #[path = "../../control-plane/tests/common/certs.rs"]
 mod certs;
 
-use nvpool_control::tls::client_tls;
+use nvpool_api::tls::client_tls;
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

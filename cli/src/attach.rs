@@ -22,7 +22,7 @@ pub use nvpool_agent::api::Frontend;
 use nvpool_agent::api::{AttachBody, Attached, VolumeOut};
 pub use nvpool_agent::serve::mounted_at;
 use nvpool_agent::state;
-use nvpool_control::Uuid;
+use nvpool_layout::Uuid;
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -10,8 +10,8 @@ use crate::client::{segment, Client, ClientError};
 use crate::size::format_iec;
 use crate::{Format, Usage};
 use comfy_table::Table;
-use nvpool_control::model::TargetState;
-use nvpool_control::rest::{
+use nvpool_api::rest::TargetState;
+use nvpool_api::rest::{
     DeviceRefBody, HostKeysBody, HostKeysOut, KeyRollout, PoolBody, RebalanceBody, TargetStateBody,
 };
 use serde::de::DeserializeOwned;
@@ -51,7 +51,7 @@ pub struct OutputArgs {
 
 // ----- responses, as the CLI reads them (unknown fields are ignored) -----
 //
-// Requests are `nvpool_control::rest`'s bodies. These views of answers stay
+// Requests are `nvpool_api::rest`'s bodies. These views of answers stay
 // here where they differ from `rest`'s on purpose: they accept answers of
 // older control planes (fields added since default) and keep states as the
 // text the tables print.

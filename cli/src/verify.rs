@@ -16,12 +16,12 @@
 
 use crate::client::{segment, Client};
 use anyhow::Context;
-use nvpool_control::plan::RESYNC_REGION_BYTES;
-use nvpool_control::resync::VERIFIER_NQN_PREFIX;
-use nvpool_control::Uuid;
+use nvpool_api::names::VERIFIER_NQN_PREFIX;
 use nvpool_initiator::admin::{ConnectParams, Controller};
 use nvpool_initiator::device::{block_on, Device};
 use nvpool_initiator::follow::{new_session, AttachmentView};
+use nvpool_layout::plan::RESYNC_REGION_BYTES;
+use nvpool_layout::Uuid;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;

@@ -13,9 +13,9 @@ use crate::nvmef;
 use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
-use nvpool_control::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
-use nvpool_control::rest::{CopyHistoryOut, ExportBody, ExtentOut, ResizeBody, VolumeSpecBody};
-use nvpool_control::{ConnectionPlan, Layout, LayoutBody, Uuid};
+use nvpool_api::rest::{CopyHistoryOut, ExportBody, ExtentOut, ResizeBody, VolumeSpecBody};
+use nvpool_layout::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
+use nvpool_layout::{ConnectionPlan, Layout, LayoutBody, Uuid};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::io::{IsTerminal, Read};
@@ -421,7 +421,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
             match x
                 .attachments
                 .iter()
-                .filter(|h| nvpool_control::paths::parse_owner_host(h).is_none())
+                .filter(|h| nvpool_api::names::parse_owner_host(h).is_none())
                 .cloned()
                 .collect::<Vec<_>>()
             {
@@ -855,10 +855,10 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             host_nqn,
             paths,
         } => {
-            if !(1..=nvpool_control::paths::PATHS_MAX).contains(&paths) {
+            if !(1..=nvpool_api::names::PATHS_MAX).contains(&paths) {
                 return Err(Usage(format!(
                     "--paths must be between 1 and {}",
-                    nvpool_control::paths::PATHS_MAX
+                    nvpool_api::names::PATHS_MAX
                 ))
                 .into());
             }
@@ -993,7 +993,7 @@ fn detach_nvme(
     host: &str,
     force: bool,
 ) -> anyhow::Result<Option<(Value, String)>> {
-    let nqn = format!("{}{uuid}", nvpool_control::paths::VOLUME_SUBSYSTEM_PREFIX);
+    let nqn = format!("{}{uuid}", nvpool_api::names::VOLUME_SUBSYSTEM_PREFIX);
     let Some(device) = nvmef::device_of(&nqn) else {
         return Ok(None);
     };

@@ -360,7 +360,7 @@ impl ApiError {
             StateError::UuidConflict { uuid, existing } => (
                 S::CONFLICT,
                 "uuid_conflict",
-                json!({"uuid": uuid, "existing": VolumeSpecBody::from_spec(existing)}),
+                json!({"uuid": uuid, "existing": spec_body(existing)}),
             ),
             StateError::NameTaken { name, uuid } => (
                 S::CONFLICT,
@@ -802,14 +802,12 @@ fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
     }
 }
 
-impl VolumeSpecBody {
-    fn from_spec(s: &crate::model::VolumeSpec) -> VolumeSpecBody {
-        VolumeSpecBody {
-            name: s.name.clone(),
-            size_bytes: s.size_bytes,
-            layout: s.layout.into(),
-            pool: s.pool.clone(),
-        }
+fn spec_body(s: &crate::model::VolumeSpec) -> VolumeSpecBody {
+    VolumeSpecBody {
+        name: s.name.clone(),
+        size_bytes: s.size_bytes,
+        layout: s.layout.into(),
+        pool: s.pool.clone(),
     }
 }
 

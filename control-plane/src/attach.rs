@@ -36,6 +36,7 @@ use crate::model::{encode, DeviceRef, Extent, ModelError, Target, Uuid, Volume};
 use crate::plan::{ConnectionPlan, PlanExtent, HOST_SUBSYSTEM_PREFIX};
 use crate::state::{keys, Attempt, Cluster, Snapshot, StateError, Versioned};
 use crate::store::{Condition, Op};
+pub use nvpool_api::rest::AttachmentState;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
@@ -45,18 +46,6 @@ pub const NQN_BYTES_MAX: usize = 223;
 
 /// Logical block size of exported extents and volumes.
 pub const VOLUME_BLOCK_BYTES: u32 = 4096;
-
-/// Where an attachment stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AttachmentState {
-    /// Recorded; targets are being programmed (or a crash interrupted it).
-    Attaching,
-    /// Every target exports the namespaces to the host.
-    Attached,
-    /// Targets are being told to remove the namespaces.
-    Detaching,
-}
 
 /// A volume attached to a host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,10 +6,8 @@
 //! ```text
 //!   daemon ── command line, store (redb, etcd), migrate, signals
 //!     └── api ── REST under /v1 (axum), OpenAPI (utoipa), /metrics
-//!          │      ├── rest ── request and response bodies (no feature)
-//!          │      └── httpd ── bearer tokens, JSON bodies: shared with the
-//!          │                   target's and the agent's APIs ("http-server")
-//!          │           └── http ── client endpoint failover (feature "client")
+//!          │      └── nvpool-api: rest (bodies), httpd (bearer tokens, JSON
+//!          │          bodies), http (client failover), tls
 //!          │
 //!   state::Cluster ── register, heartbeat, pools, create/grow/delete volumes
 //!      │        │
@@ -25,9 +23,10 @@
 //!      └── volume offset → (member, row, offset); the connection plan
 //! ```
 //!
-//! Clients of the REST API (the CLI, the agent, the target's registration)
-//! depend on this crate with `default-features = false`, which leaves out
-//! redb, etcd and the server (axum, tokio, utoipa) and keeps [`rest`]'s bodies.
+//! What crosses a process (the REST bodies, TLS, the HTTP client and the
+//! servers' shared scaffolding) lives in `nvpool-api`, which the CLI, the
+//! agent and the target depend on instead of this crate; `rest`, `http`,
+//! `httpd` and `tls` are re-exported here under their old paths.
 //! Hosts that only serve volumes (the initiator) need only `nvpool-layout`.
 
 #[cfg(feature = "server")]
@@ -43,10 +42,6 @@ pub mod failover;
 pub mod heal;
 #[cfg(feature = "server")]
 pub mod hostkeys;
-#[cfg(feature = "client")]
-pub mod http;
-#[cfg(feature = "http-server")]
-pub mod httpd;
 pub mod leader;
 pub mod limits;
 pub mod mapping;
@@ -58,12 +53,19 @@ pub mod plan;
 #[cfg(feature = "server")]
 pub mod program;
 pub mod rebalance;
-pub mod rest;
 pub mod resync;
 pub mod state;
 pub mod store;
+
+// The types and mechanisms shared with other processes live in
+// `nvpool-api`; re-exported under their old paths.
 #[cfg(feature = "client")]
-pub mod tls;
+pub use nvpool_api::http;
+#[cfg(feature = "http-server")]
+pub use nvpool_api::httpd;
+pub use nvpool_api::rest;
+#[cfg(feature = "client")]
+pub use nvpool_api::tls;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use mapping::{Geometry, Location, MapError, Segment};

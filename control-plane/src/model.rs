@@ -35,6 +35,10 @@ use nvpool_layout::model::LayoutError;
 pub use nvpool_layout::model::{
     validate_connect_addr, validate_extent_bytes, validate_size, Layout, Uuid,
 };
+// The states the REST API reports travel between processes; they live in
+// `nvpool-api` and are stored as they are.
+use nvpool_api::rest::{DeviceRefBody, ExtentOut};
+pub use nvpool_api::rest::{Health, TargetState, VolumeStatus};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -209,48 +213,6 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), ModelErr
         }
     }
     Ok(())
-}
-
-/// Whether placement may put new extents on a target. Set by an operator;
-/// distinct from health, which is derived from heartbeats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TargetState {
-    /// Takes new extents.
-    Active,
-    /// Keeps serving its extents but takes no new ones (before maintenance
-    /// or decommissioning).
-    Cordoned,
-    /// Takes no new extents, and every extent it holds moves to other
-    /// targets (it serves each until its move is done); empty, it is
-    /// "drained" and can be removed. Last, so stored states decode.
-    Draining,
-}
-
-impl TargetState {
-    /// Every state, in declaration order (the API document lists them).
-    pub const ALL: [TargetState; 3] = [
-        TargetState::Active,
-        TargetState::Cordoned,
-        TargetState::Draining,
-    ];
-
-    /// The state as JSON writes it.
-    pub fn name(self) -> &'static str {
-        match self {
-            TargetState::Active => "active",
-            TargetState::Cordoned => "cordoned",
-            TargetState::Draining => "draining",
-        }
-    }
-}
-
-/// A target's liveness as judged from its last heartbeat.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Health {
-    Online,
-    Offline,
 }
 
 /// A storage server running `nvpool-target`, as it registered itself.
@@ -650,13 +612,27 @@ impl Volume {
     }
 }
 
-/// Whether a volume can serve I/O, from the health of its extents' targets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum VolumeStatus {
-    Online,
-    Degraded,
-    Offline,
+impl From<DeviceRef> for DeviceRefBody {
+    fn from(d: DeviceRef) -> DeviceRefBody {
+        DeviceRefBody {
+            target: d.target,
+            device: d.device,
+        }
+    }
+}
+
+impl From<Extent> for ExtentOut {
+    fn from(e: Extent) -> ExtentOut {
+        ExtentOut {
+            target: e.target,
+            device: e.device,
+            offset: e.offset,
+            length: e.length,
+            member: e.member,
+            row: e.row,
+            copy: e.copy,
+        }
+    }
 }
 
 #[cfg(test)]

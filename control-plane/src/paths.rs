@@ -25,20 +25,19 @@ use crate::attach::validate_host_nqn;
 use crate::model::{decode, encode, ModelError, TargetState, Uuid};
 use crate::state::{Attempt, Cluster, StateError};
 use crate::store::{Condition, Op};
+pub use nvpool_api::names::{
+    owner_host_nqn, parse_owner_host, volume_of_subsystem, volume_subsystem_nqn, OWNER_HOST_PREFIX,
+    PATHS_MAX, VOLUME_SUBSYSTEM_PREFIX,
+};
+pub use nvpool_api::rest::{LeaseGrant, LEASE_RENEW_MS};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
 /// Store key prefix of served-volume records.
 pub const SERVED: &str = "/served/";
-/// Subsystem NQN prefix of volumes served by targets.
-pub const VOLUME_SUBSYSTEM_PREFIX: &str = "nqn.2026-11.io.nvpool:volume:";
-/// Host NQN prefix of owners reaching a volume's extents.
-pub const OWNER_HOST_PREFIX: &str = "nqn.2026-11.io.nvpool:owner:";
 /// Paths per served volume unless asked otherwise.
 pub const PATHS_DEFAULT: usize = 2;
-/// Most paths a served volume may have (each takes a CNTLID range).
-pub const PATHS_MAX: usize = 8;
 /// CNTLIDs per path: path i uses `[i * CNTLID_RANGE + 1, (i + 1) * CNTLID_RANGE - 1]`.
 pub const CNTLID_RANGE: u16 = 0x1000;
 /// How long a lease lets an owner serve, counted by the target from when
@@ -47,39 +46,11 @@ pub const LEASE_MS: u64 = 4_000;
 /// Slack on top of a lease before another path is promoted (clock rates
 /// of two machines over a few seconds differ by far less).
 pub const LEASE_MARGIN_MS: u64 = 1_000;
-/// How often an owner renews its lease.
-pub const LEASE_RENEW_MS: u64 = 500;
-
 const _: () = assert!(LEASE_RENEW_MS * 4 <= LEASE_MS);
 const _: () = assert!((PATHS_MAX as u32 + 1) * CNTLID_RANGE as u32 <= 0xFFEF + 1);
 
 pub fn served_key(volume: &Uuid) -> String {
     format!("{SERVED}{volume}")
-}
-
-/// The subsystem every path of `volume` presents.
-pub fn volume_subsystem_nqn(volume: &Uuid) -> String {
-    format!("{VOLUME_SUBSYSTEM_PREFIX}{volume}")
-}
-
-/// The volume a served subsystem NQN names.
-pub fn volume_of_subsystem(nqn: &str) -> Option<Uuid> {
-    nqn.strip_prefix(VOLUME_SUBSYSTEM_PREFIX)?.parse().ok()
-}
-
-/// The host NQN target `target` uses to reach `volume`'s extents while it
-/// owns the volume.
-pub fn owner_host_nqn(volume: &Uuid, target: &str) -> String {
-    format!("{OWNER_HOST_PREFIX}{volume}:{target}")
-}
-
-/// (volume, target) of an owner host NQN.
-pub fn parse_owner_host(nqn: &str) -> Option<(Uuid, String)> {
-    let rest = nqn.strip_prefix(OWNER_HOST_PREFIX)?;
-    let (v, t) = rest.split_at_checked(36)?;
-    let t = t.strip_prefix(':')?;
-    (!t.is_empty()).then_some(())?;
-    Some((v.parse().ok()?, t.to_owned()))
 }
 
 /// The CNTLIDs path `index` hands out (disjoint across paths, as the
@@ -150,15 +121,6 @@ impl Leases {
         let last = g.get(target).copied().unwrap_or(0).max(started);
         last + LEASE_MS + LEASE_MARGIN_MS
     }
-}
-
-/// What a lease request gets: the subsystems the target may serve, for
-/// `valid_ms` from when it sent the request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
-pub struct LeaseGrant {
-    pub valid_ms: u64,
-    pub nqns: Vec<String>,
 }
 
 impl Cluster {

@@ -38,6 +38,7 @@ use crate::model::{encode, DeviceRef, Extent, ModelError, Uuid, Volume};
 use crate::plan::{PlanExtent, RESYNC_REGION_BYTES};
 use crate::state::{Attempt, Cluster, Snapshot, StateError};
 use crate::store::{Condition, Op};
+pub use nvpool_api::names::VERIFIER_NQN_PREFIX;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -47,10 +48,6 @@ pub const COPY_STATE: &str = "/copy-state/";
 pub fn copy_state_key(volume: &Uuid) -> String {
     format!("{COPY_STATE}{volume}")
 }
-
-/// Host NQNs of `nvpool volume verify` runs start with this. They only
-/// read, so copy jobs do not wait for them to mirror.
-pub const VERIFIER_NQN_PREFIX: &str = "nqn.2026-11.io.nvpool:verify:";
 
 /// Host NQN under which a target's copier reads source extents.
 pub fn copier_nqn(target: &str) -> String {

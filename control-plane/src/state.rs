@@ -58,7 +58,7 @@ use crate::placement::{
     failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
     DEFAULT_FAILURE_DOMAIN_LABEL,
 };
-use crate::rest::Secret;
+use crate::rest::{CapacityOut, Secret};
 use crate::resync::{CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use serde::{Deserialize, Serialize};
@@ -460,6 +460,17 @@ pub struct Capacity {
     pub free_bytes: u64,
     /// Extents of the configured size that still fit.
     pub free_extents: u64,
+}
+
+impl From<&Capacity> for CapacityOut {
+    fn from(c: &Capacity) -> CapacityOut {
+        CapacityOut {
+            total_bytes: c.total_bytes,
+            used_bytes: c.used_bytes,
+            free_bytes: c.free_bytes,
+            free_extents: c.free_extents,
+        }
+    }
 }
 
 impl Capacity {

@@ -51,7 +51,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::serve::IncomingStream;
 use axum::{Json, Router};
-use nvpool_control::tls::{ServerTls, TlsListener};
+use nvpool_api::tls::{ServerTls, TlsListener};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -101,7 +101,7 @@ impl ApiServer {
 
     /// [`ApiServer::start`], serving https with `tls` when given
     /// (`--admin-tls-cert`, `--admin-tls-key`; the control plane's
-    /// listener, `nvpool_control::tls::TlsListener`).
+    /// listener, `nvpool_api::tls::TlsListener`).
     pub fn start_tls(
         addr: SocketAddr,
         tokens: AdminTokens,
@@ -264,7 +264,7 @@ async fn require_token(State(tokens): State<AdminTokens>, req: Request, next: Ne
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
-        .map(|v| nvpool_control::httpd::bearer(v.as_bytes()));
+        .map(|v| nvpool_api::httpd::bearer(v.as_bytes()));
     // The token file may be read again: a short blocking read, bounded by
     // ADMIN_TOKEN_RECHECK_MS, on the admin API's own thread.
     let ok = matches!(presented, Some(Some(p)) if tokens.check(p));
@@ -366,8 +366,8 @@ impl From<CopyError> for ApiError {
     }
 }
 
-impl From<nvpool_control::httpd::Rejection> for ApiError {
-    fn from(r: nvpool_control::httpd::Rejection) -> ApiError {
+impl From<nvpool_api::httpd::Rejection> for ApiError {
+    fn from(r: nvpool_api::httpd::Rejection) -> ApiError {
         ApiError::new(r.status, r.kind, r.message)
     }
 }
@@ -382,12 +382,12 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> FromRequestParts<S> 
         parts: &mut axum::http::request::Parts,
         state: &S,
     ) -> Result<Self, ApiError> {
-        Ok(Path(nvpool_control::httpd::path(parts, state).await?))
+        Ok(Path(nvpool_api::httpd::path(parts, state).await?))
     }
 }
 
 /// A JSON request body as `T`, by the control plane's rules
-/// (`nvpool_control::httpd::json_body`): 415 without a JSON content
+/// (`nvpool_api::httpd::json_body`): 415 without a JSON content
 /// type, 400 for a body that does not parse, names a key twice, is an
 /// array where an object belongs, or does not fit `T`.
 struct JsonBody<T>(T);
@@ -395,7 +395,7 @@ struct JsonBody<T>(T);
 impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<S> for JsonBody<T> {
     type Rejection = ApiError;
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
-        match nvpool_control::httpd::json_body(req, state, false).await? {
+        match nvpool_api::httpd::json_body(req, state, false).await? {
             Some(v) => Ok(JsonBody(v)),
             None => Err(ApiError::bad_request("a JSON body is required")),
         }
@@ -412,7 +412,7 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequest<
     type Rejection = ApiError;
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
         Ok(OptionalJsonBody(
-            nvpool_control::httpd::json_body(req, state, true).await?,
+            nvpool_api::httpd::json_body(req, state, true).await?,
         ))
     }
 }

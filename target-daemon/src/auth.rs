@@ -25,7 +25,7 @@ use crate::limits::{
     ADMIN_TOKENS_MAX, ADMIN_TOKEN_FILE_BYTES_MAX, ADMIN_TOKEN_RANDOM_BYTES, ADMIN_TOKEN_RECHECK_MS,
 };
 use crate::peerlog::peer_warn;
-use nvpool_control::rest::Secret;
+use nvpool_api::rest::Secret;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};

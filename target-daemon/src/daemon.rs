@@ -46,7 +46,7 @@ pub struct AdminOptions {
     pub listen: SocketAddr,
     pub tokens: AdminTokens,
     /// https with this certificate; None: plain HTTP.
-    pub tls: Option<nvpool_control::tls::ServerTls>,
+    pub tls: Option<nvpool_api::tls::ServerTls>,
 }
 
 enum AcceptorCmd {
@@ -675,7 +675,7 @@ pub fn admin_tokens(cli: &Cli, state_dir: Option<&std::path::Path>) -> anyhow::R
 /// command line is unusable (a usage error), else 1.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     let tls_file = e.chain().any(|c| {
-        c.is::<nvpool_control::tls::TlsError>()
+        c.is::<nvpool_api::tls::TlsError>()
             || matches!(
                 c.downcast_ref::<register::RegisterError>(),
                 Some(register::RegisterError::Tls(_))
@@ -692,7 +692,7 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     let (cfg, state_dir) = resolve_config(&cli)?;
     let admin_tls = match (&cli.admin_tls_cert, &cli.admin_tls_key) {
-        (Some(cert), Some(key)) => Some(nvpool_control::tls::ServerTls::load_for(
+        (Some(cert), Some(key)) => Some(nvpool_api::tls::ServerTls::load_for(
             ("--admin-tls-cert", cert),
             ("--admin-tls-key", key),
         )?),

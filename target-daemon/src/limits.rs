@@ -290,11 +290,11 @@ const _: () = assert!(ZERO_WRITE_CHUNK_BYTES / 512 <= u16::MAX as usize);
 const _: () = assert!(PEER_LOG_LINES_PER_WINDOW >= 1 && PEER_LOG_WINDOW_MS >= 1);
 const _: () = assert!(PEER_LOG_KEYED_SITES >= 1);
 const _: () = assert!(
-    ADMIN_TOKEN_RANDOM_BYTES * 2 >= nvpool_control::rest::SECRET_BYTES_MIN
-        && ADMIN_TOKEN_RANDOM_BYTES * 2 <= nvpool_control::rest::SECRET_BYTES_MAX
+    ADMIN_TOKEN_RANDOM_BYTES * 2 >= nvpool_api::rest::SECRET_BYTES_MIN
+        && ADMIN_TOKEN_RANDOM_BYTES * 2 <= nvpool_api::rest::SECRET_BYTES_MAX
 );
 const _: () = assert!(
-    ADMIN_TOKENS_MAX as u64 * (nvpool_control::rest::SECRET_BYTES_MAX as u64 + 1)
+    ADMIN_TOKENS_MAX as u64 * (nvpool_api::rest::SECRET_BYTES_MAX as u64 + 1)
         <= ADMIN_TOKEN_FILE_BYTES_MAX
 );
 const _: () = assert!(CONTROL_PLANE_REQUEST_TIMEOUT_MS < HEARTBEAT_INTERVAL_MS);

@@ -33,8 +33,8 @@ use crate::limits::{
     CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
     REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
 };
-use nvpool_control::http::{Call, Endpoints, NoAnswer};
-use nvpool_control::rest::{parse_endpoints, DeviceBody, RegisterTargetBody, Secret};
+use nvpool_api::http::{Call, Endpoints, NoAnswer};
+use nvpool_api::rest::{parse_endpoints, DeviceBody, RegisterTargetBody, Secret};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -58,7 +58,7 @@ pub enum RegisterError {
     Usage(String),
     /// `--control-plane-cacert` (or the system bundle) is unusable.
     #[error(transparent)]
-    Tls(#[from] nvpool_control::tls::TlsError),
+    Tls(#[from] nvpool_api::tls::TlsError),
     #[error("--control-plane-token-file {path}: cannot read the token")]
     TokenFile {
         path: PathBuf,
@@ -279,7 +279,7 @@ impl RegistrationConfig {
             backoff_min: Duration::from_millis(REGISTER_BACKOFF_MIN_MS),
             backoff_max: Duration::from_millis(REGISTER_BACKOFF_MAX_MS),
             request_timeout: Duration::from_millis(CONTROL_PLANE_REQUEST_TIMEOUT_MS),
-            tls: nvpool_control::tls::client_tls_system(),
+            tls: nvpool_api::tls::client_tls_system(),
         }
     }
 
@@ -401,7 +401,7 @@ impl Settings {
             Some(p) => Some(read_token(p)?),
             None => None,
         };
-        let tls = nvpool_control::tls::client_tls_for(
+        let tls = nvpool_api::tls::client_tls_for(
             "--control-plane-cacert",
             cli.control_plane_cacert.as_deref(),
         )?;

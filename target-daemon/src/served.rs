@@ -14,11 +14,12 @@
 use crate::backend::{OpenedVolume, VolumeSource};
 use crate::register::{Client, RegistrationConfig};
 use crate::target::Target;
-use nvpool_control::http::Call;
-use nvpool_control::paths::{owner_host_nqn, volume_subsystem_nqn, LeaseGrant, LEASE_RENEW_MS};
-use nvpool_control::Uuid;
+use nvpool_api::http::Call;
+use nvpool_api::names::{owner_host_nqn, volume_subsystem_nqn};
+use nvpool_api::rest::{LeaseGrant, LEASE_RENEW_MS};
 use nvpool_initiator::follow::{self, ControlPlane, Watcher};
 use nvpool_initiator::{Volume, VolumeOptions};
+use nvpool_layout::Uuid;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Weak};

@@ -9,10 +9,7 @@
 //! of a list of them ([`parse_endpoints`]: instances of one control plane
 //! that a client fails over between).
 
-use crate::attach::AttachmentState;
-use crate::model::{DeviceRef, Extent, Health, TargetState, Uuid, VolumeStatus};
-use crate::plan::{ConnectionPlan, LayoutBody};
-use crate::state::Capacity;
+use nvpool_layout::{ConnectionPlan, LayoutBody, Uuid};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -145,9 +142,72 @@ impl From<Secret> for String {
     }
 }
 
+/// Whether placement may put new extents on a target. Set by an operator;
+/// distinct from health, which is derived from heartbeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetState {
+    /// Takes new extents.
+    Active,
+    /// Keeps serving its extents but takes no new ones (before maintenance
+    /// or decommissioning).
+    Cordoned,
+    /// Takes no new extents, and every extent it holds moves to other
+    /// targets (it serves each until its move is done); empty, it is
+    /// "drained" and can be removed. Last, so stored states decode.
+    Draining,
+}
+
+impl TargetState {
+    /// Every state, in declaration order (the API document lists them).
+    pub const ALL: [TargetState; 3] = [
+        TargetState::Active,
+        TargetState::Cordoned,
+        TargetState::Draining,
+    ];
+
+    /// The state as JSON writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            TargetState::Active => "active",
+            TargetState::Cordoned => "cordoned",
+            TargetState::Draining => "draining",
+        }
+    }
+}
+
+/// A target's liveness as judged from its last heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    Online,
+    Offline,
+}
+
+/// Whether a volume can serve I/O, from the health of its extents' targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumeStatus {
+    Online,
+    Degraded,
+    Offline,
+}
+
+/// Where an attachment stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachmentState {
+    /// Recorded; targets are being programmed (or a crash interrupted it).
+    Attaching,
+    /// Every target exports the namespaces to the host.
+    Attached,
+    /// Targets are being told to remove the namespaces.
+    Detaching,
+}
+
 /// A device as a target registers it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DeviceBody {
     pub id: String,
@@ -160,16 +220,16 @@ pub struct DeviceBody {
 
 /// `POST /v1/targets`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RegisterTargetBody {
     pub id: String,
     pub name: String,
     /// NVMe/TCP listener, `host:port`.
-    #[cfg_attr(feature = "server", schema(value_type = String, example = "10.0.0.1:4420"))]
+    #[cfg_attr(feature = "schema", schema(value_type = String, example = "10.0.0.1:4420"))]
     pub addr: SocketAddr,
     /// The target's admin API, `host:port`.
-    #[cfg_attr(feature = "server", schema(value_type = String, example = "10.0.0.1:4480"))]
+    #[cfg_attr(feature = "schema", schema(value_type = String, example = "10.0.0.1:4480"))]
     pub admin_addr: SocketAddr,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
@@ -180,7 +240,7 @@ pub struct RegisterTargetBody {
     // Left out when absent, so a TCP-only target still registers with a
     // control plane that predates the field (it refuses unknown fields).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "server", schema(value_type = Option<String>, example = "10.0.0.1:4420"))]
+    #[cfg_attr(feature = "schema", schema(value_type = Option<String>, example = "10.0.0.1:4420"))]
     pub rdma_addr: Option<SocketAddr>,
     /// The admin API serves https: the control plane calls
     /// `https://admin_addr` and verifies the certificate against the CA of
@@ -199,13 +259,13 @@ pub struct RegisterTargetBody {
     /// from an earlier registration stays.
     // Left out when absent, like `rdma_addr`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "server", schema(value_type = Option<String>, write_only))]
+    #[cfg_attr(feature = "schema", schema(value_type = Option<String>, write_only))]
     pub admin_token: Option<Secret>,
 }
 
 /// A device with its usage.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct DeviceOut {
     pub id: String,
     pub backend: String,
@@ -218,7 +278,7 @@ pub struct DeviceOut {
 
 /// Bytes of a set of devices; `free_bytes = total_bytes - used_bytes`.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct CapacityOut {
     pub total_bytes: u64,
     pub used_bytes: u64,
@@ -227,39 +287,28 @@ pub struct CapacityOut {
     pub free_extents: u64,
 }
 
-impl From<&Capacity> for CapacityOut {
-    fn from(c: &Capacity) -> CapacityOut {
-        CapacityOut {
-            total_bytes: c.total_bytes,
-            used_bytes: c.used_bytes,
-            free_bytes: c.free_bytes,
-            free_extents: c.free_extents,
-        }
-    }
-}
-
 /// A target as listed.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct TargetOut {
     pub id: String,
     pub name: String,
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub addr: SocketAddr,
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub admin_addr: SocketAddr,
     /// NVMe/RDMA listener; `null`: NVMe/TCP only.
-    #[cfg_attr(feature = "server", schema(value_type = Option<String>))]
+    #[cfg_attr(feature = "schema", schema(value_type = Option<String>))]
     pub rdma_addr: Option<SocketAddr>,
     /// The control plane calls the admin API over https.
     pub admin_tls: bool,
     pub labels: BTreeMap<String, String>,
     /// `online` or `offline`, from the age of the last heartbeat.
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub health: Health,
     /// `active` (takes new extents), `cordoned` (takes none) or `draining`
     /// (takes none, and its extents move to other targets).
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub state: TargetState,
     /// Draining and holding nothing any more: it can be removed.
     pub drained: bool,
@@ -271,26 +320,17 @@ pub struct TargetOut {
 
 /// A device of a target.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DeviceRefBody {
     pub target: String,
     pub device: String,
 }
 
-impl From<DeviceRef> for DeviceRefBody {
-    fn from(d: DeviceRef) -> DeviceRefBody {
-        DeviceRefBody {
-            target: d.target,
-            device: d.device,
-        }
-    }
-}
-
 /// One extent of a volume: `length` bytes at `offset` of a target's device,
 /// holding copy `copy` of stripe member `member`'s `row`-th extent.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct ExtentOut {
     pub target: String,
     pub device: String,
@@ -301,23 +341,9 @@ pub struct ExtentOut {
     pub copy: u8,
 }
 
-impl From<Extent> for ExtentOut {
-    fn from(e: Extent) -> ExtentOut {
-        ExtentOut {
-            target: e.target,
-            device: e.device,
-            offset: e.offset,
-            length: e.length,
-            member: e.member,
-            row: e.row,
-            copy: e.copy,
-        }
-    }
-}
-
 /// `PUT /v1/pools/{name}`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PoolBody {
     pub devices: Vec<DeviceRefBody>,
@@ -325,7 +351,7 @@ pub struct PoolBody {
 
 /// A pool as listed.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct PoolOut {
     pub name: String,
     pub devices: Vec<DeviceRefBody>,
@@ -335,7 +361,7 @@ pub struct PoolOut {
 
 /// `PUT /v1/volumes/{uuid}`: what to create. The UUID is the path's.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct VolumeSpecBody {
     pub name: String,
@@ -349,7 +375,7 @@ pub struct VolumeSpecBody {
 
 /// `POST /v1/volumes/{uuid}/resize`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ResizeBody {
     /// The new size: at least the current one (volumes only grow).
@@ -358,16 +384,16 @@ pub struct ResizeBody {
 
 /// A volume as listed, with its status and every extent.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct VolumeOut {
-    #[cfg_attr(feature = "server", schema(value_type = String, example = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42"))]
+    #[cfg_attr(feature = "schema", schema(value_type = String, example = "0b5e1f9a-6c1d-4c55-9d0e-2f8a3b7c1d42"))]
     pub uuid: Uuid,
     pub name: String,
     pub size_bytes: u64,
     pub layout: LayoutBody,
     pub pool: Option<String>,
     /// `online`, `degraded` (a copy is on an offline target) or `offline`.
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub status: VolumeStatus,
     pub extent_bytes: u64,
     pub created_ms: u64,
@@ -387,7 +413,7 @@ pub struct VolumeOut {
 
 /// A running copy job.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct CopyJobOut {
     pub id: u64,
     /// The copy being filled (index into the volume's extents).
@@ -413,7 +439,7 @@ pub struct CopyJobOut {
 
 /// One copy of a volume, running or past (`nvpool volume history`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct CopyHistoryOut {
     pub id: u64,
     pub extent: u32,
@@ -435,14 +461,14 @@ pub struct CopyHistoryOut {
 
 /// An attachment of a volume to a host, with the connection plan.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct AttachmentOut {
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub volume: Uuid,
     pub host_nqn: String,
     /// `attaching`, `attached` or `detaching` (the last two only while a
     /// detach is in progress or after one failed).
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub state: AttachmentState,
     pub created_ms: u64,
     /// Extents (indices into `plan.extents`) the host reported failed: they
@@ -453,13 +479,13 @@ pub struct AttachmentOut {
     /// hosts write to them, never read them, and confirm with `PUT
     /// …/sync/{job}` once they do.
     #[serde(default)]
-    pub syncing: Vec<crate::resync::SyncingCopy>,
+    pub syncing: Vec<nvpool_layout::SyncingCopy>,
     /// Copies moving to new extents (replace, move): hosts write the new
     /// extent too and confirm with `PUT …/sync/{job}`; once `switched` they
     /// read it instead of the old one (and confirm again), still writing
     /// both until the job is gone.
     #[serde(default)]
-    pub moving: Vec<crate::resync::HostMove>,
+    pub moving: Vec<nvpool_layout::HostMove>,
     /// Moves whenever hosts must act on the copies; long-poll with
     /// `?after_revision=`.
     #[serde(default)]
@@ -469,7 +495,7 @@ pub struct AttachmentOut {
 
 /// `PUT /v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FailedExtentsBody {
     /// Indices into the plan's extents of copies that failed.
@@ -478,7 +504,7 @@ pub struct FailedExtentsBody {
 
 /// `PUT …/attachments/{host}/session`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SessionBody {
     /// Random per serving process.
@@ -490,7 +516,7 @@ pub struct SessionBody {
 /// `PUT …/attachments/{host}/missed`: what each stale copy missed from
 /// this host's serving process, handed over as it stops.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct MissedBody {
     pub session: u64,
@@ -502,7 +528,7 @@ pub struct MissedBody {
 /// `PUT …/attachments/{host}/sync/{job}`: the host writes to the job's
 /// copy and every write it issued before has completed.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SyncBody {
     pub session: u64,
@@ -515,7 +541,7 @@ pub struct SyncBody {
 
 /// What a reconciliation changed on a target.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct ReconcileOut {
     pub subsystems_removed: usize,
     pub namespaces_removed: usize,
@@ -529,7 +555,7 @@ pub struct ReconcileOut {
 
 /// Body of `PUT /v1/volumes/{uuid}/exports/{host_nqn}`.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ExportBody {
     /// Targets presenting the volume (ANA paths) when it is first
@@ -545,12 +571,12 @@ pub struct ExportBody {
 // (canonical) of a 32-, 48- or 64-byte key and its CRC-32, which JSON
 // Schema cannot check (a wrong CRC is a 400).
 #[derive(Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct HostKeysBody {
     /// The host's secret (what `nvme connect --dhchap-secret` is given).
     #[cfg_attr(
-        feature = "server",
+        feature = "schema",
         schema(
             pattern = r"^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{69}[AQgw]==|[A-Za-z0-9+/]{90}[AEIMQUYcgkosw048]=):$"
         )
@@ -560,7 +586,7 @@ pub struct HostKeysBody {
     /// (`--dhchap-ctrl-secret`); must differ from the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(
-        feature = "server",
+        feature = "schema",
         schema(
             pattern = r"^DHHC-1:0[0-3]:([A-Za-z0-9+/]{48}|[A-Za-z0-9+/]{69}[AQgw]==|[A-Za-z0-9+/]{90}[AEIMQUYcgkosw048]=):$"
         )
@@ -568,13 +594,13 @@ pub struct HostKeysBody {
     pub dhchap_ctrl_key: Option<String>,
     /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "server", schema(pattern = "^sha(256|384|512)$"))]
+    #[cfg_attr(feature = "schema", schema(pattern = "^sha(256|384|512)$"))]
     pub dhchap_hash: Option<String>,
     /// `null` (default) or `ffdhe2048`, `ffdhe3072`, `ffdhe4096`,
     /// `ffdhe6144`, `ffdhe8192`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(
-        feature = "server",
+        feature = "schema",
         schema(pattern = "^(null|ffdhe(2048|3072|4096|6144|8192))$")
     )]
     pub dhchap_dhgroup: Option<String>,
@@ -593,7 +619,7 @@ impl std::fmt::Debug for HostKeysBody {
 /// A host's DH-HMAC-CHAP settings as the control plane holds them: never
 /// the secrets.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct HostKeysOut {
     pub host_nqn: String,
     /// Names this version of the keys; targets show it beside the host.
@@ -611,7 +637,7 @@ pub struct HostKeysOut {
 
 /// Where a change of a host's keys has been made.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct KeyRollout {
     /// Targets that export to the host and now hold its new keys.
     pub updated: Vec<String>,
@@ -621,7 +647,7 @@ pub struct KeyRollout {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct PendingTarget {
     pub target: String,
     pub error: String,
@@ -629,17 +655,17 @@ pub struct PendingTarget {
 
 /// `PUT /v1/targets/{id}/state`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TargetStateBody {
     /// `active`, `cordoned` or `draining`.
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub state: TargetState,
 }
 
 /// `POST /v1/rebalance`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RebalanceBody {
     /// The pool to even out; absent: every pool and the unpooled devices.
@@ -652,9 +678,9 @@ pub struct RebalanceBody {
 
 /// One planned move.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct MoveOut {
-    #[cfg_attr(feature = "server", schema(value_type = String))]
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
     pub volume: Uuid,
     pub volume_name: String,
     /// The copy: an index into the volume's extents.
@@ -667,7 +693,7 @@ pub struct MoveOut {
 
 /// A rebalance plan (and whether it was started).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct RebalanceOut {
     pub moves: Vec<MoveOut>,
     pub bytes_total: u64,
@@ -680,6 +706,18 @@ pub struct RebalanceOut {
     pub pending: Vec<Option<String>>,
     /// Move jobs under way.
     pub moves_running: usize,
+}
+
+/// How often an owner renews its lease.
+pub const LEASE_RENEW_MS: u64 = 500;
+
+/// What a lease request gets: the subsystems the target may serve, for
+/// `valid_ms` from when it sent the request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct LeaseGrant {
+    pub valid_ms: u64,
+    pub nqns: Vec<String>,
 }
 
 #[cfg(test)]

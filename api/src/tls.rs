@@ -1,7 +1,7 @@
 //! TLS for nvpool's REST APIs, rustls with the ring provider (the one
 //! etcd-client's gRPC already brings): the client trust every ureq agent
 //! of a REST client gets ([`client_tls`], feature `client`), and the
-//! serving side ([`ServerTls`], [`TlsListener`], feature `tls-server`),
+//! serving side ([`ServerTls`], [`TlsListener`], feature `server`),
 //! shared by `nvpool-control` and the target's admin API.
 //!
 //! ```text
@@ -142,10 +142,10 @@ pub fn check_plain_http(
     ))
 }
 
-#[cfg(feature = "tls-server")]
+#[cfg(feature = "server")]
 pub use server::{ServerTls, TlsListener, TLS_HANDSHAKES_MAX, TLS_HANDSHAKE_TIMEOUT_MS};
 
-#[cfg(feature = "tls-server")]
+#[cfg(feature = "server")]
 mod server {
     use super::{invalid, provider, read, TlsError};
     use rustls::pki_types::pem::PemObject;
