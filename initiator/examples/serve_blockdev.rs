@@ -17,6 +17,7 @@
 //! prints `DELETED <id>` for each stale ublk device it deleted,
 //! `--nbd-disconnect` prints `DISCONNECTED /dev/nbdN`.
 
+use nvpool_initiator::device::block_on;
 use nvpool_initiator::{BlockDev, ConnectParams, Controller, Device, Volume, VolumeOptions};
 use std::error::Error as StdError;
 use std::io::Write as _;
@@ -225,25 +226,6 @@ fn nbd_disconnect(path: &std::path::Path) -> Res<()> {
         .map_err(|e| format!("{}: {e}", path.display()))?;
     say(&format!("DISCONNECTED {}", path.display()));
     Ok(())
-}
-
-/// Polls a future to completion on this thread.
-fn block_on<F: std::future::Future>(fut: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl std::task::Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = std::task::Context::from_waker(&waker);
-    let mut fut = std::pin::pin!(fut);
-    loop {
-        if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
 }
 
 fn run(a: &Args, signals: &libc::sigset_t) -> Res<()> {

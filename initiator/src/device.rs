@@ -45,6 +45,7 @@
 
 use crate::admin::{Controller, NamespaceInfo};
 use crate::error::{Error, IoError};
+pub use crate::exec::block_on;
 use crate::limits::{JOBS_PER_WORKER_MAX, WORKER_IDLE_WAKE};
 use crate::queue::{Completion, IoQueue, Op, Request};
 use nvpool_rt::{wake, Wakeup};
@@ -1092,25 +1093,6 @@ fn finish(parents: &mut [Option<Parent>], free: &mut Vec<usize>, done: &mut Vec<
         None => Ok(()),
     };
     done.push((p.job.cell, r, p.job.buf));
-}
-
-/// Runs a future to completion on this thread.
-pub fn block_on<F: Future>(f: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl std::task::Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut f = std::pin::pin!(f);
-    loop {
-        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
 }
 
 /// Runs futures concurrently; their outputs in the order given.

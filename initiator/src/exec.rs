@@ -303,6 +303,27 @@ fn poll_locked(shared: &Shared, task: &Arc<Task>, mut slot: MutexGuard<'_, Optio
     }
 }
 
+/// Polls `fut` to completion on the calling thread, parking it between
+/// wakes: for threads that are not executor threads and may wait (FUSE
+/// sessions, ublk queues' flushes, tests, blocking helpers).
+pub fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let std::task::Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -60,6 +60,7 @@
 use super::errno;
 use crate::blockdev::BlockDev;
 use crate::error::IoError;
+use crate::exec::block_on;
 use crate::limits::{UBLK_DISCARD_BYTES_MAX, UBLK_IO_BYTES_MAX, UBLK_QUEUE_DEPTH_DEFAULT};
 use io_uring::{opcode, types};
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
@@ -75,7 +76,7 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Wake, Waker};
 use std::thread::JoinHandle;
 
 /// Where the devices this program created are recorded (see
@@ -698,25 +699,6 @@ fn page_bytes() -> u32 {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Polls a future to completion on the calling thread.
-fn block_on<F: Future>(fut: F) -> F::Output {
-    struct Unpark(std::thread::Thread);
-    impl Wake for Unpark {
-        fn wake(self: Arc<Self>) {
-            self.0.unpark();
-        }
-    }
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut fut = std::pin::pin!(fut);
-    loop {
-        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
-            return v;
-        }
-        std::thread::park();
-    }
 }
 
 /// The wake-up side of one queue thread: the tags ready to run, and an
