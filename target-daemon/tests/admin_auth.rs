@@ -9,31 +9,13 @@ mod certs;
 mod common;
 
 use common::*;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const PATIENCE: Duration = Duration::from_secs(15);
-
-#[track_caller]
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// A loopback port nothing listens on (for the daemon to take).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The status of `GET /v1/health` with `token` (None: no header), or None
 /// while nothing answers.
@@ -78,14 +60,7 @@ fn spawn(admin: &str, extra: &[&str], envs: &[(&str, &Path)], log: &Path) -> Pro
 fn stop(mut child: Proc) {
     // SAFETY: kill has no memory preconditions; the pid is our child's.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(start.elapsed() < PATIENCE, "the daemon did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_exit("the daemon to stop", &mut child.0, PATIENCE);
     assert!(status.success(), "{status:?}");
 }
 
@@ -111,7 +86,7 @@ fn plain_http_off_loopback_must_be_asked_for() {
         &dir.path().join("log"),
     );
     let admin: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for("the admin API", || health(admin, None).is_some());
+    wait_for("the admin API", PATIENCE, || health(admin, None).is_some());
     assert_eq!(health(admin, None), Some(401));
     let token = std::fs::read_to_string(state.join("admin-token")).unwrap();
     assert_eq!(health(admin, Some(token.trim())), Some(200));
@@ -127,7 +102,7 @@ fn the_state_dir_keeps_a_private_token_across_restarts() {
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let state_arg = state.to_str().unwrap();
     let child = spawn(&admin.to_string(), &["--state-dir", state_arg], &[], &log);
-    wait_for("the admin API", || health(admin, None).is_some());
+    wait_for("the admin API", PATIENCE, || health(admin, None).is_some());
     let token = std::fs::read_to_string(&token_file).unwrap();
     let token = token.trim().to_owned();
     assert_eq!(token.len(), 64, "256 bits in hex");
@@ -147,7 +122,9 @@ fn the_state_dir_keeps_a_private_token_across_restarts() {
 
     // The next start reuses it.
     let child = spawn(&admin.to_string(), &["--state-dir", state_arg], &[], &log);
-    wait_for("the admin API again", || health(admin, None).is_some());
+    wait_for("the admin API again", PATIENCE, || {
+        health(admin, None).is_some()
+    });
     assert_eq!(health(admin, Some(&token)), Some(200));
     assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
     stop(child);
@@ -168,16 +145,18 @@ fn a_token_file_from_the_environment_rotates_without_a_restart() {
         &[("NVPOOL_TARGET_ADMIN_TOKEN_FILE", &file)],
         &log,
     );
-    wait_for("the admin API", || health(admin, None).is_some());
+    wait_for("the admin API", PATIENCE, || health(admin, None).is_some());
     assert_eq!(health(admin, Some(old)), Some(200));
     assert_eq!(health(admin, Some(new)), Some(401));
     // Rotation: the new token first, the old one still accepted ...
     std::fs::write(&file, format!("# rotated\n{new}\n{old}\n")).unwrap();
-    wait_for("the new token", || health(admin, Some(new)) == Some(200));
+    wait_for("the new token", PATIENCE, || {
+        health(admin, Some(new)) == Some(200)
+    });
     assert_eq!(health(admin, Some(old)), Some(200));
     // ... then the old one gone.
     std::fs::write(&file, format!("{new}\n")).unwrap();
-    wait_for("the old token to stop working", || {
+    wait_for("the old token to stop working", PATIENCE, || {
         health(admin, Some(old)) == Some(401)
     });
     assert_eq!(health(admin, Some(new)), Some(200));
@@ -252,7 +231,7 @@ fn tls_serves_the_admin_api_off_loopback() {
         &dir.path().join("log"),
     );
     let admin: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    wait_for("the admin API", || {
+    wait_for("the admin API", PATIENCE, || {
         std::net::TcpStream::connect(admin).is_ok()
     });
     let token = std::fs::read_to_string(state.join("admin-token")).unwrap();

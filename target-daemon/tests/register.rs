@@ -160,19 +160,9 @@ fn cluster_trusting(store: Arc<MemStore>, target_ca: Option<&Path>) -> Cluster {
 
 // ----- helpers -----
 
-/// Waits until `f` holds, or fails the test with `what`.
-#[track_caller]
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[track_caller]
 fn wait_status(r: &Registrar, what: &str, f: impl Fn(&RegistrationStatus) -> bool) {
-    wait_for(what, || f(&r.status()));
+    wait_for(what, PATIENCE, || f(&r.status()));
 }
 
 /// A registration with quick heartbeats and retries.
@@ -255,7 +245,9 @@ fn target_registers_its_devices_labels_and_addresses_then_heartbeats() {
         .unwrap(),
     ];
     let r = Registrar::start(cfg).unwrap();
-    wait_for("the target to be listed", || cp.target("t-reg").is_some());
+    wait_for("the target to be listed", PATIENCE, || {
+        cp.target("t-reg").is_some()
+    });
     let t = cp.target("t-reg").unwrap();
     assert_eq!(t["name"], "t-reg-name");
     assert_eq!(t["addr"], d.addr.to_string());
@@ -279,7 +271,7 @@ fn target_registers_its_devices_labels_and_addresses_then_heartbeats() {
 
     // Heartbeats move last_heartbeat_ms forward.
     let first = t["last_heartbeat_ms"].as_u64().unwrap();
-    wait_for("a later heartbeat", || {
+    wait_for("a later heartbeat", PATIENCE, || {
         cp.target("t-reg").unwrap()["last_heartbeat_ms"]
             .as_u64()
             .unwrap()
@@ -341,7 +333,9 @@ fn a_wrong_token_is_refused_and_logged_once_and_the_target_keeps_serving() {
     let mut cfg = quick(cp.url(), "t-token", &d);
     cfg.token = Some("target-secret-0123456789".into());
     let r = Registrar::start(cfg).unwrap();
-    wait_for("the target to be listed", || cp.target("t-token").is_some());
+    wait_for("the target to be listed", PATIENCE, || {
+        cp.target("t-token").is_some()
+    });
     r.stop();
 }
 
@@ -429,9 +423,11 @@ fn a_rotated_admin_token_is_registered_again() {
             .unwrap()
             .map(|s| s.expose().to_owned())
     };
-    wait_for("the first registration", || held().as_deref() == Some(old));
+    wait_for("the first registration", PATIENCE, || {
+        held().as_deref() == Some(old)
+    });
     std::fs::write(&file, format!("{new}\n{old}\n")).unwrap();
-    wait_for("the new token registered", || {
+    wait_for("the new token registered", PATIENCE, || {
         held().as_deref() == Some(new)
     });
     wait_status(&r, "a second registration", |s| s.registrations >= 2);
@@ -473,7 +469,7 @@ fn a_control_plane_that_forgot_the_target_gets_a_new_registration() {
     // heartbeat gets 404 and the target registers again.
     cp.stop();
     let cp = ControlPlane::start_on(addr, AuthConfig::default());
-    wait_for("the target to be listed again", || {
+    wait_for("the target to be listed again", PATIENCE, || {
         cp.target("t-forgot").is_some()
     });
     wait_status(&r, "a second registration", |s| {
@@ -572,9 +568,11 @@ fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
             .ok()
             .map(|s| s.trim().to_owned())
     };
-    wait_for("the identity file", || id().is_some());
+    wait_for("the identity file", PATIENCE, || id().is_some());
     let id = id().unwrap();
-    wait_for("the daemon to register", || cp.target(&id).is_some());
+    wait_for("the daemon to register", PATIENCE, || {
+        cp.target(&id).is_some()
+    });
     let t = cp.target(&id).unwrap();
     assert_eq!(t["name"], "bin-node");
     let addr: SocketAddr = t["addr"].as_str().unwrap().parse().unwrap();
@@ -608,14 +606,7 @@ fn the_daemon_registers_with_its_state_identity_and_stops_on_sigterm() {
 
     // SAFETY: kill has no memory preconditions; the pid is our child's.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(start.elapsed() < PATIENCE, "the daemon did not stop");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_exit("the daemon to stop", &mut child, PATIENCE);
     assert!(status.success(), "{status:?}");
 }
 
@@ -779,7 +770,9 @@ fn attachment_path() -> String {
 /// Waits for `id` to register and creates a 1 MiB volume on it: the
 /// target as listed.
 fn registered_with_a_volume(cp: &ControlPlane, id: &str) -> Value {
-    wait_for("the target to register", || cp.target(id).is_some());
+    wait_for("the target to register", PATIENCE, || {
+        cp.target(id).is_some()
+    });
     // A registration reconciles the target in the background; let that
     // settle so it does not race with the attach (as the control plane's
     // own attach tests do).

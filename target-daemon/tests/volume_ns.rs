@@ -23,6 +23,7 @@ use nvpool_target::backend::{
 };
 use nvpool_target::config::{AnaConfig, AnaState, SubsystemConfig};
 use nvpool_target::Target;
+use nvpool_testkit::wait_for;
 use nvpool_wire::Status;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -108,33 +109,26 @@ fn cluster(layout: LayoutBody, size: u64, uuid: u8) -> Cluster {
         layout,
         extents: Vec::new(),
     };
-    let g = plan.geometry();
+    let placed = nvpool_testkit::place(&plan.geometry(), BACKING_TARGETS);
     let mut count = [0u32; BACKING_TARGETS];
-    let mut placed = Vec::new();
-    for row in 0..g.rows() {
-        for member in 0..g.width {
-            for copy in 0..g.copies {
-                let t = (row as usize + member as usize * usize::from(g.copies) + copy as usize)
-                    % BACKING_TARGETS;
-                count[t] += 1;
-                placed.push((t, count[t], row, member, copy));
-            }
-        }
+    for p in &placed {
+        count[p.target] = count[p.target].max(p.nsid);
     }
     let backing: Vec<Backing> = count.iter().map(|&n| Backing::start(n)).collect();
-    for (t, nsid, row, member, copy) in placed {
+    for p in placed {
+        let b = &backing[p.target];
         plan.extents.push(PlanExtent {
-            target: format!("backing-{t}"),
-            addr: backing[t].addr,
+            target: format!("backing-{}", p.target),
+            addr: b.addr,
             rdma_addr: None,
             subsystem_nqn: BACKING_NQN.into(),
-            nsid,
-            device: backing[t].path.display().to_string(),
-            offset: u64::from(nsid - 1) * EXTENT,
+            nsid: p.nsid,
+            device: b.path.display().to_string(),
+            offset: u64::from(p.nsid - 1) * EXTENT,
             length: EXTENT,
-            member,
-            row,
-            copy,
+            member: p.member,
+            row: p.row,
+            copy: p.copy,
         });
     }
     plan.validate().expect("the test builds a valid plan");
@@ -369,16 +363,6 @@ fn read_check(dev: &Arc<Device>, off: u64, want: &[u8]) {
     assert!(got == want, "volume bytes {off}+{} differ", want.len());
 }
 
-/// Waits until `f` holds, failing the test after `WAIT`.
-#[track_caller]
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let until = Instant::now() + WAIT;
-    while !f() {
-        assert!(Instant::now() < until, "still waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 // ----- tests -----
 
 #[test]
@@ -524,15 +508,15 @@ fn qd32_verified_io_survives_a_dead_backing_target() {
             });
         }
         let running = |n: usize| ops.load(Ordering::SeqCst) >= n || stop.load(Ordering::SeqCst);
-        eventually("I/O under way", || running(THREADS as usize * 8));
+        wait_for("I/O under way", WAIT, || running(THREADS as usize * 8));
         // Backing target 1 holds a copy of every other row.
         c.stop(1);
         let volume = src.volume().expect("volume open");
-        eventually("the copies on the stopped target failed", || {
+        wait_for("the copies on the stopped target failed", WAIT, || {
             stop.load(Ordering::SeqCst) || !volume.health().failed_extents.is_empty()
         });
         let after = ops.load(Ordering::SeqCst);
-        eventually("I/O after the failover", || {
+        wait_for("I/O after the failover", WAIT, || {
             running(after + THREADS as usize * 8)
         });
         stop.store(true, Ordering::SeqCst);
@@ -580,7 +564,7 @@ fn raid10_deactivate_waits_for_io_in_flight_and_later_io_fails() {
             let _ = tx.send((i, r));
         });
     }
-    eventually("every write in the volume", || {
+    wait_for("every write in the volume", WAIT, || {
         vb.in_flight() >= WRITES as usize
     });
     vb.deactivate();
@@ -633,15 +617,15 @@ fn closing_the_host_connection_with_io_in_flight_strands_no_slot() {
             q.submit(common::read_cmd(1, lba, blocks_per_io, BLOCK as usize));
         }
     }
-    eventually("the commands in the volume", || {
+    wait_for("the commands in the volume", WAIT, || {
         vb.in_flight() >= IOS as usize
     });
     q.close();
     admin.close();
-    eventually("the host's controller gone", || {
+    wait_for("the host's controller gone", WAIT, || {
         s.target.controllers().iter().all(|c| c.hostnqn != HOST_A)
     });
-    eventually("every operation completed", || vb.in_flight() == 0);
+    wait_for("every operation completed", WAIT, || vb.in_flight() == 0);
     c.set_latency(Duration::ZERO);
 
     // The target serves on: a new host reads what the old one wrote.
@@ -752,14 +736,14 @@ fn writes_failed_by_a_fence_during_deactivation_get_a_path_status() {
 
     c.set_latency(FENCE_LATENCY);
     let rx = fence_writes(&dev);
-    eventually("every write in the volume", || {
+    wait_for("every write in the volume", WAIT, || {
         vb.in_flight() >= FENCE_WRITES as usize
     });
     let closer = {
         let vb = vb.clone();
         std::thread::spawn(move || vb.deactivate())
     };
-    eventually("the namespace to stop serving", || !vb.is_active());
+    wait_for("the namespace to stop serving", WAIT, || !vb.is_active());
     assert!(vb.in_flight() > 0, "the writes are still in the engine");
     fence(&c);
     let path_errors = expect_path_status_or_success(&rx);
@@ -819,14 +803,14 @@ fn writes_failed_by_a_fence_after_the_lease_ran_out_get_a_path_status() {
     let until = s.target.now_ms() + LEASE_MS;
     s.target.renew_leases(&[SERVE_NQN], until);
     let rx = fence_writes(&dev);
-    eventually("every write in the volume", || {
+    wait_for("every write in the volume", WAIT, || {
         vb.in_flight() >= FENCE_WRITES as usize
     });
     assert!(
         s.target.now_ms() < until,
         "the writes reached the volume only after the lease: the test proves nothing"
     );
-    eventually("the lease to run out", || s.target.now_ms() > until);
+    wait_for("the lease to run out", WAIT, || s.target.now_ms() > until);
     let effective = s
         .target
         .subsystem(SERVE_NQN)

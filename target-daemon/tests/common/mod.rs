@@ -10,8 +10,9 @@
 #![allow(dead_code)]
 
 use nvpool_control::rest::Secret;
-use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{AdminOptions, AdminTokens, Running, StartOptions, Target};
+use nvpool_target::config::SubsystemConfig;
+use nvpool_target::{AdminTokens, StartOptions, Target};
+use nvpool_testkit::target::{self as tk, Serving, LOOPBACK};
 use nvpool_wire::fabrics::{cc, csts, fctype, prop, ConnectCmd, ConnectData, PropertyCmd};
 use nvpool_wire::identify::{self, IdentifyController, IdentifyNamespace, NsId, IDENTIFY_LEN};
 use nvpool_wire::log::GetLogPage;
@@ -57,32 +58,17 @@ pub const NULL_SGL: Sgl = Sgl {
 
 // ----- daemon -----
 
-/// A subsystem with the given allowed hosts (none: any host) and namespaces.
-pub fn subsystem(nqn: &str, hosts: &[&str], namespaces: &[(u32, &str)]) -> SubsystemConfig {
-    SubsystemConfig {
-        nqn: nqn.to_owned(),
-        allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
-        allow_any_host: hosts.is_empty(),
-        host_keys: Default::default(),
-        serial: None,
-        model: None,
-        ana: None,
-        namespaces: namespaces
-            .iter()
-            .map(|&(nsid, backend)| NamespaceConfig {
-                nsid,
-                backend: backend.to_owned(),
-                uuid: None,
-                read_only: false,
-            })
-            .collect(),
-    }
-}
+// What the suites of every crate share (nvpool-testkit), under the names
+// these tests use; each test binary uses some of them.
+#[allow(unused_imports)]
+pub use nvpool_testkit::target::subsystem;
+#[allow(unused_imports)]
+pub use nvpool_testkit::{file_spec, free_port, pattern, wait_exit, wait_for};
 
 /// An nvpool-target running inside the test process on loopback ports.
 #[derive(Debug)]
 pub struct Daemon {
-    running: Option<Running>,
+    serving: Serving,
     pub target: Arc<Target>,
     /// The NVMe/TCP listener.
     pub addr: SocketAddr,
@@ -113,70 +99,28 @@ impl Daemon {
             target.put_subsystem(s).expect("put_subsystem");
         }
         let opts = StartOptions {
-            listeners: vec!["127.0.0.1:0".parse().expect("addr")],
-            rdma_listeners: vec![],
-            reactors: 2,
-            io_uring: true,
-            admin: Some(AdminOptions {
-                listen: "127.0.0.1:0".parse().expect("addr"),
-                tokens: tokens.clone(),
-                tls: None,
-            }),
+            admin: Some(tk::admin(LOOPBACK, tokens.clone())),
+            ..tk::loopback()
         };
-        let running = Running::start(target.clone(), &opts).expect("daemon starts");
-        let addrs = running.listen_addrs();
-        assert_eq!(addrs.len(), 1, "one listener: {addrs:?}");
-        let api = running.admin_addr().expect("admin API address");
+        let serving = tk::start(&target, &opts);
         Daemon {
-            addr: addrs[0],
-            api,
+            addr: serving.addr,
+            api: serving.admin_addr(),
             tokens,
             target,
-            running: Some(running),
+            serving,
         }
     }
 
     /// Stops the daemon: drains in-flight commands and flushes backends.
     pub fn shutdown(mut self) {
-        self.running.take().expect("running").shutdown();
+        self.serving.stop();
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.shutdown();
-        }
-    }
-}
-
-/// A zero-filled sparse file of `size` bytes on the build disk (not tmpfs,
-/// so the file backend can use O_DIRECT and io_uring on it).
+/// A zero-filled sparse file of `size` bytes on the build disk.
 pub fn scratch_file(size: u64) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    let path = dir.path().join("disk.img");
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(size))
-        .expect("create scratch file");
-    (dir, path)
-}
-
-/// `file:PATH` spec for a scratch file.
-pub fn file_spec(path: &std::path::Path) -> String {
-    format!("file:{}", path.display())
-}
-
-/// Deterministic test data: xorshift bytes from `seed`.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    nvpool_testkit::scratch_file(env!("CARGO_TARGET_TMPDIR"), size)
 }
 
 // ----- PDUs -----
