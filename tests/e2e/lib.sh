@@ -1,7 +1,13 @@
 # Shared by the end-to-end tests: a local cluster of real processes on
 # 127.0.0.1 (one nvpool-control, N nvpool-target daemons on sparse files)
 # driven through the nvpool CLI. Source it; set BIN first (the directory of
-# the release binaries).
+# the release binaries). The daemons' command lines and the checks that they
+# are up are scripts/lib/local-cluster.sh's, shared with scripts/demo and the
+# VM guests.
+
+# shellcheck source=../../scripts/lib/local-cluster.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/lib/local-cluster.sh"
+NVPOOL_BIN_DIR=$BIN
 
 E2E_DIR=${E2E_DIR:-$(mktemp -d /var/tmp/nvpool-e2e.XXXXXX)}
 # Ports below the kernel's ephemeral range (32768 and up by default): a
@@ -30,17 +36,6 @@ check() { # check NAME COMMAND...: PASS when the command succeeds
 
 nvpool() { "$BIN/nvpool" "$@"; }
 
-# wait_for SECONDS CMD...: until CMD succeeds (5 tries a second).
-wait_for() {
-    local s=$1 i
-    shift
-    for ((i = 0; i < s * 5; i++)); do
-        "$@" && return 0
-        sleep 0.2
-    done
-    return 1
-}
-
 # in_sync NAME: the volume is online, no copy stale, no copy job running.
 in_sync() {
     nvpool volume info "$1" -o json |
@@ -62,16 +57,12 @@ start_control_plane() {
     mkdir -p "$dir"
     local store=(--state-dir "$dir")
     [[ -n ${CP_STORE:-} ]] && store=(--store "$CP_STORE")
-    "$BIN/nvpool-control" --listen "127.0.0.1:$((CP_PORT + n))" "${store[@]}" \
-        --extent-size "${EXTENT_BYTES:-268435456}" --log "${CP_LOG:-warn}" \
-        ${CP_ARGS[@]+"${CP_ARGS[@]}"} >>"$log" 2>&1 &
+    control_plane_argv "$((CP_PORT + n))" "${CP_LOG:-warn}" "${store[@]}" \
+        --extent-size "${EXTENT_BYTES:-268435456}" ${CP_ARGS[@]+"${CP_ARGS[@]}"}
+    "${CLUSTER_ARGV[@]}" >>"$log" 2>&1 &
     CP_PIDS[n]=$!
     [[ $n -eq 0 ]] && CP_PID=$!
-    local i
-    for i in $(seq 100); do
-        curl -sf "http://127.0.0.1:$((CP_PORT + n))/healthz" >/dev/null 2>&1 && return 0
-        sleep 0.1
-    done
+    wait_for 10 control_plane_healthy "$((CP_PORT + n))" && return 0
     cat "$log" >&2
     return 1
 }
@@ -84,12 +75,10 @@ start_target() {
     local d=$E2E_DIR/t$i
     mkdir -p "$d/state"
     [[ -f $d/d0.img ]] || truncate -s "$size" "$d/d0.img"
-    "${TARGET_BIN:-$BIN/nvpool-target}" --state-dir "$d/state" \
-        --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" \
-        --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
-        --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \
-        --label "rack=r$i" --device "d0=file:$d/d0.img" --reactors 1 --log warn \
-        ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"} >>"$d/target.log" 2>&1 &
+    target_argv "t$i" "$((TARGET_PORT_BASE + i))" "$((ADMIN_PORT_BASE + i))" "$d/state" \
+        "d0=file:$d/d0.img" --label "rack=r$i" --reactors 1 --log warn \
+        ${TARGET_ARGS[@]+"${TARGET_ARGS[@]}"}
+    "${CLUSTER_ARGV[@]}" >>"$d/target.log" 2>&1 &
     TARGET_PIDS[i]=$!
 }
 
@@ -106,14 +95,7 @@ target_admin() {
 
 # wait_targets N: until N targets are registered and online.
 wait_targets() {
-    local n=$1 i
-    for i in $(seq 150); do
-        local online
-        online=$(nvpool target ls -o json 2>/dev/null |
-            jq '[.[] | select(.health == "online")] | length' 2>/dev/null || echo 0)
-        [[ $online -ge $n ]] && return 0
-        sleep 0.2
-    done
+    wait_for 30 targets_online "$1" && return 0
     nvpool target ls >&2 || true
     return 1
 }
