@@ -4,6 +4,7 @@
 //!
 //! ```text
 //!   rest ── request and response bodies, Secret, endpoint lists (always)
+//!   size ── parse_size, the one reading of byte counts (always)
 //!   names ── the NQNs one process makes up and another recognises (always)
 //!   tls ── rustls with the ring provider: client trust ("client"),
 //!          certificate and listener of a server ("server")
@@ -23,5 +24,6 @@ pub mod http;
 pub mod httpd;
 pub mod names;
 pub mod rest;
+pub mod size;
 #[cfg(any(feature = "client", feature = "server"))]
 pub mod tls;

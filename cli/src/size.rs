@@ -5,28 +5,7 @@
 
 use std::time::Duration;
 
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(end);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (examples: 4k, 128K, 1G)"))?;
-    let shift = match unit
-        .to_ascii_lowercase()
-        .trim_end_matches("ib")
-        .trim_end_matches('b')
-    {
-        "" => 0,
-        "k" => 10,
-        "m" => 20,
-        "g" => 30,
-        "t" => 40,
-        _ => return Err(format!("{s:?} has an unknown unit (use k, M, G or T)")),
-    };
-    n.checked_mul(1 << shift)
-        .ok_or_else(|| format!("{s:?} is too large"))
-}
+pub use nvpool_api::size::parse_size;
 
 /// A byte count for people, in IEC units with one decimal: `512 B`,
 /// `4.0 KiB`, `10.0 GiB`, `1.5 TiB`.

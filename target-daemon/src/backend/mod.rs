@@ -36,6 +36,7 @@ pub use file::FileBackend;
 pub use ram::RamBackend;
 pub use volume::{OpenedVolume, VolumeBackend, VolumeContext, VolumeSource};
 
+use nvpool_api::size::parse_size;
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
@@ -310,29 +311,6 @@ impl BackendSpec {
             )),
         })
     }
-}
-
-/// Parses a byte count: plain digits, or with a binary suffix K, M, G, T
-/// (optionally followed by `i`/`iB`/`B`): `4096`, `512M`, `1G`, `2TiB`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let digits_end = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, suffix) = t.split_at(digits_end);
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-    let shift = match suffix
-        .trim_end_matches("iB")
-        .trim_end_matches('B')
-        .trim_end_matches('i')
-    {
-        "" => 0,
-        "K" | "k" => 10,
-        "M" | "m" => 20,
-        "G" | "g" => 30,
-        "T" | "t" => 40,
-        _ => return Err(format!("{s:?} has an unknown unit (use K, M, G or T)")),
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} is too large"))
 }
 
 /// A buffer aligned for O_DIRECT, owned by the caller until its I/O completes.
