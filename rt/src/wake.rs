@@ -85,6 +85,7 @@ pub fn pollfd(fd: RawFd, events: i16) -> libc::pollfd {
 /// poll(2) over `fds` for up to `timeout` (`None`: until an event): how
 /// many have events in `revents`; 0 after the timeout or an interrupted
 /// wait. A negative fd is skipped, as poll(2) does.
+#[allow(clippy::disallowed_methods, reason = "the one poll(2) call")]
 pub fn poll(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::Result<usize> {
     let ms = timeout.map_or(-1, |d| {
         // Round up: a wait of 0.4 ms must not become a busy poll.
@@ -115,6 +116,7 @@ pub fn poll_one(fd: RawFd, events: i16, timeout: Option<Duration>) -> io::Result
 
 /// An epoll set that is readable when any of `fds` is: one descriptor to
 /// wait on for several (an RDMA link's completion and CM channels).
+#[allow(clippy::disallowed_methods, reason = "the one epoll set")]
 pub fn epoll_of(fds: &[RawFd]) -> io::Result<OwnedFd> {
     // SAFETY: no pointers; a negative return sets errno.
     let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
