@@ -8,12 +8,13 @@
 
 mod common;
 
-use common::{control_plane_clocked, file_range, target, wait_until, Tgt, ADMIN, HOST, MIB};
+use common::{control_plane_clocked, file_range, target, Tgt, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
 use nvpool_control::api::ApiServer;
 use nvpool_control::Cluster;
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::Volume;
+use nvpool_testkit::wait_for;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -180,7 +181,7 @@ fn rebalance_fills_new_targets_and_drain_empties_one_while_the_host_writes() {
     );
     let started: Value = client.post("/v1/rebalance", &json!({})).unwrap();
     assert_eq!(started["started"], true, "{started}");
-    wait_until("the rebalance to end", 90, || {
+    wait_for("the rebalance to end", Duration::from_secs(90), || {
         let r: Value = client.get("/v1/rebalance").unwrap();
         r["pending"] == json!([]) && r["moves_running"] == 0
     });
@@ -206,7 +207,7 @@ fn rebalance_fills_new_targets_and_drain_empties_one_while_the_host_writes() {
         .map(|(_, v)| v)
         .unwrap();
     assert_eq!(t["state"], "draining");
-    wait_until("t0 to be drained", 90, || {
+    wait_for("t0 to be drained", Duration::from_secs(90), || {
         let t: Value = client.get("/v1/targets/t0").unwrap();
         t["drained"] == true
     });
@@ -237,9 +238,11 @@ fn copies_of_a_target_gone_past_the_grace_period_are_replaced() {
     std::thread::sleep(Duration::from_millis(200));
     // t1 dies for good; the host gives its copies up and writes on.
     t1.stop();
-    wait_until("the host to give up the copies on t1", 30, || {
-        host.volume.health().failed_extents.len() == ROWS as usize
-    });
+    wait_for(
+        "the host to give up the copies on t1",
+        Duration::from_secs(30),
+        || host.volume.health().failed_extents.len() == ROWS as usize,
+    );
     // As the agent's reporter does.
     let failed = host.volume.health().failed_extents;
     let path = format!(
@@ -254,7 +257,7 @@ fn copies_of_a_target_gone_past_the_grace_period_are_replaced() {
     for t in ["t0", "t2"] {
         cluster.heartbeat(t).unwrap();
     }
-    wait_until("the copies to be replaced", 90, || {
+    wait_for("the copies to be replaced", Duration::from_secs(90), || {
         let v = volume(&client);
         v["failed_extents"] == json!([]) && v["copy_jobs"] == json!([])
     });

@@ -2,8 +2,8 @@
 //! discovery and bench output, and the exit-code contract (0 success,
 //! 1 failure, 2 usage error; every error is one `nvpool:` line on stderr).
 
-use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
-use nvpool_target::{Running, StartOptions, Target};
+use nvpool_target::Target;
+use nvpool_testkit::target::{loopback, start, subsystem, Serving};
 use serde_json::Value;
 use std::io::Read;
 use std::net::SocketAddr;
@@ -18,28 +18,10 @@ const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-2222-4000-8000-00
 /// Longest one run of the binary may take before the test kills it.
 const RUN_LIMIT: Duration = Duration::from_secs(30);
 
-fn subsystem(nqn: &str, hosts: &[&str], backend: &str) -> SubsystemConfig {
-    SubsystemConfig {
-        nqn: nqn.to_owned(),
-        allowed_hosts: hosts.iter().map(|h| h.to_string()).collect(),
-        allow_any_host: hosts.is_empty(),
-        host_keys: Default::default(),
-        serial: None,
-        model: None,
-        ana: None,
-        namespaces: vec![NamespaceConfig {
-            nsid: 1,
-            backend: backend.to_owned(),
-            uuid: None,
-            read_only: false,
-        }],
-    }
-}
-
 /// An in-process target on 127.0.0.1, port 0: SUBNQN (a 16 MiB RAM disk,
 /// any host) and HIDDEN_NQN (host B only).
 struct Tgt {
-    running: Option<Running>,
+    _serving: Serving,
     addr: SocketAddr,
 }
 
@@ -47,39 +29,25 @@ impl Tgt {
     fn start() -> Tgt {
         let target: Arc<Target> = Target::new(None).expect("target");
         target
-            .put_subsystem(&subsystem(SUBNQN, &[], "ram:16M"))
+            .put_subsystem(&subsystem(SUBNQN, &[], &[(1, "ram:16M")]))
             .expect("subsystem");
         target
-            .put_subsystem(&subsystem(HIDDEN_NQN, &[HOST_B], "ram:1M"))
+            .put_subsystem(&subsystem(HIDDEN_NQN, &[HOST_B], &[(1, "ram:1M")]))
             .expect("subsystem");
-        let running = Running::start(
-            target,
-            &StartOptions {
-                listeners: vec!["127.0.0.1:0".parse().expect("addr")],
-                rdma_listeners: vec![],
-                reactors: 2,
-                io_uring: true,
-                admin: None,
-            },
-        )
-        .expect("target starts");
-        let addr = running.listen_addrs()[0];
+        Tgt::serve(&target)
+    }
+
+    /// Starts `target` on loopback.
+    fn serve(target: &Arc<Target>) -> Tgt {
+        let serving = start(target, &loopback());
         Tgt {
-            running: Some(running),
-            addr,
+            addr: serving.addr,
+            _serving: serving,
         }
     }
 
     fn port(&self) -> String {
         self.addr.port().to_string()
-    }
-}
-
-impl Drop for Tgt {
-    fn drop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.shutdown();
-        }
     }
 }
 
@@ -368,24 +336,11 @@ fn bench_verify_with_overlapping_writes_on_a_file() {
         .and_then(|f| f.set_len(16 << 20))
         .expect("image");
     let target = Target::new(None).expect("target");
+    let spec = format!("file:{}", img.display());
     target
-        .put_subsystem(&subsystem(SUBNQN, &[], &format!("file:{}", img.display())))
+        .put_subsystem(&subsystem(SUBNQN, &[], &[(1, spec.as_str())]))
         .expect("subsystem");
-    let running = Running::start(
-        target,
-        &StartOptions {
-            listeners: vec!["127.0.0.1:0".parse().expect("addr")],
-            rdma_listeners: vec![],
-            reactors: 2,
-            io_uring: true,
-            admin: None,
-        },
-    )
-    .expect("start");
-    let t = Tgt {
-        addr: running.listen_addrs()[0],
-        running: Some(running),
-    };
+    let t = Tgt::serve(&target);
     bench(
         &t,
         &[

@@ -6,23 +6,19 @@
 
 mod common;
 
-use common::{control_plane_with, file_range, target, wait_until, ADMIN, HOST, MIB};
+use common::{control_plane_with, file_range, target, ADMIN, HOST, MIB};
 use nvpool_cli::client::Client;
 use nvpool_cli::verify::{verify, VerifyOptions};
 use nvpool_initiator::device::block_on;
 use nvpool_initiator::volume::CopyState;
+use nvpool_testkit::{pattern, wait_for};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Extents of 4 MiB: four resync regions each.
 const EXTENT: u64 = 4 * MIB;
-
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
-}
 
 #[test]
 fn a_stale_copy_heals_partially_while_the_host_writes() {
@@ -99,7 +95,7 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
                 // Region 0 of row 1, rewritten over and over.
                 let (r, _) = block_on(volume.write(
                     EXTENT + (n % 16) * 64 * 1024,
-                    pattern(n as u8, 64 * 1024),
+                    pattern(n, 64 * 1024),
                     false,
                 ));
                 r.unwrap();
@@ -109,13 +105,15 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
         })
     };
     targets[vi].restart(&cp);
-    wait_until("the copies to be in sync", 60, || {
+    wait_for("the copies to be in sync", Duration::from_secs(60), || {
         let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
         v["failed_extents"] == json!([]) && v["copy_jobs"] == json!([])
     });
-    wait_until("the host to read the copies again", 10, || {
-        (0..4).all(|i| volume.copy_state(i) == CopyState::Ok)
-    });
+    wait_for(
+        "the host to read the copies again",
+        Duration::from_secs(10),
+        || (0..4).all(|i| volume.copy_state(i) == CopyState::Ok),
+    );
     writing.store(false, Ordering::Relaxed);
     let writes = writer.join().unwrap();
     assert!(writes > 0);
@@ -233,10 +231,14 @@ fn a_stale_copy_heals_partially_while_the_host_writes() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("last copy in sync"), "{err}");
-    wait_until("extent 2 to be back in sync", 30, || {
-        let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
-        v["failed_extents"] == json!([]) && v["copy_jobs"] == json!([])
-    });
+    wait_for(
+        "extent 2 to be back in sync",
+        Duration::from_secs(30),
+        || {
+            let v: Value = client.get(&format!("/v1/volumes/{uuid}")).unwrap();
+            v["failed_extents"] == json!([]) && v["copy_jobs"] == json!([])
+        },
+    );
 
     stop.store(true, Ordering::Relaxed);
     healer.join().unwrap();

@@ -10,11 +10,12 @@ use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::rest::Secret;
 use nvpool_control::store::MemStore;
-use nvpool_control::{Cluster, ManualClock, StateConfig};
+use nvpool_control::{Cluster, ManualClock};
 use nvpool_initiator::follow::{new_session, AttachmentView, Watcher};
 use nvpool_initiator::volume::{Volume, VolumeOptions};
-use nvpool_target::{AdminOptions, AdminTokens, Running, StartOptions, Target};
-use serde_json::json;
+use nvpool_target::{AdminTokens, StartOptions, Target};
+use nvpool_testkit::target::{Serving, LOOPBACK};
+use nvpool_testkit::{control, target};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -42,36 +43,24 @@ pub fn control_plane_with(extent_bytes: u64) -> (ApiServer, Arc<Cluster>) {
 /// `control_plane_with`, and the clock the control plane reads (it moves
 /// only when the test advances it).
 pub fn control_plane_clocked(extent_bytes: u64) -> (ApiServer, Arc<Cluster>, Arc<ManualClock>) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64;
-    let config = StateConfig {
-        extent_bytes,
-        ..StateConfig::default()
-    };
-    let clock = Arc::new(ManualClock::new(now));
-    let cluster = Arc::new(Cluster::new(Arc::new(MemStore::new()), clock.clone(), config).unwrap());
     let auth = AuthConfig::new(Tokens::new().with(Principal::Admin, ADMIN));
-    let server = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
-    (server, cluster, clock)
+    control::control_plane(
+        Arc::new(MemStore::new()),
+        control::now_ms(),
+        extent_bytes,
+        auth,
+    )
 }
 
 /// A real target on loopback with one file device `d0` of
 /// `DEVICE_BYTES`, registered with the control plane.
 pub struct Tgt {
-    running: Option<Running>,
+    serving: Option<Serving>,
     pub target: Arc<Target>,
     pub id: String,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub dir: tempfile::TempDir,
-}
-
-impl Drop for Tgt {
-    fn drop(&mut self) {
-        self.stop();
-    }
 }
 
 pub fn target(cp: &ApiServer, id: &str) -> Tgt {
@@ -80,11 +69,11 @@ pub fn target(cp: &ApiServer, id: &str) -> Tgt {
         .and_then(|f| f.set_len(DEVICE_BYTES))
         .unwrap();
     let mut t = Tgt {
-        running: None,
+        serving: None,
         target: Target::new(None).unwrap(),
         id: id.to_owned(),
-        addr: "127.0.0.1:0".parse().unwrap(),
-        admin: "127.0.0.1:0".parse().unwrap(),
+        addr: LOOPBACK,
+        admin: LOOPBACK,
         dir,
     };
     t.start(cp);
@@ -105,9 +94,7 @@ impl Tgt {
     /// Stops the target (its connections drop; its exports are forgotten,
     /// as a target without a state directory forgets them).
     pub fn stop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.shutdown();
-        }
+        self.serving = None;
     }
 
     /// Starts it again on the same ports with the same device, and
@@ -121,36 +108,32 @@ impl Tgt {
     fn start(&mut self, cp: &ApiServer) {
         // What it registers as, and answers it is (GET /v1/identity).
         self.target.set_target_id(self.id.clone());
-        let running = Running::start(
-            self.target.clone(),
-            &StartOptions {
-                listeners: vec![self.addr],
-                rdma_listeners: vec![],
-                reactors: 1,
-                io_uring: false,
-                admin: Some(AdminOptions {
-                    listen: self.admin,
-                    tokens: AdminTokens::fixed(vec![Secret::new(self.admin_token()).unwrap()]),
-                    tls: None,
-                }),
-            },
-        )
-        .unwrap();
-        self.addr = running.listen_addrs()[0];
-        self.admin = running.admin_addr().unwrap();
-        self.running = Some(running);
+        let tokens = AdminTokens::fixed(vec![Secret::new(self.admin_token()).unwrap()]);
+        let opts = StartOptions {
+            listeners: vec![self.addr],
+            reactors: 1,
+            io_uring: false,
+            admin: Some(target::admin(self.admin, tokens)),
+            ..target::loopback()
+        };
+        let serving = target::start(&self.target, &opts);
+        self.addr = serving.addr;
+        self.admin = serving.admin_addr();
+        self.serving = Some(serving);
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .proxy(None)
             .build()
             .into();
-        let body = json!({
-            "id": self.id, "name": self.id, "addr": self.addr.to_string(),
-            "admin_addr": self.admin.to_string(), "admin_token": self.admin_token(),
-            "labels": {"rack": self.id},
-            "devices": [{"id": "d0", "backend": format!("file:{}", self.device_path().display()),
-                         "capacity_bytes": DEVICE_BYTES}],
-        });
+        let body = control::registration(
+            &self.id,
+            &self.id,
+            self.addr,
+            self.admin,
+            &self.admin_token(),
+            &self.device_path(),
+            DEVICE_BYTES,
+        );
         let r = agent
             .post(format!("http://{}/v1/targets", cp.addr))
             .header("Authorization", format!("Bearer {ADMIN}"))
@@ -200,18 +183,6 @@ pub fn serve(client: &Client, uuid: &str, stop: &Arc<AtomicBool>) -> Served {
     let first = view.copies.clone();
     let watching = std::thread::spawn(move || watcher.run(first));
     Served { volume, watching }
-}
-
-/// Polls `f` every 100 ms until it holds; fails the test after `secs`.
-pub fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// `len` bytes of a file at `offset` (a target's device, read directly).
