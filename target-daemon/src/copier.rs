@@ -19,7 +19,7 @@
 //!   From then on every host Write, Write Zeroes and deallocate that reaches
 //!   those device bytes — through any namespace of any subsystem, since the
 //!   match is by file identity and device offset, not by namespace — marks
-//!   its units in the guard before it is issued to the backend (queue.rs).
+//!   its units in the guard before it is issued to the backend (`queue/park.rs`).
 //! - The copier starts only after every host switched to writing the copy
 //!   and drained what it issued before: from then on, a block a host has not
 //!   marked has no write in flight anywhere, so whatever the copier reads of

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  acceptor ──► reactor threads (one per core) ──► io_uring ──► files / block devices
-//!                 │ queue state machines (queue.rs)
+//!                 │ queue state machines (queue/)
 //!                 │ admin commands (admin.rs)
 //!                 ▼
 //!               Target: subsystems, namespaces, ACLs, controllers (target.rs)

@@ -53,7 +53,7 @@
 //! backend operation (ring or asynchronous) is back: the memory they point
 //! at lives until then.
 //!
-//! Host writes parked behind a copy job's claim (queue.rs) are retried every
+//! Host writes parked behind a copy job's claim (queue/park.rs) are retried every
 //! iteration while any are parked, and the loop then waits at most
 //! `PARKED_RETRY_MS` so a released claim is noticed quickly.
 //!
@@ -62,7 +62,7 @@
 //! their queues and hands them to the commands waiting for one, oldest
 //! first; while one is free and a command waits, the loop does not sleep.
 //!
-//! A queue that finds one of its slot-state invariants broken (queue.rs)
+//! A queue that finds one of its slot-state invariants broken (queue/slots.rs)
 //! ends its connection and is never freed: the reactor keeps it, and every
 //! buffer it holds, for as long as it runs, rather than let the ring or the
 //! socket touch freed memory.

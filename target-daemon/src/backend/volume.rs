@@ -567,7 +567,7 @@ impl Backend for VolumeBackend {
                 "volume I/O refused: the target's volume executor is full",
                 &limits::VOLUME_IO_INFLIGHT_MAX,
             );
-            // The host retries (Namespace Not Ready, see queue.rs).
+            // The host retries (Namespace Not Ready, see queue/io.rs).
             done.complete(Err(io::Error::from_raw_os_error(libc::EAGAIN)));
             drop(hold);
         }
