@@ -1,10 +1,10 @@
 # shellcheck shell=bash
 # One bring-up of a local nvpool cluster on 127.0.0.1: the daemons' command lines
-# and the checks that they are up. Sourced by tests/e2e/lib.sh; written for
-# scripts/demo and the VM guests' lib/cluster.sh too (for those, scripts/vm/lib.sh
-# would ship it to /nvpool/lib/), which still carry their own bring-up. Each caller keeps its own layout (directories, ports, target
-# names, labels, logs) and its own way of running a process (in the background, or
-# in a session of its own), and passes them in.
+# and the checks that they are up. Sourced by tests/e2e/lib.sh, scripts/demo and
+# the VM guests' lib/cluster.sh (scripts/vm/lib.sh ships it to /nvpool/lib/). Each
+# caller keeps its own layout (directories, ports, target names, labels, logs) and
+# its own way of running a process (in the background, or in a session of its own),
+# and passes them in.
 #
 # It needs nothing a VM guest lacks (bash and awk: no curl, no jq). The binaries are
 # $NVPOOL_BIN_DIR/NAME when NVPOOL_BIN_DIR is set, else NAME on PATH; `nvpool` is the

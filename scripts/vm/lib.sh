@@ -270,7 +270,7 @@ vm_build_initramfs() {
         >"$root/etc/modprobe.d/nvpool-vm.conf"
     install -m 0755 "$VM_DIR/init" "$root/init"
     install -m 0644 "$VM_SCRIPT" "$root/nvpool/test.sh"
-    cp "$VM_DIR"/guest/lib/*.sh "$root/nvpool/lib/"
+    cp "$VM_DIR"/guest/lib/*.sh "$VM_DIR"/../lib/local-cluster.sh "$root/nvpool/lib/"
     for file in "${VM_FILES[@]}"; do
         vm_add_file "$root" "$file"
     done

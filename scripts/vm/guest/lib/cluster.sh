@@ -8,6 +8,11 @@
 # row of the volumes it creates); CLUSTER_RDMA_ADDR (optional) makes every target also
 # listen for NVMe/RDMA on that address (lib/rdma.sh), on its TCP port number.
 # CP_LOG and TARGET_LOG (optional, default warn) are the daemons' --log filters.
+# The daemons' command lines and the target_health view are local-cluster.sh's, the
+# one bring-up shared with scripts/demo and tests/e2e (scripts/vm/lib.sh ships it).
+
+# shellcheck source=../../../lib/local-cluster.sh
+source "$(dirname "${BASH_SOURCE[0]}")/local-cluster.sh"
 
 export NVPOOL_ENDPOINT=http://127.0.0.1:$CP_PORT
 export NVPOOL_RUN_DIR=$WORK/run
@@ -52,9 +57,8 @@ cp_up() {
 
 start_control_plane() {
     mkdir -p "$WORK/cp"
-    nvpool-control --listen "127.0.0.1:$CP_PORT" --state-dir "$WORK/cp" --log "${CP_LOG:-warn}" \
-        "${CP_ARGS[@]}" \
-        >"$WORK/cp.log" 2>&1 &
+    control_plane_argv "$CP_PORT" "${CP_LOG:-warn}" --state-dir "$WORK/cp" "${CP_ARGS[@]}"
+    "${CLUSTER_ARGV[@]}" >"$WORK/cp.log" 2>&1 &
     cp_pid=$!
     wait_until "$START_S" "nvpool-control on port $CP_PORT" cp_up
 }
@@ -68,23 +72,11 @@ start_target() {
     local rdma=()
     [[ -z ${CLUSTER_RDMA_ADDR:-} ]] ||
         rdma=(--listen "rdma:$CLUSTER_RDMA_ADDR:$((TARGET_PORT_BASE + i))")
-    nvpool-target --state-dir "$WORK/t$i" --listen "127.0.0.1:$((TARGET_PORT_BASE + i))" "${rdma[@]}" \
-        --admin-listen "127.0.0.1:$((ADMIN_PORT_BASE + i))" \
-        --control-plane "$NVPOOL_ENDPOINT" --target-id "t$i" --name "t$i" \
-        --label "rack=r$i" --device "d0=file:$WORK/t$i.img" --reactors 1 --log "${TARGET_LOG:-warn}" \
-        >>"$WORK/t$i.log" 2>&1 &
+    target_argv "t$i" "$((TARGET_PORT_BASE + i))" "$((ADMIN_PORT_BASE + i))" "$WORK/t$i" \
+        "d0=file:$WORK/t$i.img" "${rdma[@]}" --label "rack=r$i" --reactors 1 \
+        --log "${TARGET_LOG:-warn}"
+    "${CLUSTER_ARGV[@]}" >>"$WORK/t$i.log" 2>&1 &
     TARGET_PIDS[i]=$!
-}
-
-# target_health: "ID HEALTH" per target, from `nvpool target ls` (found by its header:
-# an RDMA column appears when a target has an RDMA address).
-target_health() {
-    nvpool target ls 2>/dev/null | awk 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == "HEALTH") h = i; next }
-        h { print $1, $h }'
-}
-
-online_targets() {
-    target_health | awk '$2 == "online"' | wc -l
 }
 
 all_targets_online() {
