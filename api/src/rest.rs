@@ -184,6 +184,16 @@ pub enum Health {
     Offline,
 }
 
+impl Health {
+    /// The health as JSON writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Health::Online => "online",
+            Health::Offline => "offline",
+        }
+    }
+}
+
 /// Whether a volume can serve I/O, from the health of its extents' targets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -191,6 +201,17 @@ pub enum VolumeStatus {
     Online,
     Degraded,
     Offline,
+}
+
+impl VolumeStatus {
+    /// The status as JSON writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            VolumeStatus::Online => "online",
+            VolumeStatus::Degraded => "degraded",
+            VolumeStatus::Offline => "offline",
+        }
+    }
 }
 
 /// Where an attachment stands.
@@ -203,6 +224,17 @@ pub enum AttachmentState {
     Attached,
     /// Targets are being told to remove the namespaces.
     Detaching,
+}
+
+impl AttachmentState {
+    /// The state as JSON writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttachmentState::Attaching => "attaching",
+            AttachmentState::Attached => "attached",
+            AttachmentState::Detaching => "detaching",
+        }
+    }
 }
 
 /// A device as a target registers it.
@@ -708,6 +740,41 @@ pub struct RebalanceOut {
     pub moves_running: usize,
 }
 
+/// The body of every failed request.
+// Every nvpool server answers errors with it (the control plane, a
+// target's admin API, the agent) and every client decodes it; only the
+// control plane fills `details`. Its schema keeps the name `ApiError`
+// that the OpenAPI document has always used.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[cfg_attr(feature = "schema", schema(as = ApiError))]
+pub struct ErrorBody {
+    /// Stable, machine-readable: `invalid`, `not_found`, `uuid_conflict`,
+    /// `no_space`, `unauthorized`…
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schema(required = true))]
+    pub kind: String,
+    /// For humans.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schema(required = true))]
+    pub message: String,
+    /// Kind-specific fields (an object, maybe empty).
+    #[serde(default, skip_serializing_if = "serde_json::Value::is_null")]
+    #[cfg_attr(feature = "schema", schema(value_type = Object, required = true))]
+    pub details: serde_json::Value,
+}
+
+impl ErrorBody {
+    /// `kind` and `message`, without details (`null`, left out of the JSON).
+    pub fn new(kind: impl Into<String>, message: impl Into<String>) -> ErrorBody {
+        ErrorBody {
+            kind: kind.into(),
+            message: message.into(),
+            details: serde_json::Value::Null,
+        }
+    }
+}
+
 /// How often an owner renews its lease.
 pub const LEASE_RENEW_MS: u64 = 500;
 
@@ -723,6 +790,35 @@ pub struct LeaseGrant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_bodies_carry_details_only_when_there_are_some() {
+        let plain = ErrorBody::new("not_found", "no such volume");
+        let j = serde_json::to_string(&plain).unwrap();
+        assert_eq!(j, r#"{"kind":"not_found","message":"no such volume"}"#);
+        let mut rich = plain.clone();
+        rich.details = serde_json::json!({});
+        let j = serde_json::to_string(&rich).unwrap();
+        assert_eq!(
+            j,
+            r#"{"kind":"not_found","message":"no such volume","details":{}}"#
+        );
+        // A client reads whatever part of it came.
+        let partial: ErrorBody = serde_json::from_str(r#"{"message": "m"}"#).unwrap();
+        assert_eq!(partial, ErrorBody::new("", "m"));
+    }
+
+    /// The schema is the one docs/openapi.json has always had as `ApiError`.
+    #[cfg(feature = "schema")]
+    #[test]
+    fn error_body_schema_is_the_documented_api_error() {
+        use utoipa::{PartialSchema, ToSchema};
+        assert_eq!(ErrorBody::name(), "ApiError");
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../docs/openapi.json")).unwrap();
+        let ours = serde_json::to_value(ErrorBody::schema()).unwrap();
+        assert_eq!(ours, doc["components"]["schemas"]["ApiError"]);
+    }
 
     #[test]
     fn secrets_hide_themselves_and_compare_whole() {
