@@ -911,7 +911,7 @@ fn capacities_are_bounded_and_totals_do_not_wrap() {
 
 #[test]
 fn openapi_names_every_route() {
-    let source = include_str!("../src/api.rs");
+    let source = include_str!("../src/api/mod.rs");
     let router = &source[source.find("pub fn router(").unwrap()..];
     let router = &router[..router.find("\n}\n").unwrap()];
     let mut routes: Vec<&str> = router

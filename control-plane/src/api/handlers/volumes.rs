@@ -1,0 +1,247 @@
+//! Volumes: create, read, grow, delete; their copies' history and resync.
+
+use crate::api::bodies::{
+    one_with_attachments, volume_out, volume_view_out, with_attachments, ForceQuery,
+};
+use crate::api::errors::ApiError;
+use crate::api::extract::{force_of, parse_uuid, JsonBody, Segments};
+use crate::api::Api;
+use crate::model::Uuid;
+use crate::program::{self, ProgramError};
+use crate::rest::{CopyHistoryOut, ResizeBody, VolumeOut, VolumeSpecBody};
+use crate::state::{Cluster, StateError};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+
+#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn put_volume(
+    State(api): State<Api>,
+    Segments(uuid): Segments<String>,
+    JsonBody(body): JsonBody<VolumeSpecBody>,
+) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let spec = crate::model::VolumeSpec {
+        uuid,
+        name: body.name,
+        size_bytes: body.size_bytes,
+        layout: body.layout.into(),
+        pool: body.pool,
+    };
+    let (created, out) = api
+        .run(move |c| {
+            let r = c.create_volume(&spec)?;
+            let view = c.volume(&uuid)?;
+            Ok((
+                r.created,
+                one_with_attachments(c, volume_out(r.volume, view.status, view.failed_extents))?,
+            ))
+        })
+        .await?;
+    if created {
+        tracing::info!(volume = %out.uuid, name = %out.name, size_bytes = out.size_bytes, "volume created");
+        Ok((StatusCode::CREATED, Json(out)))
+    } else {
+        Ok((StatusCode::OK, Json(out)))
+    }
+}
+
+#[utoipa::path(get, path = "/v1/volumes", tag = "volumes", responses((status = 200, description = "every volume with status and extents", body = Vec<VolumeOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn list_volumes(
+    State(api): State<Api>,
+) -> Result<Json<Vec<VolumeOut>>, ApiError> {
+    let out = api
+        .run(|c| {
+            let now = c.now();
+            let out = c.volumes()?.into_iter().map(|v| volume_view_out(v, now));
+            with_attachments(c, out.collect())
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), responses((status = 200, description = "the volume", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn get_volume(
+    State(api): State<Api>,
+    Segments(uuid): Segments<String>,
+) -> Result<Json<VolumeOut>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| one_with_attachments(c, volume_view_out(c.volume(&uuid)?, c.now())))
+        .await?;
+    Ok(Json(out))
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/resize", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = ResizeBody, responses((status = 200, description = "grown (or already this size)", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "would shrink, or the volume is served to hosts by its targets (unexport first)", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn resize_volume(
+    State(api): State<Api>,
+    Segments(uuid): Segments<String>,
+    JsonBody(body): JsonBody<ResizeBody>,
+) -> Result<Json<VolumeOut>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .program(move |c| {
+            // The paths of a served volume present a namespace of a fixed
+            // size; growing it under them is not built yet.
+            if let Some((s, _)) = c.served(&uuid)? {
+                if !s.hosts.is_empty() {
+                    return Err(StateError::Attached {
+                        volume: uuid,
+                        hosts: s.hosts,
+                    }
+                    .into());
+                }
+            }
+            // Hosts that have it attached get the new extents exported
+            // too; a target that fails here is caught up by reconciliation.
+            c.resize_volume(&uuid, body.size_bytes)?;
+            let attached = c.volume_attachments(&uuid)?;
+            for a in &attached {
+                if let Err(e) = program::attach(c, &uuid, &a.host_nqn) {
+                    tracing::warn!(volume = %uuid, host = %a.host_nqn, error = %e,
+                        "exporting grown extents failed; reconciliation will retry");
+                }
+            }
+            // Serving processes hear of the bigger plan through their
+            // long-poll, once the new extents are exported to them (also
+            // on a repeated call: the first may have stopped short of this).
+            if !attached.is_empty() {
+                c.announce_plan_change(&uuid)?;
+            }
+            Ok(one_with_attachments(
+                c,
+                volume_view_out(c.volume(&uuid)?, c.now()),
+            )?)
+        })
+        .await?;
+    Ok(Json(out))
+}
+
+/// Deletes a volume and frees its extents. An attached volume is refused
+/// (409 `attached`) unless `force`, which detaches it from every host
+/// first (forcibly: an unreachable target's leftovers keep their extents
+/// allocated until it is reconciled).
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "attached (use force)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn delete_volume(
+    State(api): State<Api>,
+    Segments(uuid): Segments<String>,
+    query: Result<Query<ForceQuery>, QueryRejection>,
+) -> Result<StatusCode, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let force = force_of(query)?;
+    api.program(move |c| {
+        if force {
+            delete_volume_forced(c, &uuid)
+        } else {
+            Ok(c.delete_volume(&uuid)?)
+        }
+    })
+    .await?;
+    tracing::info!(volume = %uuid, force, "volume deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Deletes a volume whoever uses it: marks it deleting (attaches are
+/// refused from then on, so none can outrun the delete), unexports it
+/// from every host the targets serve it to (which also detaches the
+/// owner), detaches every host, then deletes it with the mark. A host
+/// that a concurrent detach removed first is not an error, so the answer
+/// is never "not found" for a volume that exists. A failure takes the
+/// mark back.
+fn delete_volume_forced(c: &Cluster, uuid: &Uuid) -> Result<crate::model::Volume, ProgramError> {
+    let gone = |r: Result<(), ProgramError>| match r {
+        Err(ProgramError::State(StateError::NotAttached { .. })) => Ok(()),
+        other => other,
+    };
+    c.mark_deleting(uuid)?;
+    let detached = (|| {
+        if let Some((served, _)) = c.served(uuid)? {
+            for h in &served.hosts {
+                gone(crate::failover::unexport(c, uuid, h).map(drop))?;
+            }
+        }
+        for a in c.volume_attachments(uuid)? {
+            gone(program::detach(c, uuid, &a.host_nqn, true))?;
+        }
+        Ok(c.delete_volume(uuid)?)
+    })();
+    if detached.is_err() {
+        if let Err(e) = c.unmark_deleting(uuid) {
+            tracing::warn!(volume = %uuid, "a failed forced delete could not take its mark back: {e}");
+        }
+    }
+    detached
+}
+
+/// An operator marks a copy stale (after `nvpool volume verify` found it
+/// differing, say): hosts stop reading it at once and the heal loop copies
+/// it whole from an in-sync copy. Refused for the last copy in sync of its
+/// row; a copy already stale is left as it is.
+#[utoipa::path(post, path = "/v1/volumes/{uuid}/extents/{index}/resync", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID"), ("index" = u32, Path, description = "the copy: an index into the volume's extents")), responses((status = 202, description = "stale; it will be copied whole", body = VolumeOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "the last copy in sync of its row", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn post_resync(
+    State(api): State<Api>,
+    Segments((uuid, index)): Segments<(String, String)>,
+) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let index: u32 = index
+        .parse()
+        .map_err(|_| ApiError::invalid(format!("extent {index:?} is not an index")))?;
+    let out = api
+        .run(move |c| {
+            c.mark_stale(&uuid, index)?;
+            one_with_attachments(c, volume_view_out(c.volume(&uuid)?, c.now()))
+        })
+        .await?;
+    tracing::warn!(volume = %uuid, extent = index, "copy marked stale by an operator");
+    Ok((StatusCode::ACCEPTED, Json(out)))
+}
+
+/// Copies of a volume, running first, then past ones newest first.
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/history", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "running and past copies", body = Vec<CopyHistoryOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+pub(in crate::api) async fn get_history(
+    State(api): State<Api>,
+    Segments(uuid): Segments<String>,
+) -> Result<Json<Vec<CopyHistoryOut>>, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let out = api
+        .run(move |c| {
+            c.volume(&uuid)?;
+            let cs = c.copy_state(&uuid)?;
+            let mut out: Vec<CopyHistoryOut> = cs
+                .jobs
+                .iter()
+                .map(|j| CopyHistoryOut {
+                    id: j.id,
+                    extent: j.extent,
+                    source: j.source,
+                    kind: j.kind.as_str().to_owned(),
+                    to: j.dest.as_ref().map(|d| d.device_ref().to_string()),
+                    result: "running".into(),
+                    bytes_total: j.bytes_total,
+                    bytes_copied: j.bytes_copied,
+                    started_ms: j.started_ms,
+                    copy_started_ms: (j.copy_started_ms > 0).then_some(j.copy_started_ms),
+                    finished_ms: None,
+                    error: None,
+                })
+                .collect();
+            out.extend(cs.history.iter().rev().map(|r| CopyHistoryOut {
+                id: r.id,
+                extent: r.extent,
+                source: r.source,
+                kind: r.kind.as_str().to_owned(),
+                to: r.to.clone(),
+                result: if r.error.is_some() { "failed" } else { "done" }.into(),
+                bytes_total: r.bytes_total,
+                bytes_copied: r.bytes_copied,
+                started_ms: r.started_ms,
+                copy_started_ms: (r.copy_started_ms > 0).then_some(r.copy_started_ms),
+                finished_ms: Some(r.finished_ms),
+                error: r.error.clone(),
+            }));
+            Ok(out)
+        })
+        .await?;
+    Ok(Json(out))
+}
