@@ -542,26 +542,6 @@ pub(crate) enum Attempt<T> {
     Retry,
 }
 
-/// Sleeps before attempt `n` (≥ 1): a random duration up to
-/// `TXN_BACKOFF_BASE_US × 2^(n-1)`, capped at `TXN_BACKOFF_MAX_US`, so that
-/// competing processes stop colliding.
-fn backoff(n: u32) {
-    let ceiling = (TXN_BACKOFF_BASE_US << (n - 1).min(16)).min(TXN_BACKOFF_MAX_US);
-    // Jitter from the clock's nanoseconds and a per-thread counter: cheap,
-    // and different in every thread and process.
-    thread_local!(static SALT: std::cell::Cell<u64> = const { std::cell::Cell::new(0) });
-    let salt = SALT.with(|s| {
-        let v = s.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
-        s.set(v);
-        v
-    });
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::from(d.subsec_nanos()));
-    let jitter = (nanos ^ salt ^ u64::from(std::process::id())) % (ceiling + 1);
-    std::thread::sleep(std::time::Duration::from_micros(jitter));
-}
-
 fn decode_at<T: crate::model::Stored>(
     what: &'static str,
     key: &str,
@@ -750,9 +730,14 @@ impl Cluster {
         &self,
         mut attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
     ) -> Result<T, StateError> {
+        // Full jitter: processes racing for the same records stop colliding.
+        let mut backoff = nvpool_rt::Backoff::new(
+            std::time::Duration::from_micros(TXN_BACKOFF_BASE_US),
+            std::time::Duration::from_micros(TXN_BACKOFF_MAX_US),
+        );
         for n in 0..TXN_ATTEMPTS_MAX {
             if n > 0 {
-                backoff(n);
+                std::thread::sleep(backoff.next_full_jitter());
             }
             if let Attempt::Done(t) = attempt()? {
                 return Ok(t);

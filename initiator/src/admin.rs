@@ -539,6 +539,8 @@ impl Controller {
             }
         }
         let give_up = Instant::now() + self.params.ctrl_loss_timeout;
+        let delay = self.params.reconnect_delay;
+        let mut backoff = nvpool_rt::Backoff::new(delay, delay * RECONNECT_BACKOFF_MAX);
         let mut attempt = 0u32;
         loop {
             if self.shut.load(Ordering::Acquire) {
@@ -565,8 +567,7 @@ impl Controller {
                     }
                     tracing::warn!(addr = %self.params.addr, attempt, error = %e, "reconnect failed; retrying");
                     // Sleep until the next attempt, waking early on shutdown.
-                    let backoff = 1u32 << (attempt - 1).min(RECONNECT_BACKOFF_MAX.trailing_zeros());
-                    let nap = (self.params.reconnect_delay * backoff).min(give_up - now);
+                    let nap = backoff.step().min(give_up - now);
                     let (m, cv) = &*self.stop;
                     let g = m.lock().unwrap_or_else(|p| p.into_inner());
                     let _ = cv

@@ -479,7 +479,10 @@ impl EtcdStore {
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         let deadline = Instant::now() + Duration::from_millis(ETCD_REQUEST_TIMEOUT_MS);
-        let mut backoff = Duration::from_millis(ETCD_RETRY_BACKOFF_MIN_MS);
+        let mut backoff = nvpool_rt::Backoff::new(
+            Duration::from_millis(ETCD_RETRY_BACKOFF_MIN_MS),
+            Duration::from_millis(ETCD_RETRY_BACKOFF_MAX_MS),
+        );
         /// Distinct failures an `Unavailable` error names: the endpoints
         /// may each fail differently (refused, no leader, no answer).
         const REASONS_SHOWN: usize = 3;
@@ -522,14 +525,14 @@ impl EtcdStore {
             if !reasons.contains(&reason) && reasons.len() < REASONS_SHOWN {
                 reasons.push(reason);
             }
-            if Instant::now() + backoff >= deadline {
+            let pause = backoff.step();
+            if Instant::now() + pause >= deadline {
                 return Err(self.unavailable(format!(
                     "{op}: {} ({attempts} attempts in {ETCD_REQUEST_TIMEOUT_MS} ms)",
                     reasons.join("; ")
                 )));
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_millis(ETCD_RETRY_BACKOFF_MAX_MS));
+            tokio::time::sleep(pause).await;
         }
     }
 

@@ -79,14 +79,13 @@ impl Drain {
         let _one = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
         for _ in 0..2 {
             let old = self.epoch.fetch_add(1, SeqCst) & 1;
-            let mut nap = DRAIN_NAP_MIN;
+            let mut nap = nvpool_rt::Backoff::new(DRAIN_NAP_MIN, DRAIN_NAP_MAX);
             while self.active[old].0.load(SeqCst) != 0 {
                 let now = Instant::now();
                 if now >= deadline {
                     return false;
                 }
-                std::thread::sleep(nap.min(deadline - now));
-                nap = (nap * 2).min(DRAIN_NAP_MAX);
+                std::thread::sleep(nap.step().min(deadline - now));
             }
         }
         true
