@@ -21,6 +21,5 @@ pub mod metrics;
 pub mod serve;
 pub mod server;
 pub mod state;
-mod unix;
 
 pub use server::{run, Args};

@@ -11,7 +11,7 @@
 //! ```
 
 use crate::api::{Frontend, PathOut, VolumeOut, VolumeStatsOut};
-use crate::client::Client;
+use crate::client::{Client, Follower};
 use crate::metrics::{Metered, VolumeStats};
 use crate::state::{self, Record, Wanted};
 use anyhow::{bail, Context};
@@ -158,7 +158,7 @@ pub struct Served {
     volume: Arc<Volume>,
     pub stats: Arc<VolumeStats>,
     presented: Arc<Mutex<Option<Presented>>>,
-    watcher: Arc<Watcher<Client>>,
+    watcher: Arc<Watcher<Follower>>,
     watch_stop: Arc<AtomicBool>,
     reporter: JoinHandle<()>,
 }
@@ -182,12 +182,16 @@ pub fn not_attached(e: &anyhow::Error) -> bool {
 
 /// The control plane of a volume: its endpoint, with the token read now,
 /// trusted through `tls` (the agent's `--cacert`).
-pub fn control_plane(w: &Wanted, tls: &ureq::tls::TlsConfig) -> anyhow::Result<Client> {
+pub fn control_plane(w: &Wanted, tls: &ureq::tls::TlsConfig) -> anyhow::Result<Follower> {
     let token = match &w.spec.token_file {
         Some(p) => Some(crate::client::read_token(p)?),
         None => None,
     };
-    Ok(Client::with_tls(&w.spec.endpoint, token, tls.clone())?)
+    Ok(Follower(Client::with_tls(
+        &w.spec.endpoint,
+        token,
+        tls.clone(),
+    )?))
 }
 
 /// Serves `w`: opens the volume over `connections`, presents it, writes

@@ -5,12 +5,17 @@
 //! ```text
 //!   rest ── request and response bodies, Secret, endpoint lists (always)
 //!   size ── parse_size, the one reading of byte counts (always)
-//!   names ── the NQNs one process makes up and another recognises (always)
+//!   names ── the NQNs one process makes up and another recognises, and
+//!            `segment`, a name in a URL path (always)
 //!   tls ── rustls with the ring provider: client trust ("client"),
 //!          certificate and listener of a server ("server")
-//!   http ── the blocking client: endpoint failover over ureq ("client")
+//!   client ── the one blocking client: ureq, bearer token, error
+//!             decoding, the agent's Unix socket ("client")
+//!   http ── endpoint failover, under the client ("client")
 //!   httpd ── what every axum server does alike: bearer tokens, strict
 //!            JSON bodies, path segments ("server")
+//!   serve ── the one way a daemon serves HTTP: TLS, handshake bounds,
+//!            graceful shutdown, a server on a thread of its own ("server")
 //! ```
 //!
 //! Without features the crate is plain data (serde, no sockets): clients
@@ -19,11 +24,17 @@
 //! plane's document is generated from.
 
 #[cfg(feature = "client")]
+pub mod client;
+#[cfg(feature = "client")]
 pub mod http;
 #[cfg(feature = "server")]
 pub mod httpd;
+#[cfg(feature = "server")]
+pub mod serve;
 pub mod names;
 pub mod rest;
 pub mod size;
 #[cfg(any(feature = "client", feature = "server"))]
 pub mod tls;
+#[cfg(feature = "client")]
+mod unix;

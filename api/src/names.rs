@@ -1,6 +1,7 @@
 //! The NQNs one process makes up and another recognises: the subsystem of
 //! a volume served by targets, the host NQN an owner reaches the volume's
-//! extents with, and the host NQNs of `nvpool volume verify` runs.
+//! extents with, and the host NQNs of `nvpool volume verify` runs; and how
+//! a name (an NQN, an ID) goes into a URL path ([`segment`]).
 
 use nvpool_layout::Uuid;
 
@@ -37,4 +38,34 @@ pub fn parse_owner_host(nqn: &str) -> Option<(Uuid, String)> {
     let t = t.strip_prefix(':')?;
     (!t.is_empty()).then_some(())?;
     Some((v.parse().ok()?, t.to_owned()))
+}
+
+/// Percent-encodes one URL path segment: everything but RFC 3986
+/// unreserved characters (`A-Z a-z 0-9 - . _ ~`). NQNs hold `:` and may
+/// hold any printable byte; the servers decode what this encodes.
+pub fn segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_keep_only_unreserved_characters() {
+        assert_eq!(segment("aZ0-._~"), "aZ0-._~");
+        assert_eq!(
+            segment("nqn.2026-11.io.nvpool:host/a b@c%"),
+            "nqn.2026-11.io.nvpool%3Ahost%2Fa%20b%40c%25"
+        );
+        assert_eq!(segment("\u{e9}"), "%C3%A9");
+    }
 }

@@ -610,7 +610,8 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
             let _ = c.delete(&path);
         }
     };
-    let view = match follow::read_attachment(&c, &uuid, &host) {
+    let follower = nvpool_agent::client::Follower(c.clone());
+    let view = match follow::read_attachment(&follower, &uuid, &host) {
         Ok(v) => v,
         Err(e) => {
             detach(&c);

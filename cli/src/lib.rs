@@ -21,7 +21,7 @@ pub mod verify;
 pub mod volume;
 
 use clap::{Parser, Subcommand};
-pub use nvpool_agent::client;
+pub use nvpool_api::client;
 use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;

@@ -172,7 +172,7 @@ pub fn serve(client: &Client, uuid: &str, stop: &Arc<AtomicBool>) -> Served {
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).unwrap());
     let watcher = Watcher::new(
-        client.clone(),
+        nvpool_agent::client::Follower(client.clone()),
         &uuid.parse().unwrap(),
         HOST,
         volume.clone(),

@@ -1,6 +1,6 @@
 //! HTTP over the agent's Unix socket with the project's one HTTP client
-//! (ureq): a connector that opens the socket whatever the URL's host says,
-//! and a resolver that resolves nothing.
+//! ([`crate::client::Client::agent`]): a connector that opens the socket
+//! whatever the URL's host says, and a resolver that resolves nothing.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
