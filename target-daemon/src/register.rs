@@ -33,7 +33,8 @@ use crate::limits::{
     CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
     REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
 };
-use nvpool_api::http::{Call, Endpoints, NoAnswer};
+use nvpool_api::client::{read_token_for, ClientError, NO_BODY};
+use nvpool_api::http::{Call, NoAnswer};
 use nvpool_api::rest::{parse_endpoints, DeviceBody, RegisterTargetBody, Secret};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -43,6 +44,7 @@ use std::sync::mpsc::{self, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use ureq::http::Method;
 
 /// Identifier rules of the control plane (target and device IDs): short,
 /// no `/`, so they fit in store keys and URL paths.
@@ -59,12 +61,10 @@ pub enum RegisterError {
     /// `--control-plane-cacert` (or the system bundle) is unusable.
     #[error(transparent)]
     Tls(#[from] nvpool_api::tls::TlsError),
-    #[error("--control-plane-token-file {path}: cannot read the token")]
-    TokenFile {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// `--control-plane-token-file` is unusable, or a call could not be
+    /// made at all.
+    #[error(transparent)]
+    Client(ClientError),
     #[error("--device {id}={backend}")]
     DeviceOpen {
         id: String,
@@ -97,6 +97,27 @@ pub enum RegisterError {
 }
 
 impl RegisterError {
+    /// The client's error, for the request `op`.
+    fn of(op: &'static str, e: ClientError) -> RegisterError {
+        match e {
+            ClientError::Unreachable { url, source, .. } => {
+                RegisterError::Unreachable { url, source }
+            }
+            ClientError::Api {
+                status,
+                kind,
+                message,
+                ..
+            } => RegisterError::Refused {
+                op,
+                status,
+                kind,
+                message,
+            },
+            e => RegisterError::Client(e),
+        }
+    }
+
     /// The HTTP status of a refused request.
     pub fn status(&self) -> Option<u16> {
         match self {
@@ -398,7 +419,9 @@ impl Settings {
             ));
         }
         let token = match &cli.control_plane_token_file {
-            Some(p) => Some(read_token(p)?),
+            Some(p) => Some(
+                read_token_for("--control-plane-token-file", p).map_err(RegisterError::Client)?,
+            ),
             None => None,
         };
         let tls = nvpool_api::tls::client_tls_for(
@@ -580,24 +603,6 @@ fn resolve_port(first: SocketAddr, configured: &[SocketAddr], bound: &[SocketAdd
         .unwrap_or(first)
 }
 
-fn read_token(path: &Path) -> Result<String, RegisterError> {
-    let text = std::fs::read_to_string(path).map_err(|source| RegisterError::TokenFile {
-        path: path.to_owned(),
-        source,
-    })?;
-    let t = text.trim();
-    if t.is_empty() || t.contains(|c: char| c.is_control() || c == ' ') {
-        return Err(RegisterError::TokenFile {
-            path: path.to_owned(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "the file must hold one token (no spaces)",
-            ),
-        });
-    }
-    Ok(t.to_owned())
-}
-
 fn check_id(flag: &str, id: &str) -> Result<(), RegisterError> {
     let ok = !id.is_empty()
         && id.len() <= ID_BYTES_MAX
@@ -710,92 +715,23 @@ pub fn default_target_id(
 
 // ----- the client -----
 
-/// The control plane's error body.
-#[derive(Debug, Default, serde::Deserialize)]
-struct ApiErrorBody {
-    #[serde(default)]
-    kind: String,
-    #[serde(default)]
-    message: String,
-}
-
-/// Blocking HTTP calls to the control plane, failing over between its
-/// instances.
+/// The control plane's instances, called with this target's token.
 #[derive(Debug)]
 pub(crate) struct Client {
-    agent: ureq::Agent,
-    endpoints: Endpoints,
+    api: nvpool_api::client::Client,
     cfg: RegistrationConfig,
 }
 
 impl Client {
     pub(crate) fn new(cfg: RegistrationConfig) -> Client {
-        let agent = ureq::Agent::config_builder()
-            .tls_config(cfg.tls.clone())
-            .timeout_global(Some(cfg.request_timeout))
-            // Error statuses carry a JSON body we want to read.
-            .http_status_as_error(false)
-            // Cluster-internal traffic: never through an environment proxy.
-            .proxy(None)
-            .user_agent(concat!("nvpool-target/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .into();
-        let endpoints = Endpoints::new(cfg.control_plane.urls().to_vec());
-        Client {
-            agent,
-            endpoints,
-            cfg,
-        }
-    }
-
-    /// One request through the endpoints: `make(url)` builds and sends it.
-    fn send(
-        &self,
-        call: Call,
-        path: &str,
-        make: impl Fn(String) -> Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<ureq::http::Response<ureq::Body>, NoAnswer> {
-        self.endpoints
-            .send(call, |base| make(format!("{base}{path}")))
-    }
-
-    fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
-        match &self.cfg.token {
-            Some(t) => r.header("Authorization", format!("Bearer {t}")),
-            None => r,
-        }
-    }
-
-    fn check(
-        &self,
-        op: &'static str,
-        r: Result<ureq::http::Response<ureq::Body>, NoAnswer>,
-    ) -> Result<(), RegisterError> {
-        let mut resp = r.map_err(|source| RegisterError::Unreachable {
-            url: self.endpoints.shown(),
-            source,
-        })?;
-        let status = resp.status().as_u16();
-        if (200..300).contains(&status) {
-            // Drain the body so the connection can be reused.
-            let _ = resp.body_mut().read_to_vec();
-            return Ok(());
-        }
-        let body: ApiErrorBody = resp.body_mut().read_json().unwrap_or_default();
-        Err(RegisterError::Refused {
-            op,
-            status,
-            kind: if body.kind.is_empty() {
-                "http".into()
-            } else {
-                body.kind
-            },
-            message: if body.message.is_empty() {
-                format!("HTTP status {status}")
-            } else {
-                body.message
-            },
-        })
+        let api = nvpool_api::client::Client::with_timeout(
+            cfg.control_plane.urls().to_vec(),
+            cfg.token.clone(),
+            cfg.tls.clone(),
+            cfg.request_timeout,
+            "the control plane",
+        );
+        Client { api, cfg }
     }
 
     /// Registers, advertising `rdma_addr` for NVMe/RDMA and giving
@@ -807,14 +743,28 @@ impl Client {
     ) -> Result<(), RegisterError> {
         let body = self.cfg.register_body(rdma_addr, admin_token);
         // Registering twice registers once: safe on another instance.
-        let r = self.send(Call::Idempotent, "/v1/targets", |u| {
-            self.auth(self.agent.post(u)).send_json(&body)
-        });
-        self.check("registration", r)
+        self.call(Method::POST, "/v1/targets", Some(&body), "registration")
     }
 
     pub(crate) fn target_id(&self) -> &str {
         &self.cfg.target_id
+    }
+
+    /// A converging call (registration, heartbeat), its answer drained.
+    fn call<B: serde::Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        op: &'static str,
+    ) -> Result<(), RegisterError> {
+        let mut resp = self
+            .api
+            .request(Call::Idempotent, method, path, body, None)
+            .map_err(|e| RegisterError::of(op, e))?;
+        // Drain the body so the connection can be reused.
+        let _ = resp.body_mut().read_to_vec();
+        Ok(())
     }
 
     /// Any call, answered with its status and body (error statuses too);
@@ -829,34 +779,13 @@ impl Client {
         body: Option<&serde_json::Value>,
         timeout: Option<Duration>,
     ) -> Result<(u16, Vec<u8>), String> {
-        let r = self.send(call, path, |url| match (method, body) {
-            ("GET", _) => {
-                let mut req = self.auth(self.agent.get(url));
-                if let Some(t) = timeout {
-                    req = req.config().timeout_global(Some(t)).build();
-                }
-                req.call()
-            }
-            ("PUT", Some(b)) => self.auth(self.agent.put(url)).send_json(b),
-            ("POST", Some(b)) => self.auth(self.agent.post(url)).send_json(b),
-            ("POST", None) => self.auth(self.agent.post(url)).send_empty(),
-            _ => self.auth(self.agent.put(url)).send_empty(),
-        });
-        let mut resp = r.map_err(|e| format!("{}: {e}", self.endpoints.shown()))?;
-        let status = resp.status().as_u16();
-        let bytes = resp
-            .body_mut()
-            .read_to_vec()
-            .map_err(|e| format!("reading the answer: {e}"))?;
-        Ok((status, bytes))
+        let method = Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
+        self.api.raw(call, method, path, body, timeout)
     }
 
     fn heartbeat(&self) -> Result<(), RegisterError> {
         let path = format!("/v1/targets/{}/heartbeat", self.cfg.target_id);
-        let r = self.send(Call::Idempotent, &path, |u| {
-            self.auth(self.agent.put(u)).send_empty()
-        });
-        self.check("the heartbeat", r)
+        self.call(Method::PUT, &path, NO_BODY, "the heartbeat")
     }
 }
 
