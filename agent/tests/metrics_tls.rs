@@ -2,11 +2,8 @@
 //! against its CA; plain HTTP beyond loopback only when asked for; unusable
 //! certificate files a usage error (exit 2, one line) before anything runs.
 
-#[path = "../../control-plane/tests/common/certs.rs"]
-mod certs;
-
 use nvpool_api::tls::client_tls;
-use std::net::TcpListener;
+use nvpool_testkit::{certs, free_port};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,14 +12,6 @@ fn agent_command(run_dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_nvpool-agent"));
     c.env("NVPOOL_RUN_DIR", run_dir).env("NVPOOL_LOG", "warn");
     c
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Kills the agent when the test ends, however it ends.

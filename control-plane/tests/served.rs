@@ -18,7 +18,8 @@ use nvpool_target::served::{ControlPlaneSource, LeaseKeeper};
 use nvpool_wire::Status;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use nvpool_testkit::{pattern, wait_for};
+use std::time::Duration;
 
 /// The cluster with every target able to own served volumes: a volume
 /// source and a lease keeper talking to the test's control plane.
@@ -72,12 +73,6 @@ fn connect(n: &Node, vol: &str) -> (Arc<Controller>, Device) {
     (ctrl, dev)
 }
 
-fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
-        .collect()
-}
-
 fn write(dev: &Device, off: u64, data: &[u8]) -> Result<(), IoError> {
     Device::block_on(dev.write(off, data.to_vec(), false)).0
 }
@@ -89,14 +84,6 @@ fn read(dev: &Device, off: u64, len: usize) -> Result<Vec<u8>, IoError> {
 
 fn is_path_error(r: &Result<(), IoError>) -> bool {
     matches!(r, Err(IoError::Status(s)) if s.is_path_error())
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// A RAID10 volume over the four targets, exported to HOST_A; returns
@@ -192,7 +179,7 @@ fn hand_over_when_the_owner_is(state: &str) {
     // The old owner answers with a path error; the new one has the data.
     assert!(is_path_error(&write(&dev, 0, &data)));
     let (_c2, dev2) = connect(node_of(&s.c, &other), &vol);
-    wait_for("the new owner's lease", 10, || {
+    wait_for("the new owner's lease", Duration::from_secs(10), || {
         read(&dev2, 4096, data.len()).is_ok()
     });
     assert_eq!(read(&dev2, 4096, data.len()).unwrap(), data);
@@ -218,7 +205,7 @@ fn a_cut_off_owner_is_fenced_and_its_writes_fail() {
         200
     );
     // Its own lease runs out: it stops serving by itself.
-    wait_for("the owner's lease to run out", 15, || {
+    wait_for("the owner's lease to run out", Duration::from_secs(15), || {
         is_path_error(&write(&dev, 0, &first))
     });
 
@@ -251,7 +238,7 @@ fn a_cut_off_owner_is_fenced_and_its_writes_fail() {
     assert!(is_path_error(&write(&dev, 0, &pattern(4, 64 << 10))));
     // The new owner serves what was written, and takes new writes.
     let (_c2, dev2) = connect(node_of(&s.c, &other), &vol);
-    wait_for("the new owner's lease", 10, || read(&dev2, 0, 4096).is_ok());
+    wait_for("the new owner's lease", Duration::from_secs(10), || read(&dev2, 0, 4096).is_ok());
     assert_eq!(read(&dev2, 0, first.len()).unwrap(), first);
     let second = pattern(5, 64 << 10);
     write(&dev2, 0, &second).unwrap();

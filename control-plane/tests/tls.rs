@@ -3,13 +3,11 @@
 //! TLS port, the daemon refusing plain HTTP off loopback, and an unusable
 //! `--target-cacert` stopping it at start.
 
-#[path = "common/certs.rs"]
-mod certs;
-
 use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::store::MemStore;
 use nvpool_control::tls::{client_tls, ServerTls, TlsError};
 use nvpool_control::{Cluster, StateConfig, SystemClock};
+use nvpool_testkit::certs;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,6 +4,7 @@
 //!   loopback ports, and the subsystems it serves;
 //! - [`control`] (feature `control`): a control plane inside the test
 //!   process and the registration a target sends it;
+//! - [`certs`] (feature `certs`): a throwaway CA and server certificate;
 //! - [`wait_for`] and [`wait_exit`]: bounded waits that fails the test saying what it was
 //!   waiting for, instead of hanging;
 //! - [`pattern`] and [`fill`]: deterministic test data from a seed;
@@ -14,6 +15,8 @@
 //! `env!("CARGO_BIN_EXE_…")` in their own package; this crate spawns no
 //! binaries.
 
+#[cfg(feature = "certs")]
+pub mod certs;
 #[cfg(feature = "control")]
 pub mod control;
 pub mod target;

@@ -11,7 +11,7 @@ pub mod workload;
 
 use nvpool_control::api::{ApiServer, AuthConfig};
 use nvpool_control::store::{MemStore, Store};
-use nvpool_control::{Cluster, ManualClock, StateConfig};
+use nvpool_control::{Cluster, ManualClock};
 use serde_json::Value;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -36,14 +36,7 @@ pub fn serve(auth: AuthConfig) -> Server {
 
 /// [`serve`] over another store.
 pub fn serve_store(store: Arc<dyn Store>, auth: AuthConfig) -> Server {
-    let clock = Arc::new(ManualClock::new(T0));
-    let config = StateConfig {
-        extent_bytes: MIB,
-        ..StateConfig::default()
-    };
-    let cluster = Cluster::new(store, clock.clone(), config).unwrap();
-    let cluster = Arc::new(cluster);
-    let api = ApiServer::start(cluster.clone(), auth, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let (api, cluster, clock) = nvpool_testkit::control::control_plane(store, T0, MIB, auth);
     Server {
         cluster,
         addr: api.addr,

@@ -8,7 +8,7 @@ use nvpool_control::api::AuthConfig;
 use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::rest::Secret;
 use nvpool_initiator::ConnectParams;
-use nvpool_target::daemon::{AdminOptions, Running, StartOptions};
+use nvpool_target::daemon::StartOptions;
 use nvpool_target::target::Target;
 use nvpool_target::AdminTokens;
 use serde_json::{json, Value};
@@ -16,6 +16,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use nvpool_testkit::target::{self as testkit, Serving};
 use std::time::Duration;
 
 pub const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
@@ -26,7 +27,7 @@ pub const DEVICE_BYTES: u64 = 16 * MIB;
 /// One target daemon with one file device.
 pub struct Node {
     pub id: String,
-    pub running: Option<Running>,
+    pub running: Serving,
     pub target: Arc<Target>,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
@@ -38,31 +39,21 @@ pub struct Node {
     _dir: tempfile::TempDir,
 }
 
-pub fn start_running(
-    target: Arc<Target>,
+fn start_running(
+    target: &Arc<Target>,
     listen: SocketAddr,
     admin: SocketAddr,
     admin_token: &str,
-) -> Running {
+) -> Serving {
+    let tokens = AdminTokens::fixed(vec![Secret::new(admin_token).unwrap()]);
     let opts = StartOptions {
         listeners: vec![listen],
-        rdma_listeners: vec![],
         reactors: 1,
         io_uring: false,
-        admin: Some(AdminOptions {
-            listen: admin,
-            tokens: AdminTokens::fixed(vec![Secret::new(admin_token).unwrap()]),
-            tls: None,
-        }),
+        admin: Some(testkit::admin(admin, tokens)),
+        ..testkit::loopback()
     };
-    // A port a previous daemon just left may take a moment to free up.
-    for _ in 0..100 {
-        match Running::start(target.clone(), &opts) {
-            Ok(r) => return r,
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-    panic!("target does not start on {listen}");
+    testkit::start(target, &opts)
 }
 
 impl Node {
@@ -79,17 +70,11 @@ impl Node {
         // What it registers as, and answers it is (GET /v1/identity).
         target.set_target_id(format!("t{i}"));
         let admin_token = format!("node-t{i}-admin-token-0123456789");
-        let running = start_running(
-            target.clone(),
-            "127.0.0.1:0".parse().unwrap(),
-            "127.0.0.1:0".parse().unwrap(),
-            &admin_token,
-        );
-        let addr = running.listen_addrs()[0];
-        let admin = running.admin_addr().unwrap();
+        let running = start_running(&target, testkit::LOOPBACK, testkit::LOOPBACK, &admin_token);
+        let (addr, admin) = (running.addr, running.admin_addr());
         Node {
             id: format!("t{i}"),
-            running: Some(running),
+            running,
             target,
             addr,
             admin,
@@ -101,25 +86,19 @@ impl Node {
     }
 
     pub fn registration(&self, rack: &str) -> Value {
-        json!({
-            "id": self.id,
-            "name": self.id,
-            "addr": self.addr.to_string(),
-            "admin_addr": self.admin.to_string(),
-            "admin_token": self.admin_token,
-            "labels": {"rack": rack},
-            "devices": [{
-                "id": "d0",
-                "backend": format!("file:{}", self.device.display()),
-                "capacity_bytes": DEVICE_BYTES,
-            }],
-        })
+        nvpool_testkit::control::registration(
+            &self.id,
+            rack,
+            self.addr,
+            self.admin,
+            &self.admin_token,
+            &self.device,
+            DEVICE_BYTES,
+        )
     }
 
     pub fn stop(&mut self) {
-        if let Some(r) = self.running.take() {
-            r.shutdown();
-        }
+        self.running.stop();
     }
 
     /// Starts again on the same ports from the saved state (what a restart
@@ -131,12 +110,7 @@ impl Node {
         if let Some(cfg) = nvpool_target::config::Config::load_state(&self.state_dir).unwrap() {
             self.target.apply_config(&cfg).unwrap();
         }
-        self.running = Some(start_running(
-            self.target.clone(),
-            self.addr,
-            self.admin,
-            &self.admin_token,
-        ));
+        self.running = start_running(&self.target, self.addr, self.admin, &self.admin_token);
     }
 
     /// Subsystems under the nvpool host prefix: NQN → (allowed hosts, NSIDs).
@@ -153,12 +127,6 @@ impl Node {
                 )
             })
             .collect()
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.stop();
     }
 }
 

@@ -1,6 +1,6 @@
 //! A throwaway CA and a server certificate for 127.0.0.1 and localhost,
 //! written as PEM files, for the TLS tests (the control plane's and the
-//! CLI's, which includes this file).
+//! agent's).
 
 use std::path::{Path, PathBuf};
 
