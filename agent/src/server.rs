@@ -404,12 +404,6 @@ fn metrics_router(a: Arc<Agent>) -> Router {
         .with_state(a)
 }
 
-/// The metrics listener: plain HTTP, or https (`--metrics-tls-cert`).
-enum MetricsListener {
-    Http(tokio::net::TcpListener),
-    Https(nvpool_api::tls::TlsListener),
-}
-
 /// A bad combination of options: `nvpool-agent` exits 2 on it.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -543,15 +537,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let metrics_listener = match (metrics_listener, metrics_tls) {
-        (Some(l), Some(tls)) => {
-            let _g = rt.enter();
-            let l = nvpool_api::tls::TlsListener::new(l, &tls).context("the metrics listener")?;
-            Some(MetricsListener::Https(l))
-        }
-        (Some(l), None) => Some(MetricsListener::Http(l)),
-        (None, _) => None,
-    };
     tracing::info!(socket = %sock.display(), pid = std::process::id(), "agent ready");
 
     let mut signals = signal_hook::iterator::Signals::new([
@@ -569,13 +554,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let metrics_app = metrics_router(agent.clone());
     rt.block_on(async move {
         if let Some(l) = metrics_listener {
-            let m = metrics_app;
             tokio::spawn(async move {
-                let served = match l {
-                    MetricsListener::Http(l) => axum::serve(l, m).await,
-                    MetricsListener::Https(l) => axum::serve(l, m).await,
-                };
-                if let Err(e) = served {
+                // Serves until the runtime ends, like the agent.
+                let stop = std::future::pending();
+                let served = nvpool_api::serve::serve(l, metrics_tls.as_ref(), metrics_app, stop);
+                if let Err(e) = served.await {
                     tracing::error!(error = %e, "the metrics listener failed");
                 }
             });

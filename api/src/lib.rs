@@ -16,6 +16,8 @@
 //!            JSON bodies, path segments ("server")
 //!   serve ── the one way a daemon serves HTTP: TLS, handshake bounds,
 //!            graceful shutdown, a server on a thread of its own ("server")
+//!   serve ── the one way a daemon serves HTTP: TLS, handshake bounds,
+//!            graceful shutdown, a server on a thread of its own ("server")
 //! ```
 //!
 //! Without features the crate is plain data (serde, no sockets): clients
@@ -29,6 +31,8 @@ pub mod client;
 pub mod http;
 #[cfg(feature = "server")]
 pub mod httpd;
+#[cfg(feature = "server")]
+pub mod serve;
 #[cfg(feature = "server")]
 pub mod serve;
 pub mod names;

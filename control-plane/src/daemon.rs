@@ -395,20 +395,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 c.begin_shutdown();
             }
         };
-        match server_tls {
-            Some(tls) => {
-                let listener = crate::tls::TlsListener::new(listener, &tls)?;
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(stopping)
-                    .await
-            }
-            None => {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(stopping)
-                    .await
-            }
-        }
-        .context("serving the API")?;
+        nvpool_api::serve::serve(listener, server_tls.as_ref(), app, stopping)
+            .await
+            .context("serving the API")?;
         anyhow::Ok(())
     })?;
     heal_stop.store(true, std::sync::atomic::Ordering::Relaxed);

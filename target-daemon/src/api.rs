@@ -42,37 +42,19 @@ use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
 use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
 use crate::target::{Target, TargetError};
-use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::handler::Handler;
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
-use axum::serve::IncomingStream;
 use axum::{Json, Router};
-use nvpool_api::tls::{ServerTls, TlsListener};
+use nvpool_api::serve::{Peer, ServerThread};
+use nvpool_api::tls::ServerTls;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-
-/// The peer of a connection, plain or TLS, for the refusal log lines
-/// (axum gives a `SocketAddr` for its own `TcpListener` only).
-#[derive(Debug, Clone, Copy)]
-struct Peer(SocketAddr);
-
-impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> Peer {
-        Peer(*stream.remote_addr())
-    }
-}
-
-impl Connected<IncomingStream<'_, TlsListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Peer {
-        Peer(*stream.remote_addr())
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Api {
@@ -84,8 +66,7 @@ struct Api {
 #[derive(Debug)]
 pub struct ApiServer {
     pub addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    server: ServerThread,
 }
 
 impl ApiServer {
@@ -101,7 +82,7 @@ impl ApiServer {
 
     /// [`ApiServer::start`], serving https with `tls` when given
     /// (`--admin-tls-cert`, `--admin-tls-key`; the control plane's
-    /// listener, `nvpool_api::tls::TlsListener`).
+    /// server, `nvpool_api::serve`).
     pub fn start_tls(
         addr: SocketAddr,
         tokens: AdminTokens,
@@ -109,66 +90,16 @@ impl ApiServer {
         listeners: ListenerControl,
         tls: Option<ServerTls>,
     ) -> std::io::Result<ApiServer> {
-        let std_listener = std::net::TcpListener::bind(addr)?;
-        std_listener.set_nonblocking(true)?;
-        let bound = std_listener.local_addr()?;
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let app =
-            router(Api { target, listeners }, tokens).into_make_service_with_connect_info::<Peer>();
-        let thread = std::thread::Builder::new()
-            .name("nvpool-admin-api".into())
-            .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        tracing::error!(error = %e, "admin API runtime failed to start");
-                        return;
-                    }
-                };
-                rt.block_on(async move {
-                    let listener = match tokio::net::TcpListener::from_std(std_listener) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            tracing::error!(error = %e, "admin API listener failed");
-                            return;
-                        }
-                    };
-                    let stopped = async {
-                        let _ = stop_rx.await;
-                    };
-                    let served = match tls {
-                        None => {
-                            axum::serve(listener, app)
-                                .with_graceful_shutdown(stopped)
-                                .await
-                        }
-                        Some(tls) => match TlsListener::new(listener, &tls) {
-                            Ok(l) => axum::serve(l, app).with_graceful_shutdown(stopped).await,
-                            Err(e) => Err(e),
-                        },
-                    };
-                    if let Err(e) = served {
-                        tracing::error!(error = %e, "admin API stopped");
-                    }
-                });
-            })?;
+        let app = router(Api { target, listeners }, tokens);
+        let server = ServerThread::start("nvpool-admin-api", addr, tls, app, || {})?;
         Ok(ApiServer {
-            addr: bound,
-            stop: Some(stop_tx),
-            thread: Some(thread),
+            addr: server.addr(),
+            server,
         })
     }
 
-    pub fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn stop(self) {
+        self.server.stop();
     }
 }
 
