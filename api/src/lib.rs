@@ -16,8 +16,6 @@
 //!            JSON bodies, path segments ("server")
 //!   serve ── the one way a daemon serves HTTP: TLS, handshake bounds,
 //!            graceful shutdown, a server on a thread of its own ("server")
-//!   serve ── the one way a daemon serves HTTP: TLS, handshake bounds,
-//!            graceful shutdown, a server on a thread of its own ("server")
 //! ```
 //!
 //! Without features the crate is plain data (serde, no sockets): clients
@@ -31,8 +29,6 @@ pub mod client;
 pub mod http;
 #[cfg(feature = "server")]
 pub mod httpd;
-#[cfg(feature = "server")]
-pub mod serve;
 #[cfg(feature = "server")]
 pub mod serve;
 pub mod names;
