@@ -12,6 +12,7 @@ use crate::Format;
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
 use nvpool_initiator::{Completion, ConnectParams, Controller, IoQueue, Op, Request};
+use nvpool_rt::random::Rng;
 use nvpool_wire::tcp::Digests;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -330,26 +331,9 @@ fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// xorshift64*: fast, seedable, good enough to spread offsets.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
-
 fn fill(buf: &mut [u8], lba: u64, seed: u64) {
-    let mut r = Rng(seed | 1);
-    for c in buf[VERIFY_HDR..].chunks_mut(8) {
-        let v = r.next().to_le_bytes();
-        c.copy_from_slice(&v[..c.len()]);
-    }
+    // `| 1`: the stream blocks written by earlier versions carry.
+    Rng::new(seed | 1).fill(&mut buf[VERIFY_HDR..]);
     buf[0..8].copy_from_slice(&VERIFY_MAGIC.to_le_bytes());
     buf[8..16].copy_from_slice(&lba.to_le_bytes());
     buf[16..24].copy_from_slice(&seed.to_le_bytes());
@@ -406,7 +390,7 @@ fn job(
     let bs = a.bs as usize;
     let blocks = (a.bs / block) as u32;
     let depth = (a.iodepth as usize).min(q.depth());
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed);
     let mut hist =
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
     let mut res = JobResult {
@@ -446,7 +430,7 @@ fn job(
                         cursor = (cursor + 1) % units;
                         u
                     }
-                    _ => rng.next() % units,
+                    _ => rng.below(units),
                 };
                 let lba = (first + unit) * blocks as u64;
                 if !a.verify || !busy.contains(&lba) {
@@ -457,13 +441,13 @@ fn job(
             let Some(lba) = pick else { break };
             let write = match a.rw {
                 Rw::Write | Rw::Randwrite => true,
-                Rw::Randrw => rng.next() % 100 >= a.rwmixread as u64,
+                Rw::Randrw => rng.below(100) >= a.rwmixread as u64,
                 _ => false,
             };
             let t = free.pop().expect("checked non-empty");
             let mut buf = std::mem::take(&mut bufs[t]);
             if write && a.verify {
-                let s = rng.next();
+                let s = rng.next_u64();
                 fill(&mut buf, lba, s);
                 written.insert(lba, s);
             }
@@ -650,16 +634,16 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
         let (vol, results) = (vol.clone(), results.clone());
         let (bs, rw, mix) = (a.bs, a.rw, a.rwmixread as u64);
         ex.spawn(async move {
-            let mut rng = Rng((seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1);
+            let mut rng = Rng::new(seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
                 .expect("valid histogram bounds");
             let (mut ops, mut errors, mut first) = (0u64, 0u64, None);
             let mut buf = vec![0x5a; bs as usize];
             while Instant::now() < deadline {
-                let off = rng.next() % units * bs;
+                let off = rng.below(units) * bs;
                 let write = match rw {
                     Rw::Randwrite => true,
-                    Rw::Randrw => rng.next() % 100 >= mix,
+                    Rw::Randrw => rng.below(100) >= mix,
                     _ => false,
                 };
                 let t0 = Instant::now();

@@ -12,6 +12,7 @@ use crate::Format;
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use nvpool_rt::random::Rng;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -77,45 +78,22 @@ pub struct EpochArgs {
     pub output: Format,
 }
 
-/// xorshift64*: quick, and good enough to make every file distinct.
-#[derive(Debug, Clone)]
-struct Stream(u64);
-
-impl Stream {
-    fn new(seed: u64, index: u64) -> Stream {
-        // Mix so that neighbouring (seed, index) pairs start far apart.
-        let mut x = seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x ^= x >> 33;
-        Stream(x | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn fill(&mut self, out: &mut [u8]) {
-        let mut chunks = out.chunks_exact_mut(8);
-        for c in &mut chunks {
-            c.copy_from_slice(&self.next().to_le_bytes());
-        }
-        let rest = chunks.into_remainder();
-        let last = self.next().to_le_bytes();
-        rest.copy_from_slice(&last[..rest.len()]);
-    }
+/// The stream of file `index` of dataset `seed`. The mix starts
+/// neighbouring (seed, index) pairs far apart; it and the `| 1` are part
+/// of every dataset already written.
+fn stream(seed: u64, index: u64) -> Rng {
+    let mut x = seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    Rng::new(x | 1)
 }
 
 /// The size of file `index`: uniform in `[min, max]`, whole 512-byte units.
 fn file_len(seed: u64, index: u64, min: u64, max: u64) -> usize {
-    let mut s = Stream::new(seed ^ 0x5151, index);
+    let mut s = stream(seed ^ 0x5151, index);
     let span = (max - min) / 512 + 1;
-    (min + (s.next() % span) * 512) as usize
+    (min + s.below(span) * 512) as usize
 }
 
 /// The full contents of file `index`.
@@ -125,7 +103,7 @@ fn contents(seed: u64, index: u64, len: usize) -> Vec<u8> {
     buf[8..16].copy_from_slice(&seed.to_le_bytes());
     buf[16..24].copy_from_slice(&index.to_le_bytes());
     buf[24..32].copy_from_slice(&(len as u64).to_le_bytes());
-    Stream::new(seed, index).fill(&mut buf[HEADER_BYTES..]);
+    stream(seed, index).fill(&mut buf[HEADER_BYTES..]);
     buf
 }
 
@@ -147,17 +125,17 @@ fn verify(bytes: &[u8]) -> Result<(), String> {
     };
     // Word by word: the loaders verify every byte they read, so this loop is
     // on the epoch's critical path and must not cost more than the read.
-    let mut s = Stream::new(seed, index);
+    let mut s = stream(seed, index);
     let mut words = bytes[HEADER_BYTES..].chunks_exact(8);
     let mut n = 0;
     for w in &mut words {
-        if u64::from_le_bytes(w.try_into().expect("8 bytes")) != s.next() {
+        if u64::from_le_bytes(w.try_into().expect("8 bytes")) != s.next_u64() {
             return differs(n);
         }
         n += 1;
     }
     let rest = words.remainder();
-    if rest != &s.next().to_le_bytes()[..rest.len()] {
+    if rest != &s.next_u64().to_le_bytes()[..rest.len()] {
         return differs(n);
     }
     Ok(())
@@ -313,9 +291,9 @@ fn epoch(a: EpochArgs) -> anyhow::Result<()> {
         bail!("no dataset files under {}", a.dir.display());
     }
     // Fisher–Yates with the order seed: a random but repeatable epoch.
-    let mut s = Stream::new(a.order_seed, 0);
+    let mut s = stream(a.order_seed, 0);
     for i in (1..files.len()).rev() {
-        let j = (s.next() % (i as u64 + 1)) as usize;
+        let j = s.below(i as u64 + 1) as usize;
         files.swap(i, j);
     }
     if a.drop_caches {

@@ -156,10 +156,10 @@ fn roll_out_on(
 pub fn draw_internal(cluster: &Cluster, host: &str) -> Result<HostKeys, StateError> {
     let draw = || -> Result<Secret, StateError> {
         let mut key = [0u8; 32];
-        getrandom::getrandom(&mut key).map_err(|e| {
+        nvpool_rt::random::fill(&mut key).map_err(|e| {
             StateError::Store(crate::store::StoreError::Backend {
                 op: "drawing a DH-HMAC-CHAP secret",
-                source: e.to_string().into(),
+                source: e.into(),
             })
         })?;
         // The wire crate's secret wipes its copy when dropped.

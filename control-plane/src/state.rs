@@ -1070,10 +1070,10 @@ impl Cluster {
     pub fn set_host_keys(&self, mut keys: HostKeys) -> Result<HostKeys, StateError> {
         crate::attach::validate_host_nqn(&keys.host)?;
         let mut id = [0u8; 16];
-        getrandom::getrandom(&mut id).map_err(|e| {
+        nvpool_rt::random::fill(&mut id).map_err(|e| {
             StateError::Store(StoreError::Backend {
                 op: "drawing a key id",
-                source: e.to_string().into(),
+                source: e.into(),
             })
         })?;
         keys.key_id = id.iter().map(|b| format!("{b:02x}")).collect();

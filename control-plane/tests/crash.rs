@@ -71,7 +71,7 @@ fn worker(dir: &std::path::Path) {
             let live = &live;
             s.spawn(move || {
                 let c = &c;
-                let mut rng = Rng(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+                let mut rng = Rng::new(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
                 while Instant::now() < deadline {
                     step(c, live, &mut rng);
                 }
@@ -92,7 +92,7 @@ fn crash_worker() {
 fn kill_9_during_mutations_leaves_a_consistent_store() {
     let dir = tempfile::tempdir().unwrap();
     let exe = std::env::current_exe().unwrap();
-    let mut rng = Rng(0x5eed_1234_abcd_ef01);
+    let mut rng = Rng::new(0x5eed_1234_abcd_ef01);
     let mut expect = Expect::default();
     let mut last_revision = 0;
     for cycle in 0..CYCLES {

@@ -451,7 +451,7 @@ fn migrate_a_redb_store_into_etcd() {
             c.register_target(&workload::registration(i)).unwrap();
         }
         let live = Mutex::new(Vec::new());
-        let mut rng = Rng(0x0123_4567_89ab_cdef);
+        let mut rng = Rng::new(0x0123_4567_89ab_cdef);
         for _ in 0..300 {
             workload::step(&c, &live, &mut rng);
         }
@@ -488,7 +488,7 @@ fn migrate_a_redb_store_into_etcd() {
     assert_eq!(c.check().unwrap(), Vec::<String>::new());
     // The copy is a working store: mutations continue from it.
     let live = Mutex::new(s.volumes.keys().copied().collect());
-    let mut rng = Rng(0xfeed);
+    let mut rng = Rng::new(0xfeed);
     for _ in 0..20 {
         workload::step(&c, &live, &mut rng);
     }

@@ -294,7 +294,7 @@ fn any(
 /// One client's churn on its own volumes: create, attach, detach, grow,
 /// delete, reported as `@@ BEGIN`/`@@ OK` lines for [`Expect`].
 fn churn(endpoints: &Endpoints, stop: &AtomicBool, seed: u64, report: &Mutex<String>) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut mine: Vec<(String, u64, Vec<&str>)> = Vec::new();
     let line = |s: String| {
         let mut r = report.lock().unwrap();
@@ -414,7 +414,7 @@ fn leader_killed_under_churn_loses_nothing() {
     let mut cps = three_control_planes(&etcd, "/ha-churn", dir.path());
     let endpoints: Endpoints = Mutex::new(cps.iter().map(|c| c.addr).collect());
     let nodes: Vec<Node> = (0..3).map(Node::start).collect();
-    let mut rng = Rng(0x4a11_cafe_d00d_0001);
+    let mut rng = Rng::new(0x4a11_cafe_d00d_0001);
     let register = |rng: &mut Rng| {
         for (i, node) in nodes.iter().enumerate() {
             let r = any(
@@ -437,7 +437,7 @@ fn leader_killed_under_churn_loses_nothing() {
     std::thread::scope(|s| {
         // The targets' heartbeats (their registrars are not running here).
         s.spawn(|| {
-            let mut rng = Rng(7);
+            let mut rng = Rng::new(7);
             while !stop.load(Ordering::Relaxed) {
                 register(&mut rng);
                 std::thread::sleep(Duration::from_millis(1_000));

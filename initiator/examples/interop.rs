@@ -32,6 +32,7 @@ use nvpool_initiator::{
     Completion, ConnectParams, Controller, Error, IoError, IoQueue, NamespaceInfo, Op, Request,
     Transport,
 };
+use nvpool_rt::random::Rng;
 use nvpool_wire::tcp::Digests;
 use std::error::Error as StdError;
 use std::io::Write as _;
@@ -244,25 +245,6 @@ fn main() -> ExitCode {
             print_line(&format!("FAIL {}: {}", f.step, f.why));
             ExitCode::from(1)
         }
-    }
-}
-
-/// xorshift64*: seedable, good enough for data patterns and offsets.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 }
 
@@ -821,16 +803,16 @@ fn deep_queue(
         return Err(format!("namespace too small for {depth} distinct units"));
     }
     while ios.len() < depth {
-        let unit = (rng.next() % mine) * stride + k;
+        let unit = rng.below(mine) * stride + k;
         if !chosen.insert(unit) {
             continue;
         }
         let blocks = if spec.whole {
             unit_blocks
         } else {
-            1 + (rng.next() % unit_blocks as u64) as u32
+            1 + rng.below(unit_blocks as u64) as u32
         };
-        let off = rng.next() % (unit_blocks - blocks + 1) as u64;
+        let off = rng.below((unit_blocks - blocks + 1) as u64);
         ios.push((unit * unit_blocks as u64 + off, blocks));
     }
     let mut bytes = 0usize;
@@ -932,7 +914,7 @@ fn loss(
     let mut token = 0u64;
     loop {
         while first_fail.is_none() && inflight < LOSS_DEPTH {
-            let lba = rng.next() % span * blocks as u64;
+            let lba = rng.below(span) * blocks as u64;
             let (op, buf) = if token.is_multiple_of(2) {
                 (Op::Write, pattern(seed, lba, blocks, bs))
             } else {
@@ -1103,9 +1085,9 @@ fn blip(qs: &mut [IoQueue], ns: &NamespaceInfo, seed: u64) -> Res<((), String)> 
         let running = now < end;
         for k in 0..qs.len().min(2) {
             while running && inflight[k].len() < BLIP_DEPTH {
-                let read = !written[k].is_empty() && rng.next().is_multiple_of(2);
+                let read = !written[k].is_empty() && rng.next_u64().is_multiple_of(2);
                 let io = if read {
-                    let unit = written[k][(rng.next() % written[k].len() as u64) as usize];
+                    let unit = written[k][rng.below(written[k].len() as u64) as usize];
                     BlipIo {
                         unit,
                         lba: unit * unit_blocks as u64,
@@ -1113,15 +1095,15 @@ fn blip(qs: &mut [IoQueue], ns: &NamespaceInfo, seed: u64) -> Res<((), String)> 
                         write: false,
                     }
                 } else {
-                    let unit = (rng.next() % (units / 2)) * 2 + k as u64;
+                    let unit = rng.below(units / 2) * 2 + k as u64;
                     // A whole unit: one 64 KiB command or 16 of 4 KiB, the
                     // latter as one command per 4 KiB piece.
-                    let piece = if rng.next().is_multiple_of(2) {
+                    let piece = if rng.next_u64().is_multiple_of(2) {
                         unit_blocks
                     } else {
                         ((4096 / bs) as u32).max(1)
                     };
-                    let i = rng.next() % (unit_blocks / piece) as u64;
+                    let i = rng.below((unit_blocks / piece) as u64);
                     BlipIo {
                         unit,
                         lba: unit * unit_blocks as u64 + i * piece as u64,

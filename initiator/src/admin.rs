@@ -213,7 +213,7 @@ impl AdminQueue {
                 "authentication receive",
             )?;
             let mut random = zeroize::Zeroizing::new([0u8; RANDOM_BYTES]);
-            getrandom::getrandom(&mut random[..])
+            nvpool_rt::random::fill(&mut random[..])
                 .map_err(|e| Error::Invalid(format!("no random bytes: {e}")))?;
             match h.on_receive(&msg, &random) {
                 HostStep::Send(m) => self.auth_send(&m)?,

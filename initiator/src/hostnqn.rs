@@ -59,10 +59,7 @@ pub fn host_id_of(nqn: &str) -> [u8; 16] {
 }
 
 pub fn random_uuid() -> [u8; 16] {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 16, "getrandom failed");
+    let mut b: [u8; 16] = nvpool_rt::random::bytes();
     b[6] = (b[6] & 0x0F) | 0x40;
     b[8] = (b[8] & 0x3F) | 0x80;
     b

@@ -17,6 +17,7 @@ use nvpool_initiator::{
 use nvpool_layout::mapping::Geometry;
 use nvpool_layout::model::Uuid;
 use nvpool_layout::plan::{LayoutBody, PlanExtent};
+use nvpool_rt::random::Rng;
 use nvpool_target::backend::{FaultConfig, RamBackend};
 use nvpool_wire::Status;
 use std::collections::BTreeSet;
@@ -46,24 +47,12 @@ fn opts() -> VolumeOptions {
     volumes::volume_opts()
 }
 
-/// Xorshift: deterministic offsets and lengths.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// A block-aligned range of 1..=max_blocks blocks inside `[lo, hi)`.
-    fn range(&mut self, lo: u64, hi: u64, max_blocks: u64) -> (u64, u64) {
-        let blocks = (hi - lo) / BLOCK;
-        let len = (1 + self.next() % max_blocks).min(blocks);
-        let off = lo + self.next() % (blocks - len + 1) * BLOCK;
-        (off, len * BLOCK)
-    }
+/// A block-aligned range of 1..=max_blocks blocks inside `[lo, hi)`.
+fn range(rng: &mut Rng, lo: u64, hi: u64, max_blocks: u64) -> (u64, u64) {
+    let blocks = (hi - lo) / BLOCK;
+    let len = (1 + rng.below(max_blocks)).min(blocks);
+    let off = lo + rng.below(blocks - len + 1) * BLOCK;
+    (off, len * BLOCK)
 }
 
 /// Reads every namespace of every target with a controller of its own.
@@ -157,12 +146,12 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
     }
 
     let mut model = vec![0u8; size as usize];
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::new(seed | 1);
     // Random writes, small and large (up to 1.5 MiB: across stripe units,
     // members and extents), each read back at once and at random later.
     for i in 0..80u64 {
         let max_blocks = if i.is_multiple_of(8) { 384 } else { 40 };
-        let (off, len) = rng.range(0, size, max_blocks);
+        let (off, len) = range(&mut rng, 0, size, max_blocks);
         write(
             &v,
             &mut model,
@@ -172,7 +161,7 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
             i.is_multiple_of(5),
         );
         read_check(&v, &model, off, len);
-        let (off, len) = rng.range(0, size, 96);
+        let (off, len) = range(&mut rng, 0, size, 96);
         read_check(&v, &model, off, len);
     }
 
@@ -183,10 +172,10 @@ fn exercise(n_targets: usize, layout: LayoutBody, size: u64, ns_spec: &str, seed
             .map(|q| {
                 let v = &v;
                 sc.spawn(move || {
-                    let mut rng = Rng(seed.wrapping_mul(31) + q * 7 + 1);
+                    let mut rng = Rng::new(seed.wrapping_mul(31) + q * 7 + 1);
                     let mut done = Vec::new();
                     for i in 0..25 {
-                        let (off, len) = rng.range(q * quarter, (q + 1) * quarter, 64);
+                        let (off, len) = range(&mut rng, q * quarter, (q + 1) * quarter, 64);
                         let data = pattern(seed + q * 1000 + i, len as usize);
                         let (r, _) = block_on(v.write(off, data.clone(), false));
                         r.unwrap();
@@ -348,13 +337,13 @@ fn mirror_keeps_serving_when_a_target_dies() {
                 let (v, stop, progress) = (&v, &stop, &progress);
                 sc.spawn(move || {
                     let half = size / 2;
-                    let mut rng = Rng(w + 11);
+                    let mut rng = Rng::new(w + 11);
                     let mut seen = Seen::default();
                     let mut i = 0u64;
                     while !stop.load(Ordering::Relaxed) {
                         i += 1;
                         // Up to 640 KiB: often across the 1 MiB extents.
-                        let (off, len) = rng.range(w * half, (w + 1) * half, 160);
+                        let (off, len) = range(&mut rng, w * half, (w + 1) * half, 160);
                         let seed = w << 32 | i;
                         let data = pattern(seed, len as usize);
                         let (r, _) = block_on(v.write(off, data.clone(), i.is_multiple_of(3)));
@@ -746,9 +735,9 @@ fn full_queues_keep_track_of_every_request() {
         for t in 0..8u64 {
             let v = &v;
             sc.spawn(move || {
-                let mut rng = Rng(t + 100);
+                let mut rng = Rng::new(t + 100);
                 for i in 0..150 {
-                    let (off, len) = rng.range(t * eighth, (t + 1) * eighth, 12);
+                    let (off, len) = range(&mut rng, t * eighth, (t + 1) * eighth, 12);
                     let data = pattern(t << 20 | i, len as usize);
                     let (r, _) = block_on(v.write(off, data.clone(), false));
                     r.unwrap();
@@ -860,13 +849,13 @@ fn a_mirror_grows_under_writers_and_serves_the_new_rows_on_every_copy() {
         let _stop = StopOnDrop(&stop);
         let (v, stop, progress, refused) = (&v, &stop, &progress, &refused);
         let writer = sc.spawn(move || {
-            let mut rng = Rng(77);
+            let mut rng = Rng::new(77);
             let mut seen = Verified::default();
             let mut i = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 i += 1;
                 // Up to 256 KiB: across stripe units, members and rows.
-                let (off, len) = rng.range(0, old_size, 64);
+                let (off, len) = range(&mut rng, 0, old_size, 64);
                 let data = pattern(i, len as usize);
                 let (r, _) = block_on(v.write(off, data.clone(), i.is_multiple_of(4)));
                 if let Err(e) = r {

@@ -1171,11 +1171,7 @@ fn load_or_create_identity(dir: &std::path::Path) -> Result<[u8; 16], TargetErro
 
 /// 16 random bytes from the kernel.
 pub fn random_bytes() -> [u8; 16] {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 16, "getrandom failed");
-    b
+    nvpool_rt::random::bytes()
 }
 
 fn fnv(data: &[u8]) -> u64 {

@@ -57,9 +57,7 @@ fn receive(q: &mut Conn) -> Vec<u8> {
 }
 
 fn random() -> [u8; RANDOM_BYTES] {
-    let mut r = [0u8; RANDOM_BYTES];
-    getrandom::getrandom(&mut r).unwrap();
-    r
+    nvpool_rt::random::bytes()
 }
 
 /// Runs the exchange as a host holding `keys`; Ok when the host is

@@ -40,14 +40,13 @@ pub const WAIT_POLL_MAX: Duration = Duration::from_millis(100);
 #[track_caller]
 pub fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
-    let mut pause = WAIT_POLL_MIN;
+    let mut pause = nvpool_rt::Backoff::new(WAIT_POLL_MIN, WAIT_POLL_MAX);
     while !f() {
         assert!(
             Instant::now() < deadline,
             "timed out after {within:?} waiting for {what}"
         );
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(WAIT_POLL_MAX);
+        std::thread::sleep(pause.step());
     }
 }
 
@@ -135,17 +134,11 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     buf
 }
 
-/// Fills `buf` with the test data of `seed` (xorshift64, eight bytes a
-/// step): different seeds give different bytes, none of them a run of
-/// zeroes, and a shorter buffer gets a prefix of a longer one's.
+/// Fills `buf` with the test data of `seed` ([`nvpool_rt::random::Rng`],
+/// eight bytes a step): different seeds give different bytes, none of them
+/// a run of zeroes, and a shorter buffer gets a prefix of a longer one's.
 pub fn fill(seed: u64, buf: &mut [u8]) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
-    }
+    nvpool_rt::random::Rng::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)).fill(buf);
 }
 
 #[cfg(test)]

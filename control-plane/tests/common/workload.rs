@@ -15,21 +15,8 @@ use std::sync::Mutex;
 /// The extent size of the workload's clusters, and of its devices' capacity.
 pub const E: u64 = EXTENT_BYTES_MIN;
 
-/// xorshift64*: enough randomness for choosing operations, no dependency.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+/// Chooses the operations, from a seed.
+pub use nvpool_rt::random::Rng;
 
 /// Target `i`: two devices of 48 extents, in rack `r{i % 3}`.
 pub fn registration(i: usize) -> TargetRegistration {
@@ -69,8 +56,8 @@ pub fn step(c: &Cluster, live: &Mutex<Vec<Uuid>>, rng: &mut Rng) {
     match pick {
         None => {
             let mut bytes = [0u8; 16];
-            bytes[..8].copy_from_slice(&rng.next().to_le_bytes());
-            bytes[8..].copy_from_slice(&rng.next().to_le_bytes());
+            bytes[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
+            bytes[8..].copy_from_slice(&rng.next_u64().to_le_bytes());
             let uuid = Uuid(bytes);
             let layout = match rng.below(4) {
                 0 => Layout::Concat,

@@ -43,7 +43,7 @@ impl Queue {
             Reply::ok()
         } else {
             let mut random = zeroize::Zeroizing::new([0u8; RANDOM_BYTES]);
-            if getrandom::getrandom(&mut random[..]).is_err() {
+            if nvpool_rt::random::fill(&mut random[..]).is_err() {
                 peer_error!(peer = %self.peer, "no random bytes for authentication");
                 return Reply::status(Status::INTERNAL_ERROR);
             }
