@@ -13,6 +13,7 @@ use std::io;
 
 /// Fills `buf` from the kernel's random pool (getrandom(2), blocking only
 /// until the pool is first initialised at boot).
+#[allow(clippy::disallowed_methods, reason = "the one call")]
 pub fn fill(buf: &mut [u8]) -> io::Result<()> {
     getrandom::getrandom(buf).map_err(io::Error::from)
 }
