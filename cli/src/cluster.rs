@@ -1,6 +1,6 @@
 //! `nvpool target …` and `nvpool pool …`, and what every control-plane
-//! command shares: the connection options, the response types as the CLI
-//! reads them, and table helpers.
+//! command shares: the connection options, the decoding of answers into
+//! `nvpool_api::rest`'s bodies, and table helpers.
 //!
 //! Table output is for people (IEC sizes, one row per object); `-o json`
 //! prints the control plane's JSON exactly as it answered, so scripts see
@@ -10,12 +10,11 @@ use crate::client::{segment, Client, ClientError};
 use crate::size::format_iec;
 use crate::{Format, Usage};
 use comfy_table::Table;
-use nvpool_api::rest::TargetState;
 use nvpool_api::rest::{
-    DeviceRefBody, HostKeysBody, HostKeysOut, KeyRollout, PoolBody, RebalanceBody, TargetStateBody,
+    DeviceRefBody, HostKeysBody, HostKeysOut, KeyRollout, PoolBody, PoolOut, RebalanceBody,
+    RebalanceOut, TargetOut, TargetState, TargetStateBody,
 };
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -49,67 +48,7 @@ pub struct OutputArgs {
     pub output: Format,
 }
 
-// ----- responses, as the CLI reads them (unknown fields are ignored) -----
-//
-// Requests are `nvpool_api::rest`'s bodies. These views of answers stay
-// here where they differ from `rest`'s on purpose: they accept answers of
-// older control planes (fields added since default) and keep states as the
-// text the tables print.
-
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct CapacityOut {
-    pub total_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DeviceOut {
-    pub id: String,
-    pub backend: String,
-    #[serde(default)]
-    pub labels: BTreeMap<String, String>,
-    #[serde(default)]
-    pub pool: Option<String>,
-    pub capacity_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TargetOut {
-    pub id: String,
-    pub name: String,
-    pub addr: String,
-    pub admin_addr: String,
-    /// The control plane calls the admin API over https; absent: an older
-    /// control plane, which calls it over plain HTTP.
-    #[serde(default)]
-    pub admin_tls: bool,
-    /// NVMe/RDMA listener; absent: NVMe/TCP only (or an older control plane).
-    #[serde(default)]
-    pub rdma_addr: Option<String>,
-    #[serde(default)]
-    pub labels: BTreeMap<String, String>,
-    pub health: String,
-    pub state: String,
-    #[serde(default)]
-    pub drained: bool,
-    pub registered_ms: u64,
-    pub last_heartbeat_ms: u64,
-    pub capacity: CapacityOut,
-    pub devices: Vec<DeviceOut>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PoolOut {
-    pub name: String,
-    pub devices: Vec<DeviceRefBody>,
-    pub created_ms: u64,
-    pub capacity: CapacityOut,
-}
-
-/// Decodes a JSON answer into the CLI's view of it.
+/// Decodes a JSON answer into its `nvpool_api::rest` type.
 pub fn typed<T: DeserializeOwned>(what: &'static str, v: &Value) -> Result<T, ClientError> {
     serde_json::from_value(v.clone()).map_err(|e| ClientError::Protocol {
         method: "GET",
@@ -230,8 +169,13 @@ fn state_text(x: &TargetOut) -> String {
     if x.drained {
         "drained".into()
     } else {
-        x.state.clone()
+        x.state.name().into()
     }
+}
+
+/// The NVMe/RDMA listener, or `-`.
+fn rdma_text(x: &TargetOut) -> String {
+    x.rdma_addr.map_or_else(|| "-".into(), |a| a.to_string())
 }
 
 fn set_state(c: &Client, id: &str, state: TargetState) -> anyhow::Result<Value> {
@@ -252,9 +196,9 @@ fn wait_drained(c: &Client, id: &str) -> anyhow::Result<()> {
     );
     loop {
         let x: TargetOut = typed("target", &c.get(&path)?)?;
-        if x.state != "draining" {
-            bar.abandon_with_message(format!("stopped: the target is {}", x.state));
-            anyhow::bail!("target {id} is {} now, not draining", x.state);
+        if x.state != TargetState::Draining {
+            bar.abandon_with_message(format!("stopped: the target is {}", x.state.name()));
+            anyhow::bail!("target {id} is {} now, not draining", x.state.name());
         }
         bar.set_position(total.saturating_sub(x.capacity.used_bytes));
         if x.drained {
@@ -278,12 +222,12 @@ fn targets_table(targets: &[TargetOut]) -> Table {
     ]);
     let mut t = table(&header);
     for x in targets {
-        let mut row = vec![x.id.clone(), x.name.clone(), x.addr.clone()];
+        let mut row = vec![x.id.clone(), x.name.clone(), x.addr.to_string()];
         if rdma {
-            row.push(x.rdma_addr.clone().unwrap_or_else(|| "-".into()));
+            row.push(rdma_text(x));
         }
         row.extend([
-            x.health.clone(),
+            x.health.name().into(),
             state_text(x),
             x.devices.len().to_string(),
             format_iec(x.capacity.total_bytes),
@@ -318,17 +262,14 @@ pub fn run_target(conn: &Connection, a: TargetArgs) -> anyhow::Result<()> {
             print_fields(&[
                 ("ID", x.id.clone()),
                 ("Name", x.name.clone()),
-                ("Address", x.addr.clone()),
-                (
-                    "RDMA address",
-                    x.rdma_addr.clone().unwrap_or_else(|| "-".into()),
-                ),
-                ("Admin address", x.admin_addr.clone()),
+                ("Address", x.addr.to_string()),
+                ("RDMA address", rdma_text(&x)),
+                ("Admin address", x.admin_addr.to_string()),
                 (
                     "Admin API",
                     if x.admin_tls { "https" } else { "http" }.into(),
                 ),
-                ("Health", x.health.clone()),
+                ("Health", x.health.name().into()),
                 ("State", state_text(&x)),
                 ("Labels", labels(&x.labels)),
                 ("Last heartbeat", age(x.last_heartbeat_ms)),
@@ -561,27 +502,6 @@ pub enum PoolCmd {
     },
 }
 
-/// `POST /v1/rebalance` as the CLI reads it.
-#[derive(Debug, Clone, Deserialize)]
-struct RebalanceOut {
-    moves: Vec<MoveOut>,
-    bytes_total: u64,
-    eta_s: Option<u64>,
-    #[serde(default)]
-    pending: Vec<Option<String>>,
-    #[serde(default)]
-    moves_running: usize,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct MoveOut {
-    volume_name: String,
-    extent: u32,
-    from: String,
-    to: String,
-    bytes: u64,
-}
-
 fn print_rebalance(r: &RebalanceOut, dry_run: bool) {
     if r.moves.is_empty() {
         println!("balanced: nothing to move");
@@ -764,9 +684,9 @@ mod tests {
         let target = |id: &str, rdma: Option<&str>| -> TargetOut {
             serde_json::from_value(serde_json::json!({
                 "id": id, "name": id, "addr": "10.0.0.1:4420", "admin_addr": "10.0.0.1:4480",
-                "rdma_addr": rdma, "health": "online", "state": "active",
-                "registered_ms": 0, "last_heartbeat_ms": 0,
-                "capacity": {"total_bytes": 0, "used_bytes": 0, "free_bytes": 0},
+                "rdma_addr": rdma, "admin_tls": false, "labels": {}, "health": "online",
+                "state": "active", "drained": false, "registered_ms": 0, "last_heartbeat_ms": 0,
+                "capacity": {"total_bytes": 0, "used_bytes": 0, "free_bytes": 0, "free_extents": 0},
                 "devices": [],
             }))
             .unwrap()

@@ -13,10 +13,11 @@ use crate::nvmef;
 use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
-use nvpool_api::rest::{CopyHistoryOut, ExportBody, ExtentOut, ResizeBody, VolumeSpecBody};
+use nvpool_api::rest::{
+    AttachmentOut, CopyHistoryOut, ExportBody, ResizeBody, VolumeOut, VolumeSpecBody,
+};
 use nvpool_layout::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
-use nvpool_layout::{ConnectionPlan, Layout, LayoutBody, Uuid};
-use serde::{Deserialize, Serialize};
+use nvpool_layout::{Layout, LayoutBody, Uuid};
 use serde_json::Value;
 use std::io::{IsTerminal, Read};
 use std::path::Path;
@@ -29,48 +30,6 @@ pub const DEFAULT_STRIPE_WIDTH: u32 = 2;
 /// Default copies of raid1/raid10: survives one failure.
 pub const DEFAULT_COPIES: u8 = 2;
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct VolumeOut {
-    pub uuid: Uuid,
-    pub name: String,
-    pub size_bytes: u64,
-    pub layout: LayoutBody,
-    #[serde(default)]
-    pub pool: Option<String>,
-    pub status: String,
-    pub extent_bytes: u64,
-    pub created_ms: u64,
-    #[serde(default)]
-    pub extents: Vec<ExtentOut>,
-    /// Host NQNs the volume is attached to.
-    #[serde(default)]
-    pub attachments: Vec<String>,
-    /// Extents whose copies missed writes (never read until rebuilt).
-    #[serde(default)]
-    pub failed_extents: Vec<u32>,
-    /// Copies being brought back in sync.
-    #[serde(default)]
-    pub copy_jobs: Vec<CopyJobOut>,
-}
-
-/// A running copy job, as `GET /v1/volumes` reports it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CopyJobOut {
-    pub id: u64,
-    pub extent: u32,
-    pub kind: String,
-    pub state: String,
-    pub bytes_total: u64,
-    pub bytes_copied: u64,
-    #[serde(default)]
-    pub rate_bytes_per_sec: u64,
-    #[serde(default)]
-    pub eta_s: Option<u64>,
-    /// Replace and move: where the copy goes (`target/device`).
-    #[serde(default)]
-    pub to: Option<String>,
-}
-
 /// Bytes per second while the copier ran, once it is over.
 fn copy_rate(h: &CopyHistoryOut) -> Option<u64> {
     let (start, end) = (h.copy_started_ms?, h.finished_ms?);
@@ -78,12 +37,18 @@ fn copy_rate(h: &CopyHistoryOut) -> Option<u64> {
     Some(h.bytes_copied.saturating_mul(1000) / ms)
 }
 
-impl VolumeOut {
+/// What the tables say about a volume.
+trait VolumeText {
+    fn status_text(&self) -> String;
+    fn extent_state(&self, i: u32) -> String;
+}
+
+impl VolumeText for VolumeOut {
     /// `online`, `degraded`, `offline`, or `syncing 42%` while copies are
     /// being filled (the share of all their bytes copied so far).
-    pub fn status_text(&self) -> String {
+    fn status_text(&self) -> String {
         if self.copy_jobs.is_empty() {
-            return self.status.clone();
+            return self.status.name().into();
         }
         let total: u64 = self.copy_jobs.iter().map(|j| j.bytes_total).sum();
         let done: u64 = self.copy_jobs.iter().map(|j| j.bytes_copied).sum();
@@ -134,15 +99,6 @@ fn percent(done: u64, total: u64) -> u64 {
     } else {
         (u128::from(done) * 100 / u128::from(total)) as u64
     }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct AttachmentOut {
-    pub volume: Uuid,
-    pub host_nqn: String,
-    pub state: String,
-    pub created_ms: u64,
-    pub plan: ConnectionPlan,
 }
 
 #[derive(Debug, clap::Args)]
@@ -502,7 +458,7 @@ fn print_plan(a: &AttachmentOut) {
     print_fields(&[
         ("Volume", format!("{} ({})", p.name, p.volume)),
         ("Host", a.host_nqn.clone()),
-        ("State", a.state.clone()),
+        ("State", a.state.name().into()),
         ("Size", format_iec(p.size_bytes)),
         ("Layout", layout_text(&p.layout)),
         ("Block size", p.block_bytes.to_string()),
@@ -1049,14 +1005,15 @@ mod tests {
     #[test]
     fn copy_states_say_what_a_copy_does() {
         let job = |extent: u32, kind: &str, state: &str, to: Option<&str>| {
-            serde_json::json!({"id": 1, "extent": extent, "kind": kind, "state": state,
-                "bytes_total": 100, "bytes_copied": 42, "rate_bytes_per_sec": 1 << 20,
+            serde_json::json!({"id": 1, "extent": extent, "source": 0, "kind": kind,
+                "state": state, "started_ms": 0, "bytes_total": 100, "bytes_copied": 42, "rate_bytes_per_sec": 1 << 20,
                 "eta_s": 3, "to": to})
         };
         let v: VolumeOut = serde_json::from_value(serde_json::json!({
             "uuid": "6d1c7f3e-2a4b-4c8d-9e0f-1a2b3c4d5e6f", "name": "v", "size_bytes": 1,
             "layout": {"type": "raid1", "copies": 2}, "status": "degraded",
-            "extent_bytes": 1, "created_ms": 0, "failed_extents": [1, 3, 5],
+            "extent_bytes": 1, "created_ms": 0, "extents": [], "attachments": [],
+            "failed_extents": [1, 3, 5],
             "copy_jobs": [
                 job(1, "resync-partial", "copying", None),
                 job(2, "move", "copying", Some("t4/d0")),
