@@ -3,7 +3,9 @@
 //! and the `nvpool` CLI.
 //!
 //! ```text
-//!   rest ── request and response bodies, Secret, endpoint lists (always)
+//!   rest ── request and response bodies, Secret, endpoint lists,
+//!           ErrorBody (always)
+//!   admin ── request bodies of a target's admin API (always)
 //!   size ── parse_size, the one reading of byte counts (always)
 //!   names ── the NQNs one process makes up and another recognises, and
 //!            `segment`, a name in a URL path (always)
@@ -23,6 +25,7 @@
 //! daemons take `server`. `schema` adds the OpenAPI schemas the control
 //! plane's document is generated from.
 
+pub mod admin;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "client")]

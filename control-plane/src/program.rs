@@ -25,12 +25,17 @@ use crate::attach::{validate_host_nqn, AttachmentState, Export};
 use crate::limits::TARGET_CALL_TIMEOUT_MS;
 use crate::model::{Target, Uuid};
 use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
-use crate::rest::Secret;
 use crate::state::{Cluster, HostKeys, StateError};
-use serde::Deserialize;
+use nvpool_api::admin::{AnaStateBody, DhchapKeys, NamespaceBody, StartCopyBody, SubsystemAccess};
+use nvpool_api::client::{segment, Client, ClientError, NO_BODY};
+use nvpool_api::http::{Call, NoAnswer};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::time::Duration;
+use ureq::http::{Method, Response};
+use ureq::Body;
 
 /// Why programming a target failed.
 #[derive(Debug, thiserror::Error)]
@@ -100,22 +105,20 @@ pub(crate) fn held_key_id<'a>(
         .map(|k| k.get("key_id").and_then(|i| i.as_str()))
 }
 
-/// What a target is told about `host`'s keys: its `HostKeyConfig`.
+/// What a target is told about `host`'s keys.
+pub(crate) fn dhchap_keys(k: &HostKeys) -> DhchapKeys {
+    DhchapKeys {
+        dhchap_key: k.dhchap_key.expose().to_owned(),
+        dhchap_ctrl_key: k.dhchap_ctrl_key.as_ref().map(|c| c.expose().to_owned()),
+        dhchap_hash: k.dhchap_hash.clone(),
+        dhchap_dhgroup: k.dhchap_dhgroup.clone(),
+        key_id: Some(k.key_id.clone()),
+    }
+}
+
+/// [`dhchap_keys`] as JSON, for bodies still built as values.
 pub(crate) fn target_keys(k: &HostKeys) -> serde_json::Value {
-    let mut v = serde_json::json!({
-        "dhchap_key": k.dhchap_key.expose(),
-        "key_id": k.key_id,
-    });
-    if let Some(c) = &k.dhchap_ctrl_key {
-        v["dhchap_ctrl_key"] = c.expose().into();
-    }
-    if let Some(h) = &k.dhchap_hash {
-        v["dhchap_hash"] = h.as_str().into();
-    }
-    if let Some(g) = &k.dhchap_dhgroup {
-        v["dhchap_dhgroup"] = g.as_str().into();
-    }
-    v
+    serde_json::to_value(dhchap_keys(k)).expect("keys encode")
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -134,37 +137,16 @@ pub(crate) struct CopyStatus {
     pub error: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
-struct TargetErrorBody {
-    message: String,
-}
-
-/// Percent-encodes one URL path segment (NQNs may hold any printable byte).
-fn segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~:@".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// A blocking client of one target's admin API, presenting the token the
-/// target registered with as a bearer token on every call. A target that
+/// A client of one target's admin API, presenting the token the target
+/// registered with as a bearer token on every call. A target that
 /// registered `admin_tls` is called over https: its certificate must chain
 /// to the CA of `nvpool-control --target-cacert` (else the system bundle)
-/// and name the IP address of its `admin_addr`.
+/// and name the IP address of its `admin_addr` (ureq verifies the host of
+/// the URL, which is that address).
 pub(crate) struct TargetAdmin {
-    agent: ureq::Agent,
+    client: Client,
     target: String,
     addr: SocketAddr,
-    /// `admin_addr` speaks https.
-    tls: bool,
-    /// The target's admin token, when it gave one.
-    token: Option<Secret>,
     /// The daemon at `addr` said it is `target`: set by the first change
     /// made through this client.
     confirmed: std::sync::OnceLock<()>,
@@ -175,71 +157,113 @@ impl TargetAdmin {
     /// for it.
     pub(crate) fn new(cluster: &Cluster, t: &Target) -> Result<TargetAdmin, ProgramError> {
         let token = cluster.target_credential(&t.id)?;
-        let mut config = ureq::Agent::config_builder()
-            .timeout_global(Some(Duration::from_millis(TARGET_CALL_TIMEOUT_MS)))
-            .http_status_as_error(false)
-            // Cluster-internal calls carrying a credential: never through
-            // an environment proxy.
-            .proxy(None);
-        if t.admin_tls {
-            config = config.tls_config(cluster.target_tls());
-        }
+        let (scheme, tls) = match t.admin_tls {
+            true => ("https", cluster.target_tls()),
+            false => ("http", ureq::tls::TlsConfig::default()),
+        };
+        let client = Client::with_timeout(
+            vec![format!("{scheme}://{}", t.admin_addr)],
+            token.map(|s| s.expose().to_owned()),
+            tls,
+            Duration::from_millis(TARGET_CALL_TIMEOUT_MS),
+            "the target",
+        );
         Ok(TargetAdmin {
-            agent: ureq::Agent::new_with_config(config.build()),
+            client,
             target: t.id.clone(),
             addr: t.admin_addr,
-            tls: t.admin_tls,
-            token,
             confirmed: std::sync::OnceLock::new(),
         })
     }
 
-    /// The server name verified over https is the IP of `addr` (ureq
-    /// takes it from the URL).
-    fn url(&self, path: &str) -> String {
-        let scheme = if self.tls { "https" } else { "http" };
-        format!("{scheme}://{}{path}", self.addr)
-    }
-
-    fn auth<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
-        match &self.token {
-            Some(t) => r.header("Authorization", format!("Bearer {}", t.expose())),
-            None => r,
+    fn unreachable(&self, message: String) -> ProgramError {
+        ProgramError::Unreachable {
+            target: self.target.clone(),
+            addr: self.addr,
+            message,
         }
     }
 
-    fn get(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
-        self.auth(self.agent.get(self.url(path)))
-    }
-
-    fn delete(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
-        self.auth(self.agent.delete(self.url(path)))
-    }
-
-    fn put(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
-        self.auth(self.agent.put(self.url(path)))
-    }
-
-    fn post(&self, path: &str) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
-        self.auth(self.agent.post(self.url(path)))
-    }
-
-    fn unreachable(&self, e: ureq::Error) -> ProgramError {
-        let message = match e {
-            // A certificate the control plane does not trust, or one that
-            // does not name the address: say where the trust comes from.
-            e if crate::http::is_tls(&e) => format!(
+    /// No answer: a certificate the control plane does not trust, or one
+    /// that does not name the address, says where the trust comes from.
+    fn no_answer(&self, e: &NoAnswer) -> ProgramError {
+        let message = match e.failures.iter().any(|f| crate::http::is_tls(&f.error)) {
+            true => format!(
                 "TLS with its admin API failed: {e} (the control plane trusts the CA of \
                  --target-cacert, else the system CA bundle, and the certificate must name \
                  {})",
                 self.addr.ip()
             ),
-            e => e.to_string(),
+            false => e.to_string(),
         };
-        ProgramError::Unreachable {
-            target: self.target.clone(),
-            addr: self.addr,
-            message,
+        self.unreachable(message)
+    }
+
+    /// One call: its answer, `None` for 404, or an error (`what` the
+    /// target refused).
+    fn call<B: Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        timeout: Option<Duration>,
+        what: &str,
+    ) -> Result<Option<Response<Body>>, ProgramError> {
+        // One endpoint: nothing to fail over to.
+        match self.client.request(Call::Once, method, path, body, timeout) {
+            Ok(r) => Ok(Some(r)),
+            Err(ClientError::Api { status: 404, .. }) => Ok(None),
+            Err(ClientError::Api { message, .. }) => Err(ProgramError::Refused {
+                target: self.target.clone(),
+                what: what.to_owned(),
+                message,
+            }),
+            Err(ClientError::Unreachable { source, .. }) => Err(self.no_answer(&source)),
+            Err(e) => Err(self.unreachable(e.to_string())),
+        }
+    }
+
+    /// A GET's body as `T`; `None` for 404.
+    fn read<T: DeserializeOwned>(&self, path: &str, what: &str) -> Result<Option<T>, ProgramError> {
+        match self.call(Method::GET, path, NO_BODY, None, what)? {
+            Some(r) => Client::decode(Method::GET, path, r)
+                .map(Some)
+                .map_err(|e| self.unreachable(e.to_string())),
+            None => Ok(None),
+        }
+    }
+
+    /// A change, after [`confirm_identity`](Self::confirm_identity):
+    /// whether the target had what it names (`false` for 404).
+    fn change<B: Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        what: &str,
+    ) -> Result<bool, ProgramError> {
+        self.confirm_identity()?;
+        Ok(self.call(method, path, body, None, what)?.is_some())
+    }
+
+    /// A change the target must find its subject for: 404 is `vanished`.
+    fn change_existing<B: Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        timeout: Option<Duration>,
+        what: &str,
+        vanished: &str,
+    ) -> Result<(), ProgramError> {
+        self.confirm_identity()?;
+        match self.call(method, path, body, timeout, what)? {
+            Some(_) => Ok(()),
+            None => Err(ProgramError::Refused {
+                target: self.target.clone(),
+                what: what.to_owned(),
+                message: vanished.to_owned(),
+            }),
         }
     }
 
@@ -252,9 +276,9 @@ impl TargetAdmin {
         if self.confirmed.get().is_some() {
             return Ok(());
         }
-        let r = self.get("/v1/identity").call();
-        let found = match self.check("reporting its identity", r)? {
-            Some(mut r) => match r.body_mut().read_json::<IdentityState>() {
+        let path = "/v1/identity";
+        let found = match self.call(Method::GET, path, NO_BODY, None, "reporting its identity")? {
+            Some(r) => match Client::decode::<IdentityState>(Method::GET, path, r) {
                 Ok(IdentityState {
                     target_id: Some(id),
                 }) => id,
@@ -276,37 +300,10 @@ impl TargetAdmin {
         Ok(())
     }
 
-    /// Turns a response into its body, `None` for 404, or an error.
-    fn check(
-        &self,
-        what: &str,
-        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<Option<ureq::http::Response<ureq::Body>>, ProgramError> {
-        let mut r = r.map_err(|e| self.unreachable(e))?;
-        let status = r.status().as_u16();
-        if (200..300).contains(&status) {
-            return Ok(Some(r));
-        }
-        if status == 404 {
-            return Ok(None);
-        }
-        let message = r
-            .body_mut()
-            .read_json::<TargetErrorBody>()
-            .map_or_else(|_| format!("HTTP {status}"), |b| b.message);
-        Err(ProgramError::Refused {
-            target: self.target.clone(),
-            what: what.to_owned(),
-            message,
-        })
-    }
-
     pub(crate) fn subsystems(&self) -> Result<Vec<SubsystemState>, ProgramError> {
-        let r = self.get("/v1/subsystems").call();
-        match self.check("listing subsystems", r)? {
-            Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
-            None => Ok(Vec::new()),
-        }
+        Ok(self
+            .read("/v1/subsystems", "listing subsystems")?
+            .unwrap_or_default())
     }
 
     fn subsystem(&self, nqn: &str) -> Result<Option<SubsystemState>, ProgramError> {
@@ -327,15 +324,21 @@ impl TargetAdmin {
         host: &str,
         keys: Option<&HostKeys>,
     ) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
+        let body = SubsystemAccess {
+            allowed_hosts: vec![host.to_owned()],
+            allow_any_host: false,
+            host_keys: keys
+                .map(|k| BTreeMap::from([(host.to_owned(), dhchap_keys(k))]))
+                .unwrap_or_default(),
+        };
         let path = format!("/v1/subsystems/{}", segment(nqn));
-        let mut body = serde_json::json!({"allowed_hosts": [host], "allow_any_host": false});
-        if let Some(k) = keys {
-            body["host_keys"] = serde_json::json!({ host: target_keys(k) });
-        }
-        let r = self.put(&path).send_json(body);
-        self.check(&format!("creating subsystem {nqn}"), r)
-            .map(drop)
+        self.change(
+            Method::PUT,
+            &path,
+            Some(&body),
+            &format!("creating subsystem {nqn}"),
+        )
+        .map(drop)
     }
 
     /// A subsystem as the admin API shows it, untyped (served volumes read
@@ -344,15 +347,10 @@ impl TargetAdmin {
         &self,
         nqn: &str,
     ) -> Result<Option<serde_json::Value>, ProgramError> {
-        let r = self.get(&format!("/v1/subsystems/{}", segment(nqn))).call();
-        match self.check("reading a subsystem", r)? {
-            Some(mut r) => r
-                .body_mut()
-                .read_json()
-                .map(Some)
-                .map_err(|e| self.unreachable(e)),
-            None => Ok(None),
-        }
+        self.read(
+            &format!("/v1/subsystems/{}", segment(nqn)),
+            "reading a subsystem",
+        )
     }
 
     /// Every subsystem NQN the target has.
@@ -367,12 +365,14 @@ impl TargetAdmin {
         nqn: &str,
         body: &serde_json::Value,
     ) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let r = self
-            .put(&format!("/v1/subsystems/{}", segment(nqn)))
-            .send_json(body);
-        self.check(&format!("configuring subsystem {nqn}"), r)
-            .map(drop)
+        let path = format!("/v1/subsystems/{}", segment(nqn));
+        self.change(
+            Method::PUT,
+            &path,
+            Some(body),
+            &format!("configuring subsystem {nqn}"),
+        )
+        .map(drop)
     }
 
     /// Sets the ANA state the target reports for `nqn`. Leaving a serving
@@ -393,36 +393,31 @@ impl TargetAdmin {
         state: &str,
         owner_keys: Option<&HostKeys>,
     ) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let mut body = serde_json::json!({ "state": state });
-        if let Some(k) = owner_keys {
-            body["owner_keys"] = target_keys(k);
-        }
-        let r = self
-            .put(&format!("/v1/subsystems/{}/ana", segment(nqn)))
-            .config()
-            .timeout_global(Some(Duration::from_millis(
-                crate::limits::ANA_CHANGE_TIMEOUT_MS,
-            )))
-            .build()
-            .send_json(body);
-        match self.check(&format!("ANA state {state} of {nqn}"), r)? {
-            Some(_) => Ok(()),
-            None => Err(ProgramError::Refused {
-                target: self.target.clone(),
-                what: format!("ANA state {state} of {nqn}"),
-                message: "the subsystem does not exist".into(),
-            }),
-        }
+        let body = AnaStateBody {
+            state: state.to_owned(),
+            owner_keys: owner_keys.map(dhchap_keys),
+        };
+        let timeout = Duration::from_millis(crate::limits::ANA_CHANGE_TIMEOUT_MS);
+        self.change_existing(
+            Method::PUT,
+            &format!("/v1/subsystems/{}/ana", segment(nqn)),
+            Some(&body),
+            Some(timeout),
+            &format!("ANA state {state} of {nqn}"),
+            "the subsystem does not exist",
+        )
     }
 
     /// Takes `host` off a subsystem's ACL; one already gone is fine.
     pub(crate) fn disallow_host(&self, nqn: &str, host: &str) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
-        let r = self.delete(&path).call();
-        self.check(&format!("removing {host} from {nqn}"), r)
-            .map(drop)
+        self.change(
+            Method::DELETE,
+            &path,
+            NO_BODY,
+            &format!("removing {host} from {nqn}"),
+        )
+        .map(drop)
     }
 
     /// Lets `host` in, with `keys` (DH-HMAC-CHAP) when given; without,
@@ -433,109 +428,99 @@ impl TargetAdmin {
         host: &str,
         keys: Option<&HostKeys>,
     ) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/hosts/{}", segment(nqn), segment(host));
-        let r = match keys {
-            Some(k) => self.put(&path).send_json(target_keys(k)),
-            None => self.put(&path).send_empty(),
-        };
-        match self.check(&format!("allowing {host} on {nqn}"), r)? {
-            Some(_) => Ok(()),
-            None => Err(ProgramError::Refused {
-                target: self.target.clone(),
-                what: format!("allowing {host} on {nqn}"),
-                message: "the subsystem vanished".into(),
-            }),
-        }
+        self.change_existing(
+            Method::PUT,
+            &path,
+            keys.map(dhchap_keys).as_ref(),
+            None,
+            &format!("allowing {host} on {nqn}"),
+            "the subsystem vanished",
+        )
     }
 
     fn put_namespace(&self, nqn: &str, nsid: u32, backend: &str) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let path = format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn));
-        let r = self
-            .put(&path)
-            .send_json(serde_json::json!({"backend": backend}));
-        match self.check(&format!("namespace {nsid} of {nqn}"), r)? {
-            Some(_) => Ok(()),
-            None => Err(ProgramError::Refused {
-                target: self.target.clone(),
-                what: format!("namespace {nsid} of {nqn}"),
-                message: "the subsystem vanished".into(),
-            }),
-        }
+        let body = NamespaceBody {
+            backend: backend.to_owned(),
+            uuid: None,
+            read_only: false,
+        };
+        self.change_existing(
+            Method::PUT,
+            &format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn)),
+            Some(&body),
+            None,
+            &format!("namespace {nsid} of {nqn}"),
+            "the subsystem vanished",
+        )
     }
 
     /// Removes a namespace; one already gone is fine.
     pub(crate) fn delete_namespace(&self, nqn: &str, nsid: u32) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
         let path = format!("/v1/subsystems/{}/namespaces/{nsid}", segment(nqn));
-        let r = self.delete(&path).call();
-        self.check(&format!("removing namespace {nsid} of {nqn}"), r)
-            .map(drop)
+        let what = format!("removing namespace {nsid} of {nqn}");
+        self.change(Method::DELETE, &path, NO_BODY, &what).map(drop)
     }
 
     /// Arms copy job `id` (idempotent for the same body).
     pub(crate) fn arm_copy(&self, id: &str, body: &serde_json::Value) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let r = self
-            .put(&format!("/v1/copies/{}", segment(id)))
-            .send_json(body);
-        self.check(&format!("arming copy {id}"), r).map(drop)
+        let path = format!("/v1/copies/{}", segment(id));
+        self.change(Method::PUT, &path, Some(body), &format!("arming copy {id}"))
+            .map(drop)
     }
 
     /// Starts an armed copy job on `regions` (`None`: all).
     pub(crate) fn start_copy(&self, id: &str, regions: Option<&[u32]>) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let r = self
-            .post(&format!("/v1/copies/{}/start", segment(id)))
-            .send_json(serde_json::json!({ "regions": regions }));
-        match self.check(&format!("starting copy {id}"), r)? {
-            Some(_) => Ok(()),
-            None => Err(ProgramError::Refused {
-                target: self.target.clone(),
-                what: format!("starting copy {id}"),
-                message: "the target does not know the copy (it restarted)".into(),
-            }),
-        }
+        let body = StartCopyBody {
+            regions: regions.map(<[u32]>::to_vec),
+        };
+        self.change_existing(
+            Method::POST,
+            &format!("/v1/copies/{}/start", segment(id)),
+            Some(&body),
+            None,
+            &format!("starting copy {id}"),
+            "the target does not know the copy (it restarted)",
+        )
     }
 
     /// A copy job's status; `None` when the target does not know it.
     pub(crate) fn copy_status(&self, id: &str) -> Result<Option<CopyStatus>, ProgramError> {
-        let r = self.get(&format!("/v1/copies/{}", segment(id))).call();
-        match self.check(&format!("reading copy {id}"), r)? {
-            Some(mut r) => r
-                .body_mut()
-                .read_json()
-                .map(Some)
-                .map_err(|e| self.unreachable(e)),
-            None => Ok(None),
-        }
+        self.read(
+            &format!("/v1/copies/{}", segment(id)),
+            &format!("reading copy {id}"),
+        )
     }
 
     /// Every copy job the target knows.
     pub(crate) fn copies(&self) -> Result<Vec<CopyStatus>, ProgramError> {
-        let r = self.get("/v1/copies").call();
-        match self.check("listing copies", r)? {
-            Some(mut r) => r.body_mut().read_json().map_err(|e| self.unreachable(e)),
-            None => Ok(Vec::new()),
-        }
+        Ok(self
+            .read("/v1/copies", "listing copies")?
+            .unwrap_or_default())
     }
 
     /// Cancels and forgets a copy job; one already gone is fine.
     pub(crate) fn delete_copy(&self, id: &str) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let r = self.delete(&format!("/v1/copies/{}", segment(id))).call();
-        self.check(&format!("removing copy {id}"), r).map(drop)
+        let path = format!("/v1/copies/{}", segment(id));
+        self.change(
+            Method::DELETE,
+            &path,
+            NO_BODY,
+            &format!("removing copy {id}"),
+        )
+        .map(drop)
     }
 
     /// Removes a subsystem; one already gone is fine.
     pub(crate) fn delete_subsystem(&self, nqn: &str) -> Result<(), ProgramError> {
-        self.confirm_identity()?;
-        let r = self
-            .delete(&format!("/v1/subsystems/{}", segment(nqn)))
-            .call();
-        self.check(&format!("removing subsystem {nqn}"), r)
-            .map(drop)
+        let path = format!("/v1/subsystems/{}", segment(nqn));
+        self.change(
+            Method::DELETE,
+            &path,
+            NO_BODY,
+            &format!("removing subsystem {nqn}"),
+        )
+        .map(drop)
     }
 }
 

@@ -1,0 +1,144 @@
+//! Request bodies of a target's admin API (`nvpool-target --admin-listen`),
+//! declared once: the control plane sends them (`program.rs`) and the
+//! target reads them (its `api.rs`). Plain data, checked by the target.
+//!
+//! Keys absent from a body take the target's defaults, so the fields a
+//! caller leaves empty are left out of the JSON rather than sent as
+//! `null` or `[]`.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// One host's DH-HMAC-CHAP keys as a target is given them (`PUT
+/// …/hosts/{host}`, a subsystem's `host_keys`, an owner's `owner_keys`).
+/// The secrets are `DHHC-1:XX:…:` strings; `Debug` shows none of them.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DhchapKeys {
+    /// The host's secret (`nvme connect --dhchap-secret`).
+    pub dhchap_key: String,
+    /// The controller's secret, for bidirectional authentication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrl_key: Option<String>,
+    /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_hash: Option<String>,
+    /// `null` (the default) or `ffdhe2048` … `ffdhe8192`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_dhgroup: Option<String>,
+    /// A label for this version of the keys, not secret: the target shows
+    /// it back, so whoever set the keys can tell whether it holds the
+    /// current ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_id: Option<String>,
+}
+
+impl std::fmt::Debug for DhchapKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DhchapKeys")
+            .field("bidirectional", &self.dhchap_ctrl_key.is_some())
+            .field("dhchap_hash", &self.dhchap_hash)
+            .field("dhchap_dhgroup", &self.dhchap_dhgroup)
+            .field("key_id", &self.key_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `PUT /v1/subsystems/{nqn}` as the control plane creates a host's
+/// subsystem: who may connect, and with which keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubsystemAccess {
+    pub allowed_hosts: Vec<String>,
+    pub allow_any_host: bool,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub host_keys: BTreeMap<String, DhchapKeys>,
+}
+
+/// `PUT /v1/subsystems/{nqn}/ana`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnaStateBody {
+    /// `optimized`, `non-optimized`, `inaccessible`, `persistent-loss` or
+    /// `change`.
+    pub state: String,
+    /// The DH-HMAC-CHAP keys of the target's owner host NQN, for the
+    /// volume engine a serving state opens (C19); write-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_keys: Option<DhchapKeys>,
+}
+
+/// `PUT /v1/subsystems/{nqn}/namespaces/{nsid}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceBody {
+    /// `file:PATH[,offset=…][,length=…][,block_size=…]` or `ram:SIZE`.
+    pub backend: String,
+    /// The namespace's UUID; the target derives one when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
+}
+
+/// `POST /v1/copies/{id}/start`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartCopyBody {
+    /// Region indexes to copy; null (or absent) = every region.
+    #[serde(default)]
+    pub regions: Option<Vec<u32>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn bodies_are_the_json_targets_have_always_been_sent() {
+        let keys = DhchapKeys {
+            dhchap_key: "DHHC-1:00:k:".into(),
+            dhchap_ctrl_key: None,
+            dhchap_hash: Some("sha256".into()),
+            dhchap_dhgroup: None,
+            key_id: Some("v1".into()),
+        };
+        let v = serde_json::to_value(&keys).unwrap();
+        assert_eq!(
+            v,
+            json!({"dhchap_key": "DHHC-1:00:k:", "dhchap_hash": "sha256", "key_id": "v1"})
+        );
+        assert!(!format!("{keys:?}").contains("DHHC"));
+        let access = SubsystemAccess {
+            allowed_hosts: vec!["h".into()],
+            allow_any_host: false,
+            host_keys: BTreeMap::new(),
+        };
+        assert_eq!(
+            serde_json::to_value(&access).unwrap(),
+            json!({"allowed_hosts": ["h"], "allow_any_host": false})
+        );
+        let ana = AnaStateBody {
+            state: "optimized".into(),
+            owner_keys: None,
+        };
+        assert_eq!(
+            serde_json::to_value(&ana).unwrap(),
+            json!({"state": "optimized"})
+        );
+        let ns = NamespaceBody {
+            backend: "ram:1M".into(),
+            uuid: None,
+            read_only: false,
+        };
+        assert_eq!(
+            serde_json::to_value(&ns).unwrap(),
+            json!({"backend": "ram:1M"})
+        );
+        let start = StartCopyBody { regions: None };
+        assert_eq!(
+            serde_json::to_value(&start).unwrap(),
+            json!({"regions": null})
+        );
+    }
+}
