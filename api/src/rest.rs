@@ -567,7 +567,8 @@ pub struct SyncBody {
     /// Regions the copy missed from this host; `null` when unknown.
     pub missed_regions: Option<Vec<u32>>,
     /// The host could not write a moving copy's new extent: the job fails.
-    #[serde(default)]
+    // Left out when false: hosts have always sent it only then.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub failed: bool,
 }
 

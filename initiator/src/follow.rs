@@ -50,11 +50,15 @@ use crate::limits::{
     FOLLOW_REPORT_RETRY, FOLLOW_RETRY,
 };
 use crate::volume::{CopyState, ExtentFailedFn, ExtentFailure, MissedRegions, MovingCopy, Volume};
+use nvpool_api::names::segment;
+use nvpool_api::rest::{
+    AttachmentOut, ErrorBody, FailedExtentsBody, MissedBody, SessionBody, SyncBody,
+};
 use nvpool_layout::copies::{HostMove, SyncingCopy};
 use nvpool_layout::plan::{ConnectionPlan, PlanExtent};
 use nvpool_layout::Uuid;
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io::Read;
@@ -124,13 +128,6 @@ impl CallError {
         if (200..300).contains(&status) {
             return Ok(());
         }
-        #[derive(Default, Deserialize)]
-        struct ErrorBody {
-            #[serde(default)]
-            kind: String,
-            #[serde(default)]
-            message: String,
-        }
         let b: ErrorBody = serde_json::from_slice(body).unwrap_or_default();
         Err(CallError::Refused {
             status,
@@ -144,8 +141,10 @@ impl CallError {
     }
 }
 
-fn put(cp: &impl ControlPlane, path: &str, body: &serde_json::Value) -> Result<(), CallError> {
-    let (status, answer) = cp.put_json(path, body).map_err(CallError::Unreachable)?;
+fn put(cp: &impl ControlPlane, path: &str, body: &impl Serialize) -> Result<(), CallError> {
+    // A REST body is plain data: nothing in it can fail to serialize.
+    let body = serde_json::to_value(body).expect("a REST body serializes");
+    let (status, answer) = cp.put_json(path, &body).map_err(CallError::Unreachable)?;
     CallError::check(status, &answer)
 }
 
@@ -160,36 +159,19 @@ fn get<T: DeserializeOwned>(cp: &impl ControlPlane, path: &str) -> Result<T, Cal
     })
 }
 
-/// Percent-encodes one path segment: everything but RFC 3986 unreserved
-/// characters (host NQNs hold `:`, which must not reach the path raw).
-pub fn segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// The path of `host_nqn`'s attachment of `volume`:
 /// `/v1/volumes/{uuid}/attachments/{host}`.
 pub fn attachment_path(volume: &Uuid, host_nqn: &str) -> String {
     format!("/v1/volumes/{volume}/attachments/{}", segment(host_nqn))
 }
 
-/// The copy fields of `GET …/attachments/{host}`.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// The copy fields of `GET …/attachments/{host}` ([`AttachmentOut`]'s),
+/// as the follower tracks them.
+#[derive(Debug, Clone, Default)]
 pub struct CopyView {
-    #[serde(default)]
     pub failed_extents: Vec<u32>,
-    #[serde(default)]
     pub syncing: Vec<SyncingCopy>,
-    #[serde(default)]
     pub moving: Vec<HostMove>,
-    #[serde(default)]
     pub revision: u64,
 }
 
@@ -224,13 +206,29 @@ impl CopyView {
     }
 }
 
-/// What a serving process reads at open from `GET …/attachments/{host}`:
-/// the connection plan and the copies.
+/// What a serving process reads from `GET …/attachments/{host}` (an
+/// [`AttachmentOut`]), at open and at every change: the connection plan
+/// (bigger after a resize) and the copies.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(from = "AttachmentOut")]
 pub struct AttachmentView {
     pub plan: ConnectionPlan,
-    #[serde(flatten)]
     pub copies: CopyView,
+}
+
+impl From<AttachmentOut> for AttachmentView {
+    fn from(a: AttachmentOut) -> AttachmentView {
+        let copies = CopyView {
+            failed_extents: a.failed_extents,
+            syncing: a.syncing,
+            moving: a.moving,
+            revision: a.revision,
+        };
+        AttachmentView {
+            plan: a.plan,
+            copies,
+        }
+    }
 }
 
 /// `GET …/attachments/{host}`: what a serving process opens `volume`
@@ -351,7 +349,9 @@ fn report_failures(
         }
         pending.sort_unstable();
         pending.dedup();
-        let body = serde_json::json!({ "failed_extents": pending });
+        let body = FailedExtentsBody {
+            failed_extents: pending.clone(),
+        };
         match put(cp, path, &body) {
             Ok(()) => {
                 tracing::info!(extents = ?pending, "failed extents reported to the control plane");
@@ -437,16 +437,6 @@ impl Engine for Volume {
 /// bytes. Called on the watcher's thread.
 pub type GrownFn = Box<dyn Fn(u64) + Send + Sync>;
 
-/// What a long-poll of the attachment brings: the copies, and the plan
-/// (bigger after a resize).
-#[derive(Debug, Deserialize)]
-struct WatchView {
-    #[serde(default)]
-    plan: Option<ConnectionPlan>,
-    #[serde(flatten)]
-    copies: CopyView,
-}
-
 /// Follows the copies of one served volume.
 pub struct Watcher<C> {
     cp: C,
@@ -519,7 +509,10 @@ impl<C: ControlPlane> Watcher<C> {
     /// `revision`. Retries until it answers or the watcher is stopped.
     pub fn register(&self, revision: u64) {
         let _s = tracing::info_span!("follow", volume = %self.volume_id).entered();
-        let body = serde_json::json!({ "session": self.session, "revision": revision });
+        let body = SessionBody {
+            session: self.session,
+            revision,
+        };
         let path = format!("{}/session", self.base);
         while !self.stop.load(Ordering::Relaxed) {
             match put(&self.cp, &path, &body) {
@@ -561,12 +554,10 @@ impl<C: ControlPlane> Watcher<C> {
             }
             match self.watch(view.revision) {
                 Ok(v) => {
-                    if let Some(plan) = &v.plan {
-                        if !self.grow(plan) {
-                            // Asked again at once (same revision) after a pause.
-                            std::thread::sleep(FOLLOW_RETRY);
-                            continue;
-                        }
+                    if !self.grow(&v.plan) {
+                        // Asked again at once (same revision) after a pause.
+                        std::thread::sleep(FOLLOW_RETRY);
+                        continue;
                     }
                     view = v.copies;
                 }
@@ -609,7 +600,7 @@ impl<C: ControlPlane> Watcher<C> {
     /// The attachment's copies (and plan) once their revision is past
     /// `revision` (or as they are, after the control plane's long-poll
     /// wait).
-    fn watch(&self, revision: u64) -> Result<WatchView, CallError> {
+    fn watch(&self, revision: u64) -> Result<AttachmentView, CallError> {
         get(
             &self.cp,
             &format!("{}?after_revision={revision}", self.base),
@@ -748,8 +739,11 @@ impl<C: ControlPlane> Watcher<C> {
 
     fn report_move_failed(&self, job: u64) -> bool {
         let path = format!("{}/sync/{job}", self.base);
-        let body =
-            serde_json::json!({ "session": self.session, "missed_regions": null, "failed": true });
+        let body = SyncBody {
+            session: self.session,
+            missed_regions: None,
+            failed: true,
+        };
         match put(&self.cp, &path, &body) {
             Ok(()) => true,
             Err(e) if e.status() == Some(404) => true,
@@ -762,7 +756,11 @@ impl<C: ControlPlane> Watcher<C> {
 
     fn confirm(&self, job: u64, regions: &[u32]) -> bool {
         let path = format!("{}/sync/{job}", self.base);
-        let body = serde_json::json!({ "session": self.session, "missed_regions": regions });
+        let body = SyncBody {
+            session: self.session,
+            missed_regions: Some(regions.to_vec()),
+            failed: false,
+        };
         match put(&self.cp, &path, &body) {
             Ok(()) => true,
             Err(e) if e.status() == Some(404) => {
@@ -788,7 +786,10 @@ impl<C: ControlPlane> Watcher<C> {
                 extents.insert(i.to_string(), m.regions);
             }
         }
-        let body = serde_json::json!({ "session": self.session, "extents": extents });
+        let body = MissedBody {
+            session: self.session,
+            extents,
+        };
         let path = format!("{}/missed", self.base);
         for attempt in 0..FOLLOW_HAND_OVER_TRIES_MAX {
             match put(&self.cp, &path, &body) {
@@ -829,13 +830,14 @@ mod tests {
     }
 
     impl FakeCp {
+        /// GETs answer with `views`, each made a whole attachment.
         fn new(views: &[Value]) -> Arc<FakeCp> {
             let cp = FakeCp::default();
             for v in views {
                 cp.gets
                     .lock()
                     .unwrap()
-                    .push_back(Ok((200, v.to_string().into_bytes())));
+                    .push_back(Ok((200, attachment(v).to_string().into_bytes())));
             }
             Arc::new(cp)
         }
@@ -1071,8 +1073,20 @@ mod tests {
         )
     }
 
+    /// An attachment as the control plane sends it: `fields` over one of
+    /// a 1 MiB volume with every copy in sync.
+    fn attachment(fields: &Value) -> Value {
+        let mut a = json!({"volume": UUID, "host_nqn": HOST, "state": "attached",
+                           "created_ms": 0, "failed_extents": [], "plan": plan_of(1 << 20)});
+        let a_fields = a.as_object_mut().unwrap();
+        a_fields.extend(fields.as_object().unwrap().clone());
+        a
+    }
+
     fn view(v: Value) -> CopyView {
-        serde_json::from_value(v).unwrap()
+        serde_json::from_value::<AttachmentView>(attachment(&v))
+            .unwrap()
+            .copies
     }
 
     fn gets(cp: &FakeCp) -> Vec<String> {
