@@ -259,16 +259,10 @@ fn hostile_auth_messages_get_the_protocol_failure_and_never_authenticate() {
     refused(&mut a, true);
 
     // Seeded random messages: none of them authenticates the queue.
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut rng = nvpool_rt::random::Rng::new(0x9E37_79B9_7F4A_7C15);
     for i in 0..200 {
-        let mut m = Vec::new();
-        let len = 8 + (i * 37) % 600;
-        for _ in 0..len {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            m.push(x as u8);
-        }
+        let mut m = vec![0; 8 + (i * 37) % 600];
+        rng.fill(&mut m);
         // Half of them look like DH-HMAC-CHAP messages.
         if i % 2 == 0 {
             m[0] = 1;

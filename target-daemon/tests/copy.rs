@@ -286,18 +286,12 @@ impl Writer {
         let blocks = p.extent / 4096;
         let mut written = std::collections::HashSet::new();
         let mut count = 0;
-        let mut x = seed | 1;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = nvpool_rt::random::Rng::new(seed);
         while !stop.load(Ordering::Acquire) {
-            let r = next();
+            let r = rng.next_u64();
             let pos = p.copied(id) / 4096;
             let block = match aim {
-                Aim::Churn if r % 4 != 0 => (pos + (r >> 8) % 160).min(blocks - 1),
+                Aim::Churn if !r.is_multiple_of(4) => (pos + (r >> 8) % 160).min(blocks - 1),
                 Aim::Churn => (r >> 8) % blocks,
                 Aim::FirstWrites => {
                     let first = pos - pos % BLOCKS_PER_CHUNK;
@@ -330,7 +324,7 @@ impl Writer {
                     d.submit_write(dsm_cmd(self.dst_nsid, 1), ranges, true);
                 }
                 _ => {
-                    let data = pattern(next(), 4096);
+                    let data = pattern(rng.next_u64(), 4096);
                     s.submit_write(write_cmd(1, lba, 8, false), data.clone(), true);
                     d.submit_write(write_cmd(self.dst_nsid, lba, 8, false), data, true);
                 }
