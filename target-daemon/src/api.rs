@@ -37,8 +37,10 @@
 //! which live in memory only (copier.rs).
 
 use crate::auth::AdminTokens;
-use crate::config::{AnaConfig, AnaState, HostKeyConfig, NamespaceConfig, SubsystemConfig};
-use crate::copier::{CopyError, CopyRequest, CopyStatus, StartRequest};
+use crate::config::{
+    AnaConfig, AnaState, HostKeyConfig, NamespaceConfig, SecretText, SubsystemConfig,
+};
+use crate::copier::{CopyError, CopyRequest, CopyStatus};
 use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
 use crate::target::{Target, TargetError};
@@ -49,6 +51,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
+use nvpool_api::admin::{AnaStateBody, DhchapKeys, NamespaceBody, StartCopyBody};
 use nvpool_api::serve::{Peer, ServerThread};
 use nvpool_api::tls::ServerTls;
 use serde::{Deserialize, Serialize};
@@ -574,16 +577,6 @@ async fn delete_subsystem(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Body of `PUT …/namespaces/{nsid}`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct NamespaceBody {
-    backend: String,
-    uuid: Option<String>,
-    #[serde(default)]
-    read_only: bool,
-}
-
 async fn put_namespace(
     State(api): State<Api>,
     Path((nqn, nsid)): Path<(String, String)>,
@@ -619,8 +612,9 @@ async fn delete_namespace(
 async fn put_host(
     State(api): State<Api>,
     Path((nqn, host)): Path<(String, String)>,
-    OptionalJsonBody(keys): OptionalJsonBody<HostKeyConfig>,
+    OptionalJsonBody(keys): OptionalJsonBody<DhchapKeys>,
 ) -> Result<Json<SubsystemView>, ApiError> {
+    let keys = keys.map(host_key_config);
     let t = api.target.clone();
     let n = nqn.clone();
     blocking(move || t.allow_host_with_keys(&n, &host, keys.as_ref())).await?;
@@ -636,15 +630,16 @@ async fn delete_host(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Body of `PUT /v1/subsystems/{nqn}/ana`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AnaStateBody {
-    state: String,
-    /// The DH-HMAC-CHAP keys of this target's owner host NQN, for the
-    /// volume engine a serving state opens (C19); write-only.
-    #[serde(default)]
-    owner_keys: Option<HostKeyConfig>,
+/// Keys as the admin API takes them, as the target keeps them (the
+/// secrets move, never copied).
+fn host_key_config(k: DhchapKeys) -> HostKeyConfig {
+    HostKeyConfig {
+        dhchap_key: SecretText::new(k.dhchap_key),
+        dhchap_ctrl_key: k.dhchap_ctrl_key.map(SecretText::new),
+        dhchap_hash: k.dhchap_hash,
+        dhchap_dhgroup: k.dhchap_dhgroup,
+        key_id: k.key_id,
+    }
 }
 
 async fn put_ana(
@@ -661,7 +656,7 @@ async fn put_ana(
     let t = api.target.clone();
     let n = nqn.clone();
     // Activating or deactivating backends may take a while: off the runtime.
-    let keys = b.owner_keys;
+    let keys = b.owner_keys.map(host_key_config);
     blocking(move || t.set_ana_state_owning(&n, state, keys.as_ref())).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
@@ -758,7 +753,7 @@ async fn put_copy(
 async fn start_copy(
     State(api): State<Api>,
     Path(id): Path<String>,
-    JsonBody(b): JsonBody<StartRequest>,
+    JsonBody(b): JsonBody<StartCopyBody>,
 ) -> Result<Json<CopyStatus>, ApiError> {
     Ok(Json(api.target.copies().start(&id, b.regions)?))
 }
