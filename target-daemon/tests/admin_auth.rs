@@ -4,11 +4,10 @@
 //! logs and the command line, plain HTTP off loopback only when asked
 //! for, and https (`--admin-tls-cert`) anywhere. (Every route refusing a missing or wrong token is in admin_api.rs.)
 
-#[path = "../../control-plane/tests/common/certs.rs"]
-mod certs;
 mod common;
 
 use common::*;
+use nvpool_testkit::certs;
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

@@ -5,8 +5,6 @@
 //! daemon whose admin API serves https, which the control plane programs
 //! only when it trusts its CA (`--target-cacert`).
 
-#[path = "../../control-plane/tests/common/certs.rs"]
-mod certs;
 mod common;
 
 use common::*;
@@ -16,6 +14,7 @@ use nvpool_control::store::MemStore;
 use nvpool_control::{Cluster, StateConfig, SystemClock};
 use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegistrationStatus};
 use nvpool_target::{Registrar, RegistrationConfig};
+use nvpool_testkit::certs;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Write;

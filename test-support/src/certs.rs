@@ -1,10 +1,11 @@
 //! A throwaway CA and a server certificate for 127.0.0.1 and localhost,
 //! written as PEM files, for the TLS tests (the control plane's and the
-//! agent's).
+//! agent's and the target's).
 
 use std::path::{Path, PathBuf};
 
 /// PEM files in a directory: `ca.pem`, `server.pem`, `server.key`.
+#[derive(Debug)]
 pub struct Certs {
     pub ca: PathBuf,
     pub cert: PathBuf,
