@@ -2,10 +2,10 @@
 //! lock, no allocation), and their Prometheus text form.
 
 use crate::api::VolumeStatsOut;
+use nvpool_api::prometheus::{Kind, Text};
 use nvpool_initiator::blockdev::{BlockDev, BufResult, IoFuture};
 use nvpool_initiator::error::IoError;
 use nvpool_initiator::Volume;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
@@ -202,124 +202,107 @@ impl BlockDev for Metered {
     }
 }
 
-/// Escapes a Prometheus label value.
-fn label(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
 /// Every volume's counters in Prometheus' text exposition format.
 pub fn prometheus(volumes: &[VolumeStatsOut]) -> String {
-    let mut o = String::new();
-    let families: [(&str, &str, &str); 6] = [
+    let mut o = Text::new();
+    let families: [(&str, Kind, &str); 6] = [
         (
             "nvpool_volume_ops_total",
-            "counter",
-            "Requests completed, by kind",
+            Kind::Counter,
+            "Requests completed, by kind.",
         ),
         (
             "nvpool_volume_bytes_total",
-            "counter",
-            "Bytes read and written",
+            Kind::Counter,
+            "Bytes read and written.",
         ),
         (
             "nvpool_volume_errors_total",
-            "counter",
-            "Requests that failed",
+            Kind::Counter,
+            "Requests that failed.",
         ),
-        ("nvpool_volume_in_flight", "gauge", "Requests in flight"),
-        ("nvpool_volume_size_bytes", "gauge", "Volume size"),
+        (
+            "nvpool_volume_in_flight",
+            Kind::Gauge,
+            "Requests in flight.",
+        ),
+        ("nvpool_volume_size_bytes", Kind::Gauge, "Volume size."),
         (
             "nvpool_volume_up",
-            "gauge",
-            "1 while served, 0 while waiting to be served again",
+            Kind::Gauge,
+            "1 while served, 0 while waiting to be served again.",
         ),
     ];
+    let uuids: Vec<String> = volumes.iter().map(|v| v.uuid.to_string()).collect();
     for (name, kind, help) in families {
-        let _ = writeln!(o, "# HELP {name} {help}.\n# TYPE {name} {kind}");
-        for v in volumes {
-            let l = format!("volume=\"{}\",uuid=\"{}\"", label(&v.name), v.uuid);
-            let _ = match name {
-                "nvpool_volume_ops_total" => writeln!(
-                    o,
-                    "{name}{{{l},op=\"read\"}} {}\n{name}{{{l},op=\"write\"}} {}\n{name}{{{l},op=\"other\"}} {}",
-                    v.reads, v.writes, v.others
+        o.family(name, kind, help);
+        for (v, uuid) in volumes.iter().zip(&uuids) {
+            let l = [("volume", v.name.as_str()), ("uuid", uuid.as_str())];
+            let op = |op| [l[0], l[1], ("op", op)];
+            match name {
+                "nvpool_volume_ops_total" => o
+                    .sample(name, &op("read"), v.reads)
+                    .sample(name, &op("write"), v.writes)
+                    .sample(name, &op("other"), v.others),
+                "nvpool_volume_bytes_total" => o.sample(name, &op("read"), v.read_bytes).sample(
+                    name,
+                    &op("write"),
+                    v.write_bytes,
                 ),
-                "nvpool_volume_bytes_total" => writeln!(
-                    o,
-                    "{name}{{{l},op=\"read\"}} {}\n{name}{{{l},op=\"write\"}} {}",
-                    v.read_bytes, v.write_bytes
-                ),
-                "nvpool_volume_errors_total" => writeln!(o, "{name}{{{l}}} {}", v.errors),
-                "nvpool_volume_in_flight" => writeln!(o, "{name}{{{l}}} {}", v.in_flight),
-                "nvpool_volume_size_bytes" => writeln!(o, "{name}{{{l}}} {}", v.size_bytes),
-                _ => writeln!(o, "{name}{{{l}}} {}", u8::from(v.state != "pending")),
+                "nvpool_volume_errors_total" => o.sample(name, &l, v.errors),
+                "nvpool_volume_in_flight" => o.sample(name, &l, v.in_flight),
+                "nvpool_volume_size_bytes" => o.sample(name, &l, v.size_bytes),
+                _ => o.sample(name, &l, u8::from(v.state != "pending")),
             };
         }
     }
     let name = "nvpool_volume_latency_seconds";
-    let _ = writeln!(
-        o,
-        "# HELP {name} Time from the front-end's request to its completion.\n# TYPE {name} histogram"
-    );
-    for v in volumes {
-        let l = format!("volume=\"{}\",uuid=\"{}\"", label(&v.name), v.uuid);
+    let help = "Time from the front-end's request to its completion.";
+    o.family(name, Kind::Histogram, help);
+    for (v, uuid) in volumes.iter().zip(&uuids) {
         for (op, buckets, ns, count) in [
             ("read", &v.read_latency_us_log2, v.read_ns, v.reads),
             ("write", &v.write_latency_us_log2, v.write_ns, v.writes),
         ] {
-            let mut cumulative = 0;
-            for (i, n) in buckets.iter().enumerate().take(BUCKETS - 1) {
-                cumulative += n;
-                let le = (1u64 << i) as f64 / 1e6;
-                let _ = writeln!(
-                    o,
-                    "{name}_bucket{{{l},op=\"{op}\",le=\"{le}\"}} {cumulative}"
-                );
-            }
-            let total: u64 = buckets.iter().sum();
-            let _ = writeln!(o, "{name}_bucket{{{l},op=\"{op}\",le=\"+Inf\"}} {total}");
-            let _ = writeln!(o, "{name}_sum{{{l},op=\"{op}\"}} {}", ns as f64 / 1e9);
-            let _ = writeln!(o, "{name}_count{{{l},op=\"{op}\"}} {count}");
+            let l = [("volume", v.name.as_str()), ("uuid", uuid), ("op", op)];
+            // Bucket i holds latencies below 2^i µs.
+            let bounds = buckets.iter().enumerate().take(BUCKETS - 1);
+            let bounds = bounds.map(|(i, n)| ((1u64 << i) as f64 / 1e6, *n));
+            let total = buckets.iter().sum();
+            o.histogram(name, &l, bounds, total, ns as f64 / 1e9, count);
         }
     }
     let name = "nvpool_path_up";
-    let _ = writeln!(
-        o,
-        "# HELP {name} 1 while the controller to a target is live.\n# TYPE {name} gauge"
+    o.family(
+        name,
+        Kind::Gauge,
+        "1 while the controller to a target is live.",
     );
-    for v in volumes {
+    for (v, uuid) in volumes.iter().zip(&uuids) {
         for p in &v.paths {
-            let _ = writeln!(
-                o,
-                "{name}{{volume=\"{}\",uuid=\"{}\",addr=\"{}\",transport=\"{}\"}} {}",
-                label(&v.name),
-                v.uuid,
-                label(&p.addr),
-                p.transport,
-                u8::from(p.state == "live")
-            );
+            let l = [
+                ("volume", v.name.as_str()),
+                ("uuid", uuid),
+                ("addr", &p.addr),
+                ("transport", &p.transport),
+            ];
+            o.sample(name, &l, u8::from(p.state == "live"));
         }
     }
     let name = "nvpool_path_stale_copies";
-    let _ = writeln!(
-        o,
-        "# HELP {name} Copies on the path the volume does not read (failed or being filled).\n# TYPE {name} gauge"
-    );
-    for v in volumes {
+    let help = "Copies on the path the volume does not read (failed or being filled).";
+    o.family(name, Kind::Gauge, help);
+    for (v, uuid) in volumes.iter().zip(&uuids) {
         for p in &v.paths {
-            let _ = writeln!(
-                o,
-                "{name}{{volume=\"{}\",uuid=\"{}\",addr=\"{}\"}} {}",
-                label(&v.name),
-                v.uuid,
-                label(&p.addr),
-                p.stale_copies
-            );
+            let l = [
+                ("volume", v.name.as_str()),
+                ("uuid", uuid),
+                ("addr", &p.addr),
+            ];
+            o.sample(name, &l, p.stale_copies);
         }
     }
-    o
+    o.finish()
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use nvpool_initiator::volume::Connections;
+use nvpool_api::rest::ErrorBody;
 use nvpool_layout::Uuid;
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -191,28 +192,26 @@ fn pending_out(w: &Wanted, error: &str) -> VolumeOut {
     }
 }
 
-/// An API error: `{kind, message}` with a status.
+/// An API error: a status and `nvpool-api`'s [`ErrorBody`] (`{kind,
+/// message}`, no details).
 #[derive(Debug)]
 struct ApiError {
     status: StatusCode,
-    kind: &'static str,
-    message: String,
+    body: ErrorBody,
 }
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
-            kind,
-            message: message.into(),
+            body: ErrorBody::new(kind, message),
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = serde_json::json!({ "kind": self.kind, "message": self.message });
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body)).into_response()
     }
 }
 

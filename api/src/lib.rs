@@ -18,6 +18,7 @@
 //!            JSON bodies, path segments ("server")
 //!   serve ── the one way a daemon serves HTTP: TLS, handshake bounds,
 //!            graceful shutdown, a server on a thread of its own ("server")
+//!   prometheus ── the one writer of the metrics text format ("server")
 //! ```
 //!
 //! Without features the crate is plain data (serde, no sockets): clients
@@ -32,6 +33,8 @@ pub mod client;
 pub mod http;
 #[cfg(feature = "server")]
 pub mod httpd;
+#[cfg(feature = "server")]
+pub mod prometheus;
 #[cfg(feature = "server")]
 pub mod serve;
 pub mod names;

@@ -9,25 +9,15 @@ use crate::store::StoreError;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Serialize;
+use nvpool_api::rest::ErrorBody;
 use serde_json::{json, Value};
-use utoipa::ToSchema;
 
-/// The body of every failed request.
-#[derive(Debug, Serialize, ToSchema)]
+/// A failed request: its status, and the body every failure answers with
+/// (`nvpool-api`'s [`ErrorBody`], always with `details`, an object).
+#[derive(Debug)]
 pub struct ApiError {
-    #[serde(skip)]
-    #[schema(ignore)]
     status: StatusCode,
-    /// Stable, machine-readable: `invalid`, `not_found`, `uuid_conflict`,
-    /// `no_space`, `unauthorized`…
-    #[schema(value_type = String)]
-    kind: &'static str,
-    /// For humans.
-    message: String,
-    /// Kind-specific fields (an object, maybe empty).
-    #[schema(value_type = Object)]
-    details: Value,
+    body: ErrorBody,
 }
 
 impl ApiError {
@@ -36,16 +26,13 @@ impl ApiError {
         kind: &'static str,
         message: impl Into<String>,
     ) -> ApiError {
-        ApiError {
-            status,
-            kind,
-            message: message.into(),
-            details: json!({}),
-        }
+        let mut body = ErrorBody::new(kind, message);
+        body.details = json!({});
+        ApiError { status, body }
     }
 
     pub(super) fn with(mut self, details: Value) -> ApiError {
-        self.details = details;
+        self.body.details = details;
         self
     }
 
@@ -57,8 +44,8 @@ impl ApiError {
         self.status
     }
 
-    pub fn kind(&self) -> &'static str {
-        self.kind
+    pub fn kind(&self) -> &str {
+        &self.body.kind
     }
 
     /// The one mapping from cluster errors to HTTP: 400 for invalid input,
@@ -229,7 +216,7 @@ impl From<StateError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut r = (self.status, Json(&self)).into_response();
+        let mut r = (self.status, Json(&self.body)).into_response();
         match self.status {
             StatusCode::UNAUTHORIZED => {
                 r.headers_mut()

@@ -33,7 +33,8 @@ use utoipa::OpenApi;
 )]
 pub(super) struct ApiDoc;
 
-/// A documented answer whose body is an [`ApiError`].
+/// A documented answer whose body is an error (`ErrorBody`, named
+/// `ApiError` in the document).
 pub(super) fn error_answer(what: &str) -> utoipa::openapi::Response {
     use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
     ResponseBuilder::new()

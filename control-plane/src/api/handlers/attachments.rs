@@ -6,7 +6,7 @@ use crate::api::errors::ApiError;
 use crate::api::extract::{force_of, parse_host, parse_uuid, JsonBody, Segments};
 use crate::api::Api;
 use crate::program;
-use crate::rest::{AttachmentOut, FailedExtentsBody, MissedBody, SessionBody, SyncBody};
+use crate::rest::{AttachmentOut, ErrorBody, FailedExtentsBody, MissedBody, SessionBody, SyncBody};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 /// alone; the answer is the connection plan. Idempotent: attaching again
 /// returns the same plan (200) and re-exports anything missing. If a
 /// target fails, whatever this call set up is taken back.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 409, description = "a limit was reached, the daemon at a target's admin address is another target (wrong_target), or the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ApiError), (status = 422, description = "a target refused; nothing was left behind", body = ApiError), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 201, description = "attached", body = AttachmentOut), (status = 200, description = "was attached already", body = AttachmentOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such volume", body = ErrorBody), (status = 409, description = "a limit was reached, the daemon at a target's admin address is another target (wrong_target), or the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ErrorBody), (status = 422, description = "a target refused; nothing was left behind", body = ErrorBody), (status = 503, description = "a target is unreachable (nothing was left behind), or the store is busy; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -36,7 +36,7 @@ pub(in crate::api) async fn put_attachment(
     Ok((code, Json(attachment_out(r.attachment, r.plan))))
 }
 
-#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), WatchQuery), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), WatchQuery), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not attached to that host", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn get_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -72,7 +72,7 @@ pub(in crate::api) const WATCH_WAIT: std::time::Duration = std::time::Duration::
 /// within this, at one key read per step per watcher.
 pub(in crate::api) const WATCH_STEP: std::time::Duration = std::time::Duration::from_millis(250);
 
-#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "every host the volume is attached to", body = Vec<AttachmentOut>), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID")), responses((status = 200, description = "every host the volume is attached to", body = Vec<AttachmentOut>), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such volume", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn list_attachments(
     State(api): State<Api>,
     Segments(uuid): Segments<String>,
@@ -92,7 +92,7 @@ pub(in crate::api) async fn list_attachments(
 /// Detaches a volume from a host: the targets stop exporting its extents
 /// to that host. An unreachable target fails the detach (503; the
 /// attachment stays `detaching`, retry) unless `force`.
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 409, description = "the daemon at a target's admin address is another target (wrong_target): nothing was changed there", body = ApiError), (status = 422, description = "a target refused", body = ApiError), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ForceQuery), responses((status = 204, description = "detached"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not attached to that host", body = ErrorBody), (status = 409, description = "the daemon at a target's admin address is another target (wrong_target): nothing was changed there", body = ErrorBody), (status = 422, description = "a target refused", body = ErrorBody), (status = 503, description = "a target is unreachable, or the store is busy; retry or force", body = ErrorBody)))]
 pub(in crate::api) async fn delete_attachment(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -111,7 +111,7 @@ pub(in crate::api) async fn delete_attachment(
 /// volume's: it turns degraded and stays so after detach, and every later
 /// attach, by any host, carries the list so the stale copies are never read.
 /// Failures accumulate until the extent is rebuilt.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = FailedExtentsBody, responses((status = 200, description = "recorded", body = AttachmentOut), (status = 400, description = "invalid input (an extent index out of range)", body = ErrorBody), (status = 404, description = "not attached to that host", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_failed_extents(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -134,7 +134,7 @@ pub(in crate::api) async fn put_failed_extents(
 /// revision it opened the volume at. A different earlier session of the
 /// same host that never handed over its records loses them (its stale
 /// copies are then copied whole).
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/session", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = SessionBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not attached to that host", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/session", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = SessionBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not attached to that host", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_session(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -149,7 +149,7 @@ pub(in crate::api) async fn put_session(
 
 /// A host's serving process stops and hands over what each stale copy
 /// missed from it.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/missed", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = MissedBody, responses((status = 204, description = "merged"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/missed", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = MissedBody, responses((status = 204, description = "merged"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such volume", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_missed(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -171,7 +171,7 @@ pub(in crate::api) async fn put_missed(
 
 /// A host writes to job `job`'s copy and every write it issued before has
 /// completed. The copier starts once every host writing the volume said so.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ("job" = u64, Path, description = "the copy job")), request_body = SyncBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such volume, or the job is over", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), ("job" = u64, Path, description = "the copy job")), request_body = SyncBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such volume, or the job is over", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_sync(
     State(api): State<Api>,
     Segments((uuid, host, job)): Segments<(String, String, String)>,

@@ -3,7 +3,7 @@
 use crate::api::errors::ApiError;
 use crate::api::extract::{parse_host, JsonBody, Segments};
 use crate::api::Api;
-use crate::rest::{HostKeysBody, HostKeysOut, KeyRollout};
+use crate::rest::{ErrorBody, HostKeysBody, HostKeysOut, KeyRollout};
 use crate::state::StateError;
 use axum::extract::State;
 use axum::Json;
@@ -15,7 +15,7 @@ use axum::Json;
 /// that could not be changed gets them on its next reconciliation. The
 /// secrets are never shown again. A host's controllers keep running;
 /// their next connection uses the new keys.
-#[utoipa::path(put, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = HostKeysBody, responses((status = 200, description = "set; `rollout` says which targets hold them", body = HostKeysOut), (status = 400, description = "invalid input (the message never quotes a secret)", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = HostKeysBody, responses((status = 200, description = "set; `rollout` says which targets hold them", body = HostKeysOut), (status = 400, description = "invalid input (the message never quotes a secret)", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_host_keys(
     State(api): State<Api>,
     Segments(host): Segments<String>,
@@ -37,7 +37,7 @@ pub(in crate::api) async fn put_host_keys(
 }
 
 /// A host's DH-HMAC-CHAP settings, without the secrets.
-#[utoipa::path(get, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "the host's settings", body = HostKeysOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "the host has no keys", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "the host's settings", body = HostKeysOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "the host has no keys", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn get_host_keys(
     State(api): State<Api>,
     Segments(host): Segments<String>,
@@ -56,7 +56,7 @@ pub(in crate::api) async fn get_host_keys(
 /// it in without authentication again (each drops the host and admits it
 /// again, so its controllers reconnect). The answer lists targets that
 /// could not be changed now; reconciliation changes them later.
-#[utoipa::path(delete, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "forgotten; where", body = KeyRollout), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "the host has no keys", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/hosts/{host_nqn}/dhchap", tag = "hosts", params(("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), responses((status = 200, description = "forgotten; where", body = KeyRollout), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "the host has no keys", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn delete_host_keys(
     State(api): State<Api>,
     Segments(host): Segments<String>,

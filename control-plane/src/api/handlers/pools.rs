@@ -4,7 +4,7 @@ use crate::api::errors::ApiError;
 use crate::api::extract::{JsonBody, Segments};
 use crate::api::Api;
 use crate::model::DeviceRef;
-use crate::rest::{CapacityOut, DeviceRefBody, PoolBody, PoolOut};
+use crate::rest::{CapacityOut, DeviceRefBody, ErrorBody, PoolBody, PoolOut};
 use crate::state::{Cluster, StateError};
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -27,7 +27,7 @@ fn pools_out(c: &Cluster) -> Result<Vec<PoolOut>, StateError> {
         .collect())
 }
 
-#[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), request_body = PoolBody, responses((status = 201, description = "created", body = PoolOut), (status = 200, description = "already existed with these devices", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 422, description = "cannot be placed or names an unknown device", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), request_body = PoolBody, responses((status = 201, description = "created", body = PoolOut), (status = 200, description = "already existed with these devices", body = PoolOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 409, description = "conflicts with the current state", body = ErrorBody), (status = 422, description = "cannot be placed or names an unknown device", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_pool(
     State(api): State<Api>,
     Segments(name): Segments<String>,
@@ -59,14 +59,14 @@ pub(in crate::api) async fn put_pool(
     Ok((status, Json(out)))
 }
 
-#[utoipa::path(get, path = "/v1/pools", tag = "pools", responses((status = 200, description = "every pool with its capacity", body = Vec<PoolOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/pools", tag = "pools", responses((status = 200, description = "every pool with its capacity", body = Vec<PoolOut>), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn list_pools(
     State(api): State<Api>,
 ) -> Result<Json<Vec<PoolOut>>, ApiError> {
     Ok(Json(api.run(pools_out).await?))
 }
 
-#[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 200, description = "the pool", body = PoolOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 200, description = "the pool", body = PoolOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn get_pool(
     State(api): State<Api>,
     Segments(name): Segments<String>,
@@ -83,7 +83,7 @@ pub(in crate::api) async fn get_pool(
     Ok(Json(out))
 }
 
-#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 204, description = "deleted"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/pools/{name}", tag = "pools", params(("name" = String, Path, description = "pool name")), responses((status = 204, description = "deleted"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "conflicts with the current state", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn delete_pool(
     State(api): State<Api>,
     Segments(name): Segments<String>,

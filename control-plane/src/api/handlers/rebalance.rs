@@ -3,7 +3,7 @@
 use crate::api::errors::ApiError;
 use crate::api::extract::JsonBody;
 use crate::api::Api;
-use crate::rest::{MoveOut, RebalanceBody, RebalanceOut};
+use crate::rest::{ErrorBody, MoveOut, RebalanceBody, RebalanceOut};
 use crate::state::{Cluster, StateError};
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -70,7 +70,7 @@ fn rebalance_scopes(c: &Cluster, pool: Option<String>) -> Result<Vec<Option<Stri
 /// pool): the plan is recomputed as moves finish, placement rules holding
 /// at every step, until nothing is worth moving. `dry_run` only returns
 /// the plan.
-#[utoipa::path(post, path = "/v1/rebalance", tag = "pools", request_body = RebalanceBody, responses((status = 200, description = "the plan (dry run)", body = RebalanceOut), (status = 202, description = "started", body = RebalanceOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "no such pool", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/rebalance", tag = "pools", request_body = RebalanceBody, responses((status = 200, description = "the plan (dry run)", body = RebalanceOut), (status = 202, description = "started", body = RebalanceOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such pool", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn post_rebalance(
     State(api): State<Api>,
     JsonBody(body): JsonBody<RebalanceBody>,
@@ -102,7 +102,7 @@ pub(in crate::api) async fn post_rebalance(
 
 /// Rebalancing under way: the scopes pending, moves running and the plan
 /// left.
-#[utoipa::path(get, path = "/v1/rebalance", tag = "pools", responses((status = 200, description = "what is left to move", body = RebalanceOut), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/rebalance", tag = "pools", responses((status = 200, description = "what is left to move", body = RebalanceOut), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn get_rebalance(
     State(api): State<Api>,
 ) -> Result<Json<RebalanceOut>, ApiError> {

@@ -7,14 +7,14 @@ use crate::api::Api;
 use crate::auth;
 use crate::model::Device;
 use crate::program;
-use crate::rest::{ReconcileOut, RegisterTargetBody, TargetOut, TargetStateBody};
+use crate::rest::{ErrorBody, ReconcileOut, RegisterTargetBody, TargetOut, TargetStateBody};
 use crate::state::TargetRegistration;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::Json;
 
-#[utoipa::path(post, path = "/v1/targets", tag = "targets", request_body = RegisterTargetBody, responses((status = 200, description = "registered (or re-registered)", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 409, description = "conflicts with the current state", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets", tag = "targets", request_body = RegisterTargetBody, responses((status = 200, description = "registered (or re-registered)", body = TargetOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 409, description = "conflicts with the current state", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn register_target(
     State(api): State<Api>,
     who: Option<axum::Extension<auth::Principal>>,
@@ -64,7 +64,7 @@ pub(in crate::api) async fn register_target(
     Ok(Json(out))
 }
 
-#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn heartbeat(
     State(api): State<Api>,
     Segments(id): Segments<String>,
@@ -79,7 +79,7 @@ pub(in crate::api) async fn heartbeat(
     Ok(Json(out))
 }
 
-#[utoipa::path(get, path = "/v1/targets", tag = "targets", responses((status = 200, description = "every target with health and capacity", body = Vec<TargetOut>), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/targets", tag = "targets", responses((status = 200, description = "every target with health and capacity", body = Vec<TargetOut>), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn list_targets(
     State(api): State<Api>,
 ) -> Result<Json<Vec<TargetOut>>, ApiError> {
@@ -92,7 +92,7 @@ pub(in crate::api) async fn list_targets(
     Ok(Json(out))
 }
 
-#[utoipa::path(get, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(get, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn get_target(
     State(api): State<Api>,
     Segments(id): Segments<String>,
@@ -110,7 +110,7 @@ pub(in crate::api) async fn get_target(
 /// subsystems it may serve, for `valid_ms` counted from when it sent this
 /// request (so its expiry is never later than the control plane's idea of
 /// it). Another path is promoted only after the lease has run out.
-#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable, or this control plane is not the leader (not_leader: only the leader grants owner leases); retry, or ask another endpoint", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets/{id}/lease", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "granted", body = crate::paths::LeaseGrant), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable, or this control plane is not the leader (not_leader: only the leader grants owner leases); retry, or ask another endpoint", body = ErrorBody)))]
 pub(in crate::api) async fn post_lease(
     State(api): State<Api>,
     Segments(id): Segments<String>,
@@ -123,7 +123,7 @@ pub(in crate::api) async fn post_lease(
 /// through copy jobs; it serves each until the move is done), `cordoned`
 /// only stops new extents, `active` takes new extents again (and stops a
 /// drain; moves under way finish).
-#[utoipa::path(put, path = "/v1/targets/{id}/state", tag = "targets", params(("id" = String, Path, description = "target id")), request_body = TargetStateBody, responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(put, path = "/v1/targets/{id}/state", tag = "targets", params(("id" = String, Path, description = "target id")), request_body = TargetStateBody, responses((status = 200, description = "the target", body = TargetOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_target_state(
     State(api): State<Api>,
     Segments(id): Segments<String>,
@@ -143,7 +143,7 @@ pub(in crate::api) async fn put_target_state(
 /// Forgets a target that holds no extents (drain it first). Old extents
 /// it may still export keep it until it has been reconciled, unless
 /// `force` (a target gone for good).
-#[utoipa::path(delete, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id"), ForceQuery), responses((status = 204, description = "removed"), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the target holds extents", body = ApiError), (status = 503, description = "store busy or unavailable; retry", body = ApiError)))]
+#[utoipa::path(delete, path = "/v1/targets/{id}", tag = "targets", params(("id" = String, Path, description = "target id"), ForceQuery), responses((status = 204, description = "removed"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "the target holds extents", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn delete_target(
     State(api): State<Api>,
     Segments(id): Segments<String>,
@@ -159,7 +159,7 @@ pub(in crate::api) async fn delete_target(
 /// Makes the target's host subsystems match the attachment records now
 /// (the control plane also does this when a target registers, and
 /// periodically).
-#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ApiError), (status = 404, description = "not found", body = ApiError), (status = 409, description = "the daemon at a target's admin address is another target (wrong_target): nothing was changed there", body = ApiError), (status = 422, description = "the target refused a change", body = ApiError), (status = 503, description = "the target is unreachable, or the store is busy", body = ApiError)))]
+#[utoipa::path(post, path = "/v1/targets/{id}/reconcile", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "reconciled", body = ReconcileOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "the daemon at a target's admin address is another target (wrong_target): nothing was changed there", body = ErrorBody), (status = 422, description = "the target refused a change", body = ErrorBody), (status = 503, description = "the target is unreachable, or the store is busy", body = ErrorBody)))]
 pub(in crate::api) async fn reconcile_target(
     State(api): State<Api>,
     Segments(id): Segments<String>,
