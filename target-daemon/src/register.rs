@@ -921,18 +921,6 @@ impl Drop for Registrar {
     }
 }
 
-/// A random delay in `[d/2, d]`, so a fleet restarted together does not
-/// hammer a recovering control plane in lockstep.
-fn jitter(d: Duration) -> Duration {
-    let r = u64::from_le_bytes(
-        crate::target::random_bytes()[..8]
-            .try_into()
-            .expect("8 bytes"),
-    );
-    let half = d / 2;
-    half + Duration::from_nanos(r % (half.as_nanos() as u64 + 1))
-}
-
 fn update(status: &Mutex<RegistrationStatus>, f: impl FnOnce(&mut RegistrationStatus)) {
     f(&mut status.lock().unwrap_or_else(|p| p.into_inner()));
 }
@@ -945,7 +933,9 @@ fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationSta
         suppressed: 0,
         in_a_row: 0,
     };
-    let mut backoff = cfg.backoff_min;
+    // Waits drawn from [ceiling/2, ceiling], so a fleet restarted together
+    // does not hammer a recovering control plane in lockstep.
+    let mut backoff = nvpool_rt::Backoff::new(cfg.backoff_min, cfg.backoff_max);
     let mut registered = false;
     let mut rdma_addr = cfg.rdma_addr;
     let mut admin_token = cfg.admin_tokens.as_ref().map(AdminTokens::current);
@@ -991,7 +981,7 @@ fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationSta
                     }
                 });
                 registered = true;
-                backoff = cfg.backoff_min;
+                backoff.reset();
                 log.success();
                 cfg.heartbeat_interval
             }
@@ -1023,9 +1013,7 @@ fn run(client: Client, stop: &mpsc::Receiver<()>, status: &Mutex<RegistrationSta
                     // still has the registration.
                     cfg.heartbeat_interval
                 } else {
-                    let w = jitter(backoff);
-                    backoff = (backoff * 2).min(cfg.backoff_max);
-                    w
+                    backoff.next()
                 }
             }
         };
@@ -1186,14 +1174,5 @@ mod tests {
         assert!(!dbg.contains("the-admin-token"), "{dbg}");
         let body = serde_json::to_value(cfg.register_body(None, Some(admin))).unwrap();
         assert_eq!(body["admin_token"], "the-admin-token-0123456789");
-    }
-
-    #[test]
-    fn jitter_stays_in_range() {
-        for _ in 0..100 {
-            let j = jitter(Duration::from_millis(1000));
-            assert!(j >= Duration::from_millis(500) && j <= Duration::from_millis(1000));
-        }
-        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
     }
 }
