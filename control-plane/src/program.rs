@@ -1020,17 +1020,3 @@ pub fn unfinished(cluster: &Cluster) -> Result<Vec<Attachment>, StateError> {
         .filter(|a| a.state != AttachmentState::Attached)
         .collect())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn path_segments_are_percent_encoded() {
-        assert_eq!(
-            segment("nqn.2014-08.org.nvmexpress:uuid:ab"),
-            "nqn.2014-08.org.nvmexpress:uuid:ab"
-        );
-        assert_eq!(segment("nqn.a b/c?d#e%"), "nqn.a%20b%2Fc%3Fd%23e%25");
-    }
-}
