@@ -91,11 +91,11 @@ fn opts() -> FuseOptions {
 const WATCHDOG_SECS: u64 = 120;
 
 /// Aborts the FUSE connection of a FuseLoop unless dropped in time.
-struct Watchdog(Option<mpsc::Sender<()>>);
+struct Watchdog(Option<mpsc::SyncSender<()>>);
 
 fn watchdog(fl: &FuseLoop, secs: u64) -> Watchdog {
     let id = fl.mount().connection_id().unwrap();
-    let (tx, rx) = mpsc::channel::<()>();
+    let (tx, rx) = mpsc::sync_channel::<()>(1);
     std::thread::spawn(move || {
         if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(Duration::from_secs(secs)) {
             eprintln!("watchdog: aborting FUSE connection {id} after {secs} s");

@@ -724,7 +724,7 @@ fn full_queues_keep_track_of_every_request() {
     let v = Volume::open(&s.plan, o).unwrap();
     let eighth = v.size() / 8;
     // A lost request hangs its caller: fail loudly instead of waiting.
-    let (done, watch) = std::sync::mpsc::channel::<()>();
+    let (done, watch) = std::sync::mpsc::sync_channel::<()>(1);
     std::thread::spawn(move || {
         if watch.recv_timeout(4 * WAIT).is_err() {
             eprintln!("full_queues_keep_track_of_every_request: requests lost (no progress)");

@@ -320,7 +320,7 @@ fn connect_host(addr: SocketAddr, nsid: u32) -> Arc<Device> {
 /// than `WAIT` (an I/O that hangs) or panics.
 #[track_caller]
 fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(1);
     std::thread::spawn(move || {
         let _ = tx.send(f());
     });
@@ -556,7 +556,7 @@ fn raid10_deactivate_waits_for_io_in_flight_and_later_io_fails() {
     }
 
     c.set_latency(Duration::from_millis(200));
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(WRITES as usize);
     for i in 0..WRITES {
         let (d, tx) = (dev.clone(), tx.clone());
         std::thread::spawn(move || {
@@ -678,7 +678,7 @@ fn fence(c: &Cluster) {
 /// backing connection of the row's copies holds several), each from a
 /// thread of its own; their results arrive on the returned channel.
 fn fence_writes(dev: &Arc<Device>) -> mpsc::Receiver<(u64, Result<(), IoError>)> {
-    let (tx, rx) = mpsc::channel();
+    let (tx, rx) = mpsc::sync_channel(FENCE_WRITES as usize);
     for i in 0..FENCE_WRITES {
         let (d, tx) = (dev.clone(), tx.clone());
         std::thread::spawn(move || {

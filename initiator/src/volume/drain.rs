@@ -114,8 +114,8 @@ mod tests {
         assert!(d.wait(NEVER), "nothing outstanding");
         let released = AtomicBool::new(false);
         std::thread::scope(|s| {
-            let (tx, rx) = mpsc::channel();
-            let (go, stop) = mpsc::channel::<()>();
+            let (tx, rx) = mpsc::sync_channel(1);
+            let (go, stop) = mpsc::sync_channel::<()>(1);
             let (d, released) = (&d, &released);
             s.spawn(move || {
                 let h = d.enter();
@@ -146,7 +146,7 @@ mod tests {
         let stop = AtomicBool::new(false);
         let ended = std::thread::scope(|s| {
             let (d, stop) = (&d, &stop);
-            let (tx, rx) = mpsc::channel();
+            let (tx, rx) = mpsc::sync_channel(1);
             s.spawn(move || {
                 let mut held = d.enter();
                 tx.send(()).unwrap();
