@@ -33,12 +33,12 @@ pub mod client;
 pub mod http;
 #[cfg(feature = "server")]
 pub mod httpd;
+pub mod names;
 #[cfg(feature = "server")]
 pub mod prometheus;
+pub mod rest;
 #[cfg(feature = "server")]
 pub mod serve;
-pub mod names;
-pub mod rest;
 pub mod size;
 #[cfg(any(feature = "client", feature = "server"))]
 pub mod tls;

@@ -71,7 +71,8 @@ fn worker(dir: &std::path::Path) {
             let live = &live;
             s.spawn(move || {
                 let c = &c;
-                let mut rng = Rng::new(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+                let mut rng =
+                    Rng::new(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
                 while Instant::now() < deadline {
                     step(c, live, &mut rng);
                 }

@@ -15,10 +15,10 @@ use nvpool_control::Uuid;
 use nvpool_initiator::{Controller, Device, IoError};
 use nvpool_target::register::{ControlPlaneUrl, RegistrationConfig};
 use nvpool_target::served::{ControlPlaneSource, LeaseKeeper};
+use nvpool_testkit::{pattern, wait_for};
 use nvpool_wire::Status;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use nvpool_testkit::{pattern, wait_for};
 use std::time::Duration;
 
 /// The cluster with every target able to own served volumes: a volume
@@ -205,9 +205,11 @@ fn a_cut_off_owner_is_fenced_and_its_writes_fail() {
         200
     );
     // Its own lease runs out: it stops serving by itself.
-    wait_for("the owner's lease to run out", Duration::from_secs(15), || {
-        is_path_error(&write(&dev, 0, &first))
-    });
+    wait_for(
+        "the owner's lease to run out",
+        Duration::from_secs(15),
+        || is_path_error(&write(&dev, 0, &first)),
+    );
 
     // The control plane sees the lease gone and moves the volume.
     s.c.server.clock.advance(10_000);
@@ -238,7 +240,9 @@ fn a_cut_off_owner_is_fenced_and_its_writes_fail() {
     assert!(is_path_error(&write(&dev, 0, &pattern(4, 64 << 10))));
     // The new owner serves what was written, and takes new writes.
     let (_c2, dev2) = connect(node_of(&s.c, &other), &vol);
-    wait_for("the new owner's lease", Duration::from_secs(10), || read(&dev2, 0, 4096).is_ok());
+    wait_for("the new owner's lease", Duration::from_secs(10), || {
+        read(&dev2, 0, 4096).is_ok()
+    });
     assert_eq!(read(&dev2, 0, first.len()).unwrap(), first);
     let second = pattern(5, 64 << 10);
     write(&dev2, 0, &second).unwrap();

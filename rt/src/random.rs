@@ -39,7 +39,11 @@ impl Rng {
     /// The state is `seed` itself, but never zero (where xorshift would
     /// stay): seed 0 starts from a fixed constant.
     pub const fn new(seed: u64) -> Rng {
-        Rng(if seed == 0 { 0x9E37_79B9_7F4A_7C15 } else { seed })
+        Rng(if seed == 0 {
+            0x9E37_79B9_7F4A_7C15
+        } else {
+            seed
+        })
     }
 
     /// A generator seeded from the kernel, or from the clock when the

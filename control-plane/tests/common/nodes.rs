@@ -11,12 +11,12 @@ use nvpool_initiator::ConnectParams;
 use nvpool_target::daemon::StartOptions;
 use nvpool_target::target::Target;
 use nvpool_target::AdminTokens;
+use nvpool_testkit::target::{self as testkit, Serving};
 use serde_json::{json, Value};
 use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use nvpool_testkit::target::{self as testkit, Serving};
 use std::time::Duration;
 
 pub const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
