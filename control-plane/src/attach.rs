@@ -34,7 +34,7 @@
 use crate::limits::{ID_BYTES_MAX, NAMESPACES_PER_HOST_TARGET_MAX};
 use crate::model::{encode, DeviceRef, Extent, ModelError, Target, Uuid, Volume};
 use crate::plan::{ConnectionPlan, PlanExtent, HOST_SUBSYSTEM_PREFIX};
-use crate::state::{keys, Attempt, Cluster, Snapshot, StateError, Versioned};
+use crate::state::{keys, unchanged, Cluster, Snapshot, StateError, Txn, Versioned};
 use crate::store::{Condition, Op};
 pub use nvpool_api::rest::AttachmentState;
 use serde::{Deserialize, Serialize};
@@ -244,19 +244,15 @@ impl Snapshot {
     /// exports (their extents stay allocated until it is reconciled).
     pub(crate) fn add_stale_exports(&self, target: &str, exports: Vec<Export>) -> (Condition, Op) {
         let skey = ak::stale_exports(target);
-        let (cond, mut rec) = match self.stale_exports.get(target) {
-            Some(r) => (
-                Condition::VersionIs(skey.clone(), r.version),
-                r.value.clone(),
-            ),
-            None => (
-                Condition::Missing(skey.clone()),
-                StaleExports {
-                    target: target.to_owned(),
-                    exports: Vec::new(),
-                },
-            ),
-        };
+        let read = self.stale_exports.get(target);
+        let cond = unchanged(&skey, read.map(|r| r.version));
+        let mut rec = read.map_or_else(
+            || StaleExports {
+                target: target.to_owned(),
+                exports: Vec::new(),
+            },
+            |r| r.value.clone(),
+        );
         rec.exports.extend(exports);
         rec.exports.sort();
         rec.exports.dedup();
@@ -341,8 +337,7 @@ impl Cluster {
     /// after this returns; see `finish_attach` and `abort_attach`.
     pub fn begin_attach(&self, volume: &Uuid, host: &str) -> Result<AttachStart, StateError> {
         let key = Self::attachment_key_checks(volume, host)?;
-        self.retry(|| {
-            let s = self.snapshot()?;
+        self.transact(|s| {
             let v = s
                 .volumes
                 .get(volume)
@@ -414,19 +409,12 @@ impl Cluster {
                 changes: host_rec.map_or(1, |h| h.value.changes + 1),
             };
             let vkey = keys::volume(volume);
-            let conds = vec![
+            let mut conds = vec![
                 Condition::VersionIs(vkey.clone(), v.version),
                 Condition::Missing(deleting),
-                match existing {
-                    Some(e) => Condition::VersionIs(key.clone(), e.version),
-                    None => Condition::Missing(key.clone()),
-                },
-                match host_rec {
-                    Some(h) => Condition::VersionIs(host_key.clone(), h.version),
-                    None => Condition::Missing(host_key.clone()),
-                },
+                unchanged(&key, existing.map(|e| e.version)),
+                unchanged(&host_key, host_rec.map(|h| h.version)),
             ];
-            let mut conds = conds;
             let mut ops = vec![
                 Op::Put(vkey, encode(&v.value)),
                 Op::Put(key.clone(), encode(&a)),
@@ -437,25 +425,21 @@ impl Cluster {
                 conds.push(c);
                 ops.push(o);
             }
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(AttachStart {
+            Ok(Txn::Commit(
+                conds,
+                ops,
+                AttachStart {
                     attachment: a,
                     volume: v.value.clone(),
                     created: existing.is_none(),
-                })
-            } else {
-                Attempt::Retry
-            })
+                },
+            ))
         })
     }
 
     /// Marks an attachment `attached` once every target exports it.
     pub fn finish_attach(&self, volume: &Uuid, host: &str) -> Result<Attachment, StateError> {
-        self.update_attachment(volume, host, |a| {
-            a.state = AttachmentState::Attached;
-            Ok(Some(()))
-        })
-        .map(|(a, _)| a)
+        self.update_attachment(volume, host, |a| a.state = AttachmentState::Attached)
     }
 
     /// Records the extents `host` found failed (copies that missed writes).
@@ -483,8 +467,7 @@ impl Cluster {
             .into());
         }
         let key = Self::attachment_key_checks(volume, host)?;
-        self.retry(|| {
-            let s = self.snapshot()?;
+        self.transact(|s| {
             let a = s
                 .attachments
                 .get(&(*volume, host.to_owned()))
@@ -499,13 +482,9 @@ impl Cluster {
             let mut next = a.value.clone();
             next.failed_extents = union(&next.failed_extents);
             let fkey = ak::failed_copies(volume);
-            let (fcond, known) = match s.failed_copies.get(volume) {
-                Some(f) => (
-                    Condition::VersionIs(fkey.clone(), f.version),
-                    f.value.extents.as_slice(),
-                ),
-                None => (Condition::Missing(fkey.clone()), &[][..]),
-            };
+            let f = s.failed_copies.get(volume);
+            let fcond = unchanged(&fkey, f.map(|f| f.version));
+            let known = f.map_or(&[][..], |f| f.value.extents.as_slice());
             let record = FailedCopies {
                 volume: *volume,
                 extents: union(known),
@@ -515,15 +494,11 @@ impl Cluster {
                 Op::Put(key.clone(), encode(&next)),
                 Op::Put(fkey, encode(&record)),
             ];
-            if let Some((c, o)) = Cluster::on_copies_failed(&s, volume, failed, self.now()) {
+            if let Some((c, o)) = Cluster::on_copies_failed(s, volume, failed, self.now()) {
                 conds.push(c);
                 ops.push(o);
             }
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(next)
-            } else {
-                Attempt::Retry
-            })
+            Ok(Txn::Commit(conds, ops, next))
         })
     }
 
@@ -545,10 +520,7 @@ impl Cluster {
         volume: &Uuid,
         host: &str,
     ) -> Result<(Attachment, BTreeMap<String, Vec<Export>>), StateError> {
-        let (a, ()) = self.update_attachment(volume, host, |a| {
-            a.state = AttachmentState::Detaching;
-            Ok(Some(()))
-        })?;
+        let a = self.update_attachment(volume, host, |a| a.state = AttachmentState::Detaching)?;
         let s = self.snapshot()?;
         let v = s
             .volumes
@@ -571,10 +543,9 @@ impl Cluster {
         stale: &BTreeMap<String, Vec<Export>>,
     ) -> Result<(), StateError> {
         let key = Self::attachment_key_checks(volume, host)?;
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let Some(a) = s.attachments.get(&(*volume, host.to_owned())) else {
-                return Ok(Attempt::Done(()));
+                return Ok(Txn::Done(()));
             };
             let host_key = ak::host(host);
             let mut conds = vec![Condition::VersionIs(key.clone(), a.version)];
@@ -587,7 +558,7 @@ impl Cluster {
                 };
                 ops.push(Op::Put(host_key, encode(&next)));
             }
-            if let Some((c, o)) = Cluster::on_detached(&s, volume, host) {
+            if let Some((c, o)) = Cluster::on_detached(s, volume, host) {
                 conds.push(c);
                 ops.push(o);
             }
@@ -596,7 +567,7 @@ impl Cluster {
                 conds.push(c);
                 ops.push(o);
             }
-            self.commit_allocation(&s, conds, ops, ())
+            Ok(Txn::Commit(conds, ops, ()))
         })
     }
 
@@ -638,36 +609,21 @@ impl Cluster {
     /// Stale exports recorded for `target`, with the record's version.
     pub fn stale_exports(&self, target: &str) -> Result<Option<(StaleExports, u64)>, StateError> {
         crate::model::validate_id("target id", target, ID_BYTES_MAX)?;
-        let key = ak::stale_exports(target);
-        match self.store().get(&key)? {
-            Some(kv) => Ok(Some((
-                crate::model::decode("stale exports", &kv.value).map_err(|source| {
-                    StateError::Corrupt {
-                        key: key.clone(),
-                        source,
-                    }
-                })?,
-                kv.version,
-            ))),
-            None => Ok(None),
-        }
+        let read = self.read("stale exports", &ak::stale_exports(target))?;
+        Ok(read.map(|r| (r.value, r.version)))
     }
 
     /// Forgets the stale exports of a reconciled target (if the record is
     /// still the version that was reconciled), freeing their extents.
     pub fn clear_stale_exports(&self, target: &str, version: u64) -> Result<(), StateError> {
         let key = ak::stale_exports(target);
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
-            match s.stale_exports.get(target) {
-                Some(r) if r.version == version => self.commit_allocation(
-                    &s,
-                    vec![Condition::VersionIs(key.clone(), version)],
-                    vec![Op::Delete(key.clone())],
-                    (),
-                ),
-                _ => Ok(Attempt::Done(())),
-            }
+        self.transact_allocation(|s| match s.stale_exports.get(target) {
+            Some(r) if r.version == version => Ok(Txn::Commit(
+                vec![Condition::VersionIs(key.clone(), version)],
+                vec![Op::Delete(key.clone())],
+                (),
+            )),
+            _ => Ok(Txn::Done(())),
         })
     }
 
@@ -745,39 +701,20 @@ impl Cluster {
         })
     }
 
-    fn update_attachment<T>(
+    fn update_attachment(
         &self,
         volume: &Uuid,
         host: &str,
-        change: impl Fn(&mut Attachment) -> Result<Option<T>, StateError>,
-    ) -> Result<(Attachment, T), StateError> {
+        change: impl Fn(&mut Attachment),
+    ) -> Result<Attachment, StateError> {
         let key = Self::attachment_key_checks(volume, host)?;
-        self.retry(|| {
-            let kv = self
-                .store()
-                .get(&key)?
-                .ok_or_else(|| StateError::NotAttached {
-                    volume: *volume,
-                    host: host.to_owned(),
-                })?;
-            let mut a: Attachment =
-                crate::model::decode("attachment", &kv.value).map_err(|source| {
-                    StateError::Corrupt {
-                        key: key.clone(),
-                        source,
-                    }
-                })?;
-            let Some(t) = change(&mut a)? else {
-                return Ok(Attempt::Retry);
-            };
-            let ops = [Op::Put(key.clone(), encode(&a))];
-            Ok(
-                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
-                    Attempt::Done((a, t))
-                } else {
-                    Attempt::Retry
-                },
-            )
+        self.update("attachment", &key, |a: Option<Attachment>| {
+            let mut a = a.ok_or_else(|| StateError::NotAttached {
+                volume: *volume,
+                host: host.to_owned(),
+            })?;
+            change(&mut a);
+            Ok((Some(a.clone()), a))
         })
     }
 }

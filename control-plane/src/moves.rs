@@ -22,8 +22,8 @@
 use crate::model::{Extent, Health, TargetState, Uuid, Volume};
 use crate::rebalance::{plan_rebalance, Move};
 use crate::resync::{Candidate, CopyKind, CopyState};
-use crate::state::{Attempt, Cluster, Snapshot, StateError};
-use crate::store::{Condition, Op};
+use crate::state::{unchanged, Cluster, Snapshot, StateError, Txn};
+use crate::store::Op;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
@@ -161,36 +161,15 @@ impl Cluster {
             pool: pool.map(str::to_owned),
             requested_ms: self.now(),
         };
-        self.retry(|| {
-            let existing = self.store().get(&key)?;
-            let cond = match &existing {
-                Some(kv) => Condition::VersionIs(key.clone(), kv.version),
-                None => Condition::Missing(key.clone()),
-            };
-            let ops = [Op::Put(key.clone(), crate::model::encode(&rec))];
-            Ok(if self.commit(&[cond], &ops)? {
-                Attempt::Done(())
-            } else {
-                Attempt::Retry
-            })
+        self.transact_key(&key, |version| {
+            let ops = vec![Op::Put(key.clone(), crate::model::encode(&rec))];
+            Ok(Txn::Commit(vec![unchanged(&key, version)], ops, ()))
         })
     }
 
     /// Pending rebalance requests.
     pub fn rebalance_requests(&self) -> Result<Vec<RebalanceRequest>, StateError> {
-        let listing = self.store().list(REBALANCE)?;
-        listing
-            .entries
-            .iter()
-            .map(|kv| {
-                crate::model::decode("rebalance request", &kv.value).map_err(|source| {
-                    StateError::Corrupt {
-                        key: kv.key.clone(),
-                        source,
-                    }
-                })
-            })
-            .collect()
+        self.read_all("rebalance request", REBALANCE)
     }
 
     /// Forgets the request for `pool` (it is done).

@@ -22,9 +22,9 @@
 //! Programming targets and failing over is `failover.rs` (server only).
 
 use crate::attach::validate_host_nqn;
-use crate::model::{decode, encode, ModelError, TargetState, Uuid};
-use crate::state::{Attempt, Cluster, StateError};
-use crate::store::{Condition, Op};
+use crate::model::{encode, ModelError, TargetState, Uuid};
+use crate::state::{unchanged, Cluster, StateError, Txn};
+use crate::store::Op;
 pub use nvpool_api::names::{
     owner_host_nqn, parse_owner_host, volume_of_subsystem, volume_subsystem_nqn, OWNER_HOST_PREFIX,
     PATHS_MAX, VOLUME_SUBSYSTEM_PREFIX,
@@ -126,28 +126,13 @@ impl Leases {
 impl Cluster {
     /// Every served volume.
     pub fn served_all(&self) -> Result<Vec<Served>, StateError> {
-        let listing = self.store().list(SERVED)?;
-        listing
-            .entries
-            .iter()
-            .map(|kv| {
-                decode("served volume", &kv.value).map_err(|source| StateError::Corrupt {
-                    key: kv.key.clone(),
-                    source,
-                })
-            })
-            .collect()
+        self.read_all("served volume", SERVED)
     }
 
     /// The served record of `volume` and its version.
     pub fn served(&self, volume: &Uuid) -> Result<Option<(Served, u64)>, StateError> {
-        let key = served_key(volume);
-        let Some(kv) = self.store().get(&key)? else {
-            return Ok(None);
-        };
-        let s = decode("served volume", &kv.value)
-            .map_err(|source| StateError::Corrupt { key, source })?;
-        Ok(Some((s, kv.version)))
+        let read = self.read("served volume", &served_key(volume))?;
+        Ok(read.map(|r| (r.value, r.version)))
     }
 
     /// Adds `host` to the hosts of `volume`'s served subsystem, creating
@@ -172,37 +157,34 @@ impl Cluster {
             .into());
         }
         let key = served_key(volume);
-        self.retry(|| {
-            let s = self.snapshot()?;
+        self.transact(|s| {
             let v = s
                 .volumes
                 .get(volume)
                 .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
             let existing = self.served(volume)?;
-            let (cond, mut rec) = match existing {
-                Some((r, version)) => (Condition::VersionIs(key.clone(), version), r),
+            let cond = unchanged(&key, existing.as_ref().map(|(_, version)| *version));
+            let mut rec = match existing {
+                Some((r, _)) => r,
                 None => {
-                    let chosen = self.choose_paths(&s, &v.value, paths);
+                    let chosen = self.choose_paths(s, &v.value, paths);
                     if chosen.is_empty() {
                         return Err(StateError::Invalid(ModelError::Invalid(
                             "no online active target can serve the volume".into(),
                         )));
                     }
-                    (
-                        Condition::Missing(key.clone()),
-                        Served {
-                            volume: *volume,
-                            hosts: Vec::new(),
-                            paths: chosen,
-                            owner: None,
-                            generation: 0,
-                            serving: false,
-                        },
-                    )
+                    Served {
+                        volume: *volume,
+                        hosts: Vec::new(),
+                        paths: chosen,
+                        owner: None,
+                        generation: 0,
+                        serving: false,
+                    }
                 }
             };
             if rec.hosts.iter().any(|h| h == host) {
-                return Ok(Attempt::Done(rec));
+                return Ok(Txn::Done(rec));
             }
             rec.hosts.push(host.to_owned());
             rec.hosts.sort();
@@ -212,12 +194,8 @@ impl Cluster {
                     max: crate::limits::HOSTS_PER_SERVED_VOLUME_MAX,
                 });
             }
-            let ops = [Op::Put(key.clone(), encode(&rec))];
-            Ok(if self.commit(&[cond], &ops)? {
-                Attempt::Done(rec)
-            } else {
-                Attempt::Retry
-            })
+            let ops = vec![Op::Put(key.clone(), encode(&rec))];
+            Ok(Txn::Commit(vec![cond], ops, rec))
         })
     }
 
@@ -228,24 +206,20 @@ impl Cluster {
         volume: &Uuid,
         host: &str,
     ) -> Result<Option<Served>, StateError> {
-        let key = served_key(volume);
-        self.retry(|| {
-            let Some((mut rec, version)) = self.served(volume)? else {
-                return Ok(Attempt::Done(None));
-            };
-            if !rec.hosts.iter().any(|h| h == host) {
-                return Ok(Attempt::Done(Some(rec)));
-            }
-            rec.hosts.retain(|h| h != host);
-            let cond = [Condition::VersionIs(key.clone(), version)];
-            Ok(
-                if self.commit(&cond, &[Op::Put(key.clone(), encode(&rec))])? {
-                    Attempt::Done(Some(rec))
-                } else {
-                    Attempt::Retry
-                },
-            )
-        })
+        self.update(
+            "served volume",
+            &served_key(volume),
+            |rec: Option<Served>| {
+                let Some(mut rec) = rec else {
+                    return Ok((None, None));
+                };
+                if !rec.hosts.iter().any(|h| h == host) {
+                    return Ok((None, Some(rec)));
+                }
+                rec.hosts.retain(|h| h != host);
+                Ok((Some(rec.clone()), Some(rec)))
+            },
+        )
     }
 
     /// Changes a served volume's record with `f` if it is still at
@@ -257,24 +231,17 @@ impl Cluster {
         generation: u64,
         f: impl Fn(&mut Served),
     ) -> Result<Option<Served>, StateError> {
-        let key = served_key(volume);
-        self.retry(|| {
-            let Some((mut rec, version)) = self.served(volume)? else {
-                return Ok(Attempt::Done(None));
-            };
-            if rec.generation != generation {
-                return Ok(Attempt::Done(None));
-            }
-            f(&mut rec);
-            let cond = [Condition::VersionIs(key.clone(), version)];
-            Ok(
-                if self.commit(&cond, &[Op::Put(key.clone(), encode(&rec))])? {
-                    Attempt::Done(Some(rec))
-                } else {
-                    Attempt::Retry
-                },
-            )
-        })
+        self.update(
+            "served volume",
+            &served_key(volume),
+            |rec: Option<Served>| match rec {
+                Some(mut rec) if rec.generation == generation => {
+                    f(&mut rec);
+                    Ok((Some(rec.clone()), Some(rec)))
+                }
+                _ => Ok((None, None)),
+            },
+        )
     }
 
     /// Forgets a served volume whose last host is gone.

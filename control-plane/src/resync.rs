@@ -36,7 +36,7 @@ use crate::attach::{attach_keys as ak, AttachmentState, Export, FailedCopies};
 use crate::limits::{COPY_HISTORY_MAX, ID_BYTES_MAX};
 use crate::model::{encode, DeviceRef, Extent, ModelError, Uuid, Volume};
 use crate::plan::{PlanExtent, RESYNC_REGION_BYTES};
-use crate::state::{Attempt, Cluster, Snapshot, StateError};
+use crate::state::{unchanged, Cluster, Snapshot, StateError, Txn};
 use crate::store::{Condition, Op};
 pub use nvpool_api::names::VERIFIER_NQN_PREFIX;
 use serde::{Deserialize, Serialize};
@@ -340,11 +340,8 @@ impl Snapshot {
     /// that writes `next`.
     pub(crate) fn copy_state_txn(&self, next: &CopyState) -> (Condition, Op) {
         let key = copy_state_key(&next.volume);
-        let cond = match self.copy_states.get(&next.volume) {
-            Some(v) => Condition::VersionIs(key.clone(), v.version),
-            None => Condition::Missing(key.clone()),
-        };
-        (cond, Op::Put(key, encode(next)))
+        let version = self.copy_states.get(&next.volume).map(|v| v.version);
+        (unchanged(&key, version), Op::Put(key, encode(next)))
     }
 
     /// Hosts attached to `volume` that may write it (any state but
@@ -374,10 +371,7 @@ impl Snapshot {
         extents: BTreeSet<u32>,
     ) -> (Condition, Op) {
         let key = ak::failed_copies(volume);
-        let cond = match self.failed_copies.get(volume) {
-            Some(f) => Condition::VersionIs(key.clone(), f.version),
-            None => Condition::Missing(key.clone()),
-        };
+        let cond = unchanged(&key, self.failed_copies.get(volume).map(|f| f.version));
         let op = if extents.is_empty() {
             Op::Delete(key)
         } else {
@@ -464,9 +458,6 @@ pub struct Candidate {
 }
 
 impl Cluster {
-    /// Runs `change` on the volume's copy-state record until it commits;
-    /// `change` may add conditions and ops (other records) of its own and
-    /// returns `None` to leave everything as it is.
     /// Tells the hosts serving `volume` to read their attachment again
     /// (its plan changed: grown). Moves the revision their long-polls
     /// wait on.
@@ -478,6 +469,9 @@ impl Cluster {
         .map(|_| ())
     }
 
+    /// Runs `change` on the volume's copy-state record until it commits;
+    /// `change` may add conditions and ops (other records) of its own and
+    /// returns `None` to leave everything as it is.
     pub(crate) fn change_copy_state<T>(
         &self,
         volume: &Uuid,
@@ -488,39 +482,26 @@ impl Cluster {
             &mut Vec<Op>,
         ) -> Result<Option<T>, StateError>,
     ) -> Result<Option<T>, StateError> {
-        self.retry(|| {
-            let s = self.snapshot()?;
+        self.transact(|s| {
             if !s.volumes.contains_key(volume) {
                 return Err(StateError::VolumeNotFound(volume.to_string()));
             }
             let mut cs = s.copy_state(volume);
             let (mut conds, mut ops) = (Vec::new(), Vec::new());
-            let Some(t) = change(&s, &mut cs, &mut conds, &mut ops)? else {
-                return Ok(Attempt::Done(None));
+            let Some(t) = change(s, &mut cs, &mut conds, &mut ops)? else {
+                return Ok(Txn::Done(None));
             };
             let (c, o) = s.copy_state_txn(&cs);
             conds.push(c);
             ops.push(o);
-            Ok(if self.commit(&conds, &ops)? {
-                Attempt::Done(Some(t))
-            } else {
-                Attempt::Retry
-            })
+            Ok(Txn::Commit(conds, ops, Some(t)))
         })
     }
 
     /// The volume's copy-state record (a fresh one if none is stored).
     pub fn copy_state(&self, volume: &Uuid) -> Result<CopyState, StateError> {
-        let key = copy_state_key(volume);
-        match self.store().get(&key)? {
-            Some(kv) => crate::model::decode("copy state", &kv.value).map_err(|source| {
-                StateError::Corrupt {
-                    key: key.clone(),
-                    source,
-                }
-            }),
-            None => Ok(CopyState::new(*volume)),
-        }
+        let read = self.read("copy state", &copy_state_key(volume))?;
+        Ok(read.map_or_else(|| CopyState::new(*volume), |r| r.value))
     }
 
     /// What `host` must know of the volume's copies.
@@ -759,10 +740,9 @@ impl Cluster {
     /// with allocations so copier NSIDs, allocated across volumes per
     /// (source target, destination target), never collide.
     pub fn create_job(&self, c: &Candidate) -> Result<Option<CopyJob>, StateError> {
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let Some(v) = s.volumes.get(&c.volume) else {
-                return Ok(Attempt::Done(None));
+                return Ok(Txn::Done(None));
             };
             let v = &v.value;
             check_extent(v, c.extent)?;
@@ -774,14 +754,14 @@ impl Cluster {
             let mut cs = s.copy_state(&c.volume);
             let moves = c.kind.moves();
             if cs.job_on(c.extent).is_some() || (!moves && !stale) {
-                return Ok(Attempt::Done(None));
+                return Ok(Txn::Done(None));
             }
             let mut conds = Vec::new();
             let mut ops = Vec::new();
             let now = self.now();
             let mut nsids = BTreeMap::new();
             let dest = if moves {
-                let d = self.place_new_copy(&s, v, &cs, c)?;
+                let d = self.place_new_copy(s, v, &cs, c)?;
                 for a in s.attachments_of(&c.volume) {
                     let host = a.value.host_nqn.as_str();
                     let used: BTreeSet<u32> = s
@@ -869,7 +849,7 @@ impl Cluster {
             let (cond, op) = s.copy_state_txn(&cs);
             conds.push(cond);
             ops.push(op);
-            self.commit_allocation(&s, conds, ops, Some(job))
+            Ok(Txn::Commit(conds, ops, Some(job)))
         })
     }
 
@@ -1079,15 +1059,14 @@ impl Cluster {
         error: Option<&str>,
     ) -> Result<Option<CopyRecord>, StateError> {
         let now = self.now();
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let Some(vv) = s.volumes.get(volume) else {
                 return Err(StateError::VolumeNotFound(volume.to_string()));
             };
             let v = &vv.value;
             let mut cs = s.copy_state(volume);
             let Some(idx) = cs.jobs.iter().position(|j| j.id == job) else {
-                return Ok(Attempt::Done(None));
+                return Ok(Txn::Done(None));
             };
             let j = cs.jobs.remove(idx);
             let record = j.record(now, error);
@@ -1201,7 +1180,7 @@ impl Cluster {
             let (c, o) = s.copy_state_txn(&cs);
             conds.push(c);
             ops.push(o);
-            self.commit_allocation(&s, conds, ops, Some(record.clone()))
+            Ok(Txn::Commit(conds, ops, Some(record.clone())))
         })
     }
 

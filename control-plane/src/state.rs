@@ -402,14 +402,12 @@ impl Snapshot {
     /// The condition "no allocation changed since this snapshot" and the
     /// op that records a new one.
     fn epoch_guard(&self) -> (Condition, Op) {
-        let (condition, next) = match &self.alloc_epoch {
-            Some(e) => (
-                Condition::VersionIs(keys::ALLOC_EPOCH.into(), e.version),
-                e.value + 1,
-            ),
-            None => (Condition::Missing(keys::ALLOC_EPOCH.into()), 1),
-        };
-        (condition, Op::Put(keys::ALLOC_EPOCH.into(), encode(&next)))
+        let e = self.alloc_epoch.as_ref();
+        let next = e.map_or(1, |e| e.value + 1);
+        (
+            unchanged(keys::ALLOC_EPOCH, e.map(|e| e.version)),
+            Op::Put(keys::ALLOC_EPOCH.into(), encode(&next)),
+        )
     }
 
     /// device → pool, from the pool records.
@@ -536,10 +534,22 @@ impl std::fmt::Debug for TargetTls {
     }
 }
 
-/// A mutation attempt: committed with a result, or lost a race.
-pub(crate) enum Attempt<T> {
+/// What one attempt of a transaction decided.
+pub(crate) enum Txn<T> {
+    /// Nothing (more) to write: the answer.
     Done(T),
-    Retry,
+    /// Apply `ops` if `conds` hold (nothing read has changed), then answer
+    /// `T`; otherwise the attempt starts again.
+    Commit(Vec<Condition>, Vec<Op>, T),
+}
+
+/// The condition "the record at `key` is as it was read": still at
+/// `version`, or still absent (`None`).
+pub(crate) fn unchanged(key: &str, version: Option<Revision>) -> Condition {
+    match version {
+        Some(v) => Condition::VersionIs(key.to_owned(), v),
+        None => Condition::Missing(key.to_owned()),
+    }
 }
 
 fn decode_at<T: crate::model::Stored>(
@@ -702,15 +712,14 @@ impl Cluster {
     /// Deletes `key` if it is there (whatever its version when read),
     /// retrying on contention.
     pub(crate) fn delete_if_present(&self, key: &str) -> Result<(), StateError> {
-        self.retry(|| {
-            let Some(kv) = self.store.get(key)? else {
-                return Ok(Attempt::Done(()));
-            };
-            let cond = [Condition::VersionIs(key.to_owned(), kv.version)];
-            Ok(if self.commit(&cond, &[Op::Delete(key.to_owned())])? {
-                Attempt::Done(())
-            } else {
-                Attempt::Retry
+        self.transact_key(key, |version| {
+            Ok(match version {
+                None => Txn::Done(()),
+                Some(_) => Txn::Commit(
+                    vec![unchanged(key, version)],
+                    vec![Op::Delete(key.to_owned())],
+                    (),
+                ),
             })
         })
     }
@@ -724,11 +733,11 @@ impl Cluster {
         self.clock.now_ms()
     }
 
-    /// Runs `attempt` until it commits, at most `TXN_ATTEMPTS_MAX` times,
-    /// backing off between attempts.
-    pub(crate) fn retry<T>(
+    /// Runs `attempt` until it commits (`Some`), at most
+    /// `TXN_ATTEMPTS_MAX` times, backing off between attempts.
+    fn retry<T>(
         &self,
-        mut attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
+        mut attempt: impl FnMut() -> Result<Option<T>, StateError>,
     ) -> Result<T, StateError> {
         // Full jitter: processes racing for the same records stop colliding.
         let mut backoff = nvpool_rt::Backoff::new(
@@ -739,7 +748,7 @@ impl Cluster {
             if n > 0 {
                 std::thread::sleep(backoff.next_full_jitter());
             }
-            if let Attempt::Done(t) = attempt()? {
+            if let Some(t) = attempt()? {
                 return Ok(t);
             }
         }
@@ -748,11 +757,30 @@ impl Cluster {
         })
     }
 
-    /// `retry` for mutations guarded by the allocation epoch: one at a time
-    /// in this process.
-    pub(crate) fn retry_serialized<T>(
+    /// Carries out one attempt's decision: `None` when it lost a race.
+    fn try_commit<T>(&self, txn: Txn<T>) -> Result<Option<T>, StateError> {
+        match txn {
+            Txn::Done(t) => Ok(Some(t)),
+            Txn::Commit(conds, ops, t) => Ok(self.commit(&conds, &ops)?.then_some(t)),
+        }
+    }
+
+    /// The one transaction of the cluster state: `attempt` reads a
+    /// snapshot and decides; its writes commit only if nothing it read has
+    /// changed, else it runs again on a fresh snapshot.
+    pub(crate) fn transact<T>(
         &self,
-        attempt: impl FnMut() -> Result<Attempt<T>, StateError>,
+        mut attempt: impl FnMut(&Snapshot) -> Result<Txn<T>, StateError>,
+    ) -> Result<T, StateError> {
+        self.retry(|| self.try_commit(attempt(&self.snapshot()?)?))
+    }
+
+    /// [`Self::transact`] for a change to what is allocated or allocatable:
+    /// its writes also need the allocation epoch the snapshot read (and
+    /// bump it), and such transactions run one at a time in this process.
+    pub(crate) fn transact_allocation<T>(
+        &self,
+        mut attempt: impl FnMut(&Snapshot) -> Result<Txn<T>, StateError>,
     ) -> Result<T, StateError> {
         // The mutex orders mutations and guards no data: a panic of a
         // previous holder leaves nothing to repair.
@@ -760,31 +788,86 @@ impl Cluster {
             .mutations
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        self.retry(attempt)
-    }
-
-    /// Commits, or reports that a condition failed.
-    /// Commits a change to what is allocated or allocatable: `ops` apply if
-    /// `conds` hold and the allocation epoch is still the one `s` read (the
-    /// epoch is bumped with them); otherwise the caller retries.
-    pub(crate) fn commit_allocation<T>(
-        &self,
-        s: &Snapshot,
-        mut conds: Vec<Condition>,
-        mut ops: Vec<Op>,
-        done: T,
-    ) -> Result<Attempt<T>, StateError> {
-        let (epoch_cond, epoch_op) = s.epoch_guard();
-        conds.push(epoch_cond);
-        ops.push(epoch_op);
-        Ok(if self.commit(&conds, &ops)? {
-            Attempt::Done(done)
-        } else {
-            Attempt::Retry
+        self.transact(|s| {
+            Ok(match attempt(s)? {
+                Txn::Commit(mut conds, mut ops, t) => {
+                    let (epoch_cond, epoch_op) = s.epoch_guard();
+                    conds.push(epoch_cond);
+                    ops.push(epoch_op);
+                    Txn::Commit(conds, ops, t)
+                }
+                done => done,
+            })
         })
     }
 
-    pub(crate) fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
+    /// A transaction on the one key `key`, without a snapshot: `attempt`
+    /// gets the version read (`None`: absent) and decides.
+    pub(crate) fn transact_key<T>(
+        &self,
+        key: &str,
+        mut attempt: impl FnMut(Option<Revision>) -> Result<Txn<T>, StateError>,
+    ) -> Result<T, StateError> {
+        self.retry(|| {
+            let version = self.store.get(key)?.map(|kv| kv.version);
+            self.try_commit(attempt(version)?)
+        })
+    }
+
+    /// Read-modify-write of the one record at `key`, without a snapshot:
+    /// `change` sees the record (`None`: absent) and returns what to write
+    /// (`None`: nothing) and the answer; the write commits only if the
+    /// record is still the one read, else `change` runs again.
+    pub(crate) fn update<T: crate::model::Stored, R>(
+        &self,
+        what: &'static str,
+        key: &str,
+        mut change: impl FnMut(Option<T>) -> Result<(Option<T>, R), StateError>,
+    ) -> Result<R, StateError> {
+        self.retry(|| {
+            let read = self.read::<T>(what, key)?;
+            let version = read.as_ref().map(|r| r.version);
+            let (write, answer) = change(read.map(|r| r.value))?;
+            let Some(value) = write else {
+                return Ok(Some(answer));
+            };
+            let op = Op::Put(key.to_owned(), encode(&value));
+            self.try_commit(Txn::Commit(vec![unchanged(key, version)], vec![op], answer))
+        })
+    }
+
+    /// The record at `key` and its version, if there is one.
+    pub(crate) fn read<T: crate::model::Stored>(
+        &self,
+        what: &'static str,
+        key: &str,
+    ) -> Result<Option<Versioned<T>>, StateError> {
+        let Some(kv) = self.store.get(key)? else {
+            return Ok(None);
+        };
+        let value = decode_at(what, key, &kv.value)?;
+        Ok(Some(Versioned {
+            value,
+            version: kv.version,
+        }))
+    }
+
+    /// Every record under `prefix`.
+    pub(crate) fn read_all<T: crate::model::Stored>(
+        &self,
+        what: &'static str,
+        prefix: &str,
+    ) -> Result<Vec<T>, StateError> {
+        let listing = self.store.list(prefix)?;
+        listing
+            .entries
+            .iter()
+            .map(|kv| decode_at(what, &kv.key, &kv.value))
+            .collect()
+    }
+
+    /// Commits, or reports that a condition failed.
+    fn commit(&self, conditions: &[Condition], ops: &[Op]) -> Result<bool, StateError> {
         let fence = if self.fenced {
             self.leadership.fence()?
         } else {
@@ -950,8 +1033,7 @@ impl Cluster {
     /// Registers a target, or updates its address, labels and devices. A
     /// device holding extents cannot disappear or shrink below them.
     pub fn register_target(&self, reg: &TargetRegistration) -> Result<Target, StateError> {
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let now = self.now();
             let existing = s.targets.get(&reg.id);
             let target = Target {
@@ -992,13 +1074,9 @@ impl Cluster {
                 }
             }
             let key = keys::target(&reg.id);
-            let cond = match existing {
-                Some(e) => Condition::VersionIs(key.clone(), e.version),
-                None => Condition::Missing(key.clone()),
-            };
-            let mut conds = vec![cond];
+            let mut conds = vec![unchanged(&key, existing.map(|e| e.version))];
             let mut ops = vec![Op::Put(key, encode(&target))];
-            index_addresses(&s, &target, &mut conds, &mut ops)?;
+            index_addresses(s, &target, &mut conds, &mut ops)?;
             if let Some(token) = &reg.admin_token {
                 // Registrations and removals of this target are serialised
                 // by its key and the allocation epoch: no condition of its own.
@@ -1011,7 +1089,7 @@ impl Cluster {
                     encode(&credential),
                 ));
             }
-            self.commit_allocation(&s, conds, ops, target)
+            Ok(Txn::Commit(conds, ops, target))
         })
     }
 
@@ -1019,10 +1097,10 @@ impl Cluster {
     pub fn target_credential(&self, id: &str) -> Result<Option<Secret>, StateError> {
         validate_id("target id", id, ID_BYTES_MAX)?;
         let key = keys::target_credential(id);
-        let Some(kv) = self.store.get(&key)? else {
+        let Some(c) = self.read::<TargetCredential>("target credential", &key)? else {
             return Ok(None);
         };
-        let c: TargetCredential = decode_at("target credential", &key, &kv.value)?;
+        let c = c.value;
         if c.target != id {
             return Err(StateError::Corrupt {
                 key,
@@ -1052,10 +1130,10 @@ impl Cluster {
     pub fn host_keys(&self, host: &str) -> Result<Option<HostKeys>, StateError> {
         crate::attach::validate_host_nqn(host)?;
         let key = keys::host_keys(host);
-        let Some(kv) = self.store.get(&key)? else {
+        let Some(k) = self.read::<HostKeys>("host keys", &key)? else {
             return Ok(None);
         };
-        let k: HostKeys = decode_at("host keys", &key, &kv.value)?;
+        let k = k.value;
         if k.host != host {
             return Err(StateError::Corrupt {
                 key,
@@ -1087,19 +1165,12 @@ impl Cluster {
     pub fn remove_host_keys(&self, host: &str) -> Result<(), StateError> {
         crate::attach::validate_host_nqn(host)?;
         let key = keys::host_keys(host);
-        self.retry(|| {
-            let Some(kv) = self.store.get(&key)? else {
+        self.transact_key(&key, |version| {
+            if version.is_none() {
                 return Err(StateError::NoHostKeys(host.to_owned()));
-            };
-            let removed = self.commit(
-                &[Condition::VersionIs(key.clone(), kv.version)],
-                &[Op::Delete(key.clone())],
-            )?;
-            Ok(if removed {
-                Attempt::Done(())
-            } else {
-                Attempt::Retry
-            })
+            }
+            let ops = vec![Op::Delete(key.clone())];
+            Ok(Txn::Commit(vec![unchanged(&key, version)], ops, ()))
         })
     }
 
@@ -1121,22 +1192,10 @@ impl Cluster {
         change: impl Fn(&mut Target, u64),
     ) -> Result<Target, StateError> {
         validate_id("target id", id, ID_BYTES_MAX)?;
-        let key = keys::target(id);
-        self.retry(|| {
-            let kv = self
-                .store
-                .get(&key)?
-                .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
-            let mut t: Target = decode_at("target", &key, &kv.value)?;
+        self.update("target", &keys::target(id), |t: Option<Target>| {
+            let mut t = t.ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
             change(&mut t, self.now());
-            let ops = [Op::Put(key.clone(), encode(&t))];
-            Ok(
-                if self.commit(&[Condition::VersionIs(key.clone(), kv.version)], &ops)? {
-                    Attempt::Done(t)
-                } else {
-                    Attempt::Retry
-                },
-            )
+            Ok((Some(t.clone()), t))
         })
     }
 
@@ -1145,8 +1204,7 @@ impl Cluster {
     /// reconciled — unless `force`: for a target that is gone for good,
     /// whose leftovers nobody can reach any more, they are forgotten with it.
     pub fn remove_target(&self, id: &str, force: bool) -> Result<(), StateError> {
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let t = s
                 .targets
                 .get(id)
@@ -1184,34 +1242,30 @@ impl Cluster {
                 conds.push(Condition::VersionIs(skey.clone(), r.version));
                 ops.push(Op::Delete(skey));
             }
-            self.commit_allocation(&s, conds, ops, ())
+            Ok(Txn::Commit(conds, ops, ()))
         })
     }
 
     pub fn target(&self, id: &str) -> Result<TargetView, StateError> {
         validate_id("target id", id, ID_BYTES_MAX)?;
-        let key = keys::target(id);
-        let kv = self
-            .store
-            .get(&key)?
-            .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
-        let target: Target = decode_at("target", &key, &kv.value)?;
+        let target: Target = self
+            .read("target", &keys::target(id))?
+            .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?
+            .value;
         let health = self.health_of(&target, self.now());
         Ok(TargetView { target, health })
     }
 
     pub fn targets(&self) -> Result<Vec<TargetView>, StateError> {
         let now = self.now();
-        let listing = self.store.list(keys::TARGETS)?;
-        listing
-            .entries
-            .iter()
-            .map(|kv| {
-                let target: Target = decode_at("target", &kv.key, &kv.value)?;
+        let targets: Vec<Target> = self.read_all("target", keys::TARGETS)?;
+        Ok(targets
+            .into_iter()
+            .map(|target| {
                 let health = self.health_of(&target, now);
-                Ok(TargetView { target, health })
+                TargetView { target, health }
             })
-            .collect()
+            .collect())
     }
 
     // ----- pools -----
@@ -1228,11 +1282,10 @@ impl Cluster {
                 max: DEVICES_PER_POOL_MAX,
             });
         }
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             if let Some(p) = s.pools.get(name) {
                 return if p.value.devices.iter().cloned().collect::<BTreeSet<_>>() == wanted {
-                    Ok(Attempt::Done(p.value.clone()))
+                    Ok(Txn::Done(p.value.clone()))
                 } else {
                     Err(StateError::PoolConflict(name.to_owned()))
                 };
@@ -1278,20 +1331,18 @@ impl Cluster {
                 created_ms: self.now(),
             };
             let key = keys::pool(name);
-            self.commit_allocation(
-                &s,
+            Ok(Txn::Commit(
                 vec![Condition::Missing(key.clone())],
                 vec![Op::Put(key, encode(&pool))],
                 pool,
-            )
+            ))
         })
     }
 
     /// Deletes a pool that no volume uses; its devices become unpooled.
     pub fn delete_pool(&self, name: &str) -> Result<(), StateError> {
         validate_id("pool name", name, ID_BYTES_MAX)?;
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let p = s
                 .pools
                 .get(name)
@@ -1308,22 +1359,16 @@ impl Cluster {
                 });
             }
             let key = keys::pool(name);
-            self.commit_allocation(
-                &s,
+            Ok(Txn::Commit(
                 vec![Condition::VersionIs(key.clone(), p.version)],
                 vec![Op::Delete(key)],
                 (),
-            )
+            ))
         })
     }
 
     pub fn pools(&self) -> Result<Vec<Pool>, StateError> {
-        let listing = self.store.list(keys::POOLS)?;
-        listing
-            .entries
-            .iter()
-            .map(|kv| decode_at("pool", &kv.key, &kv.value))
-            .collect()
+        self.read_all("pool", keys::POOLS)
     }
 
     // ----- volumes -----
@@ -1335,12 +1380,11 @@ impl Cluster {
     pub fn create_volume(&self, spec: &VolumeSpec) -> Result<Created, StateError> {
         let extent_bytes = self.config.extent_bytes;
         spec.validate(extent_bytes)?;
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             if let Some(v) = s.volumes.get(&spec.uuid) {
                 let existing = v.value.spec();
                 return if existing == *spec {
-                    Ok(Attempt::Done(Created {
+                    Ok(Txn::Done(Created {
                         volume: v.value.clone(),
                         created: false,
                     }))
@@ -1368,7 +1412,7 @@ impl Cluster {
                     max: VOLUMES_MAX,
                 });
             }
-            let extents = self.allocator(&s)?.allocate(spec, extent_bytes)?;
+            let extents = self.allocator(s)?.allocate(spec, extent_bytes)?;
             let volume = Volume {
                 uuid: spec.uuid,
                 name: spec.name.clone(),
@@ -1390,23 +1434,21 @@ impl Cluster {
                 Op::Put(key, encode(&volume)),
                 Op::Put(name_key, encode(&spec.uuid)),
             ];
-            self.commit_allocation(
-                &s,
+            Ok(Txn::Commit(
                 conds,
                 ops,
                 Created {
                     volume,
                     created: true,
                 },
-            )
+            ))
         })
     }
 
     /// Grows a volume to `size_bytes`, adding rows of extents under the same
     /// placement rules. The same size is a no-op; a smaller one is `Shrink`.
     pub fn resize_volume(&self, uuid: &Uuid, size_bytes: u64) -> Result<Volume, StateError> {
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let v = s
                 .volumes
                 .get(uuid)
@@ -1420,27 +1462,25 @@ impl Cluster {
                 });
             }
             if size_bytes == volume.size_bytes {
-                return Ok(Attempt::Done(volume));
+                return Ok(Txn::Done(volume));
             }
-            let added = self.allocator(&s)?.grow(&volume, size_bytes)?;
+            let added = self.allocator(s)?.grow(&volume, size_bytes)?;
             volume.size_bytes = size_bytes;
             volume.extents.extend(added);
             volume.validate()?;
             let key = keys::volume(uuid);
-            self.commit_allocation(
-                &s,
+            Ok(Txn::Commit(
                 vec![Condition::VersionIs(key.clone(), v.version)],
                 vec![Op::Put(key, encode(&volume))],
                 volume,
-            )
+            ))
         })
     }
 
     /// Deletes a volume and frees its extents; returns what was deleted.
     /// Refused while the volume is attached (detach first).
     pub fn delete_volume(&self, uuid: &Uuid) -> Result<Volume, StateError> {
-        self.retry_serialized(|| {
-            let s = self.snapshot()?;
+        self.transact_allocation(|s| {
             let v = s
                 .volumes
                 .get(uuid)
@@ -1474,26 +1514,20 @@ impl Cluster {
                 conds.push(Condition::VersionIs(ckey.clone(), c.version));
                 ops.push(Op::Delete(ckey));
             }
-            self.commit_allocation(&s, conds, ops, v.value.clone())
+            Ok(Txn::Commit(conds, ops, v.value.clone()))
         })
     }
 
     /// Marks `uuid` as being deleted: attaches are refused until the
     /// delete removes the mark with the volume, or [`Self::unmark_deleting`].
     pub fn mark_deleting(&self, uuid: &Uuid) -> Result<(), StateError> {
-        self.retry(|| {
-            let v = self
-                .store
-                .get(&keys::volume(uuid))?
-                .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
-            let cond = [Condition::VersionIs(v.key, v.version)];
-            Ok(
-                if self.commit(&cond, &[Op::Put(keys::deleting(uuid), Vec::new())])? {
-                    Attempt::Done(())
-                } else {
-                    Attempt::Retry
-                },
-            )
+        let key = keys::volume(uuid);
+        self.transact_key(&key, |version| {
+            if version.is_none() {
+                return Err(StateError::VolumeNotFound(uuid.to_string()));
+            }
+            let ops = vec![Op::Put(keys::deleting(uuid), Vec::new())];
+            Ok(Txn::Commit(vec![unchanged(&key, version)], ops, ()))
         })
     }
 
@@ -1543,29 +1577,16 @@ impl Cluster {
     }
 
     pub fn volume(&self, uuid: &Uuid) -> Result<VolumeView, StateError> {
-        let key = keys::volume(uuid);
-        let kv = self
-            .store
-            .get(&key)?
-            .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?;
-        let volume: Volume = decode_at("volume", &key, &kv.value)?;
-        let attachments = self
-            .store
-            .list(&ak::volume_attachments(uuid))?
-            .entries
-            .iter()
-            .map(|kv| decode_at::<Attachment>("attachment", &kv.key, &kv.value))
-            .collect::<Result<Vec<_>, _>>()?;
+        let volume: Volume = self
+            .read("volume", &keys::volume(uuid))?
+            .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))?
+            .value;
+        let attachments: Vec<Attachment> =
+            self.read_all("attachment", &ak::volume_attachments(uuid))?;
         let refs: Vec<&Attachment> = attachments.iter().collect();
-        let fkey = ak::failed_copies(uuid);
-        let failed = match self.store.get(&fkey)? {
-            Some(kv) => Some(decode_at::<FailedCopies>(
-                "failed copies",
-                &fkey,
-                &kv.value,
-            )?),
-            None => None,
-        };
+        let failed = self
+            .read::<FailedCopies>("failed copies", &ak::failed_copies(uuid))?
+            .map(|f| f.value);
         let jobs = self.copy_state(uuid)?.jobs;
         Ok(self.view(
             volume,
@@ -1579,12 +1600,10 @@ impl Cluster {
 
     pub fn volume_by_name(&self, name: &str) -> Result<VolumeView, StateError> {
         validate_id("volume name", name, crate::limits::NAME_BYTES_MAX)?;
-        let key = keys::volume_name(name);
-        let kv = self
-            .store
-            .get(&key)?
-            .ok_or_else(|| StateError::VolumeNotFound(name.to_owned()))?;
-        let uuid: Uuid = decode_at("volume name", &key, &kv.value)?;
+        let uuid: Uuid = self
+            .read("volume name", &keys::volume_name(name))?
+            .ok_or_else(|| StateError::VolumeNotFound(name.to_owned()))?
+            .value;
         self.volume(&uuid)
     }
 
