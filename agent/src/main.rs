@@ -1,7 +1,6 @@
 //! `nvpool-agent`: see the library.
 
 use clap::Parser;
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 #[derive(Debug, Parser)]
@@ -23,13 +22,7 @@ struct Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    nvpool_rt::log::to_stderr(&cli.log, "info");
     let mut args = cli.args;
     args.cacert = cli.cacert;
     match nvpool_agent::run(args) {

@@ -22,7 +22,6 @@ pub mod volume;
 
 use clap::{Parser, Subcommand};
 pub use nvpool_api::client;
-use std::io::IsTerminal;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::process::ExitCode;
 
@@ -142,13 +141,7 @@ pub fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    nvpool_rt::log::to_stderr(&cli.log, "warn");
     let conn = cluster::Connection {
         endpoint: cli.endpoint,
         token_file: cli.token_file,

@@ -106,7 +106,7 @@ pub struct Args {
     #[arg(long, default_value = "10m", value_parser = parse_duration_ms)]
     pub replace_after: u64,
     /// Log filter (tracing env-filter syntax), e.g. `info` or `nvpool_control=debug`.
-    #[arg(long, default_value = "info", env = "NVPOOL_LOG", value_parser = parse_log_filter)]
+    #[arg(long, default_value = "info", env = "NVPOOL_LOG", value_parser = nvpool_rt::log::parse_filter)]
     pub log: String,
 }
 
@@ -275,11 +275,6 @@ fn parse_rate(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{s:?} is too large"))
 }
 
-fn parse_log_filter(s: &str) -> Result<String, String> {
-    tracing_subscriber::EnvFilter::try_new(s).map_err(|e| e.to_string())?;
-    Ok(s.to_owned())
-}
-
 fn is_root() -> bool {
     // No libc dependency for this: root's /proc/self is owned by uid 0.
     std::fs::metadata("/proc/self")
@@ -289,13 +284,8 @@ fn is_root() -> bool {
 
 /// Runs the daemon until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-        .with_context(|| format!("invalid --log filter {:?}", args.log))?;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+    // `args.log` parsed already (`--log`'s value parser).
+    nvpool_rt::log::to_stderr(&args.log, "info");
     let store_url = match (args.store, args.state_dir) {
         (Some(url), _) => url,
         (None, Some(dir)) => StoreUrl::Redb(dir),

@@ -1,17 +1,10 @@
 //! `nvpool-target`: parse arguments, run the daemon, map errors to exit codes.
 
 use clap::Parser;
-use std::io::IsTerminal;
 
 fn main() -> std::process::ExitCode {
     let cli = nvpool_target::Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    nvpool_rt::log::to_stderr(&cli.log, "info");
     match nvpool_target::daemon::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
