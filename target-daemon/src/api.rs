@@ -65,45 +65,18 @@ struct Api {
     listeners: ListenerControl,
 }
 
-/// A running admin API server.
-#[derive(Debug)]
-pub struct ApiServer {
-    pub addr: SocketAddr,
-    server: ServerThread,
-}
-
-impl ApiServer {
-    /// Serves plain HTTP on `addr` (port 0 for any).
-    pub fn start(
-        addr: SocketAddr,
-        tokens: AdminTokens,
-        target: Arc<Target>,
-        listeners: ListenerControl,
-    ) -> std::io::Result<ApiServer> {
-        ApiServer::start_tls(addr, tokens, target, listeners, None)
-    }
-
-    /// [`ApiServer::start`], serving https with `tls` when given
-    /// (`--admin-tls-cert`, `--admin-tls-key`; the control plane's
-    /// server, `nvpool_api::serve`).
-    pub fn start_tls(
-        addr: SocketAddr,
-        tokens: AdminTokens,
-        target: Arc<Target>,
-        listeners: ListenerControl,
-        tls: Option<ServerTls>,
-    ) -> std::io::Result<ApiServer> {
-        let app = router(Api { target, listeners }, tokens);
-        let server = ServerThread::start("nvpool-admin-api", addr, tls, app, || {})?;
-        Ok(ApiServer {
-            addr: server.addr(),
-            server,
-        })
-    }
-
-    pub fn stop(self) {
-        self.server.stop();
-    }
+/// Serves the admin API on `addr` (port 0 for any) from a thread of its
+/// own, over https with `tls` when given (`--admin-tls-cert`,
+/// `--admin-tls-key`).
+pub fn start(
+    addr: SocketAddr,
+    tokens: AdminTokens,
+    target: Arc<Target>,
+    listeners: ListenerControl,
+    tls: Option<ServerTls>,
+) -> std::io::Result<ServerThread> {
+    let app = router(Api { target, listeners }, tokens);
+    ServerThread::start("nvpool-admin-api", addr, tls, app, || {})
 }
 
 /// One route of the admin API: a method, a path and its handler.

@@ -126,7 +126,7 @@ pub struct Running {
     acceptor: Option<JoinHandle<()>>,
     rdma_listener: Option<crate::rdma::RdmaListener>,
     control: ListenerControl,
-    api: Option<api::ApiServer>,
+    api: Option<nvpool_api::serve::ServerThread>,
 }
 
 impl Running {
@@ -199,7 +199,7 @@ impl Running {
             .spawn(move || acc.run())?;
         let api = match &opts.admin {
             Some(a) => Some(
-                api::ApiServer::start_tls(
+                api::start(
                     a.listen,
                     a.tokens.clone(),
                     target.clone(),
@@ -228,7 +228,7 @@ impl Running {
     }
 
     pub fn admin_addr(&self) -> Option<SocketAddr> {
-        self.api.as_ref().map(|a| a.addr)
+        self.api.as_ref().map(|a| a.addr())
     }
 
     pub fn listener_control(&self) -> &ListenerControl {
