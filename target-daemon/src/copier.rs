@@ -184,15 +184,6 @@ pub struct CopyRequest {
     pub rate_bytes_per_sec: u64,
 }
 
-/// Body of `POST /v1/copies/{id}/start`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StartRequest {
-    /// Region indexes to copy; null (or absent) = every region.
-    #[serde(default)]
-    pub regions: Option<Vec<u32>>,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CopyState {
