@@ -788,6 +788,51 @@ pub struct LeaseGrant {
     pub nqns: Vec<String>,
 }
 
+/// One path of a served volume as a host sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct PathView {
+    pub target: String,
+    /// NVMe/TCP listener: `traddr` and `trsvcid` of `nvme connect`.
+    pub traddr: String,
+    pub trsvcid: u16,
+    /// The target's NVMe/RDMA listener, when it has one (`nvme connect
+    /// -t rdma -a RDMA_TRADDR -s RDMA_TRSVCID`, same subsystem); absent
+    /// for NVMe/TCP-only targets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rdma_traddr: Option<String>,
+    /// Its port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rdma_trsvcid: Option<u16>,
+    /// `optimized` on the serving owner, `inaccessible` elsewhere.
+    pub ana_state: String,
+}
+
+impl PathView {
+    /// (transport, traddr, trsvcid) to connect this path with: NVMe/RDMA
+    /// when the target offers it and `rdma_here`, else NVMe/TCP.
+    pub fn route(&self, rdma_here: bool) -> (&'static str, &str, u16) {
+        match (&self.rdma_traddr, self.rdma_trsvcid) {
+            (Some(a), Some(p)) if rdma_here => ("rdma", a, p),
+            _ => ("tcp", &self.traddr, self.trsvcid),
+        }
+    }
+}
+
+/// A served volume: what a host needs to connect to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct ServedView {
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
+    pub volume: Uuid,
+    pub subsystem_nqn: String,
+    pub hosts: Vec<String>,
+    pub paths: Vec<PathView>,
+    pub owner: Option<String>,
+    pub generation: u64,
+    pub serving: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

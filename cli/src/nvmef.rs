@@ -9,8 +9,8 @@
 //! No nvpool process stays on the host.
 
 use anyhow::{bail, Context};
+use nvpool_api::rest::ServedView;
 use nvpool_initiator::hostnqn::{format_uuid, host_id_of, HOSTID_PATH, HOSTNQN_PATH};
-use serde::Deserialize;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,43 +24,9 @@ const DEVICE_TIMEOUT: Duration = Duration::from_secs(20);
 /// kernel's default is 10): a path back from a restart is used sooner.
 const RECONNECT_DELAY_S: u32 = 2;
 
-/// One path of a served volume, as `GET /v1/volumes/{uuid}/exports` has it.
-#[derive(Debug, Clone, Deserialize)]
-pub struct PathView {
-    pub target: String,
-    pub traddr: String,
-    pub trsvcid: u16,
-    pub ana_state: String,
-    /// The target's NVMe/RDMA listener, when it has one.
-    #[serde(default)]
-    pub rdma_traddr: Option<String>,
-    #[serde(default)]
-    pub rdma_trsvcid: Option<u16>,
-}
-
-impl PathView {
-    /// (transport, traddr, trsvcid) to connect this path with: NVMe/RDMA
-    /// when the target offers it and `rdma_here`, else NVMe/TCP.
-    fn route(&self, rdma_here: bool) -> (&'static str, &str, u16) {
-        match (&self.rdma_traddr, self.rdma_trsvcid) {
-            (Some(a), Some(p)) if rdma_here => ("rdma", a, p),
-            _ => ("tcp", &self.traddr, self.trsvcid),
-        }
-    }
-}
-
 /// Whether this host has an RDMA device (the kernel's nvme-rdma needs one).
 fn rdma_here() -> bool {
     std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some())
-}
-
-/// A served volume, as the export calls answer.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ServedView {
-    pub subsystem_nqn: String,
-    pub paths: Vec<PathView>,
-    #[serde(default)]
-    pub owner: Option<String>,
 }
 
 /// Whether this host can connect NVMe/TCP paths itself.
@@ -262,6 +228,7 @@ pub fn disconnect(nqn: &str) -> anyhow::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nvpool_api::rest::PathView;
 
     #[test]
     fn head_names() {
@@ -288,7 +255,9 @@ mod tests {
     #[test]
     fn commands_name_every_path() {
         let v = ServedView {
+            volume: nvpool_layout::Uuid::from_bytes([7; 16]),
             subsystem_nqn: "nqn.2026-11.io.nvpool:volume:x".into(),
+            hosts: vec!["nqn.h".into()],
             paths: vec![
                 PathView {
                     target: "a".into(),
@@ -308,6 +277,8 @@ mod tests {
                 },
             ],
             owner: Some("a".into()),
+            generation: 1,
+            serving: true,
         };
         let c = commands(&v, "nqn.h");
         assert_eq!(c.len(), 4);

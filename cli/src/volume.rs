@@ -14,7 +14,7 @@ use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
 use nvpool_api::rest::{
-    AttachmentOut, CopyHistoryOut, ExportBody, ResizeBody, VolumeOut, VolumeSpecBody,
+    AttachmentOut, CopyHistoryOut, ExportBody, ResizeBody, ServedView, VolumeOut, VolumeSpecBody,
 };
 use nvpool_layout::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
 use nvpool_layout::{Layout, LayoutBody, Uuid};
@@ -386,7 +386,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
             },
         ),
     ]);
-    if let Ok(s) = serde_json::from_value::<nvmef::ServedView>(v["served"].clone()) {
+    if let Ok(s) = serde_json::from_value::<ServedView>(v["served"].clone()) {
         let paths: Vec<String> = s
             .paths
             .iter()
@@ -824,7 +824,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 &export_path(&uuid, &host_nqn),
                 &ExportBody { paths: Some(paths) },
             )?;
-            let view: nvmef::ServedView = typed("served volume", &out)?;
+            let view: ServedView = typed("served volume", &out)?;
             let name = v["name"].as_str().unwrap_or(&volume).to_owned();
             let cmds = nvmef::commands(&view, &host_nqn);
             let mut text = format!(
@@ -915,7 +915,7 @@ fn attach_nvme(
         eprintln!("serving {volume} to {host} through its targets…");
     }
     let (status, out): (u16, Value) = c.put_empty(&export_path(uuid, host))?;
-    let view: nvmef::ServedView = typed("served volume", &out)?;
+    let view: ServedView = typed("served volume", &out)?;
     let device = match nvmef::connect(&view, host) {
         Ok(d) => d,
         Err(e) => {
