@@ -1,6 +1,7 @@
-//! Request bodies of a target's admin API (`nvpool-target --admin-listen`),
-//! declared once: the control plane sends them (`program.rs`) and the
-//! target reads them (its `api.rs`). Plain data, checked by the target.
+//! Bodies of a target's admin API (`nvpool-target --admin-listen`),
+//! declared once: the control plane sends the requests (`program.rs`) and
+//! the target reads them (its `api.rs`) and answers with the replies here.
+//! Plain data, checked by the target.
 //!
 //! Keys absent from a body take the target's defaults, so the fields a
 //! caller leaves empty are left out of the JSON rather than sent as
@@ -87,6 +88,61 @@ pub struct StartCopyBody {
     /// Region indexes to copy; null (or absent) = every region.
     #[serde(default)]
     pub regions: Option<Vec<u32>>,
+}
+
+/// Where a copy job stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CopyState {
+    Armed,
+    /// Started: copying, or waiting for a copier slot (`bytes_copied` 0).
+    Running,
+    Done,
+    Failed,
+    Cancelled,
+}
+
+impl CopyState {
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyState::Armed => "armed",
+            CopyState::Running => "running",
+            CopyState::Done => "done",
+            CopyState::Failed => "failed",
+            CopyState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What `GET /v1/copies/{id}` answers. Before start, `bytes_total` and
+/// `regions_total` describe the whole extent; from start on, the selection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyStatus {
+    pub id: String,
+    pub state: CopyState,
+    pub dest: String,
+    pub bytes_total: u64,
+    /// Bytes of the selection done: read from the source and written to
+    /// the destination, except the parts hosts wrote since arming (skipped).
+    pub bytes_copied: u64,
+    pub regions_total: u64,
+    pub regions_done: u64,
+    /// Wall-clock milliseconds since the Unix epoch.
+    pub armed_ms: u64,
+    pub started_ms: Option<u64>,
+    pub finished_ms: Option<u64>,
+    pub error: Option<String>,
+    pub rate_bytes_per_sec: u64,
+}
+
+/// What `GET /v1/identity` answers: who the target is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// The target's persistent random identity, a UUID.
+    pub identity: String,
+    /// The ID the control plane knows the target by; null until it
+    /// registers. The control plane checks it before changing anything.
+    pub target_id: Option<String>,
 }
 
 #[cfg(test)]

@@ -51,7 +51,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
-use nvpool_api::admin::{AnaStateBody, DhchapKeys, NamespaceBody, StartCopyBody};
+use nvpool_api::admin::{AnaStateBody, DhchapKeys, Identity, NamespaceBody, StartCopyBody};
 use nvpool_api::serve::{Peer, ServerThread};
 use nvpool_api::tls::ServerTls;
 use serde::{Deserialize, Serialize};
@@ -204,11 +204,11 @@ async fn health() -> Json<serde_json::Value> {
     Json(serde_json::json!({"status": "ok"}))
 }
 
-async fn identity(State(api): State<Api>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({
-        "target_id": api.target.target_id(),
-        "identity": api.target.identity(),
-    }))
+async fn identity(State(api): State<Api>) -> Json<Identity> {
+    Json(Identity {
+        target_id: api.target.target_id(),
+        identity: api.target.identity(),
+    })
 }
 
 /// The error body of every failed request.

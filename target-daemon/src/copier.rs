@@ -48,6 +48,7 @@ use crate::backend::{AlignedBuf, Backend, BackendError, BackendSpec, DeviceExten
 use crate::limits;
 use crate::sync::{Admit, SyncGuard};
 use arc_swap::ArcSwap;
+pub use nvpool_api::admin::{CopyState, CopyStatus};
 use nvpool_initiator::{ConnectParams, Controller, IoQueue, Op, Request};
 use nvpool_wire::tcp::Digests;
 use serde::{Deserialize, Serialize};
@@ -181,50 +182,6 @@ pub struct CopyRequest {
     pub region_bytes: u64,
     /// Throttle; 0 = unthrottled.
     #[serde(default)]
-    pub rate_bytes_per_sec: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CopyState {
-    Armed,
-    /// Started: copying, or waiting for a copier slot (`bytes_copied` 0).
-    Running,
-    Done,
-    Failed,
-    Cancelled,
-}
-
-impl CopyState {
-    fn name(self) -> &'static str {
-        match self {
-            CopyState::Armed => "armed",
-            CopyState::Running => "running",
-            CopyState::Done => "done",
-            CopyState::Failed => "failed",
-            CopyState::Cancelled => "cancelled",
-        }
-    }
-}
-
-/// What `GET /v1/copies/{id}` answers. Before start, `bytes_total` and
-/// `regions_total` describe the whole extent; from start on, the selection.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CopyStatus {
-    pub id: String,
-    pub state: CopyState,
-    pub dest: String,
-    pub bytes_total: u64,
-    /// Bytes of the selection done: read from the source and written to
-    /// the destination, except the parts hosts wrote since arming (skipped).
-    pub bytes_copied: u64,
-    pub regions_total: u64,
-    pub regions_done: u64,
-    /// Wall-clock milliseconds since the Unix epoch.
-    pub armed_ms: u64,
-    pub started_ms: Option<u64>,
-    pub finished_ms: Option<u64>,
-    pub error: Option<String>,
     pub rate_bytes_per_sec: u64,
 }
 
