@@ -6,12 +6,16 @@
 //! ```text
 //! take_over(new)   old owner answers?  ── PUT …/ana inaccessible (waits for its I/O)
 //!                  record owner = new, generation + 1 (the old one gets no lease)
-//!                  unplanned: wait until the old owner's lease has run out
-//!                  detach the old owner's host NQN: its controllers on every
-//!                     backing target are gone before this returns; copies on
-//!                     targets that did not answer are marked stale
-//!                  attach the new owner's host NQN, PUT …/ana optimized
-//!                     (the target opens the volume engine), record serving
+//!                  at once:
+//!                  ├ fence: unplanned, wait until the old owner's lease has
+//!                  │  run out; detach the old owner's host NQN: its
+//!                  │  controllers on every backing target are gone before
+//!                  │  this returns; copies on targets that did not answer
+//!                  │  are marked stale
+//!                  └ attach the new owner's host NQN (its own subsystems;
+//!                     judged once the fence is done)
+//!                  PUT …/ana optimized (the target opens the volume engine,
+//!                     seeing the stale marks), record serving
 //! ```
 //!
 //! Everything here blocks (HTTP calls with timeouts): callers run it on
@@ -23,8 +27,10 @@ use crate::program::{self, ProgramError, TargetAdmin};
 use crate::state::{Cluster, HostKeys, StateError};
 use std::time::Duration;
 
-/// How often the owners of served volumes are checked.
-pub const WATCH_INTERVAL_MS: u64 = 500;
+/// How often the owners of served volumes are checked: a dead owner's
+/// lease runs out between two checks, so this much is added to every
+/// failover at worst (a check reads the cached state only).
+pub const WATCH_INTERVAL_MS: u64 = 200;
 
 /// One path of a served volume as a host sees it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -143,6 +149,29 @@ fn ensure_path(
     target: &str,
     serve: bool,
 ) -> Result<(), ProgramError> {
+    let path = prepare_path(cluster, served, v, target)?;
+    set_path_state(cluster, served, target, path, serve)
+}
+
+/// A path whose subsystem is configured, before its ANA state is set.
+struct PreparedPath {
+    admin: TargetAdmin,
+    nqn: String,
+    /// Its configured ANA state; `None` when it had no subsystem.
+    state: Option<String>,
+    /// The label of the owner keys it holds.
+    owner_key_id: Option<String>,
+}
+
+/// The first half of [`ensure_path`]: path `target`'s subsystem configured
+/// as `served` and `v` say (hosts, keys, range, namespace), its ANA state
+/// left as it is.
+fn prepare_path(
+    cluster: &Cluster,
+    served: &Served,
+    v: &Volume,
+    target: &str,
+) -> Result<PreparedPath, ProgramError> {
     let index = served
         .path_index(target)
         .ok_or_else(|| StateError::TargetNotFound(target.to_owned()))?;
@@ -150,20 +179,47 @@ fn ensure_path(
     let admin = TargetAdmin::new(cluster, &t)?;
     let nqn = volume_subsystem_nqn(&served.volume);
     let have = admin.subsystem_value(&nqn)?;
-    let current = have
+    let state = have
         .as_ref()
         .and_then(|h| h.pointer("/ana/state"))
         .and_then(|s| s.as_str())
-        .unwrap_or("inaccessible")
-        .to_owned();
+        .map(str::to_owned);
     let mut keys = Vec::new();
     for h in &served.hosts {
         keys.extend(cluster.host_keys(h)?);
     }
-    let want = subsystem_config(served, v, index, &current, &keys);
+    let current = state.as_deref().unwrap_or("inaccessible");
+    let want = subsystem_config(served, v, index, current, &keys);
     if !matches_config(have.as_ref(), &want) {
         admin.put_subsystem_value(&nqn, &want)?;
     }
+    let owner_key_id = have
+        .as_ref()
+        .and_then(|h| h.get("owner_key_id"))
+        .and_then(|k| k.as_str())
+        .map(str::to_owned);
+    Ok(PreparedPath {
+        admin,
+        nqn,
+        state,
+        owner_key_id,
+    })
+}
+
+/// The second half of [`ensure_path`]: the prepared path's ANA state.
+fn set_path_state(
+    cluster: &Cluster,
+    served: &Served,
+    target: &str,
+    path: PreparedPath,
+    serve: bool,
+) -> Result<(), ProgramError> {
+    let PreparedPath {
+        admin,
+        nqn,
+        state: current,
+        owner_key_id,
+    } = path;
     let state = if serve { "optimized" } else { "inaccessible" };
     // The owner's engine authenticates to the extents with its owner host
     // NQN's keys: handed over with the serving state, and again when the
@@ -172,14 +228,10 @@ fn ensure_path(
         true => cluster.host_keys(&owner_host_nqn(&served.volume, target))?,
         false => None,
     };
-    let held_owner_keys = have
-        .as_ref()
-        .and_then(|h| h.get("owner_key_id"))
-        .and_then(|k| k.as_str());
     let keys_differ = owner_keys
         .as_ref()
-        .is_some_and(|k| held_owner_keys != Some(k.key_id.as_str()));
-    if current != state || have.is_none() || keys_differ {
+        .is_some_and(|k| owner_key_id.as_deref() != Some(k.key_id.as_str()));
+    if current.as_deref() != Some(state) || keys_differ {
         admin.set_ana_owning(&nqn, state, owner_keys.as_ref())?;
     }
     if serve {
@@ -344,16 +396,17 @@ fn pick_owner(cluster: &Cluster, served: &Served, avoid: Option<&str>) -> Option
         .cloned()
 }
 
-/// Makes `new` the owner of `volume`, fencing the old owner first (module
-/// docs). Returns the record as it ends.
+/// Makes `new` the owner of `volume`, fencing the old owner before the
+/// new one serves (module docs). Returns the record as it ends.
 pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, ProgramError> {
     let (served, _) = cluster
         .served(volume)?
         .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
     let nqn = volume_subsystem_nqn(volume);
     let mut served = served;
-    let mut unreached = Vec::new();
     let changed = served.owner.as_deref() != Some(new);
+    // The owner to fence, and whether it handed over (planned).
+    let mut fence_old = None;
     if changed {
         let old = served.owner.clone();
         // Taking over from an owner means judging its lease, which only
@@ -395,26 +448,50 @@ pub fn take_over(cluster: &Cluster, volume: &Uuid, new: &str) -> Result<Served, 
                     "the owner changed meanwhile; retry".into(),
                 ))
             })?;
-        if let Some(o) = &old {
-            if !planned {
-                // Its lease (counted from its own request) ends before ours.
-                while !cluster.lease_expired(o) {
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-            unreached = fence(cluster, volume, o)?;
-        }
         tracing::info!(%volume, old = ?old, new, planned, generation = served.generation,
             "served volume has a new owner");
+        fence_old = old.map(|o| (o, planned));
     }
     let h = owner_host_nqn(volume, new);
     // Keys only the new owner gets (over its admin API): a new owner gets
     // new ones, so what an earlier term of the same target held is void.
     crate::hostkeys::internal_keys(cluster, &h, changed)?;
-    program::attach_avoiding(cluster, volume, &h, &unreached)?;
-    tracing::info!(%volume, owner = new, "the new owner is attached to the extents");
+    // The old owner is fenced while the new one is let in to the extents
+    // and its path made ready: the new owner's subsystems on the backing
+    // targets are its own, and nothing reaches them before its engine
+    // opens, after all three (the engine must find the copies the fence
+    // marked stale).
     let v = volume_of(cluster, volume)?;
-    ensure_path(cluster, &served, &v, new, true)?;
+    let path = std::thread::scope(|scope| {
+        let fencing = fence_old.as_ref().map(|(o, planned)| {
+            scope.spawn(move || {
+                if !planned {
+                    // Its lease (counted from its own request) ends before ours.
+                    while !cluster.lease_expired(o) {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+                let unreached = fence(cluster, volume, o)?;
+                tracing::info!(%volume, old = %o, ?unreached, "the old owner is fenced");
+                Ok(())
+            })
+        });
+        let preparing = scope.spawn(|| {
+            let path = prepare_path(cluster, &served, &v, new)?;
+            path.admin.confirm_identity()?;
+            Ok::<_, ProgramError>(path)
+        });
+        let settle = || match fencing {
+            Some(f) => f.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            None => Ok(()),
+        };
+        program::attach_settling(cluster, volume, &h, settle)?;
+        preparing
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })?;
+    tracing::info!(%volume, owner = new, "the new owner is attached to the extents");
+    set_path_state(cluster, &served, new, path, true)?;
     tracing::info!(%volume, owner = new, "the owner serves the volume");
     let generation = served.generation;
     Ok(cluster

@@ -272,7 +272,7 @@ impl TargetAdmin {
     /// a record whose admin address another target's daemon now holds (a
     /// stale or mistaken registration) must not make the control plane
     /// remove, replace or add anything on that other target.
-    fn confirm_identity(&self) -> Result<(), ProgramError> {
+    pub(crate) fn confirm_identity(&self) -> Result<(), ProgramError> {
         if self.confirmed.get().is_some() {
             return Ok(());
         }
@@ -715,37 +715,50 @@ fn exports_by_target(
 /// involved, and returns the connection plan. If any target fails, what
 /// this call added is taken back everywhere and the error is returned.
 pub fn attach(cluster: &Cluster, volume: &Uuid, host: &str) -> Result<Attached, ProgramError> {
-    attach_avoiding(cluster, volume, host, &[])
+    attach_settling(cluster, volume, host, || Ok(()))
 }
 
-/// [`attach`], not calling the targets in `unreachable` (known not to
-/// answer: a take-over's fence just failed on them) — if they hold only
-/// stale copies, as after that fence, the attach goes on without waiting
-/// for their timeouts, and reconciliation exports their namespaces later.
-pub fn attach_avoiding(
+/// One target's part of an attach: how it went, and what it added.
+type Programmed = (Target, (Result<(), ProgramError>, Added));
+
+/// [`attach`], calling `settle` once the targets are programmed and before
+/// judging how that went: a take-over fences the old owner meanwhile
+/// (C19), and `settle` waits for that fence, which marks stale the copies
+/// on targets it could not reach. A target this attach could not reach
+/// either then holds only stale copies and does not stop the attach (see
+/// below). An error from `settle` takes back what the attach added.
+pub(crate) fn attach_settling(
     cluster: &Cluster,
     volume: &Uuid,
     host: &str,
-    unreachable: &[String],
+    settle: impl FnOnce() -> Result<(), ProgramError>,
 ) -> Result<Attached, ProgramError> {
     validate_host_nqn(host).map_err(StateError::from)?;
     let keys = cluster.keys_to_serve(host)?;
     let start = cluster.begin_attach(volume, host)?;
     let work = exports_by_target(cluster, &start.volume, &start.attachment)?;
     let results = on_targets(work, |t, xs| {
-        if unreachable.contains(&t.id) {
-            let r = Err(ProgramError::Unreachable {
-                target: t.id.clone(),
-                addr: t.admin_addr,
-                message: "did not answer the fence just before".into(),
-            });
-            return (r, Added::default());
-        }
         let mut added = Added::default();
         let r = TargetAdmin::new(cluster, t)
             .and_then(|admin| ensure_exports(&admin, t, host, keys.as_ref(), xs, &mut added));
         (r, added)
     });
+    let roll_back = |results: &[Programmed], why: &str| {
+        for (t, (_, added)) in results {
+            match TargetAdmin::new(cluster, t) {
+                Ok(admin) => undo(&admin, added),
+                Err(e) => tracing::warn!(target = %t.id, error = %e,
+                    "could not take back what the attach added; reconciliation will"),
+            }
+        }
+        let aborted = cluster.abort_attach(volume, host, start.created);
+        tracing::warn!(%volume, host, error = %why, "attach failed and was rolled back");
+        aborted
+    };
+    if let Err(e) = settle() {
+        roll_back(&results, &e.to_string())?;
+        return Err(e);
+    }
     // A target that cannot be reached and holds only copies that missed
     // writes (never read, never written) does not stop the attach: its
     // namespaces are recorded and reconciliation exports them when it is
@@ -765,16 +778,7 @@ pub fn attach_avoiding(
         r => r.as_ref().err(),
     });
     if let Some(e) = failed {
-        let message = e.to_string();
-        for (t, (_, added)) in &results {
-            match TargetAdmin::new(cluster, t) {
-                Ok(admin) => undo(&admin, added),
-                Err(e) => tracing::warn!(target = %t.id, error = %e,
-                    "could not take back what the attach added; reconciliation will"),
-            }
-        }
-        cluster.abort_attach(volume, host, start.created)?;
-        tracing::warn!(%volume, host, error = %message, "attach failed and was rolled back");
+        roll_back(&results, &e.to_string())?;
         // Hand back the first failure itself.
         let err = results
             .into_iter()
@@ -830,15 +834,17 @@ pub fn detach_reporting(
     let work = exports_by_target(cluster, &v, &a)?;
     let results = on_targets(work, |t, xs| -> Result<(), ProgramError> {
         let admin = TargetAdmin::new(cluster, t)?;
-        for x in xs {
-            admin.delete_namespace(&x.subsystem_nqn, x.nsid)?;
-        }
-        // Drop the host's subsystem when no other attachment uses it.
+        // The host's subsystem goes whole when no other attachment uses it
+        // (one call, which takes its namespaces with it and ends its
+        // controllers: the fence of C19); else only these namespaces go.
         let desired = cluster.desired_exports(&t.id)?;
         if let Some(x) = xs.first() {
             if !desired.subsystems.contains_key(&x.subsystem_nqn) {
-                admin.delete_subsystem(&x.subsystem_nqn)?;
+                return admin.delete_subsystem(&x.subsystem_nqn);
             }
+        }
+        for x in xs {
+            admin.delete_namespace(&x.subsystem_nqn, x.nsid)?;
         }
         Ok(())
     });

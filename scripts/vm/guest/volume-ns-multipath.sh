@@ -287,7 +287,7 @@ failover_s=$(since "$killed_us" "$optimized_us")
 # Where the time went, from the daemons' logs (seconds after the kill).
 printf '  failover breakdown, s after SIGKILL: take-over decided (lease expired) %s, fenced %s,\n' \
     "$(since "$killed_us" "$(log_us "$WORK/cp.log" "taking the served volume over" "$killed_us")")" \
-    "$(since "$killed_us" "$(log_us "$WORK/cp.log" "served volume has a new owner" "$killed_us")")"
+    "$(since "$killed_us" "$(log_us "$WORK/cp.log" "the old owner is fenced" "$killed_us")")"
 printf '    new owner attached %s, its engine open %s, optimized on %s %s,' \
     "$(since "$killed_us" "$(log_us "$WORK/cp.log" "new owner is attached" "$killed_us")")" \
     "$(since "$killed_us" "$(log_us "$WORK/$OTHER.log" "volume engine open" "$killed_us")")" \
