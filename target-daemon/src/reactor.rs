@@ -71,7 +71,7 @@ use crate::backend::{AsyncCompletion, CompletionSink};
 use crate::bufpool::BufPool;
 use crate::limits;
 use crate::peerlog::{peer_error, peer_warn};
-use crate::queue::{split_user_data, user_data_tag, Exec, Queue, Tx};
+use crate::queue::{split_user_data, user_data_tag, Exec, Queue, Submit, Tx};
 use crate::rdma::{RdmaIncoming, RdmaLink};
 use crate::ring::{send_now, Completion, RecvBufs, Ring, SendMsg, Wakeup};
 use crate::target::Target;
@@ -131,7 +131,7 @@ fn split_own(ud: u64) -> Option<(Op, usize)> {
 }
 
 /// The ring as the backends may use it: absent when they run inline.
-fn backend_ring(ring: &mut Ring, on: bool) -> Option<&mut Ring> {
+fn backend_ring(ring: &mut Ring, on: bool) -> Option<&mut dyn Submit> {
     on.then_some(ring)
 }
 

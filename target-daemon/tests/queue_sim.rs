@@ -16,7 +16,13 @@
 //!   what arrived;
 //! - each turn the reactor takes freed pool buffers back and grants them to
 //!   waiting commands (`BufPool`, a two-buffer budget so large transfers
-//!   wait), and now and then ticks the queues.
+//!   wait), and now and then ticks the queues;
+//! - the namespace is RAM (the queue runs I/O inline) or a file, whose
+//!   operations the queue hands to the reactor's ring as values
+//!   (`Exec::ring`, a `Submit`): here a simulated ring holds them and
+//!   performs them on an in-memory disk, in random order, now and then
+//!   transferring fewer bytes than asked (the queue asks for the rest) or
+//!   answering a fallocate with EOPNOTSUPP (the queue falls back).
 //!
 //! Connect: ICReq/ICResp (random header and data digests), Fabrics Connect
 //! of the admin queue, Property Set CC.EN, Connect of the I/O queue.
@@ -24,13 +30,15 @@
 //! I/O: reads and writes of 1 to 256 blocks at random offsets, at most
 //! `DEPTH - 1` outstanding, never two over the same bytes (so the model is
 //! exact): a write's data in-capsule or by R2T/H2CData in chunks of random
-//! size, the chunks of different commands interleaved at random.
+//! size, the chunks of different commands interleaved at random; Write
+//! Zeroes; reads and writes larger than the MDTS, which are refused.
 //!
 //! # Endings
 //!
 //! - clean: every command answered, the I/O queue closed gracefully;
-//! - vanish: the host stops in the middle of a PDU and the reactor closes
-//!   the connection (EOF);
+//! - vanish: the host stops in the middle of a PDU (a command's or its
+//!   data's) and the reactor closes the connection (EOF), commands maybe
+//!   still in the backend;
 //! - malformed: the host sends a PDU the queue must refuse (unknown type,
 //!   wrong HLEN, a second ICReq, a PDU longer than allowed, H2CData for an
 //!   unknown transfer tag or outside its range), after which it reads
@@ -38,27 +46,35 @@
 //!
 //! # Invariants
 //!
-//! - Every command is answered exactly once, successfully; a read returns
-//!   the model's bytes, a write's bytes become the model's on its answer.
+//! - Every command is answered exactly once, and only a command in
+//!   flight; successfully, but for one over the MDTS (Invalid Field, no
+//!   R2T, no data); a read returns the model's bytes, a write's bytes
+//!   become the model's on its answer.
 //! - An R2T asks for the whole write; C2HData comes in order.
-//! - No panic; after the close the queue is `Closed` and not poisoned,
-//!   holds no command, and every pool buffer is back.
+//! - The queue's count of backend operations in flight is what the ring
+//!   holds; once it is `Closed` it submits nothing more.
+//! - No panic; after the close (and the ring's last completions) the queue
+//!   is `Closed` and not poisoned, holds no command, and every pool buffer
+//!   is back.
 //!
 //! Reproduce one seed: `QUEUE_SIM_SEED=123 cargo test -p nvpool-target --test queue_sim`;
 //! run more: `QUEUE_SIM_SEEDS=5000`.
 
+use nvpool_rt::random::Rng;
 use nvpool_target::backend::CompletionSink;
 use nvpool_target::bufpool::BufPool;
 use nvpool_target::config::{NamespaceConfig, SubsystemConfig};
 use nvpool_target::limits;
-use nvpool_target::queue::{split_user_data, Exec, Phase, Queue, Tx};
+use nvpool_target::queue::{
+    split_user_data, user_data_tag, Exec, FileOp, FileOpKind, Phase, Queue, Submit, Tx,
+};
 use nvpool_target::Target;
 use nvpool_wire::fabrics::{cc, fctype, prop, ConnectCmd, ConnectData, PropertyCmd};
 use nvpool_wire::sqe::{nvm, sgl_id};
 use nvpool_wire::tcp::{
     self, flags, CommonHeader, DataHeader, Digests, IcReq, PduType, R2t, TermReq,
 };
-use nvpool_wire::{Cqe, Sgl, Sqe};
+use nvpool_wire::{Cqe, Sgl, Sqe, Status};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -75,30 +91,36 @@ const STEPS: usize = 300;
 /// Seeds a default run covers.
 const SEEDS: u64 = 300;
 
-/// splitmix64: the whole run follows from its seed.
-struct Rng(u64);
+/// The seeded generator: the whole run follows from its seed.
+struct SimRng(Rng);
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+impl SimRng {
     fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
+        self.0.below(n.max(1) as u64) as usize
     }
     fn chance(&mut self, pct: usize) -> bool {
         self.below(100) < pct
     }
     fn bytes(&mut self, n: usize) -> Vec<u8> {
         let mut v = vec![0u8; n];
-        for c in v.chunks_mut(8) {
-            let r = self.next().to_le_bytes();
-            c.copy_from_slice(&r[..c.len()]);
-        }
+        self.0.fill(&mut v);
         v
+    }
+}
+
+/// The ring of a file namespace: the operations the queue submitted, and
+/// the file's bytes (offsets are the namespace's: the file is all of it).
+#[derive(Debug)]
+struct SimRing {
+    pending: Vec<FileOp>,
+    disk: Vec<u8>,
+    submitted: usize,
+}
+
+impl Submit for SimRing {
+    unsafe fn submit(&mut self, op: FileOp) {
+        self.pending.push(op);
+        self.submitted += 1;
     }
 }
 
@@ -125,6 +147,7 @@ enum Op {
     Admin,
     Read,
     Write,
+    Zeroes,
 }
 
 #[derive(Debug)]
@@ -139,6 +162,8 @@ struct Cmd {
     r2t: Option<(u16, usize)>,
     /// A read's data received so far.
     got: Vec<u8>,
+    /// Over the MDTS: refused with this status.
+    refused: Option<Status>,
 }
 
 /// What the reactor keeps per connection, and the host's end of it.
@@ -172,15 +197,18 @@ struct Env {
     sink: Arc<CompletionSink>,
     bufs: BufPool,
     now_ms: u64,
-    rng: Rng,
+    rng: SimRng,
     model: Vec<u8>,
     r2ts: usize,
+    /// A file namespace's ring (None: a RAM namespace).
+    ring: Option<SimRing>,
+    short: usize,
 }
 
 impl Env {
     fn exec(&mut self, conn: u32) -> Exec<'_> {
         Exec {
-            ring: None,
+            ring: self.ring.as_mut().map(|r| r as &mut dyn Submit),
             sink: &self.sink,
             bufs: &mut self.bufs,
             conn,
@@ -278,6 +306,7 @@ impl Conn {
                 data: Vec::new(),
                 r2t: None,
                 got: Vec::new(),
+                refused: None,
             },
         );
         cid
@@ -363,6 +392,12 @@ impl Conn {
                         .cmds
                         .remove(&cqe.cid)
                         .unwrap_or_else(|| panic!("an answer for cid {}, not in flight", cqe.cid));
+                    self.answered += 1;
+                    if let Some(st) = cmd.refused {
+                        assert_eq!(cqe.status, st, "{:?} over the MDTS", cmd.op);
+                        assert!(cmd.got.is_empty() && cmd.r2t.is_none());
+                        continue;
+                    }
                     assert!(
                         cqe.status.is_success(),
                         "{:?} cid {} failed: {}",
@@ -370,7 +405,6 @@ impl Conn {
                         cqe.cid,
                         cqe.status
                     );
-                    self.answered += 1;
                     match cmd.op {
                         Op::Admin => self.admin_answers.push(cqe),
                         Op::Write => {
@@ -380,6 +414,7 @@ impl Conn {
                             );
                             env.model[cmd.off..cmd.off + cmd.len].copy_from_slice(&cmd.data);
                         }
+                        Op::Zeroes => env.model[cmd.off..cmd.off + cmd.len].fill(0),
                         Op::Read => {
                             assert_eq!(cmd.got.len(), cmd.len, "read cid {} short", cqe.cid);
                             assert!(
@@ -476,9 +511,10 @@ impl Conn {
         if self.cmds.len() >= DEPTH as usize - 1 {
             return false;
         }
-        let blocks = match env.rng.below(4) {
-            0 => 1 + env.rng.below(256),
-            1 => 1 + env.rng.below(32),
+        let blocks = match env.rng.below(20) {
+            0..=4 => 1 + env.rng.below(256),
+            5..=9 => 1 + env.rng.below(32),
+            10 => limits::MDTS_BYTES / BLOCK_BYTES + 1 + env.rng.below(256),
             _ => 1 + env.rng.below(8),
         };
         let slba = env.rng.below(BLOCKS - blocks + 1);
@@ -491,15 +527,27 @@ impl Conn {
             return false;
         }
         let cid = self.cid();
-        let write = env.rng.chance(50);
-        let mut sqe = Sqe::new(if write { nvm::WRITE } else { nvm::READ }, cid);
+        let op = match env.rng.below(20) {
+            0 => Op::Zeroes,
+            1..=10 => Op::Write,
+            _ => Op::Read,
+        };
+        let write = op == Op::Write;
+        let opc = match op {
+            Op::Zeroes => nvm::WRITE_ZEROES,
+            Op::Write => nvm::WRITE,
+            _ => nvm::READ,
+        };
+        let mut sqe = Sqe::new(opc, cid);
         sqe.set_nsid(1);
         sqe.set_slba(slba as u64);
         sqe.set_nlb((blocks - 1) as u16);
         let inline = write && len <= limits::IO_INLINE_DATA_BYTES && env.rng.chance(60);
+        let refused =
+            (op != Op::Zeroes && len > limits::MDTS_BYTES).then_some(Status::INVALID_FIELD);
         sqe.set_sgl(Sgl {
             addr: 0,
-            len: len as u32,
+            len: if op == Op::Zeroes { 0 } else { len as u32 },
             id: if inline {
                 sgl_id::IN_CAPSULE
             } else {
@@ -515,15 +563,78 @@ impl Conn {
         self.cmds.insert(
             cid,
             Cmd {
-                op: if write { Op::Write } else { Op::Read },
+                op,
                 off,
                 len,
                 data,
                 r2t: None,
                 got: Vec::new(),
+                refused,
             },
         );
         true
+    }
+
+    /// The ring completes up to `n` of its operations, picked at random
+    /// (a Read or Write maybe short, a fallocate maybe unsupported).
+    fn complete(&mut self, env: &mut Env, n: usize) {
+        for _ in 0..n {
+            let Some(r) = env.ring.as_mut().filter(|r| !r.pending.is_empty()) else {
+                return;
+            };
+            let op = r.pending.swap_remove(env.rng.below(r.pending.len()));
+            let at = op.off as usize;
+            // A zero write (tagged) is whole: a short one fails the command.
+            let whole = user_data_tag(op.ud) > 0 || !env.rng.chance(15);
+            let short = |rng: &mut SimRng, len: u32| match whole || len < 2 {
+                true => len as usize,
+                false => 1 + rng.below(len as usize - 1),
+            };
+            let res = match op.kind {
+                FileOpKind::Read { buf, len } => {
+                    let n = short(&mut env.rng, len);
+                    // SAFETY: the queue keeps the buffer until this
+                    // operation's completion (Submit's contract).
+                    unsafe { std::ptr::copy_nonoverlapping(r.disk[at..].as_ptr(), buf, n) };
+                    n as i32
+                }
+                FileOpKind::Write { buf, len, .. } => {
+                    let n = short(&mut env.rng, len);
+                    // SAFETY: as for a read.
+                    let src = unsafe { std::slice::from_raw_parts(buf, n) };
+                    r.disk[at..at + n].copy_from_slice(src);
+                    n as i32
+                }
+                FileOpKind::Fsync => 0,
+                FileOpKind::Fallocate { len, .. } => match env.rng.chance(25) {
+                    true => -libc::EOPNOTSUPP,
+                    false => {
+                        r.disk[at..at + len as usize].fill(0);
+                        0
+                    }
+                },
+            };
+            if matches!(op.kind, FileOpKind::Read { len, .. } | FileOpKind::Write { len, .. } if res < len as i32)
+            {
+                env.short += 1;
+            }
+            let (conn, slot) = split_user_data(op.ud);
+            assert_eq!(conn, self.conn, "only the I/O queue uses the ring");
+            let mut ex = env.exec(conn);
+            self.q
+                .on_completion(slot, user_data_tag(op.ud), res, &mut self.tx, &mut ex);
+        }
+    }
+
+    /// The queue counts as in flight what the ring holds.
+    fn check_inflight(&self, env: &Env) {
+        if let Some(r) = &env.ring {
+            assert_eq!(
+                self.q.inflight as usize,
+                r.pending.len(),
+                "backend operations in flight"
+            );
+        }
     }
 
     /// Runs network, reactor and host until nothing moves.
@@ -531,7 +642,8 @@ impl Conn {
         for _ in 0..100_000 {
             let quiet = self.wire_out.is_empty()
                 && self.tx.backlog() == 0
-                && self.pending_data(0).is_none();
+                && self.pending_data(0).is_none()
+                && env.ring.as_ref().is_none_or(|r| r.pending.is_empty());
             if quiet {
                 self.reactor_turn(env);
                 if self.tx.backlog() == 0 {
@@ -541,6 +653,8 @@ impl Conn {
             self.send_data(env);
             let n = 1 + env.rng.below(64 << 10);
             self.deliver(env, n);
+            let n = env.rng.below(4);
+            self.complete(env, n);
             self.reactor_turn(env);
             let room = 1 + env.rng.below(64 << 10);
             self.flush(env, room);
@@ -564,6 +678,18 @@ impl Conn {
         self.q.take_returned(&mut env.bufs);
         let conn = self.conn;
         env.bufs.forget(|ud| split_user_data(ud).0 == conn);
+        // The reactor keeps the closed connection until the ring gave back
+        // every operation of its commands.
+        let submitted = env.ring.as_ref().map(|r| r.submitted);
+        while self.q.inflight > 0 {
+            self.complete(env, 1);
+            self.q.take_returned(&mut env.bufs);
+        }
+        assert_eq!(
+            env.ring.as_ref().map(|r| r.submitted),
+            submitted,
+            "backend I/O submitted after the close"
+        );
         assert_eq!(self.q.phase(), Phase::Closed { poisoned: false });
         assert!(!self.q.busy(), "a closed queue still holds commands");
     }
@@ -583,9 +709,13 @@ struct Stats {
     buffer_waits: u64,
     terminations: usize,
     vanished: usize,
+    /// Commands still in the backend when the connection closed.
+    closed_in_backend: usize,
+    ring_ops: usize,
+    short: usize,
 }
 
-fn target() -> Arc<Target> {
+fn target(backend: String) -> Arc<Target> {
     let target = Target::new(None).unwrap();
     target
         .put_subsystem(&SubsystemConfig {
@@ -598,7 +728,7 @@ fn target() -> Arc<Target> {
             ana: None,
             namespaces: vec![NamespaceConfig {
                 nsid: 1,
-                backend: format!("ram:{NS_BYTES}"),
+                backend,
                 uuid: None,
                 read_only: false,
             }],
@@ -634,14 +764,31 @@ fn connect(c: &mut Conn, env: &mut Env, qid: u16, cntlid: u16, sqsize: u16) -> u
 }
 
 fn run(seed: u64, stats: &mut Stats) {
+    let mut rng = SimRng(Rng::new(seed));
+    // The queue never touches the file itself: its ring is the simulation's.
+    let file = rng.chance(50).then(|| {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(NS_BYTES as u64).unwrap();
+        f
+    });
+    let backend = match &file {
+        Some(f) => format!("file:{}", f.path().display()),
+        None => format!("ram:{NS_BYTES}"),
+    };
     let mut env = Env {
-        target: target(),
+        target: target(backend),
         sink: CompletionSink::new(|| {}),
         bufs: BufPool::new(0, 2 * limits::POOL_BUF_BYTES).unwrap(),
         now_ms: 0,
-        rng: Rng(seed),
+        rng,
         model: vec![0u8; NS_BYTES],
         r2ts: 0,
+        ring: file.is_some().then(|| SimRing {
+            pending: Vec::new(),
+            disk: vec![0u8; NS_BYTES],
+            submitted: 0,
+        }),
+        short: 0,
     };
     let ending = match env.rng.below(3) {
         0 => Ending::Clean,
@@ -671,7 +818,7 @@ fn run(seed: u64, stats: &mut Stats) {
             break;
         }
         env.now_ms += 1;
-        match env.rng.below(10) {
+        match env.rng.below(12) {
             0..=2 => {
                 io.submit_io(&mut env);
             }
@@ -686,6 +833,10 @@ fn run(seed: u64, stats: &mut Stats) {
                 let room = 1 + env.rng.below(32 << 10);
                 io.flush(&mut env, room);
             }
+            9..=10 => {
+                let n = 1 + env.rng.below(4);
+                io.complete(&mut env, n);
+            }
             _ => {
                 io.reactor_turn(&mut env);
                 if env.rng.chance(20) {
@@ -698,6 +849,7 @@ fn run(seed: u64, stats: &mut Stats) {
             }
         }
         assert!(!io.q.poisoned(), "a slot invariant broke");
+        io.check_inflight(&env);
     }
 
     match ending {
@@ -714,12 +866,16 @@ fn run(seed: u64, stats: &mut Stats) {
             io.close(&mut env, true);
         }
         Ending::Vanish => {
-            // The host sends part of one more PDU, then is gone.
+            // The host sends part of one more PDU (maybe data), then is gone.
+            if env.rng.chance(50) {
+                io.send_data(&mut env);
+            }
             if io.wire_out.is_empty() && !io.submit_io(&mut env) {
                 io.send_icreq();
             }
             let n = env.rng.below(io.wire_out.len());
             io.deliver(&mut env, n);
+            stats.closed_in_backend += io.q.inflight as usize;
             io.close(&mut env, false);
             stats.vanished += 1;
         }
@@ -743,6 +899,14 @@ fn run(seed: u64, stats: &mut Stats) {
     stats.answered += io.answered + admin.answered;
     stats.r2ts += env.r2ts;
     stats.buffer_waits += env.bufs.stats().figures().waits_total;
+    stats.ring_ops += env.ring.as_ref().map_or(0, |r| r.submitted);
+    stats.short += env.short;
+    if let Some(r) = &env.ring {
+        // What the host last wrote is what the file holds.
+        if ending == Ending::Clean {
+            assert!(r.disk == env.model, "the file differs from the model");
+        }
+    }
 }
 
 /// Appends one PDU the queue must refuse with a C2HTermReq.
@@ -817,5 +981,13 @@ fn the_queue_survives_every_seed() {
             "no command waited for a pool buffer"
         );
         assert!(stats.terminations > 0 && stats.vanished > 0);
+        assert!(
+            stats.ring_ops > 0 && stats.short > 0,
+            "the ring was not exercised"
+        );
+        assert!(
+            stats.closed_in_backend > 0,
+            "no connection closed with I/O in the backend"
+        );
     }
 }

@@ -63,7 +63,7 @@ use crate::peerlog::{peer_error, peer_info, peer_warn};
 use crate::ring::Ring;
 use crate::target::{Namespace, Subsystem, Target};
 use crate::tx::RdmaWork;
-use crate::zeroing::{ZeroJob, ZeroMode, ZeroOp, ZeroStep};
+use crate::zeroing::{ZeroJob, ZeroMode, ZeroStep};
 use io_uring::{opcode, types};
 use nvpool_wire::auth::AuthCmd;
 use nvpool_wire::dhchap::{CtrlAuth, RANDOM_BYTES};
@@ -104,6 +104,7 @@ use tcp::put_c2h_data;
 
 pub use auth::AUTHREQ_ATR;
 pub use slots::SlotBuffer;
+pub use sqe::{FileOp, FileOpKind, Submit};
 
 /// A protocol violation: the connection ends with a C2HTermReq.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,12 +133,13 @@ impl From<WireError> for Fatal {
     }
 }
 
-/// Where backend work for a queue goes: the reactor's ring (or none), the
-/// sink asynchronous backends complete into, and the id their completions
+/// Where backend work for a queue goes: file operations to the reactor's
+/// ring (or none: they run inline) or a simulation's, the sink
+/// asynchronous backends complete into, and the id their completions
 /// carry back to this queue.
 #[derive(Debug)]
 pub struct Exec<'a> {
-    pub ring: Option<&'a mut Ring>,
+    pub ring: Option<&'a mut dyn Submit>,
     pub sink: &'a Arc<CompletionSink>,
     /// The reactor's pool of large data buffers.
     pub bufs: &'a mut BufPool,
