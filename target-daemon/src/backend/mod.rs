@@ -28,6 +28,7 @@ mod async_io;
 mod fault;
 mod file;
 mod ram;
+pub mod thin;
 mod volume;
 
 pub use async_io::{AsyncCompletion, AsyncDone, AsyncOp, AsyncResult, CompletionSink};

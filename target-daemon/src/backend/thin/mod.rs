@@ -1,0 +1,795 @@
+//! The grain pool (docs/design/thin-snapshots.md, T2–T4): thin trees of
+//! data grains with a written mask per grain, shared between roots by
+//! reference counts, with copy-on-write metadata committed at flush.
+//!
+//! Synchronous and single-threaded on purpose: it talks to a [`Device`], so
+//! the crash simulation runs it on memory and the target can later run it on
+//! its ring. Nothing registers a pool yet (`ThinBackend` is the next step).
+//!
+//! A root is a tree: three levels of 4 KiB pages of 512 little-endian u64
+//! entries. Interior entries are page numbers (0: none); a leaf entry is a
+//! data-grain number << 16 | written mask (0: unmapped). A root maps grain
+//! indices `0..GRAIN_INDEX_LIMIT` straight to data: no chain on any read.
+//!
+//! Sharing (T2): every page and grain has a reference count. A page may be
+//! changed in place only when this transaction allocated it and one parent
+//! holds it; otherwise it is *shadowed*: copied to a new page, and if the old
+//! one was shared its children each gain a reference. Data overwrites go in
+//! place when the grain is the writer's alone, and were so at the last
+//! commit; otherwise the grain is copied (only the sectors the write leaves).
+//!
+//! Crash safety (T3): a commit writes the transaction's pages and space map
+//! slot, flushes, writes the other superblock, flushes. A page or grain is
+//! allocatable only when both its current and its committed count are zero,
+//! so nothing the last commit reaches is ever overwritten, and what was freed
+//! since waits for the next commit.
+
+mod format;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::io;
+
+pub use format::{Layout, GRAIN_BYTES_ALLOWED, ROOTS_MAX, SECTOR_BYTES};
+use format::{Superblock, ENTRIES_PER_PAGE, PAGE_BYTES};
+
+/// Three levels of 512 entries.
+pub const GRAIN_INDEX_LIMIT: u64 = 1 << 27;
+const MASK_BITS: u64 = 0xffff;
+
+/// The byte device a pool lives on. Writes may sit in a volatile cache until
+/// `flush` returns, as on NVMe.
+pub trait Device {
+    fn size(&self) -> u64;
+    fn read_at(&mut self, buf: &mut [u8], off: u64) -> io::Result<()>;
+    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()>;
+    fn flush(&mut self) -> io::Result<()>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ThinError {
+    /// No free data grain or metadata page; nothing was changed (T4).
+    #[error("no free grain or metadata page")]
+    NoSpace,
+    #[error("no root {0}")]
+    NoRoot(u64),
+    #[error("root table full ({ROOTS_MAX} roots)")]
+    TooManyRoots,
+    #[error("range not 4 KiB aligned or beyond the tree")]
+    Range,
+    #[error("device too small or grain size not 16, 32 or 64 KiB")]
+    BadFormat,
+    #[error("no valid superblock")]
+    NoSuperblock,
+    /// An earlier I/O error left the in-memory state unknown (style rule 7).
+    #[error("pool failed after an I/O error")]
+    Failed,
+    #[error("inconsistent metadata: {0}")]
+    Corrupt(String),
+    #[error("device I/O")]
+    Io(#[from] io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, ThinError>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStats {
+    pub grains_total: u64,
+    /// Grains with at least one reference.
+    pub grains_allocated: u64,
+    /// Grains with more than one reference (snapshots, clones).
+    pub grains_shared: u64,
+}
+
+type Page = Box<[u64; ENTRIES_PER_PAGE]>;
+
+fn zero_page() -> Page {
+    Box::new([0; ENTRIES_PER_PAGE])
+}
+
+/// Grain index → (top slot, middle slot, leaf slot).
+fn split(gi: u64) -> (usize, usize, usize) {
+    (
+        (gi >> 18) as usize & 511,
+        (gi >> 9) as usize & 511,
+        gi as usize & 511,
+    )
+}
+
+/// Bits of the sectors `first..first + n` of a grain.
+fn sector_bits(first: u64, n: u64) -> u64 {
+    ((1u64 << n) - 1) << first
+}
+
+pub struct Pool<D> {
+    dev: D,
+    layout: Layout,
+    generation: u64,
+    next_root: u64,
+    roots: BTreeMap<u64, u64>,
+    committed_roots: BTreeMap<u64, u64>,
+    /// Reference counts: data grains, then metadata pages.
+    counts: Vec<u16>,
+    committed: Vec<u16>,
+    /// Allocatable (both counts zero) data grains and metadata pages.
+    free: [u64; 2],
+    cursor: [u64; 2],
+    /// Every page read or written; pages allocated since the commit are in
+    /// `dirty` too. Whole-metadata caching is the first cut (T2 remains).
+    cache: HashMap<u64, Page>,
+    dirty: BTreeSet<u64>,
+    /// Per space map page: the generation whose transaction last changed it;
+    /// per slot: the generation last written there. A commit writes the pages
+    /// its slot has not seen.
+    sm_changed: Vec<u64>,
+    slot_written: [u64; 2],
+    changed: bool,
+    failed: bool,
+}
+
+impl<D> std::fmt::Debug for Pool<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("layout", &self.layout)
+            .field("generation", &self.generation)
+            .finish()
+    }
+}
+
+const GRAINS: usize = 0;
+const PAGES: usize = 1;
+
+impl<D: Device> Pool<D> {
+    /// Formats `dev` as an empty pool (generation 1, no roots).
+    pub fn format(mut dev: D, grain_bytes: u64, meta_pages: Option<u64>) -> Result<Pool<D>> {
+        let layout =
+            Layout::compute(dev.size(), grain_bytes, meta_pages).ok_or(ThinError::BadFormat)?;
+        let zero = vec![0u8; PAGE_BYTES as usize];
+        for j in 0..layout.sm_pages {
+            dev.write_at(&zero, layout.sm_offset(1, j))?;
+        }
+        dev.write_at(&zero, 0)?;
+        let sb = Superblock {
+            generation: 1,
+            layout,
+            next_root: 1,
+            roots: BTreeMap::new(),
+        };
+        dev.write_at(&sb.encode(), PAGE_BYTES)?;
+        dev.flush()?;
+        Pool::open(dev)
+    }
+
+    /// Opens the newer of the two superblocks that check out.
+    pub fn open(mut dev: D) -> Result<Pool<D>> {
+        let size = dev.size();
+        let mut best: Option<Superblock> = None;
+        for slot in 0..2 {
+            let mut page = vec![0u8; PAGE_BYTES as usize];
+            dev.read_at(&mut page, slot * PAGE_BYTES)?;
+            if let Some(sb) = Superblock::decode(&page, size) {
+                if sb.generation % 2 == slot
+                    && best.as_ref().is_none_or(|b| sb.generation > b.generation)
+                {
+                    best = Some(sb);
+                }
+            }
+        }
+        let sb = best.ok_or(ThinError::NoSuperblock)?;
+        let layout = sb.layout;
+        let mut counts = Vec::with_capacity(layout.counts());
+        let mut page = vec![0u8; PAGE_BYTES as usize];
+        for j in 0..layout.sm_pages {
+            dev.read_at(&mut page, layout.sm_offset(sb.generation % 2, j))?;
+            counts.extend(
+                page.chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]])),
+            );
+        }
+        counts.truncate(layout.counts());
+        let mut pool = Pool {
+            dev,
+            layout,
+            generation: sb.generation,
+            next_root: sb.next_root,
+            committed_roots: sb.roots.clone(),
+            roots: sb.roots,
+            committed: counts.clone(),
+            counts,
+            free: [0; 2],
+            cursor: [0; 2],
+            cache: HashMap::new(),
+            dirty: BTreeSet::new(),
+            sm_changed: vec![sb.generation + 1; layout.sm_pages as usize],
+            slot_written: [0; 2],
+            changed: false,
+            failed: false,
+        };
+        pool.recount_free();
+        Ok(pool)
+    }
+
+    pub fn into_device(self) -> D {
+        self.dev
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    pub fn roots(&self) -> Vec<u64> {
+        self.roots.keys().copied().collect()
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let grains = &self.counts[..self.layout.data_grains as usize];
+        PoolStats {
+            grains_total: self.layout.data_grains,
+            grains_allocated: grains.iter().filter(|&&c| c > 0).count() as u64,
+            grains_shared: grains.iter().filter(|&&c| c > 1).count() as u64,
+        }
+    }
+
+    /// A new empty tree.
+    pub fn create_root(&mut self) -> Result<u64> {
+        self.usable()?;
+        self.add_root(0)
+    }
+
+    /// A new root sharing everything `root` maps: one more reference on its
+    /// top page, whatever the size.
+    pub fn snapshot(&mut self, root: u64) -> Result<u64> {
+        self.usable()?;
+        let top = self.top(root)?;
+        let id = self.add_root(top)?;
+        if top != 0 {
+            self.inc(self.page_idx(top));
+        }
+        Ok(id)
+    }
+
+    /// Drops `root` and every page and grain only it reached.
+    pub fn delete_root(&mut self, root: u64) -> Result<()> {
+        self.usable()?;
+        let top = self.top(root)?;
+        self.roots.remove(&root);
+        self.changed = true;
+        let r = if top != 0 {
+            self.drop_page(top, 0)
+        } else {
+            Ok(())
+        };
+        self.poison(r)
+    }
+
+    pub fn read(&mut self, root: u64, off: u64, buf: &mut [u8]) -> Result<()> {
+        self.usable()?;
+        let top = self.top(root)?;
+        for (gi, first, n, at) in self.spans(off, buf.len() as u64)? {
+            let e = self.lookup(top, gi)?.entry;
+            let out = &mut buf[at..at + (n * SECTOR_BYTES) as usize];
+            for (k, sector) in out.chunks_exact_mut(SECTOR_BYTES as usize).enumerate() {
+                let s = first + k as u64;
+                if e & (1 << s) != 0 {
+                    self.dev.read_at(sector, self.grain_off(e >> 16, s))?;
+                } else {
+                    sector.fill(0);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes whole 4 KiB sectors. Allocates before it changes anything, so
+    /// [`ThinError::NoSpace`] leaves the pool as it was.
+    pub fn write(&mut self, root: u64, off: u64, data: &[u8]) -> Result<()> {
+        self.usable()?;
+        self.top(root)?;
+        let spans = self.spans(off, data.len() as u64)?;
+        let plan: Vec<_> = spans
+            .iter()
+            .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
+            .collect();
+        let (grains, pages) = self.need(root, &plan, true)?;
+        if grains > self.free[GRAINS] || pages > self.free[PAGES] {
+            return Err(ThinError::NoSpace);
+        }
+        let r = (|| {
+            for (gi, first, n, at) in spans {
+                let bytes = &data[at..at + (n * SECTOR_BYTES) as usize];
+                self.write_grain(root, gi, first, bytes)?;
+            }
+            Ok(())
+        })();
+        self.poison(r)
+    }
+
+    /// Deallocate and Write Zeroes (T4): clears written bits; a grain whose
+    /// mask empties loses this tree's reference.
+    pub fn deallocate(&mut self, root: u64, off: u64, len: u64) -> Result<()> {
+        self.usable()?;
+        self.top(root)?;
+        let plan: Vec<_> = self
+            .spans(off, len)?
+            .iter()
+            .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
+            .collect();
+        let (_, pages) = self.need(root, &plan, false)?;
+        if pages > self.free[PAGES] {
+            return Err(ThinError::NoSpace);
+        }
+        let r = (|| {
+            for (gi, bits) in plan {
+                let top = self.top(root)?;
+                let e = self.lookup(top, gi)?.entry;
+                if e & bits == 0 {
+                    continue;
+                }
+                let (leaf, slot) = self.path_for_write(root, gi)?;
+                let mask = e & MASK_BITS & !bits;
+                if mask == 0 {
+                    self.dec((e >> 16) as usize);
+                    self.set(leaf, slot, 0);
+                } else {
+                    self.set(leaf, slot, (e & !MASK_BITS) | mask);
+                }
+            }
+            Ok(())
+        })();
+        self.poison(r)
+    }
+
+    /// Makes everything so far durable: pages and space map, a flush, the
+    /// other superblock, a flush (T3).
+    pub fn commit(&mut self) -> Result<()> {
+        self.usable()?;
+        let r = self.commit_inner();
+        self.poison(r)
+    }
+
+    fn commit_inner(&mut self) -> Result<()> {
+        if !self.changed {
+            return Ok(self.dev.flush()?);
+        }
+        let gen = self.generation + 1;
+        let slot = gen % 2;
+        let mut buf = vec![0u8; PAGE_BYTES as usize];
+        for &p in &self.dirty {
+            for (b, e) in buf.chunks_exact_mut(8).zip(self.cache[&p].iter()) {
+                b.copy_from_slice(&e.to_le_bytes());
+            }
+            self.dev.write_at(&buf, p * PAGE_BYTES)?;
+        }
+        let per = PAGE_BYTES as usize / 2;
+        for j in 0..self.layout.sm_pages as usize {
+            if self.sm_changed[j] <= self.slot_written[slot as usize] {
+                continue;
+            }
+            buf.fill(0);
+            let counts = &self.counts[j * per..self.counts.len().min((j + 1) * per)];
+            for (b, c) in buf.chunks_exact_mut(2).zip(counts) {
+                b.copy_from_slice(&c.to_le_bytes());
+            }
+            self.dev
+                .write_at(&buf, self.layout.sm_offset(slot, j as u64))?;
+        }
+        self.dev.flush()?;
+        let sb = Superblock {
+            generation: gen,
+            layout: self.layout,
+            next_root: self.next_root,
+            roots: self.roots.clone(),
+        };
+        self.dev.write_at(&sb.encode(), slot * PAGE_BYTES)?;
+        self.dev.flush()?;
+        self.generation = gen;
+        self.slot_written[slot as usize] = gen;
+        self.committed.clone_from(&self.counts);
+        self.committed_roots.clone_from(&self.roots);
+        self.dirty.clear();
+        self.changed = false;
+        self.recount_free();
+        Ok(())
+    }
+
+    /// Recounts every reference from the roots and compares with the space
+    /// map: a leak or a double use is [`ThinError::Corrupt`].
+    pub fn check(&mut self) -> Result<()> {
+        let mut want = vec![0u32; self.counts.len()];
+        let mut seen = HashSet::new();
+        let tops: Vec<u64> = self.roots.values().copied().filter(|&t| t != 0).collect();
+        let mut stack: Vec<(u64, usize)> = tops.into_iter().map(|t| (t, 0)).collect();
+        while let Some((p, level)) = stack.pop() {
+            if p < self.layout.meta_start || p >= self.layout.meta_start + self.layout.meta_pages {
+                return Err(ThinError::Corrupt(format!(
+                    "page {p} outside the metadata area"
+                )));
+            }
+            want[self.page_idx(p)] += 1;
+            if !seen.insert(p) {
+                continue;
+            }
+            self.load(p)?;
+            for &e in self.cache[&p].iter().filter(|&&e| e != 0) {
+                if level < 2 {
+                    stack.push((e, level + 1));
+                } else if e & MASK_BITS == 0 || e >> 16 >= self.layout.data_grains {
+                    return Err(ThinError::Corrupt(format!("bad entry {e:#x} in page {p}")));
+                } else {
+                    want[(e >> 16) as usize] += 1;
+                }
+            }
+        }
+        if let Some(i) = (0..want.len()).find(|&i| want[i] != u32::from(self.counts[i])) {
+            return Err(ThinError::Corrupt(format!(
+                "count {i}: space map {} but {} references",
+                self.counts[i], want[i]
+            )));
+        }
+        let kept = self.free;
+        self.recount_free();
+        if kept != self.free {
+            return Err(ThinError::Corrupt(format!(
+                "free counters {kept:?}, recounted {:?}",
+                self.free
+            )));
+        }
+        Ok(())
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.failed {
+            return Err(ThinError::Failed);
+        }
+        Ok(())
+    }
+
+    fn poison<T>(&mut self, r: Result<T>) -> Result<T> {
+        if matches!(r, Err(ThinError::Io(_))) {
+            self.failed = true;
+        }
+        r
+    }
+
+    fn top(&self, root: u64) -> Result<u64> {
+        self.roots
+            .get(&root)
+            .copied()
+            .ok_or(ThinError::NoRoot(root))
+    }
+
+    fn add_root(&mut self, top: u64) -> Result<u64> {
+        if self.roots.len() >= ROOTS_MAX {
+            return Err(ThinError::TooManyRoots);
+        }
+        let id = self.next_root;
+        self.next_root += 1;
+        self.roots.insert(id, top);
+        self.changed = true;
+        Ok(id)
+    }
+
+    /// `(grain index, first sector, sectors, offset in the buffer)` per grain
+    /// the byte range touches.
+    fn spans(&self, off: u64, len: u64) -> Result<Vec<(u64, u64, u64, usize)>> {
+        let spg = self.layout.sectors_per_grain();
+        let end = off.checked_add(len).ok_or(ThinError::Range)?;
+        if !off.is_multiple_of(SECTOR_BYTES)
+            || !len.is_multiple_of(SECTOR_BYTES)
+            || end > GRAIN_INDEX_LIMIT * self.layout.grain_bytes
+        {
+            return Err(ThinError::Range);
+        }
+        let mut out = Vec::new();
+        let (mut s, last) = (off / SECTOR_BYTES, end / SECTOR_BYTES);
+        while s < last {
+            let n = (spg - s % spg).min(last - s);
+            out.push((
+                s / spg,
+                s % spg,
+                n,
+                ((s - off / SECTOR_BYTES) * SECTOR_BYTES) as usize,
+            ));
+            s += n;
+        }
+        Ok(out)
+    }
+
+    fn grain_off(&self, grain: u64, sector: u64) -> u64 {
+        self.layout.data_start + grain * self.layout.grain_bytes + sector * SECTOR_BYTES
+    }
+
+    fn page_idx(&self, p: u64) -> usize {
+        debug_assert!(
+            p >= self.layout.meta_start && p < self.layout.meta_start + self.layout.meta_pages
+        );
+        (self.layout.data_grains + p - self.layout.meta_start) as usize
+    }
+
+    fn kind(&self, i: usize) -> usize {
+        if (i as u64) < self.layout.data_grains {
+            GRAINS
+        } else {
+            PAGES
+        }
+    }
+
+    fn touch(&mut self, i: usize) {
+        self.sm_changed[Layout::sm_page_of(i)] = self.generation + 1;
+        self.changed = true;
+    }
+
+    fn inc(&mut self, i: usize) {
+        let c = self.counts[i];
+        // T2's overflow table past 65,535 references is not built yet.
+        assert!(c < u16::MAX, "reference count {i} would overflow");
+        if c == 0 && self.committed[i] == 0 {
+            self.free[self.kind(i)] -= 1;
+        }
+        self.counts[i] = c + 1;
+        self.touch(i);
+    }
+
+    /// Drops one reference; true when it was the last.
+    fn dec(&mut self, i: usize) -> bool {
+        let c = self.counts[i];
+        assert!(c > 0, "reference count {i} would go below zero");
+        self.counts[i] = c - 1;
+        if c == 1 && self.committed[i] == 0 {
+            self.free[self.kind(i)] += 1;
+        }
+        self.touch(i);
+        c == 1
+    }
+
+    fn recount_free(&mut self) {
+        self.free = [0; 2];
+        for i in 0..self.counts.len() {
+            if self.counts[i] == 0 && self.committed[i] == 0 {
+                self.free[self.kind(i)] += 1;
+            }
+        }
+    }
+
+    /// Takes a free grain (`GRAINS`) or page (`PAGES`) with one reference.
+    /// The caller checked `free` first: running out here is a bug.
+    fn alloc(&mut self, kind: usize) -> u64 {
+        let (base, n) = match kind {
+            GRAINS => (0, self.layout.data_grains),
+            _ => (self.layout.data_grains, self.layout.meta_pages),
+        };
+        for k in 0..n {
+            let at = (self.cursor[kind] + k) % n;
+            let i = (base + at) as usize;
+            if self.counts[i] == 0 && self.committed[i] == 0 {
+                self.cursor[kind] = (at + 1) % n;
+                self.inc(i);
+                return if kind == GRAINS {
+                    at
+                } else {
+                    self.layout.meta_start + at
+                };
+            }
+        }
+        panic!("allocation after the free check found nothing");
+    }
+
+    fn load(&mut self, p: u64) -> Result<()> {
+        if !self.cache.contains_key(&p) {
+            let mut buf = vec![0u8; PAGE_BYTES as usize];
+            self.dev.read_at(&mut buf, p * PAGE_BYTES)?;
+            let mut page = zero_page();
+            for (e, b) in page.iter_mut().zip(buf.chunks_exact(8)) {
+                *e = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+            }
+            self.cache.insert(p, page);
+        }
+        Ok(())
+    }
+
+    fn entry(&mut self, p: u64, slot: usize) -> Result<u64> {
+        if p == 0 {
+            return Ok(0);
+        }
+        self.load(p)?;
+        Ok(self.cache[&p][slot])
+    }
+
+    fn set(&mut self, p: u64, slot: usize, v: u64) {
+        assert!(
+            self.writable(p),
+            "page {p} changed in place while shared or committed"
+        );
+        self.cache.get_mut(&p).expect("dirty page cached")[slot] = v;
+    }
+
+    /// This transaction allocated `p` and only one parent holds it.
+    fn writable(&self, p: u64) -> bool {
+        p != 0 && self.dirty.contains(&p) && self.counts[self.page_idx(p)] == 1
+    }
+
+    fn shared(&self, p: u64) -> bool {
+        p != 0 && self.counts[self.page_idx(p)] > 1
+    }
+
+    /// An overwrite may go in place: `root` holds the grain alone now, and
+    /// either the grain is new since the last commit or only `root`'s
+    /// committed tree reached it (every page on that path held once: a count
+    /// of 1 on the grain alone says nothing when pages above it are shared).
+    /// So no committed root can see the bytes change.
+    fn in_place(&mut self, root: u64, gi: u64, grain: u64) -> Result<bool> {
+        let i = grain as usize;
+        if self.counts[i] != 1 || self.committed[i] > 1 {
+            return Ok(false);
+        }
+        if self.committed[i] == 0 {
+            return Ok(true);
+        }
+        let Some(&top) = self.committed_roots.get(&root) else {
+            return Ok(false);
+        };
+        let (a, b, c) = split(gi);
+        let mut p = top;
+        for slot in [a, b, c] {
+            if p == 0 || self.committed[self.page_idx(p)] != 1 {
+                return Ok(false);
+            }
+            p = self.entry(p, slot)?;
+        }
+        Ok(p >> 16 == grain && p & MASK_BITS != 0)
+    }
+
+    fn lookup(&mut self, top: u64, gi: u64) -> Result<Lookup> {
+        let (a, b, c) = split(gi);
+        let mid = self.entry(top, a)?;
+        let leaf = self.entry(mid, b)?;
+        let entry = self.entry(leaf, c)?;
+        let shared_top = self.shared(top);
+        let shared_mid = shared_top || self.shared(mid);
+        let shared_leaf = shared_mid || self.shared(leaf);
+        Ok(Lookup {
+            top,
+            mid,
+            leaf,
+            entry,
+            shared: [shared_top, shared_mid, shared_leaf],
+        })
+    }
+
+    /// Grains and pages a change to `plan` (grain index, sector bits) will
+    /// allocate, mirroring `path_for_write` and `write_grain`: a page needs a
+    /// copy when missing, not writable, or below a shared page (whose copy
+    /// adds a reference to it). A deallocate only touches entries it clears.
+    fn need(&mut self, root: u64, plan: &[(u64, u64)], write: bool) -> Result<(u64, u64)> {
+        let top = self.top(root)?;
+        let (mut grains, mut pages) = (0, 0);
+        let mut seen: HashSet<(usize, u64)> = HashSet::new();
+        for &(gi, bits) in plan {
+            let l = self.lookup(top, gi)?;
+            if !write && l.entry & bits == 0 {
+                continue;
+            }
+            let nodes = [
+                (0, 0, l.top, false),
+                (1, gi >> 18, l.mid, l.shared[0]),
+                (2, gi >> 9, l.leaf, l.shared[1]),
+            ];
+            for (level, key, p, below_shared) in nodes {
+                if seen.insert((level, key)) && (below_shared || !self.writable(p)) {
+                    pages += 1;
+                }
+            }
+            if write && (l.entry == 0 || l.shared[2] || !self.in_place(root, gi, l.entry >> 16)?) {
+                grains += 1;
+            }
+        }
+        Ok((grains, pages))
+    }
+
+    /// Makes `p` (0: none yet) writable for this transaction: returns it, or
+    /// a new page holding its entries. Copying a shared page gives each
+    /// child one more reference; copying a page held once moves them.
+    fn shadow(&mut self, p: u64, leaf: bool) -> Result<u64> {
+        if self.writable(p) {
+            return Ok(p);
+        }
+        let page = if p == 0 {
+            zero_page()
+        } else {
+            self.load(p)?;
+            let page = self.cache[&p].clone();
+            if self.shared(p) {
+                for &e in page.iter().filter(|&&e| e != 0) {
+                    let i = if leaf {
+                        (e >> 16) as usize
+                    } else {
+                        self.page_idx(e)
+                    };
+                    self.inc(i);
+                }
+            }
+            if self.dec(self.page_idx(p)) {
+                self.cache.remove(&p);
+            }
+            page
+        };
+        let n = self.alloc(PAGES);
+        self.cache.insert(n, page);
+        self.dirty.insert(n);
+        Ok(n)
+    }
+
+    /// Shadows the path from `root`'s top to the leaf for `gi`; returns the
+    /// (writable) leaf and the entry's slot in it.
+    fn path_for_write(&mut self, root: u64, gi: u64) -> Result<(u64, usize)> {
+        let (a, b, c) = split(gi);
+        let top = self.shadow(self.top(root)?, false)?;
+        self.roots.insert(root, top);
+        let mid = self.entry(top, a)?;
+        let mid = self.shadow(mid, false)?;
+        self.set(top, a, mid);
+        let leaf = self.entry(mid, b)?;
+        let leaf = self.shadow(leaf, true)?;
+        self.set(mid, b, leaf);
+        Ok((leaf, c))
+    }
+
+    fn write_grain(&mut self, root: u64, gi: u64, first: u64, data: &[u8]) -> Result<()> {
+        let n = data.len() as u64 / SECTOR_BYTES;
+        let bits = sector_bits(first, n);
+        let (leaf, slot) = self.path_for_write(root, gi)?;
+        let e = self.entry(leaf, slot)?;
+        let (old, old_mask) = (e >> 16, e & MASK_BITS);
+        let grain = if e != 0 && self.in_place(root, gi, old)? {
+            old
+        } else {
+            let grain = self.alloc(GRAINS);
+            if e != 0 {
+                // Copy only what this write leaves of the old grain's bytes.
+                let mut sector = vec![0u8; SECTOR_BYTES as usize];
+                for s in (0..16).filter(|s| old_mask & !bits & (1 << s) != 0) {
+                    self.dev.read_at(&mut sector, self.grain_off(old, s))?;
+                    self.dev.write_at(&sector, self.grain_off(grain, s))?;
+                }
+                self.dec(old as usize);
+            }
+            grain
+        };
+        self.dev.write_at(data, self.grain_off(grain, first))?;
+        self.set(leaf, slot, grain << 16 | old_mask | bits);
+        Ok(())
+    }
+
+    /// Drops one reference to page `p` at `level`; the last one frees it and
+    /// drops its children.
+    fn drop_page(&mut self, p: u64, level: usize) -> Result<()> {
+        if !self.dec(self.page_idx(p)) {
+            return Ok(());
+        }
+        self.load(p)?;
+        let page = self.cache.remove(&p).expect("loaded");
+        self.dirty.remove(&p);
+        for &e in page.iter().filter(|&&e| e != 0) {
+            if level == 2 {
+                self.dec((e >> 16) as usize);
+            } else {
+                self.drop_page(e, level + 1)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Lookup {
+    top: u64,
+    mid: u64,
+    leaf: u64,
+    entry: u64,
+    /// Whether the top, middle or leaf page, or one above it, is shared.
+    shared: [bool; 3],
+}
