@@ -32,39 +32,7 @@ use std::time::Duration;
 /// failover at worst (a check reads the cached state only).
 pub const WATCH_INTERVAL_MS: u64 = 200;
 
-/// One path of a served volume as a host sees it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
-pub struct PathView {
-    pub target: String,
-    /// NVMe/TCP listener: `traddr` and `trsvcid` of `nvme connect`.
-    pub traddr: String,
-    pub trsvcid: u16,
-    /// The target's NVMe/RDMA listener, when it has one (`nvme connect
-    /// -t rdma -a RDMA_TRADDR -s RDMA_TRSVCID`, same subsystem); absent
-    /// for NVMe/TCP-only targets.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rdma_traddr: Option<String>,
-    /// Its port.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub rdma_trsvcid: Option<u16>,
-    /// `optimized` on the serving owner, `inaccessible` elsewhere.
-    pub ana_state: String,
-}
-
-/// A served volume: what a host needs to connect to it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "server", derive(utoipa::ToSchema))]
-pub struct ServedView {
-    #[cfg_attr(feature = "server", schema(value_type = String))]
-    pub volume: Uuid,
-    pub subsystem_nqn: String,
-    pub hosts: Vec<String>,
-    pub paths: Vec<PathView>,
-    pub owner: Option<String>,
-    pub generation: u64,
-    pub serving: bool,
-}
+pub use nvpool_api::rest::{PathView, ServedView};
 
 /// The view of `served`.
 pub fn view(cluster: &Cluster, served: &Served) -> Result<ServedView, StateError> {

@@ -26,7 +26,9 @@ use crate::limits::TARGET_CALL_TIMEOUT_MS;
 use crate::model::{Target, Uuid};
 use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
 use crate::state::{Cluster, HostKeys, StateError};
-use nvpool_api::admin::{AnaStateBody, DhchapKeys, NamespaceBody, StartCopyBody, SubsystemAccess};
+use nvpool_api::admin::{
+    AnaStateBody, DhchapKeys, Identity, NamespaceBody, StartCopyBody, SubsystemAccess,
+};
 use nvpool_api::client::{segment, Client, ClientError, NO_BODY};
 use nvpool_api::http::{Call, NoAnswer};
 use serde::de::DeserializeOwned;
@@ -67,12 +69,6 @@ pub enum ProgramError {
         addr: SocketAddr,
         found: String,
     },
-}
-
-/// What a target's admin API says it is (`GET /v1/identity`).
-#[derive(Debug, Deserialize)]
-struct IdentityState {
-    target_id: Option<String>,
 }
 
 /// A subsystem as the target's admin API lists it.
@@ -278,11 +274,14 @@ impl TargetAdmin {
         }
         let path = "/v1/identity";
         let found = match self.call(Method::GET, path, NO_BODY, None, "reporting its identity")? {
-            Some(r) => match Client::decode::<IdentityState>(Method::GET, path, r) {
-                Ok(IdentityState {
+            Some(r) => match Client::decode::<Identity>(Method::GET, path, r) {
+                Ok(Identity {
                     target_id: Some(id),
+                    ..
                 }) => id,
-                Ok(IdentityState { target_id: None }) => "no target at all".to_owned(),
+                Ok(Identity {
+                    target_id: None, ..
+                }) => "no target at all".to_owned(),
                 Err(_) => "nothing readable".to_owned(),
             },
             None => "nothing (it has no identity to report)".to_owned(),
