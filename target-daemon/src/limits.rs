@@ -272,6 +272,13 @@ pub const VOLUME_IO_MEMORY_BUDGET_BYTES: usize = 128 << 20;
 /// (like a shutdown drain); later, the volume closes when the I/O ends.
 pub const VOLUME_DRAIN_MS: u64 = SHUTDOWN_DRAIN_MS;
 
+/// Operations queued for one grain pool's thread (design/thin-snapshots.md
+/// T3); beyond it an operation is refused with a status the host retries.
+pub const THIN_QUEUE_LEN: usize = 1024;
+/// A grain pool commits what plain writes changed at most this long after
+/// its last commit (flushes and FUA writes commit at once).
+pub const THIN_COMMIT_INTERVAL_MS: u64 = 100;
+
 const _: () = assert!(VOLUME_IO_INFLIGHT_MAX * MDTS_BYTES <= VOLUME_IO_MEMORY_BUDGET_BYTES);
 // One full I/O queue at MDTS fits a reactor's buffer budget: a connection
 // alone never waits for buffers its own commands hold.

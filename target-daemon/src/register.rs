@@ -199,9 +199,11 @@ impl DeviceOffer {
                 ));
             }
         }
-        if let BackendSpec::Volume { .. } = &spec {
+        if let BackendSpec::Volume { .. } | BackendSpec::Thin { .. } = &spec {
             return Err(usage(
-                "a device is local storage; a volume is served as a namespace, not offered".into(),
+                "a device is a whole file or block device; a volume or a thin tree is served \
+                 as a namespace, not offered"
+                    .into(),
             ));
         }
         let capacity_bytes = match spec {
@@ -210,7 +212,7 @@ impl DeviceOffer {
                 let bs = u64::from(block_size.unwrap_or(512));
                 size / bs * bs
             }
-            BackendSpec::File { .. } | BackendSpec::Volume { .. } => spec
+            BackendSpec::File { .. } | BackendSpec::Volume { .. } | BackendSpec::Thin { .. } => spec
                 .open()
                 .map_err(|source| RegisterError::DeviceOpen {
                     id: id.to_owned(),

@@ -1,11 +1,12 @@
 //! Namespace backends: where a namespace's bytes live.
 //!
-//! One narrow trait, [`Backend`], and four implementations: [`FileBackend`]
+//! One trait, [`Backend`], and five implementations: [`FileBackend`]
 //! (a block device or regular file, or an extent of one, opened with
-//! O_DIRECT when the filesystem allows it), [`RamBackend`] (tests and
-//! benchmarks), [`FaultBackend`] (wraps another and injects latency, EIO
-//! and torn writes for tests) and [`VolumeBackend`] (a pooled volume, run
-//! by the initiator's volume engine inside the target).
+//! O_DIRECT when the filesystem allows it), [`ThinBackend`] (one tree of a
+//! grain pool on a device, allocated on first write), [`RamBackend`] (tests
+//! and benchmarks), [`FaultBackend`] (wraps another and injects latency,
+//! EIO and torn writes for tests) and [`VolumeBackend`] (a pooled volume,
+//! run by the initiator's volume engine inside the target).
 //!
 //! The reactor runs a backend's I/O in one of three ways:
 //!
@@ -35,6 +36,7 @@ pub use async_io::{AsyncCompletion, AsyncDone, AsyncOp, AsyncResult, CompletionS
 pub use fault::{FaultBackend, FaultConfig};
 pub use file::FileBackend;
 pub use ram::RamBackend;
+pub use thin::ThinBackend;
 pub use volume::{OpenedVolume, VolumeBackend, VolumeContext, VolumeSource};
 
 use nvpool_api::size::parse_size;
@@ -154,6 +156,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 ///
 /// - `file:PATH[,offset=BYTES][,length=BYTES][,block_size=512|4096]`
 /// - `ram:SIZE[,block_size=…]` (SIZE like `1G`, `512M`, `4096`)
+/// - `thin:PATH,root=N,size=BYTES[,block_size=4096]`: tree N (from 1) of
+///   the grain pool formatted on PATH, created empty on first open; thin
+///   namespaces have 4096-byte blocks
 /// - `volume:UUID,size=BYTES,block_size=512|4096`: a pooled volume, served
 ///   by the volume engine inside the target once activated; size and block
 ///   size are given so the namespace has its geometry while inactive
@@ -169,6 +174,11 @@ pub enum BackendSpec {
     Ram {
         size: u64,
         block_size: Option<u32>,
+    },
+    Thin {
+        path: String,
+        root: u64,
+        size: u64,
     },
     Volume {
         /// Lower-case, hyphenated.
@@ -204,13 +214,16 @@ impl BackendSpec {
         };
         let (kind, rest) = spec
             .split_once(':')
-            .ok_or_else(|| err("expected KIND:ARGS (file:PATH, ram:SIZE or volume:UUID)"))?;
+            .ok_or_else(|| {
+                err("expected KIND:ARGS (file:PATH, ram:SIZE, thin:PATH or volume:UUID)")
+            })?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or_default();
         if first.is_empty() {
             return Err(err("missing path, size or UUID"));
         }
         let (mut offset, mut length, mut block_size, mut size) = (0u64, None, None, None);
+        let mut root = None;
         for p in parts {
             let (k, v) = p
                 .split_once('=')
@@ -219,6 +232,13 @@ impl BackendSpec {
                 "offset" => offset = parse_size(v).map_err(|e| err(&e))?,
                 "length" => length = Some(parse_size(v).map_err(|e| err(&e))?),
                 "size" => size = Some(parse_size(v).map_err(|e| err(&e))?),
+                "root" => {
+                    let r: u64 = v.parse().map_err(|_| err("root must be a number"))?;
+                    if r == 0 {
+                        return Err(err("trees are numbered from 1"));
+                    }
+                    root = Some(r);
+                }
                 "block_size" => {
                     let b: u32 = v
                         .parse()
@@ -231,8 +251,11 @@ impl BackendSpec {
                 _ => return Err(err(&format!("unknown option {k:?}"))),
             }
         }
-        if size.is_some() && kind != "volume" {
-            return Err(err("size= is an option of volume only"));
+        if size.is_some() && kind != "volume" && kind != "thin" {
+            return Err(err("size= is an option of volume and thin only"));
+        }
+        if root.is_some() && kind != "thin" {
+            return Err(err("root= is an option of thin only"));
         }
         match kind {
             "file" => Ok(BackendSpec::File {
@@ -270,7 +293,23 @@ impl BackendSpec {
                     block_size,
                 })
             }
-            _ => Err(err("kind must be file, ram or volume")),
+            "thin" => {
+                if offset != 0 || length.is_some() {
+                    return Err(err("thin takes only a path, root, size and block_size"));
+                }
+                let (Some(root), Some(size)) = (root, size) else {
+                    return Err(err("thin needs root= and size="));
+                };
+                if block_size.is_some_and(|b| b != thin::THIN_BLOCK_BYTES) {
+                    return Err(err("thin namespaces have 4096-byte blocks"));
+                }
+                Ok(BackendSpec::Thin {
+                    path: first.to_owned(),
+                    root,
+                    size,
+                })
+            }
+            _ => Err(err("kind must be file, ram, thin or volume")),
         }
     }
 
@@ -300,6 +339,7 @@ impl BackendSpec {
                 let bs = block_size.unwrap_or(512);
                 Arc::new(RamBackend::new(size / bs as u64 * bs as u64, bs))
             }
+            BackendSpec::Thin { path, root, size } => Arc::new(thin::open(path, *root, *size)?),
             BackendSpec::Volume {
                 uuid,
                 size,
@@ -418,6 +458,14 @@ mod tests {
                 block_size: 4096
             }
         );
+        assert_eq!(
+            BackendSpec::parse("thin:/dev/sdb,root=3,size=1T,block_size=4096").unwrap(),
+            BackendSpec::Thin {
+                path: "/dev/sdb".into(),
+                root: 3,
+                size: 1 << 40
+            }
+        );
         assert!(
             BackendSpec::parse(
                 "volume:0a0b0c0d-0000-4000-8000-00000000000f,size=1G,block_size=4096"
@@ -441,6 +489,12 @@ mod tests {
             "ram:1G,offset=5",
             "file:/x,block_size=1000",
             "file:/x,foo=1",
+            "thin:/x,size=1G",
+            "thin:/x,root=1",
+            "thin:/x,root=0,size=1G",
+            "thin:/x,root=1,size=1G,block_size=512",
+            "thin:/x,root=1,size=1G,offset=4096",
+            "file:/x,root=1",
         ] {
             assert!(BackendSpec::parse(bad).is_err(), "{bad}");
         }

@@ -3,8 +3,8 @@
 //! reference counts, with copy-on-write metadata committed at flush.
 //!
 //! Synchronous and single-threaded on purpose: it talks to a [`Device`], so
-//! the crash simulation runs it on memory and the target can later run it on
-//! its ring. Nothing registers a pool yet (`ThinBackend` is the next step).
+//! the crash simulation runs it on memory, and [`ThinBackend`] runs it on a
+//! thread of its own per device (backend.rs).
 //!
 //! A root is a tree: three levels of 4 KiB pages of 512 little-endian u64
 //! entries. Interior entries are page numbers (0: none); a leaf entry is a
@@ -24,9 +24,12 @@
 //! so nothing the last commit reaches is ever overwritten, and what was freed
 //! since waits for the next commit.
 
+mod backend;
 mod format;
 #[cfg(test)]
 mod tests;
+
+pub use backend::{format, open, FileDevice, ThinBackend, ThinPool, THIN_BLOCK_BYTES};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
@@ -239,6 +242,35 @@ impl<D: Device> Pool<D> {
     pub fn create_root(&mut self) -> Result<u64> {
         self.usable()?;
         self.add_root(0)
+    }
+
+    /// Creates the empty tree `id` unless it exists; true when it did. A
+    /// namespace names its tree in its spec, so a restart finds it again.
+    pub fn ensure_root(&mut self, id: u64) -> Result<bool> {
+        self.usable()?;
+        if id == 0 {
+            return Err(ThinError::NoRoot(0));
+        }
+        if self.roots.contains_key(&id) {
+            return Ok(false);
+        }
+        if self.roots.len() >= ROOTS_MAX {
+            return Err(ThinError::TooManyRoots);
+        }
+        self.roots.insert(id, 0);
+        self.next_root = self.next_root.max(id + 1);
+        self.changed = true;
+        Ok(true)
+    }
+
+    /// Whether anything changed since the last commit.
+    pub fn dirty(&self) -> bool {
+        self.changed
+    }
+
+    /// True after an I/O error: every further call fails.
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     /// A new root sharing everything `root` maps: one more reference on its

@@ -1,0 +1,429 @@
+//! `ThinBackend` (D6, design T2–T4): a namespace served from one tree of a
+//! grain pool, so everything that works per namespace (subsystems, exports,
+//! ANA, the reactor's queues) works for a thin one unchanged.
+//!
+//! One pool per device file, shared by every namespace whose spec names it
+//! (`thin:PATH,root=N,size=BYTES`): [`open`] finds the pool already open on
+//! that file, whatever path named it, or opens it. One thread per pool runs
+//! its operations in order: the pool is single-threaded by design (its
+//! transaction is one in-memory state), and a reactor never blocks on it.
+//!
+//! Durability follows NVMe's volatile write cache, which the controller
+//! reports: a write completes when its data and map change are in the
+//! pool's transaction; a Flush, or an FUA write, commits the transaction
+//! before it completes (one commit for every flush and FUA write taken in
+//! one batch), and so does an idle tick every
+//! [`THIN_COMMIT_INTERVAL_MS`](crate::limits::THIN_COMMIT_INTERVAL_MS).
+//! A pool with no free grain fails the write with ENOSPC, which the queue
+//! answers with Capacity Exceeded (T4), and nothing written before changes.
+
+use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
+use crate::backend::{AsyncOp, AsyncDone, AsyncResult, Backend, BackendError, FileId};
+use crate::limits::{THIN_COMMIT_INTERVAL_MS, THIN_QUEUE_LEN};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Thin namespaces serve whole 4 KiB sectors: the written mask's unit.
+pub const THIN_BLOCK_BYTES: u32 = 4096;
+
+/// A pool's device: a file or block device, through the page cache (a
+/// commit's fdatasync makes it durable).
+#[derive(Debug)]
+pub struct FileDevice {
+    file: File,
+    size: u64,
+}
+
+impl FileDevice {
+    pub fn open(path: &str) -> io::Result<FileDevice> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        // A block device's length is its size; seeking to the end reads it
+        // for both kinds.
+        let size = io::Seek::seek(&mut &file, io::SeekFrom::End(0))?;
+        Ok(FileDevice { file, size })
+    }
+}
+
+impl Device for FileDevice {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_at(&mut self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, off)
+    }
+    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, off)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+}
+
+/// Formats the file or device at `path` as an empty grain pool. Refuses a
+/// device that already holds one, or that a namespace has open.
+pub fn format(path: &str, grain_bytes: u64) -> Result<PoolStats, BackendError> {
+    let failed = |reason: String| BackendError::Geometry {
+        path: path.to_owned(),
+        reason,
+    };
+    let opened = |source| BackendError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let open = pools();
+    let id = file_id(path).map_err(opened)?;
+    if open.iter().any(|(f, p)| *f == id && p.strong_count() > 0) {
+        return Err(failed("a grain pool on it is in use".into()));
+    }
+    let dev = FileDevice::open(path).map_err(opened)?;
+    match Pool::open(dev) {
+        Ok(_) => return Err(failed("it already holds a grain pool".into())),
+        Err(ThinError::NoSuperblock) => {}
+        Err(e) => return Err(failed(e.to_string())),
+    }
+    let dev = FileDevice::open(path).map_err(opened)?;
+    let pool = Pool::format(dev, grain_bytes, None).map_err(|e| failed(e.to_string()))?;
+    drop(open);
+    Ok(pool.stats())
+}
+
+/// Opens tree `root` of the pool on `path` as a namespace of `size` bytes,
+/// creating the (empty) tree the first time: the spec names its tree, so a
+/// restart finds the same one.
+pub fn open(path: &str, root: u64, size: u64) -> Result<ThinBackend, BackendError> {
+    let failed = |reason: String| BackendError::Geometry {
+        path: path.to_owned(),
+        reason,
+    };
+    if size == 0 || !size.is_multiple_of(u64::from(THIN_BLOCK_BYTES)) {
+        return Err(failed(format!(
+            "a thin namespace's size is a positive multiple of {THIN_BLOCK_BYTES}"
+        )));
+    }
+    let pool = ThinPool::open(path)?;
+    {
+        let mut p = pool.lock();
+        let limit = GRAIN_INDEX_LIMIT * p.layout().grain_bytes;
+        if size > limit {
+            return Err(failed(format!(
+                "{size} bytes is more than a tree maps ({limit})"
+            )));
+        }
+        if p.ensure_root(root).map_err(|e| failed(e.to_string()))? {
+            p.commit().map_err(|e| failed(e.to_string()))?;
+        }
+    }
+    Ok(ThinBackend {
+        pool,
+        root,
+        size,
+        path: path.to_owned(),
+    })
+}
+
+/// The grain pools open in this process, by device.
+fn pools() -> MutexGuard<'static, Vec<(FileId, Weak<ThinPool>)>> {
+    static POOLS: Mutex<Vec<(FileId, Weak<ThinPool>)>> = Mutex::new(Vec::new());
+    locked(&POOLS)
+}
+
+fn file_id(path: &str) -> io::Result<FileId> {
+    Ok(FileId::of(&std::fs::metadata(path)?))
+}
+
+/// One operation for the pool's thread.
+struct Job {
+    root: u64,
+    op: AsyncOp,
+    done: AsyncDone,
+}
+
+/// An open grain pool and its thread.
+pub struct ThinPool {
+    pool: Arc<Mutex<Pool<FileDevice>>>,
+    /// None once dropped: the thread then commits and ends.
+    jobs: Option<SyncSender<Job>>,
+    thread: Option<JoinHandle<()>>,
+    /// A write or commit failed: the pool's durable state is unknown. Read
+    /// without the pool's lock, which its thread holds across device I/O.
+    failed: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for ThinPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThinPool").finish_non_exhaustive()
+    }
+}
+
+impl ThinPool {
+    fn open(path: &str) -> Result<Arc<ThinPool>, BackendError> {
+        let opened = |source| BackendError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let mut open = pools();
+        open.retain(|(_, p)| p.strong_count() > 0);
+        let id = file_id(path).map_err(opened)?;
+        if let Some(p) = open.iter().find(|(f, _)| *f == id).and_then(|(_, p)| p.upgrade()) {
+            return Ok(p);
+        }
+        let dev = FileDevice::open(path).map_err(opened)?;
+        let pool = Pool::open(dev).map_err(|e| BackendError::Geometry {
+            path: path.to_owned(),
+            reason: match e {
+                ThinError::NoSuperblock => "not a grain pool (format it first)".into(),
+                e => e.to_string(),
+            },
+        })?;
+        let pool = Arc::new(Mutex::new(pool));
+        let failed = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::sync_channel(THIN_QUEUE_LEN);
+        let thread = std::thread::Builder::new()
+            .name("thin-pool".into())
+            .spawn({
+                let (pool, failed) = (pool.clone(), failed.clone());
+                move || run(&pool, &rx, &failed)
+            })
+            .map_err(opened)?;
+        let p = Arc::new(ThinPool {
+            pool,
+            jobs: Some(tx),
+            thread: Some(thread),
+            failed,
+        });
+        open.push((id, Arc::downgrade(&p)));
+        Ok(p)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Pool<FileDevice>> {
+        locked(&self.pool)
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        self.lock().stats()
+    }
+}
+
+impl Drop for ThinPool {
+    fn drop(&mut self) {
+        // The thread commits what is left once the queue closes; wait for
+        // it, so that opening the device again never races that commit.
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The pool's thread: runs operations in arrival order. The flushes and
+/// FUA writes of a batch share one commit; plain writes are committed at
+/// the latest one tick after the last commit.
+fn run(pool: &Mutex<Pool<FileDevice>>, jobs: &Receiver<Job>, failed: &AtomicBool) {
+    let tick = Duration::from_millis(THIN_COMMIT_INTERVAL_MS);
+    let lock = || locked(pool);
+    let mut batch: Vec<Job> = Vec::new();
+    let mut waiting: Vec<AsyncDone> = Vec::new();
+    let mut committed = Instant::now();
+    loop {
+        let next = if lock().dirty() {
+            jobs.recv_timeout(tick.saturating_sub(committed.elapsed()))
+        } else {
+            jobs.recv().map_err(|_| RecvTimeoutError::Disconnected)
+        };
+        match next {
+            Ok(j) => batch.push(j),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                if let Err(e) = lock().commit() {
+                    tracing::error!("grain pool: the last commit failed: {e}");
+                }
+                return;
+            }
+        }
+        batch.extend(jobs.try_iter().take(THIN_QUEUE_LEN));
+        let mut p = lock();
+        for Job { root, op, done } in batch.drain(..) {
+            let commit = matches!(op, AsyncOp::Flush | AsyncOp::Write { fua: true, .. });
+            match apply(&mut p, root, op) {
+                Ok(_) if commit => waiting.push(done),
+                r => done.complete(r),
+            }
+        }
+        if waiting.is_empty() && !(p.dirty() && committed.elapsed() >= tick) {
+            failed.fetch_or(p.failed(), Ordering::Relaxed);
+            continue;
+        }
+        let r = p.commit().map_err(io_error);
+        failed.fetch_or(p.failed(), Ordering::Relaxed);
+        drop(p);
+        committed = Instant::now();
+        if let Err(e) = &r {
+            tracing::error!("grain pool: commit failed: {e}");
+        }
+        for done in waiting.drain(..) {
+            done.complete(match &r {
+                Ok(()) => Ok(None),
+                Err(e) => Err(io::Error::new(e.kind(), e.to_string())),
+            });
+        }
+    }
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn apply(p: &mut Pool<FileDevice>, root: u64, op: AsyncOp) -> AsyncResult {
+    match op {
+        AsyncOp::Read { off, len } => {
+            let mut buf = vec![0u8; len];
+            p.read(root, off, &mut buf).map_err(io_error)?;
+            Ok(Some(buf))
+        }
+        AsyncOp::Write { off, data, .. } => {
+            match p.write(root, off, &data) {
+                // Grains freed since the last commit are reusable after the
+                // next one: commit before calling the pool full.
+                Err(ThinError::NoSpace) if p.dirty() => {
+                    p.commit().map_err(io_error)?;
+                    p.write(root, off, &data).map_err(io_error)?;
+                }
+                r => r.map_err(io_error)?,
+            }
+            Ok(None)
+        }
+        AsyncOp::Flush => Ok(None),
+        AsyncOp::WriteZeroes { off, len } => {
+            p.deallocate(root, off, len).map_err(io_error)?;
+            Ok(None)
+        }
+        AsyncOp::Discard { ranges } => {
+            for (off, len) in ranges {
+                p.deallocate(root, off, len).map_err(io_error)?;
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// The errno the queue turns into a status (queue/io.rs): no space is
+/// Capacity Exceeded.
+fn io_error(e: ThinError) -> io::Error {
+    match e {
+        ThinError::NoSpace => io::Error::from_raw_os_error(libc::ENOSPC),
+        ThinError::Io(e) => e,
+        e => io::Error::other(e),
+    }
+}
+
+/// One tree of a grain pool served as a namespace.
+#[derive(Debug)]
+pub struct ThinBackend {
+    pool: Arc<ThinPool>,
+    root: u64,
+    size: u64,
+    path: String,
+}
+
+impl ThinBackend {
+    pub fn pool(&self) -> &Arc<ThinPool> {
+        &self.pool
+    }
+
+    /// Runs `op` on the calling thread (the synchronous calls: no ring, or
+    /// off the reactor).
+    fn now(&self, op: AsyncOp) -> AsyncResult {
+        let mut p = self.pool.lock();
+        let r = apply(&mut p, self.root, op);
+        self.pool.failed.fetch_or(p.failed(), Ordering::Relaxed);
+        r
+    }
+}
+
+impl Backend for ThinBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn block_size(&self) -> u32 {
+        THIN_BLOCK_BYTES
+    }
+    fn describe(&self) -> String {
+        format!("thin {} tree {}", self.path, self.root)
+    }
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        let data = self
+            .now(AsyncOp::Read {
+                off,
+                len: buf.len(),
+            })?
+            .unwrap_or_default();
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+    fn write_at(&self, buf: &[u8], off: u64, fua: bool) -> io::Result<()> {
+        self.now(AsyncOp::Write {
+            off,
+            data: buf.to_vec(),
+            fua,
+        })?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+    fn flush(&self) -> io::Result<()> {
+        let mut p = self.pool.lock();
+        let r = p.commit().map_err(io_error);
+        self.pool.failed.fetch_or(p.failed(), Ordering::Relaxed);
+        r
+    }
+    fn write_zeroes(&self, off: u64, len: u64) -> io::Result<()> {
+        self.now(AsyncOp::WriteZeroes { off, len }).map(drop)
+    }
+    fn discard(&self, off: u64, len: u64) -> io::Result<()> {
+        self.now(AsyncOp::Discard {
+            ranges: vec![(off, len)],
+        })
+        .map(drop)
+    }
+    fn failed(&self) -> bool {
+        self.pool.failed.load(Ordering::Relaxed)
+    }
+    fn mark_failed(&self) {
+        self.pool.failed.store(true, Ordering::Relaxed);
+    }
+    fn is_async(&self) -> bool {
+        true
+    }
+    fn submit(&self, op: AsyncOp, done: AsyncDone) {
+        let Some(jobs) = &self.pool.jobs else {
+            done.complete(Err(io::Error::other("the grain pool is closing")));
+            return;
+        };
+        let job = Job {
+            root: self.root,
+            op,
+            done,
+        };
+        match jobs.try_send(job) {
+            Ok(()) => {}
+            // The host retries (Namespace Not Ready, queue/io.rs): a reactor
+            // never waits for room.
+            Err(TrySendError::Full(j)) => j
+                .done
+                .complete(Err(io::Error::from_raw_os_error(libc::EAGAIN))),
+            Err(TrySendError::Disconnected(j)) => j
+                .done
+                .complete(Err(io::Error::other("the grain pool's thread ended"))),
+        }
+    }
+}
