@@ -2,8 +2,9 @@
 //! and [`Volume`](crate::Volume) calls) on a few threads, so the threads
 //! that receive requests (FUSE sessions, NBD readers, the target's
 //! reactors serving a volume namespace) hand an I/O off and go back to
-//! their own work. There is one executor implementation in the project;
-//! every user starts its own instance of it.
+//! their own work. The project has one executor, in two shapes: [`Executor`],
+//! a pool every user starts its own instance of, and [`LocalTasks`], the
+//! tasks of one thread that polls them itself (a ublk queue's).
 //!
 //! ```text
 //!  spawn(fut) ──(waits while TASKS at limit)──► first poll on the caller's thread
@@ -19,6 +20,7 @@
 //! [`Executor::try_spawn`], which is refused instead of waiting for a slot.
 
 use crate::limits::EXECUTOR_DRAIN_TIMEOUT_MS;
+use nvpool_rt::Wakeup;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -29,6 +31,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 type BoxTask = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+type LocalTask<'a> = Pin<Box<dyn Future<Output = ()> + 'a>>;
 
 #[derive(Default)]
 struct RunState {
@@ -52,10 +55,8 @@ struct Shared {
     inline_wake: bool,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, RunState> {
-        self.run.lock().unwrap_or_else(|p| p.into_inner())
-    }
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct Task {
@@ -90,7 +91,7 @@ impl Wake for Task {
                 return;
             }
         }
-        shared.lock().queue.push_back(self.clone());
+        lock(&shared.run).queue.push_back(self.clone());
         shared.work.notify_one();
     }
 }
@@ -163,7 +164,7 @@ impl Executor {
             queued: AtomicBool::new(false),
             shared: Arc::downgrade(&self.shared),
         });
-        let mut g = self.shared.lock();
+        let mut g = lock(&self.shared.run);
         while g.live >= self.shared.max_tasks {
             g.waiting += 1;
             g = self.shared.room.wait(g).unwrap_or_else(|p| p.into_inner());
@@ -187,7 +188,7 @@ impl Executor {
         M: FnOnce() -> F,
     {
         {
-            let mut g = self.shared.lock();
+            let mut g = lock(&self.shared.run);
             if g.live >= self.shared.max_tasks {
                 return false;
             }
@@ -204,7 +205,7 @@ impl Executor {
 
     /// Futures spawned and not yet complete.
     pub fn live(&self) -> usize {
-        self.shared.lock().live
+        lock(&self.shared.run).live
     }
 }
 
@@ -214,7 +215,7 @@ impl Drop for Executor {
     /// them) are abandoned with their threads, so teardown stays bounded.
     fn drop(&mut self) {
         let deadline = Instant::now() + Duration::from_millis(EXECUTOR_DRAIN_TIMEOUT_MS);
-        let mut g = self.shared.lock();
+        let mut g = lock(&self.shared.run);
         g.stop = true;
         self.shared.work.notify_all();
         while g.live > 0 {
@@ -244,7 +245,7 @@ impl Drop for Executor {
 fn run(shared: Arc<Shared>) {
     loop {
         let task = {
-            let mut g = shared.lock();
+            let mut g = lock(&shared.run);
             loop {
                 if let Some(t) = g.queue.pop_front() {
                     break t;
@@ -265,7 +266,7 @@ fn run(shared: Arc<Shared>) {
 
 /// Polls `task` once on this thread; frees its slot when it completes.
 fn poll_task(shared: &Shared, task: &Arc<Task>) {
-    let slot = task.fut.lock().unwrap_or_else(|p| p.into_inner());
+    let slot = lock(&task.fut);
     poll_locked(shared, task, slot);
 }
 
@@ -289,7 +290,7 @@ fn poll_locked(shared: &Shared, task: &Arc<Task>, mut slot: MutexGuard<'_, Optio
     if done {
         *slot = None;
         drop(slot);
-        let mut g = shared.lock();
+        let mut g = lock(&shared.run);
         g.live -= 1;
         let last = g.stop && g.live == 0;
         let waiting = g.waiting > 0;
@@ -324,9 +325,145 @@ pub fn block_on<F: Future>(fut: F) -> F::Output {
     }
 }
 
+/// The executor's second shape: the tasks of one thread that polls them
+/// itself and sleeps on a ring of its own (a ublk queue, whose ring is
+/// thread-local). Tasks need not be `Send` and may borrow from the stack;
+/// each has a fixed slot (a ublk tag), so nothing grows. Any thread may wake
+/// a slot; the owner alternates [`LocalTasks::run_ready`] and [`LocalTasks::sleep`].
+pub struct LocalTasks<'a> {
+    ready: Arc<Ready>,
+    wakers: Vec<Waker>,
+    tasks: Vec<Option<LocalTask<'a>>>,
+    live: usize,
+    /// The slots being polled, swapped with the ready list's vector.
+    batch: Vec<usize>,
+}
+
+impl std::fmt::Debug for LocalTasks<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTasks")
+            .field("live", &self.live)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The wake side of a [`LocalTasks`], shared with its wakers.
+struct Ready {
+    wakeup: Wakeup,
+    /// False only while the owner is about to sleep or sleeping: then a
+    /// waker must write `wakeup`.
+    awake: AtomicBool,
+    /// Slots to poll; each at most once (see `queued`), so never more
+    /// than there are slots.
+    slots: Mutex<Vec<usize>>,
+    /// Per slot: on the ready list (or being polled and woken again).
+    queued: Box<[AtomicBool]>,
+}
+
+/// The waker of one slot.
+struct SlotWake {
+    slot: usize,
+    ready: Arc<Ready>,
+}
+
+impl Wake for SlotWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.ready.queued[self.slot].swap(true, Ordering::AcqRel) {
+            return;
+        }
+        lock(&self.ready.slots).push(self.slot);
+        // Pairs with the SeqCst store in `sleep`.
+        if !self.ready.awake.swap(true, Ordering::SeqCst) {
+            self.ready.wakeup.wake();
+        }
+    }
+}
+
+impl<'a> LocalTasks<'a> {
+    /// `slots` empty slots.
+    pub fn new(slots: usize) -> std::io::Result<LocalTasks<'a>> {
+        let ready = Arc::new(Ready {
+            wakeup: Wakeup::nonblocking()?,
+            awake: AtomicBool::new(true),
+            slots: Mutex::new(Vec::with_capacity(slots)),
+            queued: (0..slots).map(|_| AtomicBool::new(false)).collect(),
+        });
+        Ok(LocalTasks {
+            wakers: (0..slots)
+                .map(|slot| {
+                    let ready = ready.clone();
+                    Waker::from(Arc::new(SlotWake { slot, ready }))
+                })
+                .collect(),
+            tasks: (0..slots).map(|_| None).collect(),
+            live: 0,
+            batch: Vec::with_capacity(slots),
+            ready,
+        })
+    }
+
+    /// Puts `fut` in the free slot `slot`; the next
+    /// [`LocalTasks::run_ready`] polls it first.
+    pub fn spawn(&mut self, slot: usize, fut: impl Future<Output = ()> + 'a) {
+        assert!(self.tasks[slot].is_none(), "task slot {slot} is taken");
+        self.tasks[slot] = Some(Box::pin(fut));
+        self.live += 1;
+        self.wakers[slot].wake_by_ref();
+    }
+
+    /// Polls the woken slots, and those woken meanwhile, until none is;
+    /// returns how many tasks are not complete.
+    pub fn run_ready(&mut self) -> usize {
+        loop {
+            std::mem::swap(&mut *lock(&self.ready.slots), &mut self.batch);
+            if self.batch.is_empty() {
+                return self.live;
+            }
+            for &slot in &self.batch {
+                // Cleared before polling: a wake during the poll queues it again.
+                self.ready.queued[slot].store(false, Ordering::Release);
+                let Some(task) = self.tasks[slot].as_mut() else {
+                    continue; // woken after it completed
+                };
+                let mut cx = Context::from_waker(&self.wakers[slot]);
+                if task.as_mut().poll(&mut cx).is_ready() {
+                    self.tasks[slot] = None;
+                    self.live -= 1;
+                }
+            }
+            self.batch.clear();
+        }
+    }
+
+    /// Runs `wait`, the owner's sleep on its ring, unless a slot was woken
+    /// since [`LocalTasks::run_ready`] (then `None`). While it runs a wake
+    /// also writes [`LocalTasks::wakeup`], so the sleep must watch that.
+    pub fn sleep<R>(&self, wait: impl FnOnce() -> R) -> Option<R> {
+        self.ready.awake.store(false, Ordering::SeqCst);
+        // Pairs with the swap in `SlotWake::wake_by_ref`: either this sees the
+        // slot or the waker sees the owner asleep. Unlocked before sleeping.
+        let idle = lock(&self.ready.slots).is_empty();
+        let slept = idle.then(wait);
+        self.ready.awake.store(true, Ordering::SeqCst);
+        slept
+    }
+
+    /// What a wake writes while the owner sleeps: nonblocking, so the
+    /// owner's ring polls it and the owner drains it once it fired.
+    pub fn wakeup(&self) -> &Wakeup {
+        &self.ready.wakeup
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+    use std::os::fd::AsRawFd;
     use std::sync::atomic::AtomicUsize;
     use std::task::Poll;
 
@@ -376,6 +513,108 @@ mod tests {
         }
         drop(ex);
         assert_eq!(done.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn foreign_wakes_reach_the_ready_list_and_the_eventfd() {
+        let set = LocalTasks::new(4).unwrap();
+        let waker = set.wakers[3].clone();
+        let slept = set.sleep(|| {
+            std::thread::spawn(move || {
+                waker.wake_by_ref();
+                waker.wake();
+            })
+            .join()
+            .unwrap()
+        });
+        assert!(slept.is_some());
+        let mut out = Vec::new();
+        std::mem::swap(&mut *lock(&set.ready.slots), &mut out);
+        assert_eq!(out, vec![3]);
+        let efd = set.wakeup().as_raw_fd();
+        let mut n = 0u64;
+        // SAFETY: reads 8 bytes into a u64 from the test's eventfd.
+        let r = unsafe { libc::read(efd, (&mut n as *mut u64).cast(), 8) };
+        assert_eq!((r, n), (8, 1));
+        // Awake: further wakes only queue.
+        set.ready.queued[3].store(false, Ordering::Release);
+        set.wakers[3].wake_by_ref();
+        // SAFETY: as above.
+        let r = unsafe { libc::read(efd, (&mut n as *mut u64).cast(), 8) };
+        assert_eq!(r, -1);
+    }
+
+    #[test]
+    fn local_tasks_borrow_the_stack_and_sleep_until_another_thread_wakes_them() {
+        let done = Cell::new(0);
+        let release = Arc::new(AtomicBool::new(false));
+        let wakers: Arc<Mutex<Vec<Waker>>> = Arc::default();
+        let mut set = LocalTasks::new(3).unwrap();
+        for slot in 0..3 {
+            let (done, release, wakers) = (&done, release.clone(), wakers.clone());
+            set.spawn(slot, async move {
+                std::future::poll_fn(|cx| {
+                    if release.load(Ordering::Acquire) {
+                        return Poll::Ready(());
+                    }
+                    wakers.lock().unwrap().push(cx.waker().clone());
+                    Poll::Pending
+                })
+                .await;
+                done.set(done.get() + 1);
+            });
+        }
+        assert_eq!(wakers.lock().unwrap().len(), 0, "spawning does not poll");
+        assert!(set.sleep(|| ()).is_none(), "spawned slots are woken");
+        assert_eq!(set.run_ready(), 3);
+        assert_eq!((done.get(), wakers.lock().unwrap().len()), (0, 3));
+        assert!(!set.wakeup().is_woken());
+        let parked = std::mem::take(&mut *wakers.lock().unwrap());
+        // The owner's wait on its ring (here poll(2) of the eventfd) ends
+        // when another thread wakes the tasks.
+        let revents = set.sleep(|| {
+            let waking = std::thread::spawn(move || {
+                release.store(true, Ordering::Release);
+                parked.iter().for_each(Waker::wake_by_ref);
+            });
+            let fd = set.wakeup().as_raw_fd();
+            let r = nvpool_rt::wake::poll_one(fd, libc::POLLIN, Some(Duration::from_secs(5)));
+            // The first wake ends the wait; the test wants all three queued.
+            waking.join().unwrap();
+            r.unwrap()
+        });
+        assert_ne!(revents.unwrap() & libc::POLLIN, 0);
+        set.wakeup().drain();
+        assert_eq!(set.run_ready(), 0);
+        assert_eq!(done.get(), 3);
+        assert!(set.sleep(|| ()).is_some(), "nothing left to poll");
+    }
+
+    #[test]
+    fn a_wake_during_its_poll_polls_the_slot_again_and_a_done_slot_is_free() {
+        let polls = Cell::new(0);
+        let mut set = LocalTasks::new(2).unwrap();
+        set.spawn(
+            1,
+            std::future::poll_fn(|cx| {
+                polls.set(polls.get() + 1);
+                if polls.get() == 2 {
+                    return Poll::Ready(());
+                }
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }),
+        );
+        assert_eq!(set.run_ready(), 0);
+        assert_eq!(polls.get(), 2);
+        assert!(set.sleep(|| ()).is_some());
+        // A stale wake of the completed slot polls nothing.
+        set.wakers[1].wake_by_ref();
+        assert_eq!(set.run_ready(), 0);
+        assert_eq!(polls.get(), 2);
+        set.spawn(1, async { polls.set(10) });
+        assert_eq!(set.run_ready(), 0);
+        assert_eq!(polls.get(), 10);
     }
 
     fn woken_tasks_complete(inline_wake: bool) {

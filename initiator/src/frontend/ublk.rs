@@ -12,12 +12,12 @@
 //!   Arc<dyn BlockDev> ── Device / Volume I/O threads ─────────────────┘
 //! ```
 //!
-//! Each queue thread runs its tag tasks on a small executor of its own and
-//! otherwise sleeps in `io_uring_enter`. A tag's I/O completes on another
-//! thread (the device's queue workers); its waker puts the tag on the ready
-//! list and, if the queue thread is asleep, writes an eventfd that the
-//! queue's ring polls, so the thread wakes without waiting for the next
-//! ublk command completion. So every tag can have an I/O in flight.
+//! Each queue thread runs its tag tasks as the executor's [`LocalTasks`]
+//! and otherwise sleeps in `io_uring_enter`. A tag's I/O completes on
+//! another thread (the device's queue workers); its waker puts the tag on
+//! the ready list and, if the queue thread is asleep, writes an eventfd
+//! that the queue's ring polls, so the thread wakes without waiting for the
+//! next ublk command completion. So every tag can have an I/O in flight.
 //!
 //! Each tag owns one buffer of `max_io` bytes that the kernel copies write
 //! data into and read data out of; the same `Vec` moves into the
@@ -60,7 +60,7 @@
 use super::errno;
 use crate::blockdev::BlockDev;
 use crate::error::IoError;
-use crate::exec::block_on;
+use crate::exec::{block_on, LocalTasks};
 use crate::limits::{UBLK_DISCARD_BYTES_MAX, UBLK_IO_BYTES_MAX, UBLK_QUEUE_DEPTH_DEFAULT};
 use io_uring::{opcode, types};
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
@@ -69,14 +69,11 @@ use libublk::uring_async::{ublk_reap_io_events_with_update_queue, ublk_wake_task
 use libublk::{sys, BufDesc, UblkError, UblkFlags, UblkUringData};
 use nvpool_rt::Wakeup;
 use std::cell::Cell;
-use std::future::Future;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
-use std::task::{Context, Wake, Waker};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 /// Where the devices this program created are recorded (see
@@ -418,7 +415,6 @@ fn serve(
     let _ = tx.send(Progress::Added(id));
     let live = Arc::new(AtomicBool::new(false));
     let live_flag = live.clone();
-    let tx = Mutex::new(tx);
     let queue_dev = dev.clone();
     let ran = ctrl.run_target(
         move |udev: &mut UblkDev| {
@@ -432,7 +428,7 @@ fn serve(
         move |qid: u16, udev: &UblkDev| queue_main(qid, udev, queue_dev.as_ref(), geo),
         move |_: &UblkCtrl| {
             live_flag.store(true, Ordering::Release);
-            let _ = lock(&tx).send(Progress::Live);
+            let _ = tx.send(Progress::Live);
         },
     );
     // The queues are done: the device was stopped (or never started).
@@ -697,97 +693,20 @@ fn page_bytes() -> u32 {
     u32::try_from(n).ok().filter(|&n| n > 0).unwrap_or(4096)
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The wake-up side of one queue thread: the tags ready to run, and an
-/// eventfd its ring polls so another thread can end its sleep.
-struct Kick {
-    efd: Wakeup,
-    /// False only while the queue thread is about to sleep or sleeping in
-    /// io_uring_enter: then a waker must write the eventfd.
-    awake: AtomicBool,
-    /// Tags to poll; each at most once (see [`TagWake::queued`]), so never
-    /// more than the queue depth.
-    ready: Mutex<Vec<u16>>,
-}
-
-impl Kick {
-    fn new(depth: u16) -> io::Result<Kick> {
-        Ok(Kick {
-            efd: Wakeup::nonblocking()?,
-            awake: AtomicBool::new(true),
-            ready: Mutex::new(Vec::with_capacity(usize::from(depth))),
-        })
-    }
-
-    fn push(&self, tag: u16) {
-        lock(&self.ready).push(tag);
-        // Pairs with the SeqCst store in `may_sleep`: either the queue
-        // thread sees the tag before sleeping or this sees it asleep.
-        if !self.awake.swap(true, Ordering::SeqCst) {
-            self.efd.wake();
+/// Queues a one-shot poll of `kick` on the calling queue thread's ring.
+fn arm(kick: &Wakeup) -> io::Result<()> {
+    let sqe = opcode::PollAdd::new(types::Fd(kick.as_raw_fd()), libc::POLLIN as u32)
+        .build()
+        .user_data(KICK_USER_DATA);
+    with_task_io_ring_mut(|ring| loop {
+        // SAFETY: a poll references no memory, and io_uring holds its
+        // own reference to the file while the poll is armed.
+        if unsafe { ring.submission().push(&sqe) }.is_ok() {
+            return Ok(());
         }
-    }
-
-    /// Moves the ready tags into `out` (empty on entry).
-    fn take(&self, out: &mut Vec<u16>) {
-        std::mem::swap(&mut *lock(&self.ready), out);
-    }
-
-    /// Announces that the queue thread is going to sleep; false (and awake
-    /// again) when a tag became ready in the meantime.
-    fn may_sleep(&self) -> bool {
-        self.awake.store(false, Ordering::SeqCst);
-        if lock(&self.ready).is_empty() {
-            return true;
-        }
-        self.awake.store(true, Ordering::SeqCst);
-        false
-    }
-
-    fn woke(&self) {
-        self.awake.store(true, Ordering::SeqCst);
-    }
-
-    /// Queues a one-shot poll of the eventfd on the calling queue thread's ring.
-    fn arm(&self) -> io::Result<()> {
-        let sqe = opcode::PollAdd::new(types::Fd(self.efd.as_raw_fd()), libc::POLLIN as u32)
-            .build()
-            .user_data(KICK_USER_DATA);
-        with_task_io_ring_mut(|ring| loop {
-            // SAFETY: a poll references no memory, and io_uring holds its
-            // own reference to the file while the poll is armed.
-            if unsafe { ring.submission().push(&sqe) }.is_ok() {
-                return Ok(());
-            }
-            ring.submit()?;
-        })
-    }
+        ring.submit()?;
+    })
 }
-
-/// The waker of one tag's task.
-struct TagWake {
-    tag: u16,
-    /// On the ready list (or being polled right now and woken again).
-    queued: AtomicBool,
-    kick: Arc<Kick>,
-}
-
-impl Wake for TagWake {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        if !self.queued.swap(true, Ordering::AcqRel) {
-            self.kick.push(self.tag);
-        }
-    }
-}
-
-type TagTask<'a> = Pin<Box<dyn Future<Output = ()> + 'a>>;
 
 /// Counters of one queue, touched only by its thread (the tag tasks run
 /// there); logged when the queue ends.
@@ -815,13 +734,6 @@ impl QueueStats {
 
 /// One queue thread (spawned and pinned by libublk's `run_target`).
 fn queue_main(qid: u16, udev: &UblkDev, dev: &dyn BlockDev, geo: Geometry) {
-    let kick = match Kick::new(geo.depth) {
-        Ok(k) => Arc::new(k),
-        Err(e) => {
-            tracing::error!(qid, "ublk queue eventfd: {e}");
-            return;
-        }
-    };
     let q = match UblkQueue::new(qid, udev) {
         Ok(q) => q,
         Err(e) => {
@@ -832,65 +744,22 @@ fn queue_main(qid: u16, udev: &UblkDev, dev: &dyn BlockDev, geo: Geometry) {
     // Our tags bring their own buffers: nothing for libublk to register,
     // but start_dev waits for every queue to say so.
     udev.notify_buffer_registration_complete(false);
-    if let Err(e) = run_queue(&q, dev, geo, kick) {
+    if let Err(e) = run_queue(&q, dev, geo) {
         tracing::error!(qid, "ublk queue stopped: {e}");
     }
 }
 
 /// Runs the queue's tag tasks until every one has ended (the device was
 /// stopped: each tag's command came back aborted).
-fn run_queue(
-    q: &UblkQueue<'_>,
-    dev: &dyn BlockDev,
-    geo: Geometry,
-    kick: Arc<Kick>,
-) -> io::Result<()> {
-    let depth = usize::from(geo.depth);
-    let wakes: Vec<Arc<TagWake>> = (0..geo.depth)
-        .map(|tag| {
-            Arc::new(TagWake {
-                tag,
-                queued: AtomicBool::new(false),
-                kick: kick.clone(),
-            })
-        })
-        .collect();
-    let wakers: Vec<Waker> = wakes.iter().map(|w| Waker::from(w.clone())).collect();
+fn run_queue(q: &UblkQueue<'_>, dev: &dyn BlockDev, geo: Geometry) -> io::Result<()> {
     let stats = QueueStats::default();
-    let mut tasks: Vec<Option<TagTask<'_>>> = (0..depth).map(|_| None).collect();
-    let mut live = 0usize;
+    let mut tasks = LocalTasks::new(usize::from(geo.depth))?;
     for tag in q.tags() {
-        tasks[usize::from(tag)] = Some(Box::pin(serve_tag(q, tag, dev, geo, &stats)));
-        wakes[usize::from(tag)].wake_by_ref();
-        live += 1;
+        tasks.spawn(usize::from(tag), serve_tag(q, tag, dev, geo, &stats));
     }
-    kick.arm()?;
-    let mut batch = Vec::with_capacity(depth);
+    arm(tasks.wakeup())?;
     loop {
-        loop {
-            kick.take(&mut batch);
-            if batch.is_empty() {
-                break;
-            }
-            for &tag in &batch {
-                let t = usize::from(tag);
-                // Cleared before polling: a wake during the poll queues it again.
-                wakes[t].queued.store(false, Ordering::Release);
-                let Some(task) = tasks[t].as_mut() else {
-                    continue;
-                };
-                if task
-                    .as_mut()
-                    .poll(&mut Context::from_waker(&wakers[t]))
-                    .is_ready()
-                {
-                    tasks[t] = None;
-                    live -= 1;
-                }
-            }
-            batch.clear();
-        }
-        if live == 0 {
+        if tasks.run_ready() == 0 {
             tracing::info!(
                 qid = q.get_qid(),
                 requests = stats.requests.get(),
@@ -899,11 +768,10 @@ fn run_queue(
             );
             return Ok(());
         }
-        if !kick.may_sleep() {
+        let Some(waited) = tasks.sleep(|| with_task_io_ring_mut(|ring| ring.submit_and_wait(1)))
+        else {
             continue;
-        }
-        let waited = with_task_io_ring_mut(|ring| ring.submit_and_wait(1));
-        kick.woke();
+        };
         if let Err(e) = waited {
             if !matches!(
                 e.raw_os_error(),
@@ -928,8 +796,8 @@ fn run_queue(
             return Err(io::Error::other(Error::ublk("reaping completions", e)));
         }
         if rearm {
-            kick.efd.drain();
-            kick.arm()?;
+            tasks.wakeup().drain();
+            arm(tasks.wakeup())?;
         }
     }
 }
@@ -1306,36 +1174,5 @@ mod tests {
         assert_eq!(cleanup_stale(dir.path()).unwrap(), Vec::<u32>::new());
         assert!(dir.path().join("7").exists());
         assert!(!dir.path().join("4000000").exists());
-    }
-
-    #[test]
-    fn foreign_wakes_reach_the_ready_list_and_the_eventfd() {
-        let kick = Arc::new(Kick::new(4).unwrap());
-        let w = Arc::new(TagWake {
-            tag: 3,
-            queued: AtomicBool::new(false),
-            kick: kick.clone(),
-        });
-        assert!(kick.may_sleep());
-        let waker = Waker::from(w.clone());
-        std::thread::spawn(move || {
-            waker.wake_by_ref();
-            waker.wake();
-        })
-        .join()
-        .unwrap();
-        let mut out = Vec::new();
-        kick.take(&mut out);
-        assert_eq!(out, vec![3]);
-        let mut n = 0u64;
-        // SAFETY: reads 8 bytes into a u64 from the test's eventfd.
-        let r = unsafe { libc::read(kick.efd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
-        assert_eq!((r, n), (8, 1));
-        // Awake: further wakes only queue.
-        w.queued.store(false, Ordering::Release);
-        w.wake_by_ref();
-        // SAFETY: as above.
-        let r = unsafe { libc::read(kick.efd.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
-        assert_eq!(r, -1);
     }
 }
