@@ -6,6 +6,7 @@ mod common;
 
 use common::nodes::*;
 use common::{MIB, READER};
+use nvpool_initiator::exec::block_on;
 use nvpool_initiator::{Controller, Device};
 use serde_json::{json, Value};
 
@@ -78,7 +79,7 @@ fn attach_exports_every_extent_to_that_host_alone() {
     assert_eq!(info.size_bytes(), MIB);
     let dev = Device::open(ctrl.clone(), nsid, 1).unwrap();
     let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 3) as u8).collect();
-    let (r, _) = Device::block_on(dev.write(4096, data.clone(), true));
+    let (r, _) = block_on(dev.write(4096, data.clone(), true));
     r.unwrap();
     let on_disk = read_file_at(&node.device, e0["offset"].as_u64().unwrap() + 4096, 8192);
     assert_eq!(on_disk, data);

@@ -9,7 +9,8 @@ mod common;
 use common::nodes::*;
 use common::MIB;
 use nvpool_control::rest::AttachmentOut;
-use nvpool_initiator::{Device, Volume, VolumeOptions};
+use nvpool_initiator::exec::block_on;
+use nvpool_initiator::{Volume, VolumeOptions};
 use nvpool_wire::dhchap::{Keys, Secret};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -83,7 +84,7 @@ fn targets_exporting_to_a_host_make_it_authenticate_with_the_keys_the_control_pl
     assert!(open(&a, Some(&wrong)).is_err(), "a wrong secret got in");
     let v = open(&a, Some(&k1)).unwrap();
     let data = vec![0x5a; 4096];
-    let (r, _) = Device::block_on(v.write(8192, data.clone(), false));
+    let (r, _) = block_on(v.write(8192, data.clone(), false));
     r.unwrap();
     drop(v);
 
@@ -115,7 +116,7 @@ fn targets_exporting_to_a_host_make_it_authenticate_with_the_keys_the_control_pl
     assert_eq!(out["rollout"]["pending"], json!([]), "{out}");
     assert!(open(&a, Some(&k1)).is_err(), "the old secret still works");
     let v = open(&a, Some(&k2)).unwrap();
-    let (r, back) = Device::block_on(v.read(8192, vec![0; 4096]));
+    let (r, back) = block_on(v.read(8192, vec![0; 4096]));
     r.unwrap();
     assert_eq!(back, data);
     drop(v);

@@ -15,6 +15,7 @@ use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::failover;
 use nvpool_control::paths::{owner_host_nqn, volume_subsystem_nqn};
 use nvpool_control::Uuid;
+use nvpool_initiator::exec::block_on;
 use nvpool_initiator::{Controller, Device};
 use nvpool_target::register::{ControlPlaneUrl, RegistrationConfig};
 use nvpool_target::served::{ControlPlaneSource, LeaseKeeper};
@@ -324,10 +325,8 @@ fn an_owner_nqn_reaches_no_extent_without_the_keys_its_target_was_given() {
     let ctrl = Controller::connect(params(node_of(c, &owner).addr, &served_nqn, HOST_A)).unwrap();
     let dev = Device::open(ctrl, 1, 1).unwrap();
     let data: Vec<u8> = (0..65536u32).map(|i| (i * 7) as u8).collect();
-    Device::block_on(dev.write(4096, data.clone(), false))
-        .0
-        .unwrap();
-    let (r, back) = Device::block_on(dev.read(4096, vec![0; data.len()]));
+    block_on(dev.write(4096, data.clone(), false)).0.unwrap();
+    let (r, back) = block_on(dev.read(4096, vec![0; data.len()]));
     r.unwrap();
     assert_eq!(back, data);
 

@@ -12,6 +12,7 @@ use nvpool_control::attach::host_subsystem_nqn;
 use nvpool_control::failover;
 use nvpool_control::paths::{owner_host_nqn, volume_subsystem_nqn};
 use nvpool_control::Uuid;
+use nvpool_initiator::exec::block_on;
 use nvpool_initiator::{Controller, Device, IoError};
 use nvpool_target::register::{ControlPlaneUrl, RegistrationConfig};
 use nvpool_target::served::{ControlPlaneSource, LeaseKeeper};
@@ -74,11 +75,11 @@ fn connect(n: &Node, vol: &str) -> (Arc<Controller>, Device) {
 }
 
 fn write(dev: &Device, off: u64, data: &[u8]) -> Result<(), IoError> {
-    Device::block_on(dev.write(off, data.to_vec(), false)).0
+    block_on(dev.write(off, data.to_vec(), false)).0
 }
 
 fn read(dev: &Device, off: u64, len: usize) -> Result<Vec<u8>, IoError> {
-    let (r, buf) = Device::block_on(dev.read(off, vec![0; len]));
+    let (r, buf) = block_on(dev.read(off, vec![0; len]));
     r.map(|()| buf)
 }
 

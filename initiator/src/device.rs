@@ -648,11 +648,6 @@ impl Device {
             .run(self.info.nsid, op, lba, blocks, fua, buf, None)
             .await
     }
-
-    /// Blocking helpers for threads that are not async (FUSE, ublk queues).
-    pub fn block_on<F: Future>(f: F) -> F::Output {
-        block_on(f)
-    }
 }
 
 struct Wait<'a> {
