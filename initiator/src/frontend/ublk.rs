@@ -797,7 +797,11 @@ fn run_queue(q: &UblkQueue<'_>, dev: &dyn BlockDev, geo: Geometry) -> io::Result
         }
         if rearm {
             tasks.wakeup().drain();
-            arm(tasks.wakeup())?;
+            if let Err(e) = arm(tasks.wakeup()) {
+                // As above: the tags' commands are with the kernel.
+                std::mem::forget(tasks);
+                return Err(e);
+            }
         }
     }
 }
