@@ -1,7 +1,8 @@
 //! Bodies of a target's admin API (`nvpool-target --admin-listen`),
 //! declared once: the control plane sends the requests (`program.rs`) and
 //! the target reads them (its `api.rs`) and answers with the replies here.
-//! Plain data, checked by the target.
+//! Plain data, checked by the target, which keeps [`DhchapKeys`] as they
+//! came, in its config and state files too.
 //!
 //! Keys absent from a body take the target's defaults, so the fields a
 //! caller leaves empty are left out of the JSON rather than sent as
@@ -11,37 +12,59 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// One host's DH-HMAC-CHAP keys as a target is given them (`PUT
-/// …/hosts/{host}`, a subsystem's `host_keys`, an owner's `owner_keys`).
-/// The secrets are `DHHC-1:XX:…:` strings; `Debug` shows none of them.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// …/hosts/{host}`, a subsystem's `host_keys`, an owner's `owner_keys`, a
+/// copy's `source.dhchap`) and keeps them (its config and state files).
+/// `key_id` is checked where the keys are parsed (the target's
+/// `config::policy`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DhchapKeys {
     /// The host's secret (`nvme connect --dhchap-secret`).
-    pub dhchap_key: String,
-    /// The controller's secret, for bidirectional authentication.
+    pub dhchap_key: SecretText,
+    /// The controller's secret, for bidirectional authentication
+    /// (`--dhchap-ctrl-secret`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dhchap_ctrl_key: Option<String>,
+    pub dhchap_ctrl_key: Option<SecretText>,
     /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_hash: Option<String>,
-    /// `null` (the default) or `ffdhe2048` … `ffdhe8192`.
+    /// `null` (the default, as nvmet) or `ffdhe2048` … `ffdhe8192`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_dhgroup: Option<String>,
     /// A label for this version of the keys, not secret: the target shows
     /// it back, so whoever set the keys can tell whether it holds the
-    /// current ones.
+    /// current ones without reading secrets.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_id: Option<String>,
 }
 
-impl std::fmt::Debug for DhchapKeys {
+/// A secret's `DHHC-1:XX:…:` text. Parsed only where it is used, so that
+/// a parse error never quotes the line holding it; hidden from `Debug`
+/// and wiped when dropped.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SecretText(String);
+
+impl SecretText {
+    pub fn new(text: String) -> SecretText {
+        SecretText(text)
+    }
+
+    /// The text itself: only for parsing it or sending it on.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for SecretText {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DhchapKeys")
-            .field("bidirectional", &self.dhchap_ctrl_key.is_some())
-            .field("dhchap_hash", &self.dhchap_hash)
-            .field("dhchap_dhgroup", &self.dhchap_dhgroup)
-            .field("key_id", &self.key_id)
-            .finish_non_exhaustive()
+        f.write_str("<redacted>")
+    }
+}
+
+impl Drop for SecretText {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
     }
 }
 
@@ -88,6 +111,39 @@ pub struct StartCopyBody {
     /// Region indexes to copy; null (or absent) = every region.
     #[serde(default)]
     pub regions: Option<Vec<u32>>,
+}
+
+/// Where a copy job reads from: a namespace of another target that exports
+/// the healthy copy of the extent to the destination target's copier host
+/// NQN.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CopySource {
+    /// NVMe/TCP listener, `ADDR:PORT`.
+    pub addr: String,
+    pub subsystem_nqn: String,
+    pub nsid: u32,
+    /// The host NQN the copier connects as.
+    pub host_nqn: String,
+    /// DH-HMAC-CHAP keys the copier authenticates with as `host_nqn` (the
+    /// control plane draws them and the source target requires them);
+    /// write-only, never shown or logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap: Option<DhchapKeys>,
+}
+
+/// `PUT /v1/copies/{id}`: arms a copy job on the destination's target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CopyRequest {
+    /// The destination: a `file:PATH,offset=O,length=L` backend spec.
+    pub dest: String,
+    pub source: CopySource,
+    /// Size of the regions `start` selects by index.
+    pub region_bytes: u64,
+    /// Throttle; 0 = unthrottled.
+    #[serde(default)]
+    pub rate_bytes_per_sec: u64,
 }
 
 /// Where a copy job stands.
@@ -153,7 +209,7 @@ mod tests {
     #[test]
     fn bodies_are_the_json_targets_have_always_been_sent() {
         let keys = DhchapKeys {
-            dhchap_key: "DHHC-1:00:k:".into(),
+            dhchap_key: SecretText::new("DHHC-1:00:k:".into()),
             dhchap_ctrl_key: None,
             dhchap_hash: Some("sha256".into()),
             dhchap_dhgroup: None,
@@ -195,6 +251,37 @@ mod tests {
         assert_eq!(
             serde_json::to_value(&start).unwrap(),
             json!({"regions": null})
+        );
+        let copy = CopyRequest {
+            dest: "file:/d,offset=0,length=4096".into(),
+            source: CopySource {
+                addr: "10.0.0.1:4420".into(),
+                subsystem_nqn: "nqn.s".into(),
+                nsid: 3,
+                host_nqn: "nqn.h".into(),
+                dhchap: Some(keys.clone()),
+            },
+            region_bytes: 1 << 20,
+            rate_bytes_per_sec: 0,
+        };
+        assert_eq!(
+            serde_json::to_value(&copy).unwrap(),
+            json!({
+                "dest": "file:/d,offset=0,length=4096",
+                "source": {
+                    "addr": "10.0.0.1:4420",
+                    "subsystem_nqn": "nqn.s",
+                    "nsid": 3,
+                    "host_nqn": "nqn.h",
+                    "dhchap": {
+                        "dhchap_key": "DHHC-1:00:k:",
+                        "dhchap_hash": "sha256",
+                        "key_id": "v1",
+                    },
+                },
+                "region_bytes": 1048576,
+                "rate_bytes_per_sec": 0,
+            })
         );
     }
 }

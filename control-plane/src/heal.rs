@@ -40,6 +40,7 @@ use crate::plan::RESYNC_REGION_BYTES;
 use crate::program::{ensure_exports, Added, ProgramError, TargetAdmin};
 use crate::resync::{copier_export, copier_nqn, CopyJob, CopyKind, JobState};
 use crate::state::{Cluster, StateError};
+use nvpool_api::admin::{CopyRequest, CopySource, CopyState};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -302,18 +303,21 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
             let device = dest_target.device(&dest.device).ok_or_else(|| {
                 StepError::Other(format!("device {} is no longer registered", dest.device))
             })?;
-            let body = serde_json::json!({
-                "dest": format!("{},offset={},length={}", device.backend, dest.offset, dest.length),
-                "source": {
-                    "addr": src_target.addr.to_string(),
-                    "subsystem_nqn": host_subsystem_nqn(&copier_nqn(&dest.target)),
-                    "nsid": job.copier_nsid,
-                    "host_nqn": copier_nqn(&dest.target),
-                    "dhchap": crate::program::target_keys(&copier_keys),
+            let body = CopyRequest {
+                dest: format!(
+                    "{},offset={},length={}",
+                    device.backend, dest.offset, dest.length
+                ),
+                source: CopySource {
+                    addr: src_target.addr.to_string(),
+                    subsystem_nqn: host_subsystem_nqn(&copier_nqn(&dest.target)),
+                    nsid: job.copier_nsid,
+                    host_nqn: copier_nqn(&dest.target),
+                    dhchap: Some(crate::program::dhchap_keys(&copier_keys)),
                 },
-                "region_bytes": RESYNC_REGION_BYTES,
-                "rate_bytes_per_sec": cfg.rate_bytes_per_sec,
-            });
+                region_bytes: RESYNC_REGION_BYTES,
+                rate_bytes_per_sec: cfg.rate_bytes_per_sec,
+            };
             let admin = TargetAdmin::new(cluster, &dest_target)?;
             // Earlier jobs of this volume the target still holds (their
             // cleanup did not reach it) would refuse the range: they are
@@ -360,23 +364,22 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 .ok_or_else(|| {
                     StepError::Other("the target forgot the copy (it restarted)".into())
                 })?;
-            match st.state.as_str() {
-                "done" if job.moves() => {
+            match st.state {
+                CopyState::Done if job.moves() => {
                     cluster.job_switching(&v.uuid, job.id)?;
                     tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
                         bytes = st.bytes_copied, "new extent filled; hosts switch to it");
                 }
-                "done" => {
+                CopyState::Done => {
                     cluster.finish_job(&v.uuid, job.id, None)?;
                     tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
                         bytes = st.bytes_copied, "copy in sync");
                     cleanup(cluster, v, job);
                 }
-                "failed" | "cancelled" => {
-                    return Err(StepError::Other(
-                        st.error
-                            .unwrap_or_else(|| format!("the copier stopped ({})", st.state)),
-                    ))
+                CopyState::Failed | CopyState::Cancelled => {
+                    return Err(StepError::Other(st.error.unwrap_or_else(|| {
+                        format!("the copier stopped ({})", st.state.name())
+                    })))
                 }
                 _ => cluster.job_progress(&v.uuid, job.id, st.bytes_copied)?,
             }

@@ -27,7 +27,8 @@ use crate::model::{Target, Uuid};
 use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
 use crate::state::{Cluster, HostKeys, StateError};
 use nvpool_api::admin::{
-    AnaStateBody, DhchapKeys, Identity, NamespaceBody, StartCopyBody, SubsystemAccess,
+    AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, SecretText,
+    StartCopyBody, SubsystemAccess,
 };
 use nvpool_api::client::{segment, Client, ClientError, NO_BODY};
 use nvpool_api::http::{Call, NoAnswer};
@@ -103,9 +104,10 @@ pub(crate) fn held_key_id<'a>(
 
 /// What a target is told about `host`'s keys.
 pub(crate) fn dhchap_keys(k: &HostKeys) -> DhchapKeys {
+    let text = |s: &crate::rest::Secret| SecretText::new(s.expose().to_owned());
     DhchapKeys {
-        dhchap_key: k.dhchap_key.expose().to_owned(),
-        dhchap_ctrl_key: k.dhchap_ctrl_key.as_ref().map(|c| c.expose().to_owned()),
+        dhchap_key: text(&k.dhchap_key),
+        dhchap_ctrl_key: k.dhchap_ctrl_key.as_ref().map(text),
         dhchap_hash: k.dhchap_hash.clone(),
         dhchap_dhgroup: k.dhchap_dhgroup.clone(),
         key_id: Some(k.key_id.clone()),
@@ -121,16 +123,6 @@ pub(crate) fn target_keys(k: &HostKeys) -> serde_json::Value {
 struct NamespaceState {
     nsid: u32,
     backend: String,
-}
-
-/// A copy job as the target's admin API reports it.
-#[derive(Debug, Clone, Deserialize)]
-pub(crate) struct CopyStatus {
-    pub id: String,
-    pub state: String,
-    pub bytes_copied: u64,
-    #[serde(default)]
-    pub error: Option<String>,
 }
 
 /// A client of one target's admin API, presenting the token the target
@@ -462,7 +454,7 @@ impl TargetAdmin {
     }
 
     /// Arms copy job `id` (idempotent for the same body).
-    pub(crate) fn arm_copy(&self, id: &str, body: &serde_json::Value) -> Result<(), ProgramError> {
+    pub(crate) fn arm_copy(&self, id: &str, body: &CopyRequest) -> Result<(), ProgramError> {
         let path = format!("/v1/copies/{}", segment(id));
         self.change(Method::PUT, &path, Some(body), &format!("arming copy {id}"))
             .map(drop)

@@ -133,7 +133,7 @@ fn targets_exporting_to_a_host_make_it_authenticate_with_the_keys_the_control_pl
     // A target that holds other keys (changed behind the control plane's
     // back, or missed a rollout) gets the cluster's again on reconcile.
     let n0 = &c.nodes[0];
-    let other = nvpool_target::config::HostKeyConfig {
+    let other = nvpool_target::config::DhchapKeys {
         dhchap_key: nvpool_target::config::SecretText::new(secret(7).to_dhhc()),
         dhchap_ctrl_key: None,
         dhchap_hash: None,

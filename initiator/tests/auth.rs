@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use nvpool_initiator::{Controller, Error};
-use nvpool_target::config::{HostKeyConfig, SecretText};
+use nvpool_target::config::{DhchapKeys, SecretText};
 use nvpool_wire::dhchap::{AuthError, DhGroup, HashId, Keys, Secret};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ fn target(ctrl: Option<&Secret>, hash: HashId, group: DhGroup) -> Tgt {
     let mut s = subsystem(SUBNQN, &[HOST_A], &[(1, RAM_SPEC)]);
     s.host_keys = BTreeMap::from([(
         HOST_A.to_owned(),
-        HostKeyConfig {
+        DhchapKeys {
             dhchap_key: SecretText::new(host_secret().to_dhhc()),
             dhchap_ctrl_key: ctrl.map(|c| SecretText::new(c.to_dhhc())),
             dhchap_hash: Some(hash.name().into()),

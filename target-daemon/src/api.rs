@@ -37,10 +37,8 @@
 //! which live in memory only (copier.rs).
 
 use crate::auth::AdminTokens;
-use crate::config::{
-    AnaConfig, AnaState, HostKeyConfig, NamespaceConfig, SecretText, SubsystemConfig,
-};
-use crate::copier::{CopyError, CopyRequest, CopyStatus};
+use crate::config::{AnaConfig, AnaState, NamespaceConfig, SubsystemConfig};
+use crate::copier::CopyError;
 use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
 use crate::target::{Target, TargetError};
@@ -51,7 +49,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
-use nvpool_api::admin::{AnaStateBody, DhchapKeys, Identity, NamespaceBody, StartCopyBody};
+use nvpool_api::admin::{
+    AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, StartCopyBody,
+};
 use nvpool_api::serve::{Peer, ServerThread};
 use nvpool_api::tls::ServerTls;
 use serde::{Deserialize, Serialize};
@@ -503,7 +503,7 @@ struct SubsystemBody {
     #[serde(default)]
     allow_any_host: bool,
     #[serde(default)]
-    host_keys: BTreeMap<String, HostKeyConfig>,
+    host_keys: BTreeMap<String, DhchapKeys>,
     serial: Option<String>,
     model: Option<String>,
     ana: Option<AnaConfig>,
@@ -587,7 +587,6 @@ async fn put_host(
     Path((nqn, host)): Path<(String, String)>,
     OptionalJsonBody(keys): OptionalJsonBody<DhchapKeys>,
 ) -> Result<Json<SubsystemView>, ApiError> {
-    let keys = keys.map(host_key_config);
     let t = api.target.clone();
     let n = nqn.clone();
     blocking(move || t.allow_host_with_keys(&n, &host, keys.as_ref())).await?;
@@ -601,18 +600,6 @@ async fn delete_host(
     let t = api.target.clone();
     blocking(move || t.disallow_host(&nqn, &host)).await?;
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// Keys as the admin API takes them, as the target keeps them (the
-/// secrets move, never copied).
-fn host_key_config(k: DhchapKeys) -> HostKeyConfig {
-    HostKeyConfig {
-        dhchap_key: SecretText::new(k.dhchap_key),
-        dhchap_ctrl_key: k.dhchap_ctrl_key.map(SecretText::new),
-        dhchap_hash: k.dhchap_hash,
-        dhchap_dhgroup: k.dhchap_dhgroup,
-        key_id: k.key_id,
-    }
 }
 
 async fn put_ana(
@@ -629,8 +616,7 @@ async fn put_ana(
     let t = api.target.clone();
     let n = nqn.clone();
     // Activating or deactivating backends may take a while: off the runtime.
-    let keys = b.owner_keys.map(host_key_config);
-    blocking(move || t.set_ana_state_owning(&n, state, keys.as_ref())).await?;
+    blocking(move || t.set_ana_state_owning(&n, state, b.owner_keys.as_ref())).await?;
     get_subsystem(State(api), Path(nqn)).await
 }
 

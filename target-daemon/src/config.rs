@@ -100,7 +100,7 @@ pub struct SubsystemConfig {
     /// every queue (NVMe in-band authentication) whether it is admitted by
     /// `allowed_hosts` or by `allow_any_host`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub host_keys: BTreeMap<String, HostKeyConfig>,
+    pub host_keys: BTreeMap<String, DhchapKeys>,
     /// Serial number reported in Identify (default derived from the NQN).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
@@ -116,105 +116,56 @@ pub struct SubsystemConfig {
     pub namespaces: Vec<NamespaceConfig>,
 }
 
-/// The longest [`HostKeyConfig::key_id`].
+/// The longest [`DhchapKeys::key_id`].
 pub const KEY_ID_BYTES_MAX: usize = 64;
 
-/// One host's DH-HMAC-CHAP settings. The secrets are `DHHC-1:XX:…:`
-/// strings; they are kept in the config and state files (mode 0600) and
-/// never logged, shown by Debug or returned by the admin API.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct HostKeyConfig {
-    /// The host's secret (`nvme connect --dhchap-secret`).
-    pub dhchap_key: SecretText,
-    /// The controller's secret, for bidirectional authentication
-    /// (`--dhchap-ctrl-secret`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dhchap_ctrl_key: Option<SecretText>,
-    /// `sha256`, `sha384` or `sha512`; default: the strongest the host offers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dhchap_hash: Option<String>,
-    /// `null` (the default, as nvmet) or `ffdhe2048` … `ffdhe8192`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dhchap_dhgroup: Option<String>,
-    /// A label for this version of the keys, not secret: shown by the
-    /// admin API so that whoever set the keys (the control plane) can tell
-    /// whether the target holds the current ones without reading secrets.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub key_id: Option<String>,
-}
+/// A host's DH-HMAC-CHAP keys, as the config and state files (mode 0600)
+/// hold them and the admin API takes them: the secrets are never logged,
+/// shown by Debug or returned by the admin API.
+pub use nvpool_api::admin::{DhchapKeys, SecretText};
 
-/// A secret's `DHHC-1` text as configured. Parsed by
-/// [`HostKeyConfig::policy`] (not while the file is read, so that a parse
-/// error never quotes the line holding it); hidden from Debug and wiped
-/// when dropped.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct SecretText(String);
-
-impl SecretText {
-    pub fn new(text: String) -> SecretText {
-        SecretText(text)
-    }
-}
-
-impl std::fmt::Debug for SecretText {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-impl Drop for SecretText {
-    fn drop(&mut self) {
-        zeroize::Zeroize::zeroize(&mut self.0);
-    }
-}
-
-impl HostKeyConfig {
-    /// The controller's policy for this host.
-    pub fn policy(&self) -> Result<CtrlPolicy, ConfigError> {
-        let secret = |t: &SecretText, which: &str| {
-            t.0.parse::<Secret>()
-                .map_err(|e| ConfigError::Invalid(format!("{which}: {e}")))
-        };
-        let hash = match &self.dhchap_hash {
-            None => None,
-            Some(h) => Some(HashId::from_name(h).ok_or_else(|| {
-                ConfigError::Invalid(format!(
-                    "dhchap_hash {h:?}: expected sha256, sha384 or sha512"
-                ))
-            })?),
-        };
-        let dhgroup = match &self.dhchap_dhgroup {
-            None => DhGroup::Null,
-            Some(g) => DhGroup::from_name(g).ok_or_else(|| {
-                ConfigError::Invalid(format!(
-                    "dhchap_dhgroup {g:?}: expected null or ffdhe2048, 3072, 4096, 6144, 8192"
-                ))
-            })?,
-        };
-        if let Some(id) = &self.key_id {
-            if id.is_empty()
-                || id.len() > KEY_ID_BYTES_MAX
-                || !id.bytes().all(|b| b.is_ascii_graphic())
-            {
-                return Err(ConfigError::Invalid(format!(
-                    "key_id: 1..={KEY_ID_BYTES_MAX} visible ASCII characters"
-                )));
-            }
+/// The controller's policy for a host with keys `k`: where the secrets and
+/// `key_id` are checked.
+pub fn policy(k: &DhchapKeys) -> Result<CtrlPolicy, ConfigError> {
+    let secret = |t: &SecretText, which: &str| {
+        t.expose()
+            .parse::<Secret>()
+            .map_err(|e| ConfigError::Invalid(format!("{which}: {e}")))
+    };
+    let hash = match &k.dhchap_hash {
+        None => None,
+        Some(h) => Some(HashId::from_name(h).ok_or_else(|| {
+            ConfigError::Invalid(format!(
+                "dhchap_hash {h:?}: expected sha256, sha384 or sha512"
+            ))
+        })?),
+    };
+    let dhgroup = match &k.dhchap_dhgroup {
+        None => DhGroup::Null,
+        Some(g) => DhGroup::from_name(g).ok_or_else(|| {
+            ConfigError::Invalid(format!(
+                "dhchap_dhgroup {g:?}: expected null or ffdhe2048, 3072, 4096, 6144, 8192"
+            ))
+        })?,
+    };
+    if let Some(id) = &k.key_id {
+        if id.is_empty() || id.len() > KEY_ID_BYTES_MAX || !id.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err(ConfigError::Invalid(format!(
+                "key_id: 1..={KEY_ID_BYTES_MAX} visible ASCII characters"
+            )));
         }
-        Ok(CtrlPolicy {
-            keys: Keys {
-                host: secret(&self.dhchap_key, "dhchap_key")?,
-                ctrl: match &self.dhchap_ctrl_key {
-                    Some(t) => Some(secret(t, "dhchap_ctrl_key")?),
-                    None => None,
-                },
-            },
-            hash,
-            dhgroup,
-        })
     }
+    Ok(CtrlPolicy {
+        keys: Keys {
+            host: secret(&k.dhchap_key, "dhchap_key")?,
+            ctrl: (k.dhchap_ctrl_key.as_ref())
+                .map(|t| secret(t, "dhchap_ctrl_key"))
+                .transpose()?,
+        },
+        hash,
+        dhgroup,
+    })
 }
 
 /// The ANA settings of a subsystem on this target: its one ANA group's
@@ -381,8 +332,7 @@ impl Config {
             }
             for (h, k) in &s.host_keys {
                 validate_nqn(h)?;
-                k.policy()
-                    .map_err(|e| ConfigError::Invalid(format!("{}: host {h}: {e}", s.nqn)))?;
+                policy(k).map_err(|e| ConfigError::Invalid(format!("{}: host {h}: {e}", s.nqn)))?;
             }
             if let Some(m) = &s.model {
                 if m.is_empty()

@@ -48,10 +48,9 @@ use crate::backend::{AlignedBuf, Backend, BackendError, BackendSpec, DeviceExten
 use crate::limits;
 use crate::sync::{Admit, SyncGuard};
 use arc_swap::ArcSwap;
-pub use nvpool_api::admin::{CopyState, CopyStatus};
+pub use nvpool_api::admin::{CopyRequest, CopySource, CopyState, CopyStatus};
 use nvpool_initiator::{ConnectParams, Controller, IoQueue, Op, Request};
 use nvpool_wire::tcp::Digests;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -149,40 +148,6 @@ impl GuardRegistry {
         self.list.store(Arc::new(v));
         self.armed.store(n, Ordering::Release);
     }
-}
-
-// ----- the admin API's bodies -----
-
-/// Where a copy job reads from: a namespace of another target that exports
-/// the healthy copy of the extent to this target's copier host NQN.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CopySource {
-    /// NVMe/TCP listener, `ADDR:PORT`.
-    pub addr: String,
-    pub subsystem_nqn: String,
-    pub nsid: u32,
-    /// The host NQN the copier connects as.
-    pub host_nqn: String,
-    /// DH-HMAC-CHAP keys the copier authenticates with as `host_nqn` (the
-    /// control plane draws them and the source target requires them);
-    /// write-only, never shown or logged.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dhchap: Option<crate::config::HostKeyConfig>,
-}
-
-/// Body of `PUT /v1/copies/{id}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CopyRequest {
-    /// The destination: a `file:PATH,offset=O,length=L` backend spec.
-    pub dest: String,
-    pub source: CopySource,
-    /// Size of the regions `start` selects by index.
-    pub region_bytes: u64,
-    /// Throttle; 0 = unthrottled.
-    #[serde(default)]
-    pub rate_bytes_per_sec: u64,
 }
 
 /// Why a copy request was refused.
@@ -370,8 +335,7 @@ fn validate_request(req: &CopyRequest) -> Result<SocketAddr, CopyError> {
         .map_err(|e| invalid(format!("source.host_nqn: {e}")))?;
     if let Some(k) = &req.source.dhchap {
         // The error names the field, never the secret.
-        k.policy()
-            .map_err(|e| invalid(format!("source.dhchap: {e}")))?;
+        crate::config::policy(k).map_err(|e| invalid(format!("source.dhchap: {e}")))?;
     }
     if req.source.nsid == 0 || req.source.nsid == u32::MAX {
         return Err(invalid(format!(
@@ -737,9 +701,8 @@ fn connect_source(job: &Job) -> Result<(Arc<Controller>, IoQueue, u32), Stop> {
     p.hostnqn.clone_from(&s.host_nqn);
     p.hostid = crate::target::derive_uuid(&[0; 16], &s.host_nqn, 0);
     if let Some(k) = &s.dhchap {
-        let policy = k
-            .policy()
-            .map_err(|e| Stop::Failed(format!("source.dhchap: {e}")))?;
+        let policy =
+            crate::config::policy(k).map_err(|e| Stop::Failed(format!("source.dhchap: {e}")))?;
         p.dhchap = Some(Arc::new(policy.keys));
     }
     // The copy becomes the authoritative data: check it on the wire.
@@ -990,7 +953,7 @@ mod tests {
         assert!(bad(&|r| r.source.host_nqn = "host".into()).contains("host_nqn"));
         assert!(bad(&|r| r.source.nsid = 0).contains("nsid"));
         let e = bad(&|r| {
-            r.source.dhchap = Some(crate::config::HostKeyConfig {
+            r.source.dhchap = Some(crate::config::DhchapKeys {
                 dhchap_key: crate::config::SecretText::new("DHHC-1:00:not-base64-secret:".into()),
                 dhchap_ctrl_key: None,
                 dhchap_hash: None,

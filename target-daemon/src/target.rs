@@ -17,7 +17,7 @@
 use crate::backend::{Backend, BackendSpec, DeviceExtent, VolumeContext, VolumeSource};
 use crate::bufpool::{BudgetTooSmall, BufFigures, BufStats};
 use crate::config::{
-    self, AnaConfig, AnaState, Config, ConfigError, HostKeyConfig, NamespaceConfig, SubsystemConfig,
+    self, AnaConfig, AnaState, Config, ConfigError, DhchapKeys, NamespaceConfig, SubsystemConfig,
 };
 use crate::controller::Controller;
 use crate::copier::Copies;
@@ -71,14 +71,14 @@ pub struct Subsystem {
 /// as the queues use them.
 #[derive(Debug, Clone)]
 pub struct HostAuth {
-    pub config: HostKeyConfig,
+    pub config: DhchapKeys,
     pub policy: Arc<CtrlPolicy>,
 }
 
 impl HostAuth {
-    pub fn new(config: &HostKeyConfig) -> Result<HostAuth, ConfigError> {
+    pub fn new(config: &DhchapKeys) -> Result<HostAuth, ConfigError> {
         Ok(HostAuth {
-            policy: Arc::new(config.policy()?),
+            policy: Arc::new(config::policy(config)?),
             config: config.clone(),
         })
     }
@@ -653,7 +653,7 @@ impl Target {
         &self,
         nqn: &str,
         state: AnaState,
-        owner_keys: Option<&HostKeyConfig>,
+        owner_keys: Option<&DhchapKeys>,
     ) -> Result<(), TargetError> {
         let keys = owner_keys.map(HostAuth::new).transpose()?;
         if self.subsystem(nqn).is_none() {
@@ -817,7 +817,7 @@ impl Target {
         &self,
         nqn: &str,
         hostnqn: &str,
-        keys: Option<&HostKeyConfig>,
+        keys: Option<&DhchapKeys>,
     ) -> Result<(), TargetError> {
         config::validate_nqn(hostnqn)?;
         let auth = keys.map(HostAuth::new).transpose()?;

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use nvpool_target::config::{HostKeyConfig, SecretText};
+use nvpool_target::config::{DhchapKeys, SecretText};
 use nvpool_wire::auth::{self, AuthCmd, Message};
 use nvpool_wire::dhchap::{HashId, HostAuth, HostOffer, HostStep, Keys, Secret, RANDOM_BYTES};
 use nvpool_wire::fabrics::{fctype, prop};
@@ -26,8 +26,8 @@ fn ctrl_secret() -> Secret {
     Secret::new(&[0x62; 48], Some(HashId::Sha384)).unwrap()
 }
 
-fn key_config(ctrl: bool, dhgroup: &str) -> HostKeyConfig {
-    HostKeyConfig {
+fn key_config(ctrl: bool, dhgroup: &str) -> DhchapKeys {
+    DhchapKeys {
         dhchap_key: SecretText::new(host_secret().to_dhhc()),
         dhchap_ctrl_key: ctrl.then(|| SecretText::new(ctrl_secret().to_dhhc())),
         dhchap_hash: None,
