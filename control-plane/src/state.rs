@@ -59,7 +59,7 @@ use crate::placement::{
     DEFAULT_FAILURE_DOMAIN_LABEL,
 };
 use crate::rest::{CapacityOut, Secret};
-use crate::resync::{CopyState, COPY_STATE};
+use crate::resync::{copy_state_key, CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -563,6 +563,33 @@ fn decode_at<T: crate::model::Stored>(
     })
 }
 
+/// Files the record `kv` holds in `map`, under the index `own` gives it
+/// along with the key the record belongs at: a record under another
+/// record's key is as corrupt as garbage.
+fn file<K: Ord, T: crate::model::Stored>(
+    map: &mut BTreeMap<K, Versioned<T>>,
+    what: &'static str,
+    kv: &crate::store::KeyValue,
+    own: impl FnOnce(&T) -> (K, String),
+) -> Result<(), StateError> {
+    let value = decode_at(what, &kv.key, &kv.value)?;
+    let (index, at) = own(&value);
+    if at != kv.key {
+        return Err(StateError::Corrupt {
+            key: kv.key.clone(),
+            source: ModelError::Invalid(format!("the key holds the {what} that belongs at {at}")),
+        });
+    }
+    map.insert(
+        index,
+        Versioned {
+            value,
+            version: kv.version,
+        },
+    );
+    Ok(())
+}
+
 /// Adds to a registration of `target` the conditions and ops that keep
 /// addresses unique: refused when another target's record has one of its
 /// addresses (records older than the index included), else the index
@@ -900,85 +927,55 @@ impl Cluster {
             revision: listing.revision,
             ..Snapshot::default()
         };
-        for kv in listing.entries {
+        for kv in &listing.entries {
             let k = kv.key.as_str();
-            let version = kv.version;
-            // A record under another record's key is as corrupt as garbage.
-            let misfiled = |what: String| StateError::Corrupt {
-                key: k.to_owned(),
-                source: ModelError::Invalid(format!("the key holds {what}")),
-            };
-            if let Some(id) = k.strip_prefix(keys::TARGETS) {
-                let value: Target = decode_at("target", k, &kv.value)?;
-                if value.id != id {
-                    return Err(misfiled(format!("target {}", value.id)));
-                }
-                s.targets
-                    .insert(id.to_owned(), Versioned { value, version });
-            } else if let Some(name) = k.strip_prefix(keys::POOLS) {
-                let value: Pool = decode_at("pool", k, &kv.value)?;
-                if value.name != name {
-                    return Err(misfiled(format!("pool {}", value.name)));
-                }
-                s.pools
-                    .insert(name.to_owned(), Versioned { value, version });
+            if k.starts_with(keys::TARGETS) {
+                file(&mut s.targets, "target", kv, |t| {
+                    (t.id.clone(), keys::target(&t.id))
+                })?;
+            } else if k.starts_with(keys::POOLS) {
+                file(&mut s.pools, "pool", kv, |p| {
+                    (p.name.clone(), keys::pool(&p.name))
+                })?;
             } else if k.starts_with(keys::VOLUMES) {
-                let value: Volume = decode_at("volume", k, &kv.value)?;
-                if k != keys::volume(&value.uuid) {
-                    return Err(misfiled(format!("volume {}", value.uuid)));
-                }
-                s.volumes.insert(value.uuid, Versioned { value, version });
+                file(&mut s.volumes, "volume", kv, |v| {
+                    (v.uuid, keys::volume(&v.uuid))
+                })?;
             } else if k.starts_with(keys::TARGET_ADDRESSES) {
-                let value: String = decode_at("target address", k, &kv.value)?;
-                s.target_addresses
-                    .insert(k.to_owned(), Versioned { value, version });
+                file(&mut s.target_addresses, "target address", kv, |_| {
+                    (k.to_owned(), k.to_owned())
+                })?;
             } else if let Some(name) = k.strip_prefix(keys::VOLUME_NAMES) {
-                let value: Uuid = decode_at("volume name", k, &kv.value)?;
-                s.volume_names
-                    .insert(name.to_owned(), Versioned { value, version });
-            } else if let Some(rest) = k.strip_prefix(ak::ATTACHMENTS) {
-                let value: Attachment = decode_at("attachment", k, &kv.value)?;
-                if rest != format!("{}/{}", value.volume, value.host_nqn) {
-                    return Err(misfiled(format!(
-                        "the attachment of {} to {}",
-                        value.volume, value.host_nqn
-                    )));
-                }
-                s.attachments.insert(
-                    (value.volume, value.host_nqn.clone()),
-                    Versioned { value, version },
-                );
-            } else if let Some(host) = k.strip_prefix(ak::HOSTS) {
-                let value: HostRecord = decode_at("host", k, &kv.value)?;
-                if value.host_nqn != host {
-                    return Err(misfiled(format!("host {}", value.host_nqn)));
-                }
-                s.hosts
-                    .insert(host.to_owned(), Versioned { value, version });
-            } else if let Some(target) = k.strip_prefix(ak::STALE_EXPORTS) {
-                let value: StaleExports = decode_at("stale exports", k, &kv.value)?;
-                if value.target != target {
-                    return Err(misfiled(format!("stale exports of {}", value.target)));
-                }
-                s.stale_exports
-                    .insert(target.to_owned(), Versioned { value, version });
-            } else if let Some(rest) = k.strip_prefix(ak::FAILED_COPIES) {
-                let value: FailedCopies = decode_at("failed copies", k, &kv.value)?;
-                if rest != value.volume.to_string() {
-                    return Err(misfiled(format!("failed copies of {}", value.volume)));
-                }
-                s.failed_copies
-                    .insert(value.volume, Versioned { value, version });
-            } else if let Some(rest) = k.strip_prefix(COPY_STATE) {
-                let value: CopyState = decode_at("copy state", k, &kv.value)?;
-                if rest != value.volume.to_string() {
-                    return Err(misfiled(format!("copy state of {}", value.volume)));
-                }
-                s.copy_states
-                    .insert(value.volume, Versioned { value, version });
+                file(&mut s.volume_names, "volume name", kv, |_| {
+                    (name.to_owned(), k.to_owned())
+                })?;
+            } else if k.starts_with(ak::ATTACHMENTS) {
+                file(&mut s.attachments, "attachment", kv, |a| {
+                    let at = ak::attachment(&a.volume, &a.host_nqn);
+                    ((a.volume, a.host_nqn.clone()), at)
+                })?;
+            } else if k.starts_with(ak::HOSTS) {
+                file(&mut s.hosts, "host", kv, |h| {
+                    (h.host_nqn.clone(), ak::host(&h.host_nqn))
+                })?;
+            } else if k.starts_with(ak::STALE_EXPORTS) {
+                file(&mut s.stale_exports, "stale exports", kv, |x| {
+                    (x.target.clone(), ak::stale_exports(&x.target))
+                })?;
+            } else if k.starts_with(ak::FAILED_COPIES) {
+                file(&mut s.failed_copies, "failed copies", kv, |f| {
+                    (f.volume, ak::failed_copies(&f.volume))
+                })?;
+            } else if k.starts_with(COPY_STATE) {
+                file(&mut s.copy_states, "copy state", kv, |c| {
+                    (c.volume, copy_state_key(&c.volume))
+                })?;
             } else if k == keys::ALLOC_EPOCH {
                 let value: u64 = decode_at("allocation epoch", k, &kv.value)?;
-                s.alloc_epoch = Some(Versioned { value, version });
+                s.alloc_epoch = Some(Versioned {
+                    value,
+                    version: kv.version,
+                });
             }
         }
         Ok(s)
