@@ -212,14 +212,15 @@ impl DeviceOffer {
                 let bs = u64::from(block_size.unwrap_or(512));
                 size / bs * bs
             }
-            BackendSpec::File { .. } | BackendSpec::Volume { .. } | BackendSpec::Thin { .. } => spec
-                .open()
-                .map_err(|source| RegisterError::DeviceOpen {
-                    id: id.to_owned(),
-                    backend: backend.to_owned(),
-                    source,
-                })?
-                .size(),
+            BackendSpec::File { .. } | BackendSpec::Volume { .. } | BackendSpec::Thin { .. } => {
+                spec.open()
+                    .map_err(|source| RegisterError::DeviceOpen {
+                        id: id.to_owned(),
+                        backend: backend.to_owned(),
+                        source,
+                    })?
+                    .size()
+            }
         };
         Ok(DeviceOffer {
             id: id.to_owned(),

@@ -61,7 +61,10 @@ fn a_thin_namespace_takes_space_where_written_and_keeps_it_across_a_restart() {
 fn two_trees_of_one_pool_are_separate_namespaces() {
     let (_dir, path) = scratch_file(16 << 20);
     thin::format(path.to_str().unwrap(), GRAIN).unwrap();
-    let (one, two) = (thin_spec(&path, 1, 256 << 20), thin_spec(&path, 2, 256 << 20));
+    let (one, two) = (
+        thin_spec(&path, 1, 256 << 20),
+        thin_spec(&path, 2, 256 << 20),
+    );
     let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, &one), (2, &two)])]);
     let (_a, mut q) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
     let (x, y) = (pattern(3, 16 << 10), pattern(4, 16 << 10));
@@ -71,13 +74,19 @@ fn two_trees_of_one_pool_are_separate_namespaces() {
     assert_eq!(q.read_ok(2, 10, 4, 4096), y);
     q.deallocate(1, &[(10, 4)]).ok();
     assert!(q.read_ok(1, 10, 4, 4096).iter().all(|&b| b == 0));
-    assert_eq!(q.read_ok(2, 10, 4, 4096), y, "the other tree keeps its data");
+    assert_eq!(
+        q.read_ok(2, 10, 4, 4096),
+        y,
+        "the other tree keeps its data"
+    );
 }
 
 #[test]
 fn a_full_pool_fails_the_write_with_capacity_exceeded_and_changes_nothing() {
     let (_dir, path) = scratch_file(4 << 20);
-    let total = thin::format(path.to_str().unwrap(), GRAIN).unwrap().grains_total;
+    let total = thin::format(path.to_str().unwrap(), GRAIN)
+        .unwrap()
+        .grains_total;
     let spec = thin_spec(&path, 1, 64 << 20);
     let d = Daemon::start(&[subsystem(SUBNQN, &[], &[(1, &spec)])]);
     let (_a, mut q) = controller(d.addr, NO_DIGESTS, SUBNQN, HOST_A);
@@ -111,13 +120,20 @@ fn a_full_pool_fails_the_write_with_capacity_exceeded_and_changes_nothing() {
     // Space given back by deallocate and Write Zeroes is used again, at once
     // (the pool commits the frees before it calls itself full).
     q.deallocate(1, &[(GRAIN_BLOCKS, GRAIN_BLOCKS as u32)]).ok();
-    q.write_zeroes(1, 2 * GRAIN_BLOCKS, GRAIN_BLOCKS as u32).ok();
+    q.write_zeroes(1, 2 * GRAIN_BLOCKS, GRAIN_BLOCKS as u32)
+        .ok();
     let (p1, p2) = (pattern(8, GRAIN as usize), pattern(9, GRAIN as usize));
     q.write(1, last * GRAIN_BLOCKS, &p1, 4096, false).ok();
     q.write(1, (last + 1) * GRAIN_BLOCKS, &p2, 4096, false).ok();
     q.flush(1).ok();
-    assert_eq!(q.read_ok(1, last * GRAIN_BLOCKS, GRAIN_BLOCKS as u32, 4096), p1);
-    assert_eq!(q.read_ok(1, (last + 1) * GRAIN_BLOCKS, GRAIN_BLOCKS as u32, 4096), p2);
+    assert_eq!(
+        q.read_ok(1, last * GRAIN_BLOCKS, GRAIN_BLOCKS as u32, 4096),
+        p1
+    );
+    assert_eq!(
+        q.read_ok(1, (last + 1) * GRAIN_BLOCKS, GRAIN_BLOCKS as u32, 4096),
+        p2
+    );
     assert!(q
         .read_ok(1, GRAIN_BLOCKS, 2 * GRAIN_BLOCKS as u32, 4096)
         .iter()

@@ -212,11 +212,9 @@ impl BackendSpec {
             spec: spec.to_owned(),
             reason: reason.to_owned(),
         };
-        let (kind, rest) = spec
-            .split_once(':')
-            .ok_or_else(|| {
-                err("expected KIND:ARGS (file:PATH, ram:SIZE, thin:PATH or volume:UUID)")
-            })?;
+        let (kind, rest) = spec.split_once(':').ok_or_else(|| {
+            err("expected KIND:ARGS (file:PATH, ram:SIZE, thin:PATH or volume:UUID)")
+        })?;
         let mut parts = rest.split(',');
         let first = parts.next().unwrap_or_default();
         if first.is_empty() {

@@ -18,7 +18,7 @@
 //! answers with Capacity Exceeded (T4), and nothing written before changes.
 
 use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
-use crate::backend::{AsyncOp, AsyncDone, AsyncResult, Backend, BackendError, FileId};
+use crate::backend::{AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, FileId};
 use crate::limits::{THIN_COMMIT_INTERVAL_MS, THIN_QUEUE_LEN};
 use std::fs::File;
 use std::io;
@@ -173,7 +173,11 @@ impl ThinPool {
         let mut open = pools();
         open.retain(|(_, p)| p.strong_count() > 0);
         let id = file_id(path).map_err(opened)?;
-        if let Some(p) = open.iter().find(|(f, _)| *f == id).and_then(|(_, p)| p.upgrade()) {
+        if let Some(p) = open
+            .iter()
+            .find(|(f, _)| *f == id)
+            .and_then(|(_, p)| p.upgrade())
+        {
             return Ok(p);
         }
         let dev = FileDevice::open(path).map_err(opened)?;
