@@ -201,10 +201,58 @@ pub struct Identity {
     pub target_id: Option<String>,
 }
 
+/// Extents on a grain pool are trees named by where the control plane
+/// placed them in the pool's virtual space, in units of the smallest
+/// extent: the tree of the extent at `offset` is `offset / THIN_ROOT_UNIT_BYTES`.
+pub const THIN_ROOT_UNIT_BYTES: u64 = 1 << 20;
+
+/// Whether a device's backend spec names a grain pool (`thin:PATH[,…]`).
+pub fn is_grain_pool(device_backend: &str) -> bool {
+    device_backend.starts_with("thin:")
+}
+
+/// The backend spec of the namespace that exports the extent
+/// `offset..offset + length` of a device: a tree of a grain pool
+/// (`thin:PATH,root=R,size=L`), or a byte range of a plain device
+/// (`SPEC,offset=O,length=L`). The one place either form is written.
+pub fn extent_spec(device_backend: &str, offset: u64, length: u64) -> String {
+    match device_backend.strip_prefix("thin:") {
+        Some(rest) => {
+            let path = rest.split(',').next().unwrap_or(rest);
+            let root = offset / THIN_ROOT_UNIT_BYTES;
+            format!("thin:{path},root={root},size={length}")
+        }
+        None => format!("{device_backend},offset={offset},length={length}"),
+    }
+}
+
+/// `POST /v1/devices/{id}/release`: trees of a grain pool whose extents
+/// the control plane freed. Their grains go back to the pool; a tree a
+/// namespace still exports is refused (409), an unknown one is already
+/// released.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRootsBody {
+    pub roots: Vec<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn an_extent_is_a_tree_of_a_grain_pool_or_a_range_of_a_plain_device() {
+        assert_eq!(
+            extent_spec("thin:/dev/nvme0n1,grain=64K", 3 << 30, 1 << 30),
+            "thin:/dev/nvme0n1,root=3072,size=1073741824"
+        );
+        assert_eq!(
+            extent_spec("file:/d", 4096, 8192),
+            "file:/d,offset=4096,length=8192"
+        );
+        assert!(is_grain_pool("thin:/x") && !is_grain_pool("file:/thin:x"));
+    }
 
     #[test]
     fn bodies_are_the_json_targets_have_always_been_sent() {

@@ -304,8 +304,16 @@ pub struct DeviceOut {
     pub labels: BTreeMap<String, String>,
     pub pool: Option<String>,
     pub capacity_bytes: u64,
+    /// Bytes really taken: a plain device's placed extents, a grain pool's
+    /// allocated grains as its target last reported them.
     pub used_bytes: u64,
     pub free_bytes: u64,
+    /// A grain pool (`thin:PATH`): thin extents are trees in it.
+    #[serde(default)]
+    pub thin: bool,
+    /// Bytes of the extents placed on it, thin or thick.
+    #[serde(default)]
+    pub provisioned_bytes: u64,
 }
 
 /// Bytes of a set of devices; `free_bytes = total_bytes - used_bytes`.
@@ -313,10 +321,48 @@ pub struct DeviceOut {
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
 pub struct CapacityOut {
     pub total_bytes: u64,
+    /// Bytes really taken (see [`DeviceOut::used_bytes`]).
     pub used_bytes: u64,
     pub free_bytes: u64,
     /// Whole extents of the configured size that still fit.
     pub free_extents: u64,
+    /// Bytes of every extent placed, thin or thick: more than
+    /// `total_bytes` when grain pools are over-committed.
+    #[serde(default)]
+    pub provisioned_bytes: u64,
+}
+
+/// `PUT /v1/targets/{id}/heartbeat`: what a target reports besides being
+/// alive. An empty body (older targets) reports nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct HeartbeatBody {
+    /// The grain pools' usage; plain devices are left out.
+    #[serde(default)]
+    pub devices: Vec<DeviceUsageBody>,
+}
+
+/// One grain pool's usage as its target measured it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct DeviceUsageBody {
+    pub id: String,
+    /// Allocated data grains × grain size.
+    pub used_bytes: u64,
+}
+
+/// How a volume takes space (design/thin-snapshots.md T1).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum Provisioning {
+    /// Extents are trees in grain pools: space is taken on first write.
+    Thin,
+    /// Extents are byte ranges of plain devices, taken whole at create.
+    #[default]
+    Thick,
 }
 
 /// A target as listed.
@@ -403,6 +449,10 @@ pub struct VolumeSpecBody {
     /// Place on this pool's devices; without it, on unpooled devices.
     #[serde(default)]
     pub pool: Option<String>,
+    /// Absent: thin when the candidate devices include grain pools, else
+    /// thick.
+    #[serde(default)]
+    pub provisioning: Option<Provisioning>,
 }
 
 /// `POST /v1/volumes/{uuid}/resize`.
@@ -441,6 +491,8 @@ pub struct VolumeOut {
     /// until it is).
     #[serde(default)]
     pub copy_jobs: Vec<CopyJobOut>,
+    #[serde(default)]
+    pub provisioning: Provisioning,
 }
 
 /// A running copy job.

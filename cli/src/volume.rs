@@ -566,6 +566,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 size_bytes: args.size,
                 layout,
                 pool: args.pool,
+                provisioning: None,
             };
             let (_, v): (u16, Value) = c.put(&format!("/v1/volumes/{uuid}"), &body)?;
             print_volume(&v, fmt)

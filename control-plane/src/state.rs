@@ -467,6 +467,7 @@ impl From<&Capacity> for CapacityOut {
             used_bytes: c.used_bytes,
             free_bytes: c.free_bytes,
             free_extents: c.free_extents,
+            provisioned_bytes: c.used_bytes,
         }
     }
 }

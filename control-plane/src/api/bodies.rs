@@ -35,6 +35,8 @@ pub(super) fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
                 capacity_bytes: d.capacity_bytes,
                 used_bytes: used,
                 free_bytes: free,
+                thin: nvpool_api::admin::is_grain_pool(&d.backend),
+                provisioned_bytes: used,
             }
         })
         .collect();
@@ -62,6 +64,7 @@ pub(super) fn spec_body(s: &crate::model::VolumeSpec) -> VolumeSpecBody {
         size_bytes: s.size_bytes,
         layout: s.layout.into(),
         pool: s.pool.clone(),
+        provisioning: None,
     }
 }
 
@@ -184,6 +187,7 @@ pub(super) fn volume_out(
         attachments: Vec::new(),
         failed_extents,
         copy_jobs: Vec::new(),
+        provisioning: Default::default(),
     }
 }
 
