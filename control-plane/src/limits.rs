@@ -45,6 +45,15 @@ const _: () = assert!(
     (TARGETS_MAX as u128) * (DEVICES_PER_TARGET_MAX as u128) * (DEVICE_BYTES_MAX as u128)
         <= 1u128 << 64
 );
+/// The space placement sees on a grain pool (`thin:` device), whatever its
+/// real capacity: an extent there is a tree that takes no space until
+/// written, so a pool may promise more than it holds (over-commit; the
+/// real use is what targets report). 1 PiB: four times `DEVICE_BYTES_MAX`,
+/// room for many volumes larger than the drive, and still a multiple of
+/// every extent size, so the allocator's first fit keeps its alignment.
+/// Capacity sums keep counting real bytes, not this.
+pub const GRAIN_POOL_VIRTUAL_BYTES: u64 = 1 << 50;
+const _: () = assert!(GRAIN_POOL_VIRTUAL_BYTES % EXTENT_BYTES_MAX == 0);
 /// Pools in one cluster.
 pub const POOLS_MAX: usize = 256;
 /// Devices named by one pool: every device of `TARGETS_MAX` targets at a

@@ -25,8 +25,8 @@
 //! not downgrade.
 
 use crate::limits::{
-    BACKEND_SPEC_BYTES_MAX, DEVICES_PER_TARGET_MAX, DEVICE_BYTES_MAX, ID_BYTES_MAX, LABELS_MAX,
-    LABEL_BYTES_MAX, NAME_BYTES_MAX,
+    BACKEND_SPEC_BYTES_MAX, DEVICES_PER_TARGET_MAX, DEVICE_BYTES_MAX, GRAIN_POOL_VIRTUAL_BYTES,
+    ID_BYTES_MAX, LABELS_MAX, LABEL_BYTES_MAX, NAME_BYTES_MAX,
 };
 use crate::mapping::Geometry;
 use nvpool_layout::model::LayoutError;
@@ -383,6 +383,22 @@ impl Device {
             )));
         }
         validate_labels(&self.labels)
+    }
+
+    /// Whether it is a grain pool (`thin:`): its extents are trees that
+    /// take space when written, and it holds thin volumes only.
+    pub fn is_grain_pool(&self) -> bool {
+        nvpool_api::admin::is_grain_pool(&self.backend)
+    }
+
+    /// The space placement fits extents into: the capacity of a plain
+    /// device, a fixed virtual size for a grain pool (over-commit).
+    pub fn placement_bytes(&self) -> u64 {
+        if self.is_grain_pool() {
+            GRAIN_POOL_VIRTUAL_BYTES
+        } else {
+            self.capacity_bytes
+        }
     }
 }
 
