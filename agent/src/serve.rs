@@ -18,6 +18,7 @@ use anyhow::{bail, Context};
 use nvpool_initiator::follow::{self, AttachmentView, Watcher};
 use nvpool_initiator::volume::{Connections, CopyState, Volume, VolumeOptions};
 use nvpool_initiator::BlockDev;
+use nvpool_rt::lock;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -306,7 +307,7 @@ pub fn open(
 }
 
 fn take(p: &Mutex<Option<Presented>>) -> Option<Presented> {
-    p.lock().unwrap_or_else(|e| e.into_inner()).take()
+    lock(p).take()
 }
 
 /// What the watcher calls once the engine took a bigger plan: the block
@@ -320,7 +321,7 @@ fn grow_hook(
         let Some(p) = presented.upgrade() else {
             return;
         };
-        let p = p.lock().unwrap_or_else(|e| e.into_inner());
+        let p = lock(&p);
         if let Some(p) = p.as_ref() {
             match p.resize(bytes) {
                 Ok(()) => tracing::info!(device = %device.display(), bytes, "device grown"),

@@ -14,6 +14,7 @@ use axum::{Json, Router};
 use nvpool_api::rest::ErrorBody;
 use nvpool_initiator::volume::Connections;
 use nvpool_layout::Uuid;
+use nvpool_rt::lock;
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -81,10 +82,6 @@ impl std::fmt::Debug for Agent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Agent").finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Agent {

@@ -12,6 +12,7 @@ use crate::Format;
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
 use nvpool_initiator::{Completion, ConnectParams, Controller, IoQueue, Op, Request};
+use nvpool_rt::lock;
 use nvpool_rt::random::Rng;
 use nvpool_wire::tcp::Digests;
 use std::collections::{HashMap, HashSet};
@@ -660,10 +661,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
                     first.get_or_insert(format!("offset {off}: {e}"));
                 }
             }
-            results
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((hist, ops, errors, first));
+            lock(&results).push((hist, ops, errors, first));
         });
     }
     drop(ex);
@@ -672,7 +670,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
     let mut hist =
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
     let (mut ops, mut errors, mut first_error) = (0, 0, None);
-    for (h, o, e, f) in results.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+    for (h, o, e, f) in lock(&results).drain(..) {
         hist.add(&h).expect("same bounds");
         ops += o;
         errors += e;

@@ -12,6 +12,7 @@ use crate::Format;
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use nvpool_rt::lock;
 use nvpool_rt::random::Rng;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -190,7 +191,7 @@ fn parallel(
                     break;
                 }
                 if let Err(e) = work(i) {
-                    let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut f = lock(&failed);
                     f.get_or_insert(e);
                     next.store(n, Ordering::Relaxed);
                     break;
@@ -316,10 +317,7 @@ fn epoch(a: EpochArgs) -> anyhow::Result<()> {
         let us = t.elapsed().as_micros() as u64;
         verify(&data).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
         bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-        let _ = hist
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .record(us.max(1));
+        let _ = lock(&hist).record(us.max(1));
         bar.inc(1);
         Ok(())
     })?;

@@ -9,6 +9,7 @@ use crate::limits::{
 };
 use crate::link::Link;
 use crate::rdma::Data;
+use nvpool_rt::lock;
 use nvpool_wire::auth::{AuthCmd, AUTH_MSG_MAX};
 use nvpool_wire::dhchap::{AuthError, HostAuth, HostOffer, HostStep, Keys, RANDOM_BYTES};
 use nvpool_wire::fabrics::{cc, csts, fctype, prop, Cap, ConnectCmd, ConnectData, PropertyCmd};
@@ -394,7 +395,7 @@ impl Controller {
                 .name("nvpool-keepalive".into())
                 .spawn(move || keep_alive_loop(weak, stop, every))
                 .map_err(|e| Error::Invalid(format!("cannot start keep-alive thread: {e}")))?;
-            *c.keep_alive.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
+            *lock(&c.keep_alive) = Some(h);
         }
         Ok(c)
     }
@@ -500,7 +501,7 @@ impl Controller {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     /// Current (CNTLID, generation), for I/O queue connects.
@@ -525,7 +526,7 @@ impl Controller {
     pub(crate) fn reconnect(&self, seen: u64) -> Result<(u16, u64), Error> {
         // One reconnect at a time; the state lock is held only briefly so
         // queues and shutdown are never stuck behind a sleeping retry loop.
-        let _one = self.reconnecting.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = lock(&self.reconnecting);
         {
             let mut s = self.lock();
             if s.lost {
@@ -569,7 +570,7 @@ impl Controller {
                     // Sleep until the next attempt, waking early on shutdown.
                     let nap = backoff.step().min(give_up - now);
                     let (m, cv) = &*self.stop;
-                    let g = m.lock().unwrap_or_else(|p| p.into_inner());
+                    let g = lock(m);
                     let _ = cv
                         .wait_timeout_while(g, nap, |stopped| !*stopped)
                         .unwrap_or_else(|p| p.into_inner());
@@ -699,15 +700,10 @@ impl Controller {
         }
         {
             let (m, cv) = &*self.stop;
-            *m.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            *lock(m) = true;
             cv.notify_all();
         }
-        if let Some(h) = self
-            .keep_alive
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        if let Some(h) = lock(&self.keep_alive).take() {
             // The keep-alive thread may hold the last reference itself.
             if h.thread().id() != std::thread::current().id() {
                 let _ = h.join();
@@ -793,7 +789,7 @@ fn keep_alive_loop(
     let (m, cv) = &*stop;
     loop {
         {
-            let g = m.lock().unwrap_or_else(|p| p.into_inner());
+            let g = lock(m);
             let (g, _) = cv
                 .wait_timeout_while(g, every, |stopped| !*stopped)
                 .unwrap_or_else(|p| p.into_inner());

@@ -9,6 +9,7 @@
 //! allocates a zeroed one only when no buffer of that length is free.
 
 use crate::limits::{BUF_POOL_BUF_BYTES_MAX, BUF_POOL_BYTES_MAX, BUF_POOL_PER_LENGTH_MAX};
+use nvpool_rt::lock;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -25,7 +26,7 @@ pub(crate) struct BufPool {
 
 impl BufPool {
     fn lock(&self) -> MutexGuard<'_, Free> {
-        self.free.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.free)
     }
 
     /// A buffer of `len` bytes; its contents are unspecified (stale data of

@@ -48,7 +48,7 @@ use crate::error::{Error, IoError};
 pub use crate::exec::block_on;
 use crate::limits::{JOBS_PER_WORKER_MAX, WORKER_IDLE_WAKE};
 use crate::queue::{Completion, IoQueue, Op, Request};
-use nvpool_rt::{wake, Wakeup};
+use nvpool_rt::{lock, wake, Wakeup};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::os::fd::AsRawFd;
@@ -135,7 +135,7 @@ struct QueueShared {
 
 impl QueueShared {
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     fn wake(&self) {
@@ -223,7 +223,7 @@ struct Permits {
 
 impl Permits {
     fn lock(&self) -> std::sync::MutexGuard<'_, (usize, VecDeque<Waker>)> {
-        self.free.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.free)
     }
 
     fn try_take(&self, w: &Waker) -> bool {
@@ -427,12 +427,7 @@ impl ControllerIo {
             }
         })
         .await;
-        let cell = self
-            .cells
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default();
+        let cell = lock(&self.cells).pop().unwrap_or_default();
         let mut job = Some(Job {
             nsid,
             op,
@@ -476,10 +471,7 @@ impl ControllerIo {
             }
         }
         let out = Wait { cell: &cell }.await;
-        self.cells
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(cell);
+        lock(&self.cells).push(cell);
         self.permits.give();
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         out

@@ -20,7 +20,7 @@
 //! [`Executor::try_spawn`], which is refused instead of waiting for a slot.
 
 use crate::limits::EXECUTOR_DRAIN_TIMEOUT_MS;
-use nvpool_rt::Wakeup;
+use nvpool_rt::{lock, Wakeup};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
@@ -53,10 +53,6 @@ struct Shared {
     /// Whether a wake polls the task on the waking thread (see
     /// [`Executor::new`]).
     inline_wake: bool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 struct Task {

@@ -165,13 +165,14 @@ use missed::{Mark, Missed};
 use moves::{GroupMoves, Shadows};
 use nvpool_layout::mapping::Geometry;
 use nvpool_layout::plan::{ConnectionPlan, PlanExtent};
+use nvpool_rt::lock;
 use nvpool_wire::tcp::Digests;
 use nvpool_wire::Status;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 /// Called once for every extent copy the volume stops using.
@@ -396,10 +397,6 @@ impl Connections {
         live.retain(|(k, w)| w.strong_count() > 0 && *k != key);
         live.push((key, Arc::downgrade(io)));
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One extent copy slot: its state, namespace handle, missed regions and

@@ -26,6 +26,7 @@ use crate::limits::{
 };
 use crate::peerlog::peer_warn;
 use nvpool_api::rest::Secret;
+use nvpool_rt::lock;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -105,12 +106,6 @@ impl std::fmt::Debug for AdminTokens {
             .field("tokens", &lock(&self.inner.loaded).tokens.len())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Only whole values are stored under it: a panic elsewhere leaves it
-    // consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl AdminTokens {

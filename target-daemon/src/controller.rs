@@ -10,6 +10,7 @@ use crate::limits;
 use crate::peerlog::peer_info;
 use crate::target::{Subsystem, TargetRef};
 use arc_swap::ArcSwap;
+use nvpool_rt::lock;
 use nvpool_wire::fabrics::{cc, csts};
 use nvpool_wire::log::ErrorEntry;
 use std::collections::{BTreeSet, VecDeque};
@@ -57,10 +58,6 @@ pub struct Controller {
     events: Mutex<Events>,
     errors: Mutex<ErrorLog>,
     target: TargetRef,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// NS Attribute notices enabled in Async Event Configuration.

@@ -50,6 +50,7 @@ use crate::sync::{Admit, SyncGuard};
 use arc_swap::ArcSwap;
 pub use nvpool_api::admin::{CopyRequest, CopySource, CopyState, CopyStatus};
 use nvpool_initiator::{ConnectParams, Controller, IoQueue, Op, Request};
+use nvpool_rt::lock;
 use nvpool_wire::tcp::Digests;
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
@@ -202,12 +203,6 @@ impl std::fmt::Debug for Job {
             .field("dest", &self.req.dest)
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves the data whole; a panic elsewhere does
-    // not make it inconsistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn wall_ms() -> u64 {

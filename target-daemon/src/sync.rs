@@ -43,6 +43,7 @@
 //! unit must never be larger than the logical block of any namespace mapping
 //! the range.
 
+use nvpool_rt::lock;
 use std::sync::{Mutex, MutexGuard};
 
 /// Units one guard may track: a 64 GiB extent (the control plane's
@@ -242,7 +243,7 @@ impl SyncGuard {
     fn lock(&self) -> MutexGuard<'_, State> {
         // Every assert runs before the state is changed, so a poisoned lock
         // still guards a consistent bitmap.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 }
 

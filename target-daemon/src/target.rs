@@ -23,12 +23,13 @@ use crate::controller::Controller;
 use crate::copier::Copies;
 use crate::limits;
 use arc_swap::ArcSwap;
+use nvpool_rt::lock;
 use nvpool_wire::dhchap::CtrlPolicy;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 /// One exported namespace.
@@ -287,12 +288,6 @@ pub struct Target {
     /// Every running reactor's buffer figures (a reactor that stopped
     /// leaves a dead entry, passed over and pruned).
     buffers: Mutex<Vec<Weak<BufStats>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding one of these locks is a bug that already
-    // crashed a thread; the data is still consistent (writes are whole).
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Target {

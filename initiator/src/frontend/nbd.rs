@@ -51,7 +51,7 @@ use crate::limits::{
     NBD_IO_THREADS_DEFAULT, NBD_OPTIONS_MAX, NBD_OPTION_DATA_BYTES_MAX, NBD_PAYLOAD_BYTES_MAX,
     NBD_PEER_LOG_INTERVAL_MS, NBD_TASKS_MAX,
 };
-use nvpool_rt::{wake, Wakeup};
+use nvpool_rt::{lock, wake, Wakeup};
 use std::collections::HashMap;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -333,7 +333,7 @@ struct ConnEntry {
 
 impl Shared {
     fn conns(&self) -> MutexGuard<'_, HashMap<u64, ConnEntry>> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.conns)
     }
 
     fn name_matches(&self, name: &[u8]) -> bool {
@@ -863,7 +863,7 @@ struct InFlight {
 
 impl InFlight {
     fn lock(&self) -> MutexGuard<'_, (usize, usize)> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.state)
     }
 
     /// Waits for room for one more request of `bytes` payload.

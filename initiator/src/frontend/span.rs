@@ -13,6 +13,7 @@
 use crate::blockdev::BlockDev;
 use crate::bufpool::BufPool;
 use crate::error::IoError;
+use nvpool_rt::lock;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -95,7 +96,7 @@ impl Span {
     }
 
     fn lock(&self) -> MutexGuard<'_, Locks> {
-        self.locks.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.locks)
     }
 
     async fn hold(&self, a: Option<u64>, b: Option<u64>) -> Held<'_> {

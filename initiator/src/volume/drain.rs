@@ -28,6 +28,7 @@
 //! they are what keeps the wait from starving under constant load.
 
 use crate::limits::{DRAIN_NAP_MAX, DRAIN_NAP_MIN};
+use nvpool_rt::lock;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -76,7 +77,7 @@ impl Drain {
     /// for itself.
     pub fn wait(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let _one = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = lock(&self.waiting);
         for _ in 0..2 {
             let old = self.epoch.fetch_add(1, SeqCst) & 1;
             let mut nap = nvpool_rt::Backoff::new(DRAIN_NAP_MIN, DRAIN_NAP_MAX);

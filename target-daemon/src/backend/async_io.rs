@@ -26,6 +26,7 @@
 //! dropped without completing completes with an error, so no slot can be
 //! stranded by a backend that loses an operation.
 
+use nvpool_rt::lock;
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -97,7 +98,7 @@ impl CompletionSink {
 
     fn lock(&self) -> MutexGuard<'_, Vec<AsyncCompletion>> {
         // Pushes and takes are whole; a panic elsewhere leaves it consistent.
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.pending)
     }
 
     fn push(&self, c: AsyncCompletion) {

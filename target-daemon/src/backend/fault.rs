@@ -13,6 +13,7 @@
 //! to the inline calls alone.
 
 use super::{Backend, UringTarget};
+use nvpool_rt::lock;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -121,7 +122,7 @@ impl FaultBackend {
             cfg.fail_reads || cfg.fail_writes || cfg.torn_writes,
             Ordering::Release,
         );
-        *self.cfg.lock().unwrap_or_else(|p| p.into_inner()) = cfg;
+        *lock(&self.cfg) = cfg;
     }
 
     /// Clears injected faults and the sticky failed state.
@@ -141,7 +142,7 @@ impl FaultBackend {
         if !self.any.load(Ordering::Acquire) {
             return None;
         }
-        let cfg = self.cfg.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let cfg = lock(&self.cfg).clone();
         match cfg.only_at {
             Some(at) if !(off..off + len.max(1)).contains(&at) => None,
             _ => Some(cfg),

@@ -44,9 +44,10 @@ use crate::peerlog::{peer_warn, Site};
 use arc_swap::ArcSwapOption;
 use nvpool_initiator::exec::Executor;
 use nvpool_initiator::{IoError, Volume};
+use nvpool_rt::lock;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Opens pooled volumes for the volume namespaces of a target (the daemon
@@ -92,11 +93,6 @@ impl std::fmt::Debug for VolumeContext {
             .field("exec", &*lock(&self.exec))
             .finish()
     }
-}
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section here leaves the data whole.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl VolumeContext {
