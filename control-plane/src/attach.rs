@@ -100,19 +100,26 @@ pub struct Export {
 }
 
 impl Export {
-    /// The backend spec the target opens: the device's spec restricted to
-    /// the extent.
+    /// The backend spec the target opens: the device's range of the
+    /// extent, or the extent's tree of a grain pool.
     pub fn backend_spec(&self, target: &Target) -> Option<String> {
         let d = target.device(&self.device)?;
-        Some(format!(
-            "{},offset={},length={}",
-            d.backend, self.offset, self.length
+        Some(nvpool_api::admin::extent_spec(
+            &d.backend,
+            self.offset,
+            self.length,
         ))
     }
 }
 
 /// Namespaces an unreachable target may still export after a forced
-/// detach; their extents stay allocated until it is reconciled.
+/// detach; their extents stay allocated until it is reconciled. Also
+/// the extents of grain pools that were freed (a volume deleted, a copy
+/// moved away): entries with an empty subsystem (no namespace: see
+/// [`Snapshot::freed_tree`]), and namespace entries
+/// whose extent no volume holds any more. Reconciliation has the target
+/// release those trees before it forgets the record, so a new extent at
+/// the same place never reads the old one's data.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StaleExports {
     pub target: String,
@@ -257,6 +264,41 @@ impl Snapshot {
         rec.exports.sort();
         rec.exports.dedup();
         (cond, Op::Put(skey, encode(&rec)))
+    }
+
+    /// The entry that keeps `e`'s tree until its target releases it, if
+    /// `e` is on a grain pool (a freed extent of a plain device needs
+    /// nothing: a new volume's host reads only what it wrote).
+    pub(crate) fn freed_tree(&self, e: &Extent) -> Option<Export> {
+        let t = &self.targets.get(&e.target)?.value;
+        t.device(&e.device)?.is_grain_pool().then(|| Export {
+            subsystem_nqn: String::new(),
+            host_nqn: String::new(),
+            nsid: 0,
+            device: e.device.clone(),
+            offset: e.offset,
+            length: e.length,
+        })
+    }
+
+    /// The trees `target` must release before its stale exports are
+    /// forgotten: by device, the roots of every stale entry on a grain
+    /// pool whose extent no volume or copy job holds.
+    pub(crate) fn trees_to_release(&self, target: &str) -> BTreeMap<String, Vec<u64>> {
+        let mut out: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        let Some(t) = self.targets.get(target) else {
+            return out;
+        };
+        for e in self.stale_extents().iter().filter(|e| e.target == target) {
+            if t.value
+                .device(&e.device)
+                .is_some_and(crate::model::Device::is_grain_pool)
+            {
+                let roots = out.entry(e.device.clone()).or_default();
+                roots.push(e.offset / nvpool_api::admin::THIN_ROOT_UNIT_BYTES);
+            }
+        }
+        out
     }
 
     /// The attachments of one volume.

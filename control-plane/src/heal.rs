@@ -304,10 +304,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 StepError::Other(format!("device {} is no longer registered", dest.device))
             })?;
             let body = CopyRequest {
-                dest: format!(
-                    "{},offset={},length={}",
-                    device.backend, dest.offset, dest.length
-                ),
+                dest: nvpool_api::admin::extent_spec(&device.backend, dest.offset, dest.length),
                 source: CopySource {
                     addr: src_target.addr.to_string(),
                     subsystem_nqn: host_subsystem_nqn(&copier_nqn(&dest.target)),

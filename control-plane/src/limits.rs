@@ -53,7 +53,11 @@ const _: () = assert!(
 /// every extent size, so the allocator's first fit keeps its alignment.
 /// Capacity sums keep counting real bytes, not this.
 pub const GRAIN_POOL_VIRTUAL_BYTES: u64 = 1 << 50;
-const _: () = assert!(GRAIN_POOL_VIRTUAL_BYTES % EXTENT_BYTES_MAX == 0);
+const _: () = assert!(GRAIN_POOL_VIRTUAL_BYTES.is_multiple_of(EXTENT_BYTES_MAX));
+// A tree of a grain pool is named by its extent's offset in these units:
+// extents (powers of two from the smallest) sit at multiples of their
+// size, so every extent names a tree of its own.
+const _: () = assert!(EXTENT_BYTES_MIN.is_multiple_of(nvpool_api::admin::THIN_ROOT_UNIT_BYTES));
 /// Pools in one cluster.
 pub const POOLS_MAX: usize = 256;
 /// Devices named by one pool: every device of `TARGETS_MAX` targets at a

@@ -37,7 +37,7 @@ pub use nvpool_layout::model::{
 };
 // The states the REST API reports travel between processes; they live in
 // `nvpool-api` and are stored as they are.
-use nvpool_api::rest::{DeviceRefBody, ExtentOut};
+use nvpool_api::rest::{DeviceRefBody, ExtentOut, Provisioning};
 pub use nvpool_api::rest::{Health, TargetState, VolumeStatus};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -519,6 +519,27 @@ impl Volume {
         let copies = usize::from(self.layout.copies());
         let start = (row as usize * self.layout.width() as usize + member as usize) * copies;
         &self.extents[start..start + copies]
+    }
+
+    /// Thin when its extents are on grain pools (placement puts a volume
+    /// on one kind of device only, so the kind is derived, not stored):
+    /// the first extent whose device `grain_pool` knows decides; a volume
+    /// with none known is thick.
+    pub fn provisioning(&self, grain_pool: impl Fn(&Extent) -> Option<bool>) -> Provisioning {
+        match self.extents.iter().find_map(grain_pool) {
+            Some(true) => Provisioning::Thin,
+            _ => Provisioning::Thick,
+        }
+    }
+
+    /// [`Self::provisioning`] from the targets' device records.
+    pub fn provisioning_on(&self, targets: &BTreeMap<String, Target>) -> Provisioning {
+        self.provisioning(|e| {
+            targets
+                .get(&e.target)
+                .and_then(|t| t.device(&e.device))
+                .map(Device::is_grain_pool)
+        })
     }
 
     /// The parameters this volume was created from, as a spec, for

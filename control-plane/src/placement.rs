@@ -34,13 +34,28 @@
 //!    bytes, then the lowest `(target, device)` so results are
 //!    deterministic.
 //!
+//! **Thin and thick.** A volume's extents are all on grain pools (thin) or
+//! all on plain devices (thick): each kind is placed only on its own
+//! devices, which is how a volume's kind is known without storing it. A
+//! grain pool's space is virtual, [`GRAIN_POOL_VIRTUAL_BYTES`] whatever
+//! its real capacity (its extents take space when written), so thin
+//! volumes may promise more than the pool holds. Nothing here grows with
+//! that size: a device is the list of its extents, and free space is
+//! counted from the gaps between them. An extent's tree on a grain pool is
+//! named by `offset / THIN_ROOT_UNIT_BYTES`; offsets are multiples of the
+//! extent size, itself a multiple of that unit, so distinct extents name
+//! distinct trees (`occupy` refuses a stored one that does not).
+//!
 //! Growing a volume places its new rows by the same rules; existing rows
 //! never move. An allocation that fails part-way releases what it took.
 
+use crate::limits::GRAIN_POOL_VIRTUAL_BYTES;
 use crate::mapping::Geometry;
 use crate::model::{
     validate_size, Device, DeviceRef, Extent, Layout, ModelError, Target, Volume, VolumeSpec,
 };
+use nvpool_api::admin::THIN_ROOT_UNIT_BYTES;
+use nvpool_api::rest::Provisioning;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The label whose values are failure domains when none is configured.
@@ -93,6 +108,31 @@ pub enum PlacementError {
     },
     #[error("no extent at {offset} on {device} to release")]
     NotAllocated { device: DeviceRef, offset: u64 },
+    #[error(
+        "extent at {offset} on grain pool {device} is not a multiple of {THIN_ROOT_UNIT_BYTES} \
+         bytes: it names no tree of its own"
+    )]
+    Misaligned { device: DeviceRef, offset: u64 },
+    #[error(
+        "a {kind} volume needs {what} {scope}; there are none",
+        kind = provisioning_name(*provisioning),
+        what = match provisioning {
+            Provisioning::Thin => "grain pools (thin: devices)",
+            Provisioning::Thick => "plain devices (not grain pools)",
+        },
+        scope = pool_scope(pool)
+    )]
+    NoDevicesOfKind {
+        provisioning: Provisioning,
+        pool: Option<String>,
+    },
+}
+
+pub(crate) fn provisioning_name(p: Provisioning) -> &'static str {
+    match p {
+        Provisioning::Thin => "thin",
+        Provisioning::Thick => "thick",
+    }
 }
 
 fn pool_scope(pool: &Option<String>) -> String {
@@ -126,7 +166,10 @@ pub fn target_domain(target: &Target, label: &str) -> String {
 pub struct DeviceInfo {
     pub target: String,
     pub device: String,
+    /// The device's real capacity.
     pub capacity_bytes: u64,
+    /// A grain pool: holds thin volumes' extents, in virtual space.
+    pub grain_pool: bool,
     /// See [`failure_domain`].
     pub domain: String,
     /// The pool the device belongs to, if any.
@@ -149,8 +192,19 @@ impl DeviceSpace {
         self.used_bytes
     }
 
+    /// The space extents are placed in: the capacity, or a grain pool's
+    /// virtual size.
+    pub fn space_bytes(&self) -> u64 {
+        if self.info.grain_pool {
+            GRAIN_POOL_VIRTUAL_BYTES
+        } else {
+            self.info.capacity_bytes
+        }
+    }
+
+    /// Unplaced bytes of [`Self::space_bytes`].
     pub fn free_bytes(&self) -> u64 {
-        self.info.capacity_bytes - self.used_bytes
+        self.space_bytes() - self.used_bytes
     }
 
     /// The extents on the device as `(offset, end)`, in offset order.
@@ -169,21 +223,19 @@ impl DeviceSpace {
             cursor = cursor.max(end);
         }
         let candidate = cursor.next_multiple_of(size);
-        (candidate.checked_add(size)? <= self.info.capacity_bytes).then_some(candidate)
+        (candidate.checked_add(size)? <= self.space_bytes()).then_some(candidate)
     }
 
     /// How many more `size`-byte extents fit.
     pub fn free_extents(&self, size: u64) -> u64 {
         let mut n = 0;
         let mut cursor = 0u64;
+        let space = self.space_bytes();
         let gaps = self
             .used
             .iter()
             .map(|(&s, &e)| (s, e))
-            .chain(std::iter::once((
-                self.info.capacity_bytes,
-                self.info.capacity_bytes,
-            )));
+            .chain(std::iter::once((space, space)));
         for (start, end) in gaps {
             let first = cursor.next_multiple_of(size);
             if first < start {
@@ -202,9 +254,16 @@ pub struct DeviceUsage {
     pub device: String,
     pub pool: Option<String>,
     pub accepting: bool,
+    /// A grain pool: `used_bytes` is what its extents promise (they take
+    /// space when written, which only the target knows), and may exceed
+    /// the capacity; `free_bytes` stops at 0 and `free_extents` counts the
+    /// virtual space.
+    #[serde(default)]
+    pub grain_pool: bool,
+    /// The real capacity.
     pub capacity_bytes: u64,
     pub used_bytes: u64,
-    /// `capacity_bytes - used_bytes`.
+    /// `capacity_bytes - used_bytes` (at least 0).
     pub free_bytes: u64,
     /// Extents of the requested size that still fit (the capacity's tail
     /// beyond the last whole extent never holds one).
@@ -253,18 +312,25 @@ impl Allocator {
             .get(&r)
             .ok_or_else(|| PlacementError::UnknownDevice(r.clone()))?;
         let d = &mut self.devices[i];
+        let space = d.space_bytes();
         let end = e
             .offset
             .checked_add(e.length)
-            .filter(|&end| e.length > 0 && end <= d.info.capacity_bytes);
+            .filter(|&end| e.length > 0 && end <= space);
         let Some(end) = end else {
             return Err(PlacementError::OutOfBounds {
                 device: r,
                 offset: e.offset,
                 end: e.offset.saturating_add(e.length),
-                capacity: d.info.capacity_bytes,
+                capacity: space,
             });
         };
+        if d.info.grain_pool && !e.offset.is_multiple_of(THIN_ROOT_UNIT_BYTES) {
+            return Err(PlacementError::Misaligned {
+                device: r,
+                offset: e.offset,
+            });
+        }
         let before = d.used.range(..end).next_back();
         if let Some((&s, &x)) = before {
             if x > e.offset {
@@ -318,12 +384,60 @@ impl Allocator {
         v.extents.iter().try_for_each(|e| self.release(e))
     }
 
-    /// Places a new volume and occupies its extents, returned in canonical
-    /// `(row, member, copy)` order.
+    /// The kind a new volume of `pool` (None: the unpooled devices) gets:
+    /// the one asked for, or thin when a grain pool is among the pool's
+    /// devices (online or not), else thick. `NoDevicesOfKind` when the
+    /// pool has devices but none of the kind asked for (with none at all,
+    /// placing says `NotEnoughTargets`, as for any volume).
+    pub fn provisioning_for(
+        &self,
+        pool: Option<&str>,
+        asked: Option<Provisioning>,
+    ) -> Result<Provisioning, PlacementError> {
+        let mut scope = self
+            .devices
+            .iter()
+            .filter(|d| d.info.pool.as_deref() == pool)
+            .peekable();
+        let kind = match asked {
+            Some(p) => p,
+            None if scope.clone().any(|d| d.info.grain_pool) => Provisioning::Thin,
+            None => Provisioning::Thick,
+        };
+        let thin = kind == Provisioning::Thin;
+        if scope.peek().is_none() || scope.any(|d| d.info.grain_pool == thin) {
+            Ok(kind)
+        } else {
+            Err(PlacementError::NoDevicesOfKind {
+                provisioning: kind,
+                pool: pool.map(str::to_owned),
+            })
+        }
+    }
+
+    /// A volume's kind ([`Volume::provisioning`]) from the allocator's
+    /// devices.
+    pub fn provisioning_of(&self, v: &Volume) -> Provisioning {
+        v.provisioning(|e| self.device(&e.device_ref()).map(|d| d.info.grain_pool))
+    }
+
+    /// Places a new volume of its pool's default kind and occupies its
+    /// extents, returned in canonical `(row, member, copy)` order.
     pub fn allocate(
         &mut self,
         spec: &VolumeSpec,
         extent_bytes: u64,
+    ) -> Result<Vec<Extent>, PlacementError> {
+        let kind = self.provisioning_for(spec.pool.as_deref(), None)?;
+        self.allocate_as(spec, extent_bytes, kind)
+    }
+
+    /// [`Self::allocate`] of a given kind (see [`Self::provisioning_for`]).
+    pub fn allocate_as(
+        &mut self,
+        spec: &VolumeSpec,
+        extent_bytes: u64,
+        provisioning: Provisioning,
     ) -> Result<Vec<Extent>, PlacementError> {
         spec.validate(extent_bytes)?;
         let g = Geometry::new(spec.size_bytes, extent_bytes, &spec.layout);
@@ -331,6 +445,7 @@ impl Allocator {
             &spec.layout,
             extent_bytes,
             spec.pool.as_deref(),
+            provisioning,
             0..g.rows(),
         )
     }
@@ -349,7 +464,8 @@ impl Allocator {
         validate_size(new_size_bytes, &v.layout, v.extent_bytes).map_err(ModelError::from)?;
         let old = v.geometry().rows();
         let new = Geometry::new(new_size_bytes, v.extent_bytes, &v.layout).rows();
-        self.place_rows(&v.layout, v.extent_bytes, v.pool.as_deref(), old..new)
+        let kind = self.provisioning_of(v);
+        self.place_rows(&v.layout, v.extent_bytes, v.pool.as_deref(), kind, old..new)
     }
 
     fn place_rows(
@@ -357,15 +473,17 @@ impl Allocator {
         layout: &Layout,
         extent_bytes: u64,
         pool: Option<&str>,
+        provisioning: Provisioning,
         rows: std::ops::Range<u32>,
     ) -> Result<Vec<Extent>, PlacementError> {
         let width = layout.width();
         let copies = layout.copies();
         let need = layout.extents_per_row();
+        let thin = provisioning == Provisioning::Thin;
         let eligible: Vec<usize> = (0..self.devices.len())
             .filter(|&i| {
                 let d = &self.devices[i].info;
-                d.accepting && d.pool.as_deref() == pool
+                d.accepting && d.pool.as_deref() == pool && d.grain_pool == thin
             })
             .collect();
         let have = eligible
@@ -461,9 +579,10 @@ impl Allocator {
                 device: d.info.device.clone(),
                 pool: d.info.pool.clone(),
                 accepting: d.info.accepting,
+                grain_pool: d.info.grain_pool,
                 capacity_bytes: d.info.capacity_bytes,
                 used_bytes: d.used_bytes,
-                free_bytes: d.free_bytes(),
+                free_bytes: d.info.capacity_bytes.saturating_sub(d.used_bytes),
                 free_extents: d.free_extents(extent_bytes),
             })
             .collect()
@@ -487,6 +606,7 @@ mod tests {
                 target: format!("t{i}"),
                 device: "d0".into(),
                 capacity_bytes: extents * E,
+                grain_pool: false,
                 domain: format!("rack={rack}"),
                 pool: None,
                 accepting: true,
@@ -629,6 +749,7 @@ mod tests {
                 target: format!("t{i}"),
                 device: "d0".into(),
                 capacity_bytes: 4 * E,
+                grain_pool: false,
                 domain: format!("target=t{i}"),
                 pool: pool.map(str::to_owned),
                 accepting,

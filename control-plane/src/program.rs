@@ -14,6 +14,7 @@
 //!          finish_detach (record gone)
 //! reconcile (a target registered, and periodically)
 //!          make the target's host subsystems exactly the records' exports;
+//!          release the trees of freed extents of its grain pools;
 //!          then forget its stale exports
 //! ```
 //!
@@ -27,8 +28,8 @@ use crate::model::{Target, Uuid};
 use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
 use crate::state::{Cluster, HostKeys, StateError};
 use nvpool_api::admin::{
-    AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, SecretText,
-    StartCopyBody, SubsystemAccess,
+    AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, ReleaseRootsBody,
+    SecretText, StartCopyBody, SubsystemAccess,
 };
 use nvpool_api::client::{segment, Client, ClientError, NO_BODY};
 use nvpool_api::http::{Call, NoAnswer};
@@ -453,6 +454,22 @@ impl TargetAdmin {
         self.change(Method::DELETE, &path, NO_BODY, &what).map(drop)
     }
 
+    /// Has grain pool `device` drop the trees `roots` of freed extents
+    /// (idempotent: a tree it does not have counts as released). A device
+    /// the target does not know (404) has no trees left to drop.
+    pub(crate) fn release_roots(&self, device: &str, roots: &[u64]) -> Result<(), ProgramError> {
+        let body = ReleaseRootsBody {
+            roots: roots.to_vec(),
+        };
+        let path = format!("/v1/devices/{}/release", segment(device));
+        let what = format!("releasing {} trees of device {device}", roots.len());
+        if !self.change(Method::POST, &path, Some(&body), &what)? {
+            tracing::warn!(target = %self.target, device, "the device is unknown to the target: \
+                nothing to release");
+        }
+        Ok(())
+    }
+
     /// Arms copy job `id` (idempotent for the same body).
     pub(crate) fn arm_copy(&self, id: &str, body: &CopyRequest) -> Result<(), ProgramError> {
         let path = format!("/v1/copies/{}", segment(id));
@@ -872,12 +889,15 @@ pub struct Reconciled {
     pub namespaces_added: usize,
     /// Copies (resync, move) the target ran for jobs that are over.
     pub copies_removed: usize,
+    /// Trees of freed extents its grain pools released.
+    pub trees_released: usize,
     pub stale_cleared: bool,
 }
 
 /// Makes the host subsystems of `target` exactly what the attachment
 /// records say (subsystems outside the nvpool host prefix are left
-/// alone), then forgets the target's stale exports.
+/// alone), has its grain pools release the trees of freed extents, then
+/// forgets the target's stale exports (which kept those extents taken).
 pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, ProgramError> {
     let t = cluster.target(target_id)?.target;
     let stale = cluster.stale_exports(target_id)?;
@@ -946,6 +966,11 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
     // host subsystems so an owner finds its extents exported.
     out.subsystems_removed += crate::failover::reconcile_target(cluster, target_id)?;
     if let Some((_, version)) = stale {
+        // After the namespaces went: a tree still exported is refused.
+        for (device, roots) in cluster.snapshot()?.trees_to_release(target_id) {
+            admin.release_roots(&device, &roots)?;
+            out.trees_released += roots.len();
+        }
         cluster.clear_stale_exports(target_id, version)?;
         out.stale_cleared = true;
     }

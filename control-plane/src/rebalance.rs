@@ -11,7 +11,8 @@
 //! device by them, [`place_copy_on`] checks the hard ones on a device
 //! picked before (a planned move's):
 //!
-//! 1. an eligible device: accepting, in the volume's pool;
+//! 1. an eligible device: accepting, in the volume's pool, of the volume's
+//!    kind (a grain pool for a thin volume, a plain device for a thick one);
 //! 2. hard rule: on a target holding no other extent of the row — counting
 //!    destinations of copies in flight, and the extent's own current
 //!    target, which keeps its copy until the new one is in sync;
@@ -30,7 +31,7 @@
 //!     simulate: occupy dest at first fit, release the extent from source
 //! ```
 //!
-//! *Legal* is the hard rule above — where the sources of moves planned
+//! *Legal* is the hard rule above, a device of the extent's own kind — where the sources of moves planned
 //! earlier still hold their target, so the moves may run in any order or
 //! at once — and a failure domain no worse than the source's: not sharing
 //! a domain with another copy of the member unless the source did, nor
@@ -52,6 +53,7 @@
 
 use crate::model::{DeviceRef, Extent, Uuid, Volume};
 use crate::placement::{Allocator, DeviceInfo, DeviceSpace, PlacementError};
+use nvpool_api::rest::Provisioning;
 use serde::Serialize;
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, BTreeSet};
@@ -112,19 +114,21 @@ fn new_copy(
         s.row
     );
     let pool = v.pool.as_deref();
+    let thin = a.provisioning_of(v) == Provisioning::Thin;
+    let eligible = |d: &DeviceInfo| eligible(d, pool) && d.grain_pool == thin;
     let mut held = RowUse::of(a, row);
     held.hold(&s.target);
     let eligible_targets: BTreeSet<&str> = a
         .devices()
         .iter()
-        .filter(|d| eligible(&d.info, pool))
+        .filter(|d| eligible(&d.info))
         .map(|d| d.info.target.as_str())
         .collect();
     let held_eligible = eligible_targets.iter().filter(|t| held.holds(t)).count() as u32;
     let mut candidates: Vec<&DeviceSpace> = a
         .devices()
         .iter()
-        .filter(|d| eligible(&d.info, pool) && !held.holds(&d.info.target))
+        .filter(|d| eligible(&d.info) && !held.holds(&d.info.target))
         .filter(|d| only.is_none_or(|r| d.info.target == r.target && d.info.device == r.device))
         .collect();
     if candidates.is_empty() {
@@ -241,7 +245,8 @@ pub fn usage_after(a: &Allocator, moves: &[Move], pool: Option<&str>) -> Vec<Dev
             .get_mut(&m.to)
             .unwrap_or_else(|| panic!("{}", stale()));
         to.used_bytes_after += m.bytes;
-        assert!(to.used_bytes_after <= to.capacity_bytes, "{m:?} overfills");
+        let space = a.device(&m.to).map_or(0, DeviceSpace::space_bytes);
+        assert!(to.used_bytes_after <= space, "{m:?} overfills");
     }
     usage.into_values().collect()
 }
@@ -508,7 +513,8 @@ impl<'v> Sim<'v> {
             .iter()
             .filter_map(|r| {
                 let d = self.device(r);
-                let legal = !used.holds(&d.info.target)
+                let legal = d.info.grain_pool == src.info.grain_pool
+                    && !used.holds(&d.info.target)
                     && used.domain_rank(&d.info.domain, e.member) <= worst;
                 if !legal || !helps(us, cs, d.used_bytes(), d.info.capacity_bytes, len) {
                     return None;
@@ -558,9 +564,12 @@ impl<'v> Sim<'v> {
     /// scope with room helps, rules of the row aside.
     fn could_help(&self, from: &DeviceRef, len: u64) -> bool {
         let (us, cs) = self.fraction(from);
+        let thin = self.device(from).info.grain_pool;
         self.scope.iter().filter(|&r| r != from).any(|r| {
             let d = self.device(r);
-            d.free_bytes() >= len && helps(us, cs, d.used_bytes(), d.info.capacity_bytes, len)
+            d.info.grain_pool == thin
+                && d.free_bytes() >= len
+                && helps(us, cs, d.used_bytes(), d.info.capacity_bytes, len)
         })
     }
 
@@ -613,6 +622,7 @@ mod tests {
             target: target.into(),
             device: "d0".into(),
             capacity_bytes: extents * E,
+            grain_pool: false,
             domain: match rack {
                 Some(r) => format!("rack={r}"),
                 None => format!("target={target}"),

@@ -1137,6 +1137,11 @@ impl Cluster {
                     let vkey = crate::state::keys::volume(volume);
                     conds.push(Condition::VersionIs(vkey.clone(), vv.version));
                     ops.push(Op::Put(vkey, encode(&next)));
+                    // A grain pool keeps the old extent's tree (and its
+                    // place) until the target releases it.
+                    if let Some(x) = s.freed_tree(&old) {
+                        leftover.entry(old.target.clone()).or_default().push(x);
+                    }
                     // The copier read the old extent through this.
                     if j.source == j.extent {
                         if let Some(x) = copier_export(v, &j) {

@@ -58,7 +58,7 @@ use crate::placement::{
     failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
     DEFAULT_FAILURE_DOMAIN_LABEL,
 };
-use crate::rest::{CapacityOut, Secret};
+use crate::rest::{CapacityOut, Provisioning, Secret};
 use crate::resync::{copy_state_key, CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use serde::{Deserialize, Serialize};
@@ -133,8 +133,15 @@ pub enum StateError {
     #[error("volume {0} does not exist")]
     VolumeNotFound(String),
     /// A create reused a UUID with different parameters.
-    #[error("volume {uuid} already exists with different parameters ({existing:?})")]
-    UuidConflict { uuid: Uuid, existing: VolumeSpec },
+    #[error(
+        "volume {uuid} already exists with different parameters ({existing:?}, {})",
+        crate::placement::provisioning_name(*provisioning)
+    )]
+    UuidConflict {
+        uuid: Uuid,
+        existing: VolumeSpec,
+        provisioning: Provisioning,
+    },
     #[error("volume name {name} is taken by volume {uuid}")]
     NameTaken { name: String, uuid: Uuid },
     #[error("pool {0} already exists with different devices")]
@@ -410,6 +417,14 @@ impl Snapshot {
         )
     }
 
+    /// A volume's kind, from its devices' records ([`Volume::provisioning`]).
+    pub fn provisioning_of(&self, v: &Volume) -> Provisioning {
+        v.provisioning(|e| {
+            let t = self.targets.get(&e.target)?;
+            t.value.device(&e.device).map(Device::is_grain_pool)
+        })
+    }
+
     /// device → pool, from the pool records.
     pub fn device_pools(&self) -> BTreeMap<DeviceRef, String> {
         let mut out = BTreeMap::new();
@@ -439,6 +454,8 @@ pub struct VolumeView {
     pub failed_extents: Vec<u32>,
     /// Copies being brought back in sync.
     pub jobs: Vec<crate::resync::CopyJob>,
+    /// Derived from its devices ([`Volume::provisioning`]).
+    pub provisioning: Provisioning,
 }
 
 /// The result of `create_volume`.
@@ -1000,6 +1017,7 @@ impl Cluster {
                     target: t.id.clone(),
                     device: d.id.clone(),
                     capacity_bytes: d.capacity_bytes,
+                    grain_pool: d.is_grain_pool(),
                     domain: failure_domain(t, d, label),
                     pool: pools.get(&DeviceRef::new(&t.id, &d.id)).cloned(),
                     accepting,
@@ -1058,11 +1076,20 @@ impl Cluster {
                 for e in v.value.extents.iter().filter(|e| e.target == reg.id) {
                     let reason = match target.device(&e.device) {
                         None => "the registration omits it".to_string(),
-                        Some(d) if d.capacity_bytes < e.end() => format!(
+                        Some(d) if d.placement_bytes() < e.end() => format!(
                             "its new capacity {} is below an extent ending at {}",
-                            d.capacity_bytes,
+                            d.placement_bytes(),
                             e.end()
                         ),
+                        // A thin volume's extents are trees of a grain pool:
+                        // on a plain device they would be read as ranges.
+                        Some(d)
+                            if existing
+                                .and_then(|x| x.value.device(&e.device))
+                                .is_some_and(|old| old.is_grain_pool() != d.is_grain_pool()) =>
+                        {
+                            "it would change between grain pool and plain device".to_string()
+                        }
                         Some(_) => continue,
                     };
                     return Err(StateError::DeviceInUse {
@@ -1376,12 +1403,26 @@ impl Cluster {
     /// UUID with other parameters is `UuidConflict`. (A volume grown since
     /// its creation no longer matches its original size.)
     pub fn create_volume(&self, spec: &VolumeSpec) -> Result<Created, StateError> {
+        self.create_volume_as(spec, None)
+    }
+
+    /// [`Self::create_volume`], thin or thick as asked; `None`: thin when
+    /// the volume's candidate devices (its pool's, or the unpooled ones)
+    /// include a grain pool. A kind no candidate device offers is
+    /// `NoDevicesOfKind`; an existing volume of another kind than asked is
+    /// `UuidConflict`.
+    pub fn create_volume_as(
+        &self,
+        spec: &VolumeSpec,
+        asked: Option<Provisioning>,
+    ) -> Result<Created, StateError> {
         let extent_bytes = self.config.extent_bytes;
         spec.validate(extent_bytes)?;
         self.transact_allocation(|s| {
             if let Some(v) = s.volumes.get(&spec.uuid) {
                 let existing = v.value.spec();
-                return if existing == *spec {
+                let kind = s.provisioning_of(&v.value);
+                return if existing == *spec && asked.is_none_or(|a| a == kind) {
                     Ok(Txn::Done(Created {
                         volume: v.value.clone(),
                         created: false,
@@ -1390,6 +1431,7 @@ impl Cluster {
                     Err(StateError::UuidConflict {
                         uuid: spec.uuid,
                         existing,
+                        provisioning: kind,
                     })
                 };
             }
@@ -1410,7 +1452,9 @@ impl Cluster {
                     max: VOLUMES_MAX,
                 });
             }
-            let extents = self.allocator(s)?.allocate(spec, extent_bytes)?;
+            let mut a = self.allocator(s)?;
+            let kind = a.provisioning_for(spec.pool.as_deref(), asked)?;
+            let extents = a.allocate_as(spec, extent_bytes, kind)?;
             let volume = Volume {
                 uuid: spec.uuid,
                 name: spec.name.clone(),
@@ -1476,7 +1520,9 @@ impl Cluster {
     }
 
     /// Deletes a volume and frees its extents; returns what was deleted.
-    /// Refused while the volume is attached (detach first).
+    /// Refused while the volume is attached (detach first). Its extents on
+    /// grain pools (and its copy jobs' new ones) become stale exports:
+    /// taken until their targets have released their trees.
     pub fn delete_volume(&self, uuid: &Uuid) -> Result<Volume, StateError> {
         self.transact_allocation(|s| {
             let v = s
@@ -1511,6 +1557,18 @@ impl Cluster {
                 let ckey = crate::resync::copy_state_key(uuid);
                 conds.push(Condition::VersionIs(ckey.clone(), c.version));
                 ops.push(Op::Delete(ckey));
+            }
+            let mut trees: BTreeMap<String, Vec<crate::attach::Export>> = BTreeMap::new();
+            let dests = s.job_dests().filter(|(u, _)| *u == uuid).map(|(_, d)| d);
+            for e in v.value.extents.iter().chain(dests) {
+                if let Some(x) = s.freed_tree(e) {
+                    trees.entry(e.target.clone()).or_default().push(x);
+                }
+            }
+            for (target, xs) in trees {
+                let (c, o) = s.add_stale_exports(&target, xs);
+                conds.push(c);
+                ops.push(o);
             }
             Ok(Txn::Commit(conds, ops, v.value.clone()))
         })
@@ -1559,6 +1617,7 @@ impl Cluster {
             &failed,
         );
         VolumeView {
+            provisioning: volume.provisioning_on(targets),
             volume,
             status,
             failed_extents: failed.into_iter().map(|i| i as u32).collect(),

@@ -117,6 +117,7 @@ fn build(targets: &[Tgt]) -> Allocator {
                 target: format!("t{i}"),
                 device: format!("d{j}"),
                 capacity_bytes: d.capacity_bytes,
+                grain_pool: false,
                 domain: domain_of(i, t),
                 pool: d.pool.clone(),
                 accepting: t.accepting,

@@ -58,13 +58,16 @@ pub(super) fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
     }
 }
 
-pub(super) fn spec_body(s: &crate::model::VolumeSpec) -> VolumeSpecBody {
+pub(super) fn spec_body(
+    s: &crate::model::VolumeSpec,
+    provisioning: crate::rest::Provisioning,
+) -> VolumeSpecBody {
     VolumeSpecBody {
         name: s.name.clone(),
         size_bytes: s.size_bytes,
         layout: s.layout.into(),
         pool: s.pool.clone(),
-        provisioning: None,
+        provisioning: Some(provisioning),
     }
 }
 
@@ -173,6 +176,7 @@ pub(super) fn volume_out(
     v: crate::model::Volume,
     status: VolumeStatus,
     failed_extents: Vec<u32>,
+    provisioning: crate::rest::Provisioning,
 ) -> VolumeOut {
     VolumeOut {
         uuid: v.uuid,
@@ -187,13 +191,13 @@ pub(super) fn volume_out(
         attachments: Vec::new(),
         failed_extents,
         copy_jobs: Vec::new(),
-        provisioning: Default::default(),
+        provisioning,
     }
 }
 
 pub(super) fn volume_view_out(v: VolumeView, now: u64) -> VolumeOut {
     let jobs = v.jobs.iter().map(|j| job_out(j, now)).collect();
-    let mut out = volume_out(v.volume, v.status, v.failed_extents);
+    let mut out = volume_out(v.volume, v.status, v.failed_extents, v.provisioning);
     out.copy_jobs = jobs;
     out
 }

@@ -74,6 +74,11 @@ impl ApiError {
                     "no_space",
                     json!({"need": need, "have": have, "extent_bytes": extent_bytes, "pool": pool}),
                 ),
+                PlacementError::NoDevicesOfKind { provisioning, pool } => (
+                    S::UNPROCESSABLE_ENTITY,
+                    "no_devices_of_kind",
+                    json!({"provisioning": provisioning, "pool": pool}),
+                ),
                 // The rest come from loading stored extents: a bug or a
                 // corrupt store, never the request.
                 _ => (S::INTERNAL_SERVER_ERROR, "inconsistent", json!({})),
@@ -90,10 +95,14 @@ impl ApiError {
             StateError::TargetNotFound(id) => (S::NOT_FOUND, "not_found", json!({"target": id})),
             StateError::PoolNotFound(p) => (S::NOT_FOUND, "not_found", json!({"pool": p})),
             StateError::VolumeNotFound(v) => (S::NOT_FOUND, "not_found", json!({"volume": v})),
-            StateError::UuidConflict { uuid, existing } => (
+            StateError::UuidConflict {
+                uuid,
+                existing,
+                provisioning,
+            } => (
                 S::CONFLICT,
                 "uuid_conflict",
-                json!({"uuid": uuid, "existing": spec_body(existing)}),
+                json!({"uuid": uuid, "existing": spec_body(existing, *provisioning)}),
             ),
             StateError::NameTaken { name, uuid } => (
                 S::CONFLICT,

@@ -29,14 +29,18 @@ pub(in crate::api) async fn put_volume(
         layout: body.layout.into(),
         pool: body.pool,
     };
+    let asked = body.provisioning;
     let (created, out) = api
         .run(move |c| {
-            let r = c.create_volume(&spec)?;
+            let r = c.create_volume_as(&spec, asked)?;
             let view = c.volume(&uuid)?;
-            Ok((
-                r.created,
-                one_with_attachments(c, volume_out(r.volume, view.status, view.failed_extents))?,
-            ))
+            let out = volume_out(
+                r.volume,
+                view.status,
+                view.failed_extents,
+                view.provisioning,
+            );
+            Ok((r.created, one_with_attachments(c, out)?))
         })
         .await?;
     if created {
