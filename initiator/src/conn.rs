@@ -276,11 +276,6 @@ impl Conn {
         Ok(got)
     }
 
-    /// Payload bytes still to come through [`Conn::read_direct`].
-    pub fn direct_pending(&self) -> usize {
-        self.direct
-    }
-
     /// Whether the buffered bytes start a C2HData whose payload is large,
     /// unguarded by a data digest and not all here: worth placing directly.
     /// Returns its data offset.

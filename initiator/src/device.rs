@@ -337,11 +337,6 @@ impl ControllerIo {
         self.block_size
     }
 
-    /// I/O queues (and worker threads).
-    pub fn queue_count(&self) -> usize {
-        self.workers.len()
-    }
-
     /// Requests submitted through this controller and not yet completed.
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)

@@ -952,14 +952,6 @@ impl Volume {
         self.table.load().extents[index].state()
     }
 
-    /// Whether plan extent `index` (one copy) is [`CopyState::Failed`].
-    ///
-    /// # Panics
-    /// If `index` is not an extent of the plan.
-    pub fn extent_failed(&self, index: usize) -> bool {
-        self.copy_state(index) == CopyState::Failed
-    }
-
     /// The copies failed, syncing or moving, and the extents left without
     /// a copy in sync.
     pub fn health(&self) -> VolumeHealth {

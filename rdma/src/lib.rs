@@ -175,7 +175,6 @@ impl EventChannel {
             CmEvent {
                 kind: e.event,
                 id: e.id,
-                listen_id: e.listen_id,
                 status: e.status,
                 private,
                 responder_resources: p.responder_resources,
@@ -214,7 +213,6 @@ pub mod event {
 pub struct CmEvent {
     pub kind: u32,
     id: *mut rdma_cm_id,
-    listen_id: *mut rdma_cm_id,
     pub status: i32,
     /// The peer's private data (connect request, accept, reject).
     pub private: Vec<u8>,
@@ -222,7 +220,7 @@ pub struct CmEvent {
     pub initiator_depth: u8,
 }
 
-// SAFETY: the raw ids are only compared or adopted by the channel's owner.
+// SAFETY: the raw id is only adopted by the channel's owner.
 unsafe impl Send for CmEvent {}
 
 impl CmEvent {
@@ -235,16 +233,6 @@ impl CmEvent {
                 .into_owned(),
             Err(_) => format!("event {}", self.kind),
         }
-    }
-
-    /// Whether this event concerns `id`.
-    pub fn is_for(&self, id: &CmId) -> bool {
-        self.id == id.raw
-    }
-
-    /// Whether this event arrived on the listening id `l`.
-    pub fn is_on_listener(&self, l: &CmId) -> bool {
-        self.listen_id == l.raw
     }
 
     /// Takes ownership of the new id a connect request carries (once).

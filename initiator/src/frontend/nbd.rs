@@ -436,11 +436,6 @@ impl NbdServer {
         self.tcp
     }
 
-    /// Transmission flags advertised to clients.
-    pub fn transmission_flags(&self) -> u16 {
-        self.shared.export.flags
-    }
-
     /// Connections being served.
     pub fn connections(&self) -> usize {
         self.shared.conns().len()

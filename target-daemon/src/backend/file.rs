@@ -134,10 +134,6 @@ impl FileBackend {
         })
     }
 
-    pub fn is_direct(&self) -> bool {
-        self.direct
-    }
-
     fn check(&self, off: u64, len: u64) {
         assert!(
             off.checked_add(len).is_some_and(|end| end <= self.len),

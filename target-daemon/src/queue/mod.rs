@@ -169,15 +169,12 @@ pub fn user_data_tag(ud: u64) -> u16 {
 /// detached or closed queue poisoned).
 ///
 /// ```text
-///   Open ─► [Draining] ─► [Closing] ─► [Terminated | Poisoned] ─► Detached ─► Closed
+///   Open ─► [Closing] ─► [Terminated | Poisoned] ─► Detached ─► Closed
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     /// Reading and running commands (a TCP queue after its ICReq too).
     Open,
-    /// Shutdown: commands accepted finish and are answered; new ones are
-    /// left unanswered for the host to retry after it reconnects.
-    Draining,
     /// Ending gracefully: nothing new runs; it closes once accepted
     /// commands are answered, or `SHUTDOWN_DRAIN_MS` after the tick that
     /// first saw it (`since_ms`).
@@ -327,10 +324,7 @@ impl Queue {
     /// A termination was sent or received: nothing more is read, and the
     /// connection closes once its answers are out.
     fn end(&mut self) {
-        if matches!(
-            self.phase,
-            Phase::Open | Phase::Draining | Phase::Closing { .. }
-        ) {
+        if matches!(self.phase, Phase::Open | Phase::Closing { .. }) {
             self.phase = Phase::Terminated {
                 since_ms: self.end_since_ms(),
             };
@@ -344,15 +338,12 @@ impl Queue {
     /// The queue has ended its side (termination sent or received): close
     /// once the transmit buffer is flushed.
     pub fn wants_close(&self) -> bool {
-        !matches!(self.phase, Phase::Open | Phase::Draining)
+        self.phase != Phase::Open
     }
 
     /// The connection was terminated: stop reading, close once flushed.
     pub fn terminated(&self) -> bool {
-        !matches!(
-            self.phase,
-            Phase::Open | Phase::Draining | Phase::Closing { .. }
-        )
+        !matches!(self.phase, Phase::Open | Phase::Closing { .. })
     }
 
     /// Commands accepted and not yet answered.
@@ -360,18 +351,10 @@ impl Queue {
         self.free.len() < self.slots.len() || self.inflight > 0
     }
 
-    /// Stops executing new commands (shutdown): in-flight ones finish, new
-    /// ones are left unanswered for the host to retry after it reconnects.
-    pub fn begin_drain(&mut self) {
-        if self.phase == Phase::Open {
-            self.phase = Phase::Draining;
-        }
-    }
-
     /// Ends the queue gracefully: no new commands run, commands already
     /// accepted finish and are answered, then the connection closes.
     pub fn request_close(&mut self) {
-        if matches!(self.phase, Phase::Open | Phase::Draining) {
+        if self.phase == Phase::Open {
             self.phase = Phase::Closing { since_ms: None };
         }
     }
@@ -395,7 +378,7 @@ impl Queue {
     /// a controller that went away makes the queue drain first.
     pub fn tick(&mut self, now_ms: u64, tx: &mut Tx) -> bool {
         match &mut self.phase {
-            Phase::Open | Phase::Draining => {}
+            Phase::Open => {}
             Phase::Closing { since_ms }
             | Phase::Terminated { since_ms }
             | Phase::Poisoned { since_ms } => {

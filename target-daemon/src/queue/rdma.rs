@@ -4,11 +4,6 @@
 use super::*;
 
 impl Queue {
-    /// Bytes of a received RDMA capsule this queue's receive buffers hold.
-    pub fn rdma_capsule_max(&self) -> usize {
-        64 + self.inline_max()
-    }
-
     /// NVMe/RDMA: one received command capsule (the SQE, then in-capsule
     /// data if any). Err: the queue pair must be torn down.
     pub fn on_rdma_capsule(
