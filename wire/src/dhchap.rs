@@ -32,6 +32,7 @@
 //! makes the queue unusable again.
 
 use crate::auth::{self, failure, Challenge, Message, Negotiate, Reply, Success1, FAILURE_REASON};
+use crate::le::u32_at;
 use base64::Engine;
 use hmac::{Mac, SimpleHmac};
 use num_bigint::BigUint;
@@ -356,7 +357,7 @@ impl std::str::FromStr for Secret {
         if ![32, 48, 64].contains(&klen) || raw.len() != klen + 4 {
             return Err(SecretError::Length(klen));
         }
-        let crc = u32::from_le_bytes([raw[klen], raw[klen + 1], raw[klen + 2], raw[klen + 3]]);
+        let crc = u32_at(&raw, klen);
         if crc32fast::hash(&raw[..klen]) != crc {
             return Err(SecretError::Crc);
         }
@@ -700,13 +701,7 @@ impl CtrlAuth {
             CtrlStep::ChallengeDue { t_id, hash, group } => {
                 let hl = hash.digest_len();
                 let c1 = random[..hl].to_vec();
-                let s1 = u32::from_le_bytes([
-                    random[auth::HL_MAX],
-                    random[auth::HL_MAX + 1],
-                    random[auth::HL_MAX + 2],
-                    random[auth::HL_MAX + 3],
-                ])
-                .max(1);
+                let s1 = u32_at(random, auth::HL_MAX).max(1);
                 let dh = DhKey::new(group, &random[auth::HL_MAX + 4..]);
                 let dhv = dh.as_ref().map(DhKey::public).unwrap_or_default();
                 let out = Message::Challenge(Challenge {
@@ -932,13 +927,7 @@ impl<'k> HostAuth<'k> {
             None => (false, 0, vec![0u8; hl], None),
             Some(kc) => {
                 let c2 = random[..hl].to_vec();
-                let s2 = u32::from_le_bytes([
-                    random[auth::HL_MAX],
-                    random[auth::HL_MAX + 1],
-                    random[auth::HL_MAX + 2],
-                    random[auth::HL_MAX + 3],
-                ])
-                .max(1);
+                let s2 = u32_at(random, auth::HL_MAX).max(1);
                 let ca2 = augment(hash, z, &c2);
                 let kc = kc.transformed(self.subnqn);
                 let r2 = response(
