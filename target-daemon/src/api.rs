@@ -25,6 +25,7 @@
 //! | `POST /v1/copies/{id}/start` | start an armed job (body: regions, null = all) |
 //! | `GET /v1/copies/{id}`, `GET /v1/copies` | copy job status |
 //! | `DELETE /v1/copies/{id}` | cancel if running, disarm the guard, forget |
+//! | `POST /v1/devices/{id}/release` | drop trees of a grain pool device (body and answer: `{"roots": [...]}`, the answer listing those that existed); 409 `in_use` when a namespace has one open (nothing dropped), 409 `not_grain_pool`, 404 for an unknown device |
 //!
 //! The router is built from one table ([`routes`] lists it), so a test can
 //! drive every route there is.
@@ -37,10 +38,12 @@
 //! which live in memory only (copier.rs).
 
 use crate::auth::AdminTokens;
+use crate::backend::BackendError;
 use crate::config::{AnaConfig, AnaState, NamespaceConfig, SubsystemConfig};
 use crate::copier::CopyError;
 use crate::daemon::ListenerControl;
 use crate::peerlog::{peer_warn, PeerSites};
+use crate::register::DeviceOffer;
 use crate::target::{Target, TargetError};
 use axum::extract::{ConnectInfo, FromRequestParts, Request, State};
 use axum::handler::Handler;
@@ -50,7 +53,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
 use nvpool_api::admin::{
-    AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, StartCopyBody,
+    AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, ReleaseRootsBody,
+    StartCopyBody,
 };
 use nvpool_api::serve::{Peer, ServerThread};
 use nvpool_api::tls::ServerTls;
@@ -63,6 +67,7 @@ use std::sync::Arc;
 struct Api {
     target: Arc<Target>,
     listeners: ListenerControl,
+    devices: Arc<[DeviceOffer]>,
 }
 
 /// Serves the admin API on `addr` (port 0 for any) from a thread of its
@@ -74,8 +79,14 @@ pub fn start(
     target: Arc<Target>,
     listeners: ListenerControl,
     tls: Option<ServerTls>,
+    devices: Vec<DeviceOffer>,
 ) -> std::io::Result<ServerThread> {
-    let app = router(Api { target, listeners }, tokens);
+    let api = Api {
+        target,
+        listeners,
+        devices: devices.into(),
+    };
+    let app = router(api, tokens);
     ServerThread::start("nvpool-admin-api", addr, tls, app, || {})
 }
 
@@ -134,6 +145,7 @@ fn table() -> Vec<Route> {
         route(M::GET, "/v1/copies/{id}", get_copy),
         route(M::DELETE, "/v1/copies/{id}", delete_copy),
         route(M::POST, "/v1/copies/{id}/start", start_copy),
+        route(M::POST, "/v1/devices/{id}/release", release_roots),
     ]
 }
 
@@ -270,6 +282,16 @@ impl From<CopyError> for ApiError {
             CopyError::Limit(_) => (StatusCode::CONFLICT, "limit"),
         };
         ApiError::new(code, kind, format!("{e:#}"))
+    }
+}
+
+impl From<BackendError> for ApiError {
+    fn from(e: BackendError) -> ApiError {
+        let (code, kind) = match &e {
+            BackendError::RootInUse { .. } => (StatusCode::CONFLICT, "in_use"),
+            _ => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
+        };
+        ApiError::new(code, kind, e.to_string())
     }
 }
 
@@ -740,4 +762,35 @@ async fn delete_copy(
     // Waits for the copier's current chunk write to end.
     blocking(move || t.copies().delete(&id)).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+// ----- devices -----
+
+/// Drops trees of a grain pool whose extents the control plane freed; see
+/// [`crate::backend::thin::ThinPool::release`].
+async fn release_roots(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<ReleaseRootsBody>,
+) -> Result<Json<ReleaseRootsBody>, ApiError> {
+    let device = api.devices.iter().find(|d| d.id == id).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("device {id} not found"),
+        )
+    })?;
+    let pool = device.pool().cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            "not_grain_pool",
+            format!(
+                "device {id} ({}) is not a grain pool: its extents are byte ranges, with no trees to release",
+                device.backend
+            ),
+        )
+    })?;
+    // Frees grains and commits: device I/O, off the runtime.
+    let roots = blocking(move || pool.release(&b.roots)).await?;
+    Ok(Json(ReleaseRootsBody { roots }))
 }

@@ -10,7 +10,7 @@ use crate::config::{
 use crate::limits;
 use crate::peerlog::{peer_info, peer_warn};
 use crate::reactor::{Reactor, ReactorHandle};
-use crate::register::{self, Registrar};
+use crate::register::{self, DeviceOffer, Registrar};
 use crate::ring::Ring;
 use crate::target::Target;
 use anyhow::Context;
@@ -47,6 +47,9 @@ pub struct AdminOptions {
     pub tokens: AdminTokens,
     /// https with this certificate; None: plain HTTP.
     pub tls: Option<nvpool_api::tls::ServerTls>,
+    /// The devices offered to the control plane (`--device`): the API
+    /// releases trees of the grain pools among them.
+    pub devices: Vec<DeviceOffer>,
 }
 
 enum AcceptorCmd {
@@ -205,6 +208,7 @@ impl Running {
                     target.clone(),
                     control.clone(),
                     a.tls.clone(),
+                    a.devices.clone(),
                 )
                 .with_context(|| format!("cannot start the admin API on {}", a.listen))?,
             ),
@@ -506,7 +510,7 @@ pub struct Cli {
     /// CA certificates (PEM) to trust for an https --control-plane, instead of the system's.
     #[arg(long, env = "NVPOOL_TARGET_CONTROL_PLANE_CACERT", value_name = "FILE")]
     pub control_plane_cacert: Option<PathBuf>,
-    /// Offer a device to the pool: ID=BACKEND, e.g. d0=file:/dev/nvme1n1 (repeatable). The control plane exports extents of it; it is not exported by itself.
+    /// Offer a device to the pool: ID=BACKEND, e.g. d0=file:/dev/nvme1n1, or d0=thin:/dev/nvme1n1[,grain=16K|32K|64K] for a grain pool whose extents take space on first write (a blank device is formatted; one holding data is refused) (repeatable). The control plane exports extents of it; it is not exported by itself.
     #[arg(long = "device", value_name = "ID=BACKEND")]
     pub device: Vec<String>,
     /// Label a --device: ID:KEY=VALUE, e.g. d0:class=tlc (repeatable).
@@ -722,6 +726,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             listen,
             tokens: admin_tokens(&cli, state_dir.as_deref())?,
             tls: admin_tls,
+            devices: registration
+                .as_ref()
+                .map(|r| r.devices().to_vec())
+                .unwrap_or_default(),
         }),
         None => None,
     };

@@ -24,18 +24,24 @@
 //! A device is a whole file or block device; the control plane carves it
 //! into extents and later exports each as a namespace with the backend
 //! `BACKEND,offset=N,length=M`, which is why a device's own backend spec
-//! may not carry an offset or a length.
+//! may not carry an offset or a length. A grain pool (`thin:PATH`, design
+//! thin-snapshots T1) is one too, whose extents are trees
+//! (`thin:PATH,root=R,size=L`): the daemon holds it open for its lifetime,
+//! and every heartbeat reports how much of it the trees take.
 
 use crate::auth::AdminTokens;
+use crate::backend::thin::ThinPool;
 use crate::backend::{BackendError, BackendSpec};
 use crate::daemon::Cli;
 use crate::limits::{
     CONTROL_PLANE_FAILURE_LOG_INTERVAL_MS, CONTROL_PLANE_REQUEST_TIMEOUT_MS, HEARTBEAT_INTERVAL_MS,
     REGISTER_BACKOFF_MAX_MS, REGISTER_BACKOFF_MIN_MS,
 };
-use nvpool_api::client::{read_token_for, ClientError, NO_BODY};
+use nvpool_api::client::{read_token_for, ClientError};
 use nvpool_api::http::{Call, NoAnswer};
-use nvpool_api::rest::{parse_endpoints, DeviceBody, RegisterTargetBody, Secret};
+use nvpool_api::rest::{
+    parse_endpoints, DeviceBody, DeviceUsageBody, HeartbeatBody, RegisterTargetBody, Secret,
+};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -168,19 +174,24 @@ impl std::fmt::Display for ControlPlaneUrl {
 
 /// A device offered to the pool, measured; the control plane's `POST
 /// /v1/targets` body lists it as a [`DeviceBody`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct DeviceOffer {
     pub id: String,
-    /// `file:PATH` or `ram:SIZE` (optionally with `block_size=`).
+    /// `file:PATH`, `ram:SIZE` (optionally with `block_size=`), or
+    /// `thin:PATH[,grain=…]`.
     pub backend: String,
     pub capacity_bytes: u64,
     pub labels: BTreeMap<String, String>,
+    /// A grain pool's, open for as long as the offer is held.
+    #[serde(skip)]
+    pub pool: Option<Arc<ThinPool>>,
 }
 
 impl DeviceOffer {
     /// Checks `id` and `backend`, opens the backend once to prove it can be
     /// served and measures it: a file's or block device's size (whole
-    /// blocks), or a RAM disk's.
+    /// blocks), a RAM disk's, or a grain pool's data grains. A grain pool
+    /// stays open; a blank device named as one is formatted first.
     pub fn probe(
         id: &str,
         backend: &str,
@@ -201,25 +212,41 @@ impl DeviceOffer {
         }
         if let BackendSpec::Volume { .. } | BackendSpec::Thin { .. } = &spec {
             return Err(usage(
-                "a device is a whole file or block device; a volume or a thin tree is served \
-                 as a namespace, not offered"
+                "a device is a whole file or block device or a grain pool (thin:PATH); a \
+                 volume or a thin tree is served as a namespace, not offered"
                     .into(),
             ));
         }
-        let capacity_bytes = match spec {
+        let open_failed = |source| RegisterError::DeviceOpen {
+            id: id.to_owned(),
+            backend: backend.to_owned(),
+            source,
+        };
+        let mut pool = None;
+        let capacity_bytes = match &spec {
             // Opening a RAM disk would allocate and zero all of it.
             BackendSpec::Ram { size, block_size } => {
                 let bs = u64::from(block_size.unwrap_or(512));
                 size / bs * bs
             }
+            BackendSpec::GrainPool { path, grain_bytes } => {
+                let (p, formatted) =
+                    ThinPool::open_device(path, *grain_bytes).map_err(open_failed)?;
+                if formatted {
+                    tracing::info!(
+                        device = id,
+                        path,
+                        grain_bytes = p.grain_bytes(),
+                        capacity_bytes = p.capacity_bytes(),
+                        "the device was blank: formatted it as a grain pool"
+                    );
+                }
+                let bytes = p.capacity_bytes();
+                pool = Some(p);
+                bytes
+            }
             BackendSpec::File { .. } | BackendSpec::Volume { .. } | BackendSpec::Thin { .. } => {
-                spec.open()
-                    .map_err(|source| RegisterError::DeviceOpen {
-                        id: id.to_owned(),
-                        backend: backend.to_owned(),
-                        source,
-                    })?
-                    .size()
+                spec.open().map_err(open_failed)?.size()
             }
         };
         Ok(DeviceOffer {
@@ -227,7 +254,13 @@ impl DeviceOffer {
             backend: backend.to_owned(),
             capacity_bytes,
             labels,
+            pool,
         })
+    }
+
+    /// Its grain pool, when it is one.
+    pub fn pool(&self) -> Option<&Arc<ThinPool>> {
+        self.pool.as_ref()
     }
 }
 
@@ -304,6 +337,23 @@ impl RegistrationConfig {
             backoff_max: Duration::from_millis(REGISTER_BACKOFF_MAX_MS),
             request_timeout: Duration::from_millis(CONTROL_PLANE_REQUEST_TIMEOUT_MS),
             tls: nvpool_api::tls::client_tls_system(),
+        }
+    }
+
+    /// The `PUT /v1/targets/{id}/heartbeat` body: every grain pool's
+    /// usage, measured now.
+    pub fn heartbeat_body(&self) -> HeartbeatBody {
+        HeartbeatBody {
+            devices: self
+                .devices
+                .iter()
+                .filter_map(|d| {
+                    d.pool().map(|p| DeviceUsageBody {
+                        id: d.id.clone(),
+                        used_bytes: p.used_bytes(),
+                    })
+                })
+                .collect(),
         }
     }
 
@@ -394,6 +444,11 @@ impl std::fmt::Debug for Settings {
 }
 
 impl Settings {
+    /// The devices offered, grain pools open.
+    pub fn devices(&self) -> &[DeviceOffer] {
+        &self.devices
+    }
+
     /// None without `--control-plane`. Opens every `--device` (a device that
     /// cannot be served is a start error, not a surprise at attach time).
     pub fn from_cli(
@@ -788,7 +843,8 @@ impl Client {
 
     fn heartbeat(&self) -> Result<(), RegisterError> {
         let path = format!("/v1/targets/{}/heartbeat", self.cfg.target_id);
-        self.call(Method::PUT, &path, NO_BODY, "the heartbeat")
+        let body = self.cfg.heartbeat_body();
+        self.call(Method::PUT, &path, Some(&body), "the heartbeat")
     }
 }
 

@@ -56,6 +56,7 @@ pub fn admin(listen: SocketAddr, tokens: AdminTokens) -> AdminOptions {
         listen,
         tokens,
         tls: None,
+        devices: Vec::new(),
     }
 }
 

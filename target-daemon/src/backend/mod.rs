@@ -159,6 +159,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// - `thin:PATH,root=N,size=BYTES[,block_size=4096]`: tree N (from 1) of
 ///   the grain pool formatted on PATH, created empty on first open; thin
 ///   namespaces have 4096-byte blocks
+/// - `thin:PATH[,grain=16K|32K|64K]`: the grain pool itself, offered as a
+///   device (`--device ID=thin:PATH`, register.rs), never a namespace
 /// - `volume:UUID,size=BYTES,block_size=512|4096`: a pooled volume, served
 ///   by the volume engine inside the target once activated; size and block
 ///   size are given so the namespace has its geometry while inactive
@@ -179,6 +181,12 @@ pub enum BackendSpec {
         path: String,
         root: u64,
         size: u64,
+    },
+    /// A grain pool as a device; `grain_bytes` is what a blank device is
+    /// formatted with, and what a formatted one must have when given.
+    GrainPool {
+        path: String,
+        grain_bytes: Option<u64>,
     },
     Volume {
         /// Lower-case, hyphenated.
@@ -201,6 +209,10 @@ pub enum BackendError {
     },
     #[error("{path}: {reason}")]
     Geometry { path: String, reason: String },
+    /// A tree to release is a namespace's (design T1): the control plane
+    /// removes the namespace first.
+    #[error("{path}: tree {root} is open as a namespace")]
+    RootInUse { path: String, root: u64 },
 }
 
 /// Largest RAM namespace: RAM is for tests and benchmarks, not for data.
@@ -221,7 +233,7 @@ impl BackendSpec {
             return Err(err("missing path, size or UUID"));
         }
         let (mut offset, mut length, mut block_size, mut size) = (0u64, None, None, None);
-        let mut root = None;
+        let (mut root, mut grain) = (None, None);
         for p in parts {
             let (k, v) = p
                 .split_once('=')
@@ -236,6 +248,13 @@ impl BackendSpec {
                         return Err(err("trees are numbered from 1"));
                     }
                     root = Some(r);
+                }
+                "grain" => {
+                    let g = parse_size(v).map_err(|e| err(&e))?;
+                    if !thin::GRAIN_BYTES_ALLOWED.contains(&g) {
+                        return Err(err("grain must be 16K, 32K or 64K"));
+                    }
+                    grain = Some(g);
                 }
                 "block_size" => {
                     let b: u32 = v
@@ -252,8 +271,8 @@ impl BackendSpec {
         if size.is_some() && kind != "volume" && kind != "thin" {
             return Err(err("size= is an option of volume and thin only"));
         }
-        if root.is_some() && kind != "thin" {
-            return Err(err("root= is an option of thin only"));
+        if (root.is_some() || grain.is_some()) && kind != "thin" {
+            return Err(err("root= and grain= are options of thin only"));
         }
         match kind {
             "file" => Ok(BackendSpec::File {
@@ -295,9 +314,25 @@ impl BackendSpec {
                 if offset != 0 || length.is_some() {
                     return Err(err("thin takes only a path, root, size and block_size"));
                 }
-                let (Some(root), Some(size)) = (root, size) else {
-                    return Err(err("thin needs root= and size="));
+                let (root, size) = match (root, size) {
+                    (Some(root), Some(size)) => (root, size),
+                    (None, None) if block_size.is_none() => {
+                        return Ok(BackendSpec::GrainPool {
+                            path: first.to_owned(),
+                            grain_bytes: grain,
+                        })
+                    }
+                    _ => {
+                        return Err(err(
+                            "thin needs root= and size= (a tree), or neither (a grain pool)",
+                        ))
+                    }
                 };
+                if grain.is_some() {
+                    return Err(err(
+                        "grain= is fixed when the pool is formatted: give it on the device",
+                    ));
+                }
                 if block_size.is_some_and(|b| b != thin::THIN_BLOCK_BYTES) {
                     return Err(err("thin namespaces have 4096-byte blocks"));
                 }
@@ -338,6 +373,14 @@ impl BackendSpec {
                 Arc::new(RamBackend::new(size / bs as u64 * bs as u64, bs))
             }
             BackendSpec::Thin { path, root, size } => Arc::new(thin::open(path, *root, *size)?),
+            BackendSpec::GrainPool { path, .. } => {
+                return Err(BackendError::Spec {
+                    spec: format!("thin:{path}"),
+                    reason: "a grain pool is a device (--device ID=thin:PATH); a namespace \
+                             serves one tree of it (thin:PATH,root=N,size=BYTES)"
+                        .into(),
+                })
+            }
             BackendSpec::Volume {
                 uuid,
                 size,
@@ -464,6 +507,20 @@ mod tests {
                 size: 1 << 40
             }
         );
+        assert_eq!(
+            BackendSpec::parse("thin:/dev/sdb,grain=32K").unwrap(),
+            BackendSpec::GrainPool {
+                path: "/dev/sdb".into(),
+                grain_bytes: Some(32 << 10)
+            }
+        );
+        assert_eq!(
+            BackendSpec::parse("thin:/dev/sdb").unwrap(),
+            BackendSpec::GrainPool {
+                path: "/dev/sdb".into(),
+                grain_bytes: None
+            }
+        );
         assert!(
             BackendSpec::parse(
                 "volume:0a0b0c0d-0000-4000-8000-00000000000f,size=1G,block_size=4096"
@@ -473,6 +530,12 @@ mod tests {
             .is_err(),
             "a volume namespace is opened by its target"
         );
+        let e = BackendSpec::parse("thin:/dev/sdb")
+            .unwrap()
+            .open()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a grain pool is a device"), "{e}");
         for bad in [
             "",
             "file:",
@@ -493,6 +556,10 @@ mod tests {
             "thin:/x,root=1,size=1G,block_size=512",
             "thin:/x,root=1,size=1G,offset=4096",
             "file:/x,root=1",
+            "thin:/x,grain=8K",
+            "thin:/x,grain=64K,root=1,size=1G",
+            "thin:/x,block_size=4096",
+            "file:/x,grain=64K",
         ] {
             assert!(BackendSpec::parse(bad).is_err(), "{bad}");
         }

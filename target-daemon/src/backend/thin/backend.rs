@@ -16,10 +16,17 @@
 //! [`THIN_COMMIT_INTERVAL_MS`](crate::limits::THIN_COMMIT_INTERVAL_MS).
 //! A pool with no free grain fails the write with ENOSPC, which the queue
 //! answers with Capacity Exceeded (T4), and nothing written before changes.
+//!
+//! A pool offered as a device (`--device ID=thin:PATH`, T1) is opened by
+//! [`ThinPool::open_device`] at start and held for the daemon's lifetime,
+//! so the namespaces the control plane adds find it here, and its usage
+//! and [`ThinPool::release`] need no open. The pool counts which trees
+//! namespaces have open, so a tree is never released under one.
 
 use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
 use crate::backend::{AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, FileId};
 use crate::limits::{THIN_COMMIT_INTERVAL_MS, THIN_QUEUE_LEN};
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -31,6 +38,10 @@ use std::time::{Duration, Instant};
 
 /// Thin namespaces serve whole 4 KiB sectors: the written mask's unit.
 pub const THIN_BLOCK_BYTES: u32 = 4096;
+
+/// How much of a device must read as zeroes before a pool is formatted on
+/// it: partition tables, filesystem and LVM labels all sit in its first MiB.
+const BLANK_CHECK_BYTES: u64 = 1 << 20;
 
 /// A pool's device: a file or block device, through the page cache (a
 /// commit's fdatasync makes it durable).
@@ -109,7 +120,7 @@ pub fn open(path: &str, root: u64, size: u64) -> Result<ThinBackend, BackendErro
             "a thin namespace's size is a positive multiple of {THIN_BLOCK_BYTES}"
         )));
     }
-    let pool = ThinPool::open(path)?;
+    let (pool, _) = ThinPool::open(path, None)?;
     {
         let mut p = pool.lock();
         let limit = GRAIN_INDEX_LIMIT * p.layout().grain_bytes;
@@ -121,6 +132,8 @@ pub fn open(path: &str, root: u64, size: u64) -> Result<ThinBackend, BackendErro
         if p.ensure_root(root).map_err(|e| failed(e.to_string()))? {
             p.commit().map_err(|e| failed(e.to_string()))?;
         }
+        // Under the pool's lock, as release checks it.
+        *locked(&pool.open_roots).entry(root).or_default() += 1;
     }
     Ok(ThinBackend {
         pool,
@@ -156,6 +169,11 @@ pub struct ThinPool {
     /// A write or commit failed: the pool's durable state is unknown. Read
     /// without the pool's lock, which its thread holds across device I/O.
     failed: Arc<AtomicBool>,
+    /// Namespaces open per tree. Counted up under the pool's lock, where
+    /// [`ThinPool::release`] reads it.
+    open_roots: Mutex<HashMap<u64, usize>>,
+    /// As the pool was first opened, for errors.
+    path: String,
 }
 
 impl std::fmt::Debug for ThinPool {
@@ -165,10 +183,44 @@ impl std::fmt::Debug for ThinPool {
 }
 
 impl ThinPool {
-    fn open(path: &str) -> Result<Arc<ThinPool>, BackendError> {
+    /// The grain size a blank device is formatted with by default.
+    pub const GRAIN_BYTES_DEFAULT: u64 = 64 << 10;
+
+    /// The grain pool offered as the device `path` (`thin:PATH[,grain=…]`),
+    /// and whether it was formatted just now: a device without a pool is
+    /// formatted with `grain_bytes` (default [`Self::GRAIN_BYTES_DEFAULT`])
+    /// only when its first MiB reads as zeroes, since nvpool never formats
+    /// over data. A `grain_bytes` an existing pool does not have is refused.
+    pub fn open_device(
+        path: &str,
+        grain_bytes: Option<u64>,
+    ) -> Result<(Arc<ThinPool>, bool), BackendError> {
+        let grain = grain_bytes.unwrap_or(Self::GRAIN_BYTES_DEFAULT);
+        let (pool, formatted) = ThinPool::open(path, Some(grain))?;
+        let has = pool.grain_bytes();
+        if grain_bytes.is_some_and(|g| g != has) {
+            return Err(BackendError::Geometry {
+                path: path.to_owned(),
+                reason: format!(
+                    "grain={}K, but its grain pool was formatted with {}K grains",
+                    grain >> 10,
+                    has >> 10
+                ),
+            });
+        }
+        Ok((pool, formatted))
+    }
+
+    /// The pool on `path`, open already or opened now; a device without
+    /// one is formatted with `format`'s grain size when blank, else refused.
+    fn open(path: &str, format: Option<u64>) -> Result<(Arc<ThinPool>, bool), BackendError> {
         let opened = |source| BackendError::Open {
             path: path.to_owned(),
             source,
+        };
+        let failed = |reason: String| BackendError::Geometry {
+            path: path.to_owned(),
+            reason,
         };
         let mut open = pools();
         open.retain(|(_, p)| p.strong_count() > 0);
@@ -178,16 +230,28 @@ impl ThinPool {
             .find(|(f, _)| *f == id)
             .and_then(|(_, p)| p.upgrade())
         {
-            return Ok(p);
+            return Ok((p, false));
         }
         let dev = FileDevice::open(path).map_err(opened)?;
-        let pool = Pool::open(dev).map_err(|e| BackendError::Geometry {
-            path: path.to_owned(),
-            reason: match e {
-                ThinError::NoSuperblock => "not a grain pool (format it first)".into(),
-                e => e.to_string(),
-            },
-        })?;
+        let (pool, formatted) = match (Pool::open(dev), format) {
+            (Ok(pool), _) => (pool, false),
+            (Err(ThinError::NoSuperblock), None) => {
+                return Err(failed("not a grain pool (format it first)".into()))
+            }
+            (Err(ThinError::NoSuperblock), Some(grain)) => {
+                let mut dev = FileDevice::open(path).map_err(opened)?;
+                if !blank(&mut dev).map_err(opened)? {
+                    return Err(failed(
+                        "not a grain pool, and not blank (its first MiB holds data): \
+                         nvpool will not format over data"
+                            .into(),
+                    ));
+                }
+                let pool = Pool::format(dev, grain, None).map_err(|e| failed(e.to_string()))?;
+                (pool, true)
+            }
+            (Err(e), _) => return Err(failed(e.to_string())),
+        };
         let pool = Arc::new(Mutex::new(pool));
         let failed = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::sync_channel(THIN_QUEUE_LEN);
@@ -203,9 +267,11 @@ impl ThinPool {
             jobs: Some(tx),
             thread: Some(thread),
             failed,
+            open_roots: Mutex::new(HashMap::new()),
+            path: path.to_owned(),
         });
         open.push((id, Arc::downgrade(&p)));
-        Ok(p)
+        Ok((p, formatted))
     }
 
     fn lock(&self) -> MutexGuard<'_, Pool<FileDevice>> {
@@ -215,6 +281,67 @@ impl ThinPool {
     pub fn stats(&self) -> PoolStats {
         self.lock().stats()
     }
+
+    pub fn grain_bytes(&self) -> u64 {
+        self.lock().layout().grain_bytes
+    }
+
+    /// What the device offers: its data grains.
+    pub fn capacity_bytes(&self) -> u64 {
+        let layout = self.lock().layout();
+        layout.data_grains * layout.grain_bytes
+    }
+
+    /// Bytes of the grains some tree holds.
+    pub fn used_bytes(&self) -> u64 {
+        let p = self.lock();
+        p.stats().grains_allocated * p.layout().grain_bytes
+    }
+
+    /// Drops the trees `roots` of extents the control plane freed (T1),
+    /// and commits, so their grains are free again; answers the trees that
+    /// existed. A tree that does not exist is released already. When a
+    /// namespace has one of them open, nothing is dropped: the caller
+    /// removes the namespace first.
+    pub fn release(&self, roots: &[u64]) -> Result<Vec<u64>, BackendError> {
+        let failed = |e: ThinError| BackendError::Geometry {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        };
+        let mut p = self.lock();
+        if let Some(&root) = roots
+            .iter()
+            .find(|r| locked(&self.open_roots).contains_key(r))
+        {
+            return Err(BackendError::RootInUse {
+                path: self.path.clone(),
+                root,
+            });
+        }
+        let existing: BTreeSet<u64> = p.roots().into_iter().collect();
+        let mut dropped = Vec::new();
+        for &root in roots {
+            if existing.contains(&root) && !dropped.contains(&root) {
+                let r = p.delete_root(root);
+                self.failed.fetch_or(p.failed(), Ordering::Relaxed);
+                r.map_err(failed)?;
+                dropped.push(root);
+            }
+        }
+        if !dropped.is_empty() {
+            let r = p.commit();
+            self.failed.fetch_or(p.failed(), Ordering::Relaxed);
+            r.map_err(failed)?;
+        }
+        Ok(dropped)
+    }
+}
+
+/// Whether the device's first MiB (all of it, when smaller) reads as zeroes.
+fn blank(dev: &mut FileDevice) -> io::Result<bool> {
+    let mut buf = vec![0u8; BLANK_CHECK_BYTES.min(dev.size()) as usize];
+    dev.read_at(&mut buf, 0)?;
+    Ok(buf.iter().all(|&b| b == 0))
 }
 
 impl Drop for ThinPool {
@@ -336,6 +463,18 @@ pub struct ThinBackend {
     root: u64,
     size: u64,
     path: String,
+}
+
+impl Drop for ThinBackend {
+    fn drop(&mut self) {
+        let mut open = locked(&self.pool.open_roots);
+        if let Some(n) = open.get_mut(&self.root) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.root);
+            }
+        }
+    }
 }
 
 impl ThinBackend {

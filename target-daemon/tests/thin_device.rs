@@ -1,0 +1,205 @@
+//! A grain pool offered as a device (design/thin-snapshots.md T1): a blank
+//! device is formatted at probe and one holding data refused; the trees the
+//! control plane exports from it serve I/O, their usage goes into the
+//! heartbeat, and the admin API releases a tree only once no namespace
+//! serves it, after which its space is free and the tree reads as new.
+
+mod common;
+
+use common::*;
+use nvpool_api::admin::extent_spec;
+use nvpool_api::rest::DeviceUsageBody;
+use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegisterError};
+use nvpool_target::{AdminOptions, RegistrationConfig, StartOptions, Target};
+use nvpool_testkit::target::{self as tk, LOOPBACK};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::os::unix::fs::FileExt;
+use std::time::Duration;
+
+const GRAIN: u64 = 64 << 10;
+const MIB: u64 = 1 << 20;
+
+fn thin_device(path: &std::path::Path) -> String {
+    format!("thin:{}", path.display())
+}
+
+fn probe(id: &str, backend: &str) -> Result<DeviceOffer, RegisterError> {
+    DeviceOffer::probe(id, backend, BTreeMap::new())
+}
+
+/// The probe's error with its causes, as the daemon prints it.
+fn refusal(id: &str, backend: &str) -> String {
+    let e = probe(id, backend).unwrap_err();
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        text = format!("{text}: {c}");
+        cause = c.source();
+    }
+    text
+}
+
+#[test]
+fn a_blank_device_is_formatted_as_a_grain_pool_and_one_holding_data_is_refused() {
+    let (_dir, path) = scratch_file(64 * MIB);
+    let o = probe("p0", &thin_device(&path)).unwrap();
+    let pool = o.pool().expect("a grain pool is held open").clone();
+    let stats = pool.stats();
+    assert_eq!(pool.grain_bytes(), GRAIN, "64 KiB grains by default");
+    assert_eq!(stats.grains_allocated, 0);
+    assert_eq!(o.capacity_bytes, stats.grains_total * GRAIN);
+    assert!(
+        o.capacity_bytes > 60 * MIB && o.capacity_bytes < 64 * MIB,
+        "the data grains, without the metadata: {}",
+        o.capacity_bytes
+    );
+    // Probed again (a restart): the same pool, not formatted again.
+    drop((o, pool));
+    let again = probe("p0", &format!("{},grain=64K", thin_device(&path))).unwrap();
+    assert_eq!(again.capacity_bytes, stats.grains_total * GRAIN);
+    let e = refusal("p0", &format!("{},grain=16K", thin_device(&path)));
+    assert!(e.contains("formatted with 64K grains"), "{e}");
+
+    let (_dir, small) = scratch_file(16 * MIB);
+    let o = probe("p1", &format!("{},grain=16K", thin_device(&small))).unwrap();
+    assert_eq!(o.pool().unwrap().grain_bytes(), 16 << 10);
+
+    let (_dir, used) = scratch_file(16 * MIB);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&used)
+        .unwrap()
+        .write_all_at(b"a filesystem label", 1024)
+        .unwrap();
+    let text = refusal("p2", &thin_device(&used));
+    assert!(
+        text.contains("not a grain pool")
+            && text.contains("not blank")
+            && text.contains("will not format over data"),
+        "{text}"
+    );
+    let mut label = [0u8; 18];
+    std::fs::File::open(&used)
+        .unwrap()
+        .read_exact_at(&mut label, 1024)
+        .unwrap();
+    assert_eq!(&label, b"a filesystem label", "nothing was written");
+}
+
+/// A target serving its admin API with `devices` offered.
+fn start(devices: Vec<DeviceOffer>) -> (tk::Serving, std::sync::Arc<Target>) {
+    let target = Target::new(None).unwrap();
+    target.put_subsystem(&subsystem(SUBNQN, &[], &[])).unwrap();
+    let opts = StartOptions {
+        admin: Some(AdminOptions {
+            devices,
+            ..tk::admin(LOOPBACK, test_tokens())
+        }),
+        ..tk::loopback()
+    };
+    (tk::start(&target, &opts), target)
+}
+
+fn assert_error(r: &HttpResponse, status: u16, kind: &str) {
+    assert_eq!(r.status, status, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["kind"], kind, "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+}
+
+fn release(api: SocketAddr, device: &str, roots: &[u64]) -> HttpResponse {
+    let body = serde_json::json!({ "roots": roots }).to_string();
+    http(
+        api,
+        "POST",
+        &format!("/v1/devices/{device}/release"),
+        Some(&body),
+    )
+}
+
+fn export(api: SocketAddr, spec: &str) {
+    let body = serde_json::json!({ "backend": spec }).to_string();
+    let r = http(
+        api,
+        "PUT",
+        &format!("/v1/subsystems/{SUBNQN}/namespaces/1"),
+        Some(&body),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn a_tree_serves_io_counts_in_the_heartbeat_and_is_released_once_unexported() {
+    let (_dir, path) = scratch_file(64 * MIB);
+    let (_fdir, plain) = scratch_file(8 * MIB);
+    let pool_dev = probe("p0", &thin_device(&path)).unwrap();
+    let plain_dev = probe("f0", &file_spec(&plain)).unwrap();
+    assert!(plain_dev.pool().is_none());
+    let pool = pool_dev.pool().unwrap().clone();
+    let (serving, _target) = start(vec![pool_dev.clone(), plain_dev.clone()]);
+    let api = serving.admin_addr();
+
+    // The extent at 3 MiB of the pool's virtual space, 16 MiB long: tree 3.
+    let spec = extent_spec(&pool_dev.backend, 3 * MIB, 16 * MIB);
+    assert!(spec.ends_with(",root=3,size=16777216"), "{spec}");
+    export(api, &spec);
+    let (a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let data = pattern(5, 2 * GRAIN as usize);
+    q.write(1, 0, &data, 4096, false).ok();
+    q.flush(1).ok();
+    assert_eq!(pool.used_bytes(), 2 * GRAIN, "two grains written");
+
+    // What the registrar sends with every heartbeat.
+    let url = ControlPlaneUrl::parse("http://127.0.0.1:9").unwrap();
+    let mut cfg = RegistrationConfig::new(url, "t".into(), "t".into(), serving.addr, api);
+    cfg.devices = vec![pool_dev.clone(), plain_dev.clone()];
+    assert_eq!(
+        cfg.heartbeat_body().devices,
+        [DeviceUsageBody {
+            id: "p0".into(),
+            used_bytes: 2 * GRAIN
+        }],
+        "grain pools only"
+    );
+
+    let r = release(api, "p0", &[7, 3]);
+    assert_error(&r, 409, "in_use");
+    assert!(r.body.contains("tree 3"), "{}", r.body);
+    assert_eq!(pool.used_bytes(), 2 * GRAIN, "nothing dropped");
+    assert_eq!(q.read_ok(1, 0, 32, 4096), data);
+    assert_error(&release(api, "f0", &[3]), 409, "not_grain_pool");
+    assert_error(&release(api, "nope", &[3]), 404, "not_found");
+
+    drop((a, q));
+    let r = http(
+        api,
+        "DELETE",
+        &format!("/v1/subsystems/{SUBNQN}/namespaces/1"),
+        None,
+    );
+    assert_eq!(r.status, 204, "{}", r.body);
+    // A command in flight may hold the namespace a moment longer.
+    let mut answer = None;
+    wait_for("the namespace to be closed", Duration::from_secs(5), || {
+        let r = release(api, "p0", &[3, 99]);
+        let done = r.status != 409;
+        answer = Some(r);
+        done
+    });
+    let r = answer.unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), serde_json::json!({"roots": [3]}), "99 never was");
+    assert_eq!(pool.used_bytes(), 0, "the tree's grains are free");
+    let r = release(api, "p0", &[3]);
+    assert_eq!(
+        r.json(),
+        serde_json::json!({"roots": []}),
+        "released already"
+    );
+
+    // The same extent placed again is a new, empty tree.
+    export(api, &spec);
+    let (_a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    assert!(q.read_ok(1, 0, 32, 4096).iter().all(|&b| b == 0));
+}
