@@ -677,13 +677,8 @@ impl Reactor {
                     n if n > 0 => {
                         let data = bid.and_then(|b| self.recv.get(b, n as usize));
                         if let (true, Some(data)) = (live, data) {
-                            let mut ex = Exec {
-                                ring: backend_ring(&mut self.ring, self.backend_uring),
-                                sink: &self.sink,
-                                bufs: &mut self.bufs,
-                                conn: i as u32,
-                                now_ms: now,
-                            };
+                            let ring = backend_ring(&mut self.ring, self.backend_uring);
+                            let mut ex = Exec::new(ring, &self.sink, &mut self.bufs, i, now);
                             feed(
                                 &mut t.rx,
                                 data,
@@ -791,13 +786,7 @@ impl Reactor {
         let Link::Rdma(l) = &mut c.link else {
             return;
         };
-        let mut ex = Exec {
-            ring,
-            sink: &self.sink,
-            bufs: &mut self.bufs,
-            conn: i as u32,
-            now_ms: now,
-        };
+        let mut ex = Exec::new(ring, &self.sink, &mut self.bufs, i, now);
         if l.poll(&mut c.q, &mut c.tx, &mut ex) && !self.rdma_again.contains(&i) {
             self.rdma_again.push(i);
         }
@@ -830,13 +819,7 @@ impl Reactor {
                 // A closed connection released its parked slots; an index
                 // reused by a new connection is retried harmlessly.
                 Some(Some(c)) if !c.zombie => {
-                    let mut ex = Exec {
-                        ring,
-                        sink: &self.sink,
-                        bufs: &mut self.bufs,
-                        conn: i as u32,
-                        now_ms: now,
-                    };
+                    let mut ex = Exec::new(ring, &self.sink, &mut self.bufs, i, now);
                     c.q.retry_parked(&mut c.tx, &mut ex);
                     c.q.has_parked()
                 }
@@ -873,13 +856,7 @@ impl Reactor {
             );
             return;
         };
-        let mut ex = Exec {
-            ring,
-            sink: &self.sink,
-            bufs: &mut self.bufs,
-            conn: ci as u32,
-            now_ms,
-        };
+        let mut ex = Exec::new(ring, &self.sink, &mut self.bufs, ci, now_ms);
         f(&mut c.q, slot, &mut c.tx, &mut ex);
         c.q.take_returned(&mut self.bufs);
         self.free_if_idle(ci);
@@ -905,13 +882,7 @@ impl Reactor {
             let ring = backend_ring(&mut self.ring, self.backend_uring);
             let back = match self.conns.get_mut(ci) {
                 Some(Some(c)) if !c.zombie => {
-                    let mut ex = Exec {
-                        ring,
-                        sink: &self.sink,
-                        bufs: &mut self.bufs,
-                        conn: ci as u32,
-                        now_ms: now,
-                    };
+                    let mut ex = Exec::new(ring, &self.sink, &mut self.bufs, ci, now);
                     let back = c.q.on_buffer(slot, b, &mut c.tx, &mut ex);
                     // Answered at once (an error status): its buffer is free.
                     c.q.take_returned(&mut self.bufs);

@@ -147,6 +147,24 @@ pub struct Exec<'a> {
     pub now_ms: u64,
 }
 
+impl<'a> Exec<'a> {
+    pub fn new(
+        ring: Option<&'a mut dyn Submit>,
+        sink: &'a Arc<CompletionSink>,
+        bufs: &'a mut BufPool,
+        conn: usize,
+        now_ms: u64,
+    ) -> Exec<'a> {
+        Exec {
+            ring,
+            sink,
+            bufs,
+            conn: conn as u32,
+            now_ms,
+        }
+    }
+}
+
 /// Packs a connection index and slot into io_uring user data (bits 0..48;
 /// the top 16 are a per-operation tag, see [`user_data_tag`]).
 pub fn user_data(conn: u32, slot: u16) -> u64 {
