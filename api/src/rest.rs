@@ -353,6 +353,20 @@ pub struct DeviceUsageBody {
     pub used_bytes: u64,
 }
 
+/// `GET /v1/events`: something the control plane wants an operator to
+/// see, such as a pool crossing 80 % or 90 % of its real capacity. Each
+/// control plane keeps its own last few, newest last.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct EventOut {
+    /// Milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// For machines: `capacity_warning` (80 %), `capacity_critical` (90 %).
+    pub kind: String,
+    /// For people.
+    pub message: String,
+}
+
 /// How a volume takes space (design/thin-snapshots.md T1).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]

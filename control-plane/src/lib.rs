@@ -56,6 +56,7 @@ pub mod rebalance;
 pub mod resync;
 pub mod state;
 pub mod store;
+pub mod usage;
 
 // The types and mechanisms shared with other processes live in
 // `nvpool-api`; re-exported under their old paths.

@@ -25,6 +25,7 @@
 //! | `/stale-exports/{target}` | [`StaleExports`]: see [`crate::attach`] |
 //! | `/failed-copies/{uuid}` | [`FailedCopies`]: copies that missed writes |
 //! | `/copy-state/{uuid}` | [`CopyState`]: what stale copies missed, copy jobs, history |
+//! | `/target-usage/{id}` | [`TargetUsage`]: its grain pools' usage as it last reported it |
 //! | `/meta/alloc-epoch` | u64, see below |
 //!
 //! **The allocation epoch.** "Nothing I read has changed" cannot be said
@@ -36,12 +37,14 @@
 //! transactions are therefore serialised, and a placement is only ever
 //! committed against the exact state it was computed from: two creates can
 //! never hand out the same extent. Heartbeats and cordoning touch only their
-//! target's key (they change health, which placement reads, but acting on a
-//! slightly stale health is harmless).
+//! target's keys, its record and its usage report (they change health,
+//! which placement reads, but acting on a slightly stale health is
+//! harmless).
 //!
 //! **Derived, never stored:** capacity and usage (summed from the volumes'
-//! extents), target health (from `last_heartbeat_ms` and the clock),
-//! volume status (from the health of its extents' targets).
+//! extents; a grain pool's use is its target's report), target health
+//! (from `last_heartbeat_ms` and the clock), volume status (from the
+//! health of its extents' targets).
 
 use crate::attach::{attach_keys as ak, Attachment, FailedCopies, HostRecord, StaleExports};
 use crate::clock::Clock;
@@ -55,12 +58,12 @@ use crate::model::{
     Pool, Target, TargetState, Uuid, Volume, VolumeSpec, VolumeStatus,
 };
 use crate::placement::{
-    failure_domain, Allocator, DeviceInfo, DeviceUsage, PlacementError,
-    DEFAULT_FAILURE_DOMAIN_LABEL,
+    failure_domain, Allocator, DeviceInfo, PlacementError, DEFAULT_FAILURE_DOMAIN_LABEL,
 };
 use crate::rest::{CapacityOut, Provisioning, Secret};
 use crate::resync::{copy_state_key, CopyState, COPY_STATE};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
+use crate::usage::TargetUsage;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -471,10 +474,14 @@ pub struct Created {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capacity {
     pub total_bytes: u64,
+    /// Bytes really taken (see [`DeviceCapacity::used_bytes`]).
     pub used_bytes: u64,
     pub free_bytes: u64,
     /// Extents of the configured size that still fit.
     pub free_extents: u64,
+    /// Bytes of the extents placed: above `total_bytes` when grain pools
+    /// are over-committed.
+    pub provisioned_bytes: u64,
 }
 
 impl From<&Capacity> for CapacityOut {
@@ -484,18 +491,44 @@ impl From<&Capacity> for CapacityOut {
             used_bytes: c.used_bytes,
             free_bytes: c.free_bytes,
             free_extents: c.free_extents,
-            provisioned_bytes: c.used_bytes,
+            provisioned_bytes: c.provisioned_bytes,
         }
     }
 }
 
 impl Capacity {
-    fn add(&mut self, u: &DeviceUsage) {
+    fn add(&mut self, u: &DeviceCapacity) {
         self.total_bytes = self.total_bytes.saturating_add(u.capacity_bytes);
         self.used_bytes = self.used_bytes.saturating_add(u.used_bytes);
         self.free_bytes = self.free_bytes.saturating_add(u.free_bytes);
         self.free_extents += u.free_extents;
+        self.provisioned_bytes = self.provisioned_bytes.saturating_add(u.provisioned_bytes);
     }
+}
+
+/// The real bytes of one device, for capacity reports. Placement counts
+/// in its own space (a grain pool's is virtual: `placement::DeviceUsage`);
+/// these are what the device holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceCapacity {
+    pub target: String,
+    pub device: String,
+    pub pool: Option<String>,
+    /// A grain pool (`thin:PATH`).
+    pub thin: bool,
+    pub capacity_bytes: u64,
+    /// A plain device's placed extents; a grain pool's allocated grains as
+    /// its target last reported them (0 until it does), at most the
+    /// capacity.
+    pub used_bytes: u64,
+    /// `capacity_bytes - used_bytes`.
+    pub free_bytes: u64,
+    /// Extents of the configured size that still fit: a plain device's
+    /// free aligned gaps; a grain pool's free bytes in whole extents (its
+    /// placement space is virtual, so only real bytes bound what it takes).
+    pub free_extents: u64,
+    /// Bytes of the extents placed on it.
+    pub provisioned_bytes: u64,
 }
 
 /// Capacity of the whole cluster, of each pool and of the unpooled devices,
@@ -505,7 +538,7 @@ pub struct CapacityReport {
     pub total: Capacity,
     pub unpooled: Capacity,
     pub pools: BTreeMap<String, Capacity>,
-    pub devices: Vec<DeviceUsage>,
+    pub devices: Vec<DeviceCapacity>,
 }
 
 /// The cluster: the store, the clock and the settings. Clones share
@@ -529,6 +562,10 @@ pub struct Cluster {
     closing: Arc<std::sync::atomic::AtomicBool>,
     /// Lease grants to owners of served volumes (in memory).
     leases: Arc<crate::paths::Leases>,
+    /// What this process tells operators, and the usage levels it last
+    /// warned about (in memory, see [`crate::usage`]).
+    events: Arc<crate::usage::Events>,
+    usage_levels: Arc<crate::usage::Levels>,
     /// Whether this process leads (see `leader`).
     leadership: Arc<Leadership>,
     /// Every write also requires the leader's term (the leader's own work).
@@ -675,6 +712,8 @@ impl Cluster {
             mutations: Arc::default(),
             closing: Arc::default(),
             leases,
+            events: Arc::default(),
+            usage_levels: Arc::default(),
             leadership: Leadership::solo("this process"),
             fenced: false,
             #[cfg(feature = "client")]
@@ -744,6 +783,17 @@ impl Cluster {
 
     pub(crate) fn leases(&self) -> &crate::paths::Leases {
         &self.leases
+    }
+
+    /// This process's events (`GET /v1/events`): any subsystem may push.
+    pub fn events(&self) -> &crate::usage::Events {
+        &self.events
+    }
+
+    /// Warns of pools whose real use crossed a threshold since the last
+    /// check (see [`crate::usage::Levels::check`]).
+    pub fn check_usage(&self, report: &CapacityReport) {
+        self.usage_levels.check(report, &self.events, self.now());
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -1201,8 +1251,41 @@ impl Cluster {
 
     /// Records a heartbeat now; returns the updated target.
     pub fn heartbeat(&self, id: &str) -> Result<Target, StateError> {
-        self.update_target(id, |t, now| {
-            t.last_heartbeat_ms = t.last_heartbeat_ms.max(now)
+        self.heartbeat_reporting(id, &crate::rest::HeartbeatBody::default())
+    }
+
+    /// [`Self::heartbeat`] with what the target measured of its grain
+    /// pools, kept under `/target-usage/{id}` in the same transaction so
+    /// every control plane reads it (see [`crate::usage`]). Devices the
+    /// target does not have, or that are no grain pools, are ignored.
+    pub fn heartbeat_reporting(
+        &self,
+        id: &str,
+        report: &crate::rest::HeartbeatBody,
+    ) -> Result<Target, StateError> {
+        if report.devices.is_empty() {
+            return self.update_target(id, |t, now| {
+                t.last_heartbeat_ms = t.last_heartbeat_ms.max(now)
+            });
+        }
+        validate_id("target id", id, ID_BYTES_MAX)?;
+        crate::usage::validate_report(report)?;
+        let (key, usage_key) = (keys::target(id), crate::usage::key(id));
+        self.retry(|| {
+            let t = self
+                .read::<Target>("target", &key)?
+                .ok_or_else(|| StateError::TargetNotFound(id.to_owned()))?;
+            let held = self.read::<TargetUsage>("target usage", &usage_key)?;
+            let mut target = t.value;
+            target.last_heartbeat_ms = target.last_heartbeat_ms.max(self.now());
+            let usage = TargetUsage::merged(held.as_ref().map(|h| &h.value), &target, report);
+            let mut conds = vec![unchanged(&key, Some(t.version))];
+            let mut ops = vec![Op::Put(key.clone(), encode(&target))];
+            if held.as_ref().map(|h| &h.value) != Some(&usage) {
+                conds.push(unchanged(&usage_key, held.as_ref().map(|h| h.version)));
+                ops.push(Op::Put(usage_key.clone(), encode(&usage)));
+            }
+            self.try_commit(Txn::Commit(conds, ops, target))
         })
     }
 
@@ -1690,10 +1773,50 @@ impl Cluster {
     // ----- capacity and consistency -----
 
     /// Capacity of the cluster, each pool and the unpooled devices, summed
-    /// from the volumes' extents.
+    /// from the volumes' extents and the grain pools' reported usage.
     pub fn capacity(&self) -> Result<CapacityReport, StateError> {
         let s = self.snapshot()?;
-        let devices = self.allocator(&s)?.usage(self.config.extent_bytes);
+        let allocator = self.allocator(&s)?;
+        let reported: BTreeMap<String, TargetUsage> = self
+            .read_all::<TargetUsage>("target usage", crate::usage::TARGET_USAGE)?
+            .into_iter()
+            .map(|u| (u.target.clone(), u))
+            .collect();
+        let extent_bytes = self.config.extent_bytes;
+        let devices: Vec<DeviceCapacity> = allocator
+            .devices()
+            .iter()
+            .map(|space| {
+                let info = &space.info;
+                let device = s
+                    .targets
+                    .get(&info.target)
+                    .and_then(|t| t.value.device(&info.device));
+                let thin = device.is_some_and(Device::is_grain_pool);
+                let capacity_bytes = device.map_or(info.capacity_bytes, |d| d.capacity_bytes);
+                let provisioned_bytes = space.used_bytes();
+                let (used_bytes, free_extents) = if thin {
+                    let used = reported
+                        .get(&info.target)
+                        .and_then(|u| u.devices.get(&info.device))
+                        .map_or(0, |&u| u.min(capacity_bytes));
+                    (used, (capacity_bytes - used) / extent_bytes)
+                } else {
+                    (provisioned_bytes, space.free_extents(extent_bytes))
+                };
+                DeviceCapacity {
+                    target: info.target.clone(),
+                    device: info.device.clone(),
+                    pool: info.pool.clone(),
+                    thin,
+                    capacity_bytes,
+                    used_bytes,
+                    free_bytes: capacity_bytes.saturating_sub(used_bytes),
+                    free_extents,
+                    provisioned_bytes,
+                }
+            })
+            .collect();
         let mut report = CapacityReport::default();
         for name in s.pools.keys() {
             report.pools.insert(name.clone(), Capacity::default());

@@ -2,17 +2,16 @@
 
 use crate::attach::Attachment;
 use crate::model::{TargetState, Uuid, VolumeStatus};
-use crate::placement::DeviceUsage;
 use crate::plan::ConnectionPlan;
 use crate::rest::{
     AttachmentOut, CapacityOut, CopyJobOut, DeviceOut, ExtentOut, TargetOut, VolumeOut,
     VolumeSpecBody,
 };
-use crate::state::{Cluster, StateError, TargetView, VolumeView};
+use crate::state::{Cluster, DeviceCapacity, StateError, TargetView, VolumeView};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
-pub(super) fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
+pub(super) fn target_out(v: &TargetView, usage: &[DeviceCapacity]) -> TargetOut {
     let t = &v.target;
     let mut capacity = CapacityOut::default();
     let devices = t
@@ -20,13 +19,22 @@ pub(super) fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
         .iter()
         .map(|d| {
             let u = usage.iter().find(|u| u.target == t.id && u.device == d.id);
-            let (used, free, free_extents, pool) = u.map_or((0, d.capacity_bytes, 0, None), |u| {
-                (u.used_bytes, u.free_bytes, u.free_extents, u.pool.clone())
-            });
+            let (used, free, free_extents, provisioned, pool) =
+                u.map_or((0, d.capacity_bytes, 0, 0, None), |u| {
+                    let (free, pool) = (u.free_bytes, u.pool.clone());
+                    (
+                        u.used_bytes,
+                        free,
+                        u.free_extents,
+                        u.provisioned_bytes,
+                        pool,
+                    )
+                });
             capacity.total_bytes = capacity.total_bytes.saturating_add(d.capacity_bytes);
             capacity.used_bytes = capacity.used_bytes.saturating_add(used);
             capacity.free_bytes = capacity.free_bytes.saturating_add(free);
             capacity.free_extents += free_extents;
+            capacity.provisioned_bytes = capacity.provisioned_bytes.saturating_add(provisioned);
             DeviceOut {
                 id: d.id.clone(),
                 backend: d.backend.clone(),
@@ -35,8 +43,8 @@ pub(super) fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
                 capacity_bytes: d.capacity_bytes,
                 used_bytes: used,
                 free_bytes: free,
-                thin: nvpool_api::admin::is_grain_pool(&d.backend),
-                provisioned_bytes: used,
+                thin: d.is_grain_pool(),
+                provisioned_bytes: provisioned,
             }
         })
         .collect();
@@ -50,7 +58,8 @@ pub(super) fn target_out(v: &TargetView, usage: &[DeviceUsage]) -> TargetOut {
         labels: t.labels.clone(),
         health: v.health,
         state: t.state,
-        drained: t.state == TargetState::Draining && capacity.used_bytes == 0,
+        // Holding no extent: a grain pool's reported use says nothing of that.
+        drained: t.state == TargetState::Draining && capacity.provisioned_bytes == 0,
         registered_ms: t.registered_ms,
         last_heartbeat_ms: t.last_heartbeat_ms,
         capacity,

@@ -1,13 +1,15 @@
-//! `GET /metrics`: the cluster in Prometheus text.
+//! `GET /metrics`: the cluster in Prometheus text; `GET /v1/events`: what
+//! this control plane wants an operator to see.
 
 use crate::api::errors::ApiError;
 use crate::api::Api;
 use crate::model::{Health, VolumeStatus};
-use crate::rest::ErrorBody;
+use crate::rest::{ErrorBody, EventOut};
 use crate::state::{Cluster, StateError};
 use axum::extract::State;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
+use axum::Json;
 use nvpool_api::prometheus::{Kind, Text};
 
 pub(super) fn render_metrics(c: &Cluster) -> Result<String, StateError> {
@@ -32,6 +34,22 @@ pub(super) fn render_metrics(c: &Cluster) -> Result<String, StateError> {
         ("free", cap.total.free_bytes),
     ] {
         out.sample(name, &[("kind", kind)], v);
+    }
+    // Per pool, real bytes against what was promised: a grain pool's
+    // extents take space only when written (design/thin-snapshots.md T4).
+    let name = "nvpool_pool_bytes";
+    let help = "Bytes of a pool's devices (pool=\"(unpooled)\": the devices in none): \
+                real capacity, really used, and provisioned (placed extents).";
+    out.family(name, Kind::Gauge, help);
+    let pools = cap.pools.iter().map(|(p, c)| (p.as_str(), c));
+    for (pool, c) in pools.chain(std::iter::once(("(unpooled)", &cap.unpooled))) {
+        for (kind, v) in [
+            ("capacity", c.total_bytes),
+            ("used", c.used_bytes),
+            ("provisioned", c.provisioned_bytes),
+        ] {
+            out.sample(name, &[("pool", pool), ("kind", kind)], v);
+        }
     }
     let name = "nvpool_target_up";
     let help = "Whether a target heartbeats (1) or is offline (0).";
@@ -79,6 +97,23 @@ pub(super) fn render_metrics(c: &Cluster) -> Result<String, StateError> {
         out.family(name, Kind::Gauge, help).sample(name, &[], v);
     }
     Ok(out.finish())
+}
+
+/// This control plane's events, newest last: a pool whose real use
+/// crossed 80 % or 90 % of its capacity. Kept in memory (the last 256):
+/// each control plane lists its own, and a restart forgets them.
+#[utoipa::path(get, path = "/v1/events", tag = "operations", responses((status = 200, description = "the events, oldest first", body = Vec<EventOut>)))]
+pub(super) async fn events(State(api): State<Api>) -> Json<Vec<EventOut>> {
+    let list = api.cluster.events().list();
+    Json(
+        list.into_iter()
+            .map(|e| EventOut {
+                time_ms: e.time_ms,
+                kind: e.kind.to_owned(),
+                message: e.message,
+            })
+            .collect(),
+    )
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "operations", responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain"), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]

@@ -9,7 +9,8 @@
 //! | `GET /metrics` | Prometheus text: volumes, capacity, target health |
 //! | `GET /v1/openapi.json` | this API as OpenAPI 3 (also `docs/openapi.json`) |
 //! | `POST /v1/targets` | a target registers (or re-registers) itself |
-//! | `PUT /v1/targets/{id}/heartbeat` | a target is alive |
+//! | `PUT /v1/targets/{id}/heartbeat` | a target is alive (body: its grain pools' usage) |
+//! | `GET /v1/events` | this control plane's events (pools crossing 80 %, 90 % of real capacity) |
 //! | `GET /v1/targets`, `GET /v1/targets/{id}` | health and capacity |
 //! | `PUT /v1/pools/{name}` | create a pool (idempotent; body: devices) |
 //! | `GET /v1/pools`, `GET /v1/pools/{name}` | pools and their capacity |
@@ -44,7 +45,7 @@
 //!    ├── handlers/{targets,pools,volumes,attachments,exports,hosts,rebalance}
 //!    │     └── bodies ── response bodies from the cluster's records
 //!    ├── errors ── ApiError: cluster and target errors → status, kind
-//!    ├── metrics ── GET /metrics
+//!    ├── metrics ── GET /metrics, GET /v1/events
 //!    ├── openapi ── the document, from the handlers and the auth table
 //!    └── server ── ApiServer: the API on a thread of its own
 //! ```
@@ -101,6 +102,7 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
         .route("/healthz", get(healthz))
         .route("/v1/openapi.json", get(openapi))
         .route("/metrics", get(metrics::metrics))
+        .route("/v1/events", get(metrics::events))
         .route("/v1/targets", post(register_target).get(list_targets))
         .route("/v1/targets/{id}", get(get_target).delete(delete_target))
         .route("/v1/targets/{id}/state", put(put_target_state))

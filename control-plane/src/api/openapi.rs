@@ -16,7 +16,8 @@ use utoipa::OpenApi;
                        {kind, message, details}; sizes are bytes."
     ),
     paths(
-        handlers::healthz, metrics::metrics, handlers::openapi, targets::register_target,
+        handlers::healthz, metrics::metrics, metrics::events, handlers::openapi,
+        targets::register_target,
         targets::heartbeat, targets::list_targets, targets::get_target, pools::put_pool,
         pools::list_pools, pools::get_pool, pools::delete_pool, volumes::put_volume,
         volumes::list_volumes, volumes::get_volume, volumes::resize_volume,
@@ -227,13 +228,12 @@ impl utoipa::Modify for Formats {
             }
         }
         // Bodies that may be left out (`OptionalJsonBody`).
-        if let Some(op) = doc
-            .paths
-            .paths
-            .get_mut("/v1/volumes/{uuid}/exports/{host_nqn}")
-            .and_then(|item| item.put.as_mut())
-        {
-            if let Some(utoipa::openapi::RefOr::T(b)) = op.request_body.as_mut() {
+        for path in [
+            "/v1/volumes/{uuid}/exports/{host_nqn}",
+            "/v1/targets/{id}/heartbeat",
+        ] {
+            let op = doc.paths.paths.get_mut(path).and_then(|i| i.put.as_mut());
+            if let Some(utoipa::openapi::RefOr::T(b)) = op.and_then(|o| o.request_body.as_mut()) {
                 b.required = Some(utoipa::openapi::Required::False);
             }
         }
@@ -242,7 +242,7 @@ impl utoipa::Modify for Formats {
             "UnsupportedMediaType".into(),
             error_answer("the body is not sent as application/json").into(),
         );
-        let fields: [(&str, &str, &str, usize); 8] = [
+        let fields: [(&str, &str, &str, usize); 9] = [
             ("VolumeSpecBody", "name", ID_PATTERN, NAME_BYTES_MAX),
             ("VolumeSpecBody", "pool", ID_PATTERN, ID_BYTES_MAX),
             ("RegisterTargetBody", "id", ID_PATTERN, ID_BYTES_MAX),
@@ -251,6 +251,7 @@ impl utoipa::Modify for Formats {
             ("DeviceRefBody", "target", ID_PATTERN, ID_BYTES_MAX),
             ("DeviceRefBody", "device", ID_PATTERN, ID_BYTES_MAX),
             ("RebalanceBody", "pool", ID_PATTERN, ID_BYTES_MAX),
+            ("DeviceUsageBody", "id", ID_PATTERN, ID_BYTES_MAX),
         ];
         for (schema, field, pattern, max) in fields {
             if let Some(f) = body_field(components, schema, field) {
@@ -315,13 +316,18 @@ impl utoipa::Modify for Formats {
                 f.max_length = Some(ADDR_BYTES_MAX);
             }
         }
-        let lists: [(&str, &str, usize); 2] = [
+        let lists: [(&str, &str, usize); 3] = [
             (
                 "RegisterTargetBody",
                 "devices",
                 crate::limits::DEVICES_PER_TARGET_MAX,
             ),
             ("PoolBody", "devices", crate::limits::DEVICES_PER_POOL_MAX),
+            (
+                "HeartbeatBody",
+                "devices",
+                crate::limits::DEVICES_PER_TARGET_MAX,
+            ),
         ];
         for (schema, field, max) in lists {
             if let Some(Schema::Array(a)) = body_schema(components, schema, field) {

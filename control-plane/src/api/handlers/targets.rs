@@ -2,12 +2,14 @@
 
 use crate::api::bodies::{target_out, ForceQuery};
 use crate::api::errors::ApiError;
-use crate::api::extract::{JsonBody, Segments};
+use crate::api::extract::{JsonBody, OptionalJsonBody, Segments};
 use crate::api::Api;
 use crate::auth;
 use crate::model::Device;
 use crate::program;
-use crate::rest::{ErrorBody, ReconcileOut, RegisterTargetBody, TargetOut, TargetStateBody};
+use crate::rest::{
+    ErrorBody, HeartbeatBody, ReconcileOut, RegisterTargetBody, TargetOut, TargetStateBody,
+};
 use crate::state::TargetRegistration;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
@@ -64,16 +66,25 @@ pub(in crate::api) async fn register_target(
     Ok(Json(out))
 }
 
-#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
+/// A target is alive, and reports its grain pools' usage (an empty body,
+/// as older targets send, reports nothing). Devices it does not have, or
+/// that are no grain pools, are ignored; one named twice is a 400. Then
+/// the pools' real use is checked against 80 % and 90 % of their capacity
+/// (a warning, an event and the metrics).
+#[utoipa::path(put, path = "/v1/targets/{id}/heartbeat", tag = "targets", params(("id" = String, Path, description = "target id")), request_body(content = HeartbeatBody, description = "optional: without a body (and then without a content type), nothing is reported"), responses((status = 200, description = "alive", body = TargetOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn heartbeat(
     State(api): State<Api>,
     Segments(id): Segments<String>,
+    OptionalJsonBody(body): OptionalJsonBody<HeartbeatBody>,
 ) -> Result<Json<TargetOut>, ApiError> {
+    let report = body.unwrap_or_default();
     let out = api
         .run(move |c| {
-            c.heartbeat(&id)?;
+            c.heartbeat_reporting(&id, &report)?;
             let view = c.target(&id)?;
-            Ok(target_out(&view, &c.capacity()?.devices))
+            let capacity = c.capacity()?;
+            c.check_usage(&capacity);
+            Ok(target_out(&view, &capacity.devices))
         })
         .await?;
     Ok(Json(out))
