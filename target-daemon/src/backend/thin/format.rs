@@ -5,16 +5,18 @@
 //! page 0, 1      superblocks; generation G lives in page G % 2
 //! sm slot 0, 1   space map (u16 per data grain, then per metadata page);
 //!                generation G's counts live in slot G % 2
-//! metadata       4 KiB tree pages, never written while a committed
-//!                transaction can still reach them
+//! metadata       4 KiB pages of the trees and of the root table, never
+//!                written while a committed transaction can still reach them
 //! data           grains, aligned to the grain size
 //! ```
+//!
+//! The superblock names the root table's top page: the table is a radix tree
+//! of metadata pages like the trees (mod.rs), so the number of roots is not
+//! bounded by the superblock.
 //!
 //! Everything is little-endian. Only the superblock carries a checksum: the
 //! pages and the space map slot it names were flushed before it was written,
 //! so a superblock that checks out names bytes that are all on the device.
-
-use std::collections::BTreeMap;
 
 pub const PAGE_BYTES: u64 = 4096;
 /// The unit of the written mask: one bit per 4 KiB of a grain.
@@ -22,12 +24,11 @@ pub const SECTOR_BYTES: u64 = 4096;
 pub const ENTRIES_PER_PAGE: usize = 512;
 /// 16 bits of written mask cap a grain at 16 sectors.
 pub const GRAIN_BYTES_ALLOWED: [u64; 3] = [16 << 10, 32 << 10, 64 << 10];
-/// Grain-pool devices are format version 2 (T2); version 1 is fixed extents.
-const VERSION: u32 = 2;
+/// Grain pools are format version 3 (T2); version 1 is fixed extents.
+/// Version 2 kept at most 250 roots in the superblock; nothing ever used it,
+/// so a version-2 pool is not read (no compatibility kept on purpose).
+const VERSION: u32 = 3;
 const MAGIC: u64 = u64::from_le_bytes(*b"NVPTHIN\0");
-const ROOTS_OFF: usize = 96;
-/// Roots live in the superblock for now: 16 bytes each after the header.
-pub const ROOTS_MAX: usize = (PAGE_BYTES as usize - ROOTS_OFF) / 16;
 const COUNTS_PER_SM_PAGE: u64 = PAGE_BYTES / 2;
 
 /// Where the areas sit, fixed at format.
@@ -47,15 +48,17 @@ pub struct Layout {
 
 impl Layout {
     /// The largest pool that fits `size` bytes. Without `meta_pages`, one
-    /// metadata page per 64 grains (plus slack): a full tree's leaves and the
-    /// copies snapshots cause, at 0.1 % of a 64 KiB-grain device.
+    /// metadata page per 64 grains: a full tree's leaves and the copies
+    /// snapshots cause, at 0.1 % of a 64 KiB-grain device; plus 32, so even
+    /// a small pool holds a tree's and the root table's paths twice (the
+    /// committed ones and their copies) and the delete reserve.
     pub fn compute(size: u64, grain_bytes: u64, meta_pages: Option<u64>) -> Option<Layout> {
         if !GRAIN_BYTES_ALLOWED.contains(&grain_bytes) {
             return None;
         }
         let mut data_grains = size / grain_bytes;
         while data_grains > 0 {
-            let meta = meta_pages.unwrap_or(data_grains / 64 + 16);
+            let meta = meta_pages.unwrap_or(data_grains / 64 + 32);
             let sm_pages = (data_grains + meta).div_ceil(COUNTS_PER_SM_PAGE);
             let meta_start = 2 + 2 * sm_pages;
             let data_start = ((meta_start + meta) * PAGE_BYTES).next_multiple_of(grain_bytes);
@@ -98,16 +101,21 @@ impl Layout {
     fn end(&self) -> u64 {
         self.data_start + self.data_grains * self.grain_bytes
     }
+
+    /// Whether device page `p` is in the metadata area.
+    pub fn is_meta(&self, p: u64) -> bool {
+        p >= self.meta_start && p - self.meta_start < self.meta_pages
+    }
 }
 
-/// One committed transaction: its generation, the layout, and every root.
+/// One committed transaction: its generation, the layout, and its roots.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
     pub generation: u64,
     pub layout: Layout,
     pub next_root: u64,
-    /// Root id → top page (0 for a tree with nothing written).
-    pub roots: BTreeMap<u64, u64>,
+    /// Top page of the root table (0: no roots).
+    pub root_table: u64,
 }
 
 fn put(page: &mut [u8], at: usize, v: u64) {
@@ -120,10 +128,6 @@ fn get(page: &[u8], at: usize) -> u64 {
 
 impl Superblock {
     pub fn encode(&self) -> Vec<u8> {
-        assert!(
-            self.roots.len() <= ROOTS_MAX,
-            "root table overflows the superblock"
-        );
         let mut p = vec![0u8; PAGE_BYTES as usize];
         let l = &self.layout;
         put(&mut p, 0, MAGIC);
@@ -137,17 +141,13 @@ impl Superblock {
         put(&mut p, 64, l.meta_start);
         put(&mut p, 72, l.data_start);
         put(&mut p, 80, self.next_root);
-        put(&mut p, 88, self.roots.len() as u64);
-        for (i, (id, top)) in self.roots.iter().enumerate() {
-            put(&mut p, ROOTS_OFF + 16 * i, *id);
-            put(&mut p, ROOTS_OFF + 16 * i + 8, *top);
-        }
+        put(&mut p, 88, self.root_table);
         let crc = nvpool_wire::digest::crc32c(&p);
         p[12..16].copy_from_slice(&crc.to_le_bytes());
         p
     }
 
-    /// `None` for anything but an intact version-2 superblock that fits a
+    /// `None` for anything but an intact version-3 superblock that fits a
     /// device of `size` bytes: a torn or never-written one loses to the other.
     pub fn decode(page: &[u8], size: u64) -> Option<Superblock> {
         if page.len() != PAGE_BYTES as usize || get(page, 0) != MAGIC {
@@ -168,21 +168,18 @@ impl Superblock {
             meta_start: get(&p, 64),
             data_start: get(&p, 72),
         };
-        let n = get(&p, 88) as usize;
-        if n > ROOTS_MAX
-            || layout.end() > size
+        let root_table = get(&p, 88);
+        if layout.end() > size
             || !GRAIN_BYTES_ALLOWED.contains(&layout.grain_bytes)
+            || (root_table != 0 && !layout.is_meta(root_table))
         {
             return None;
         }
-        let roots = (0..n)
-            .map(|i| (get(&p, ROOTS_OFF + 16 * i), get(&p, ROOTS_OFF + 16 * i + 8)))
-            .collect();
         Some(Superblock {
             generation: get(&p, 16),
             layout,
             next_root: get(&p, 80),
-            roots,
+            root_table,
         })
     }
 }

@@ -11,6 +11,19 @@
 //! data-grain number << 16 | written mask (0: unmapped). A root maps grain
 //! indices `0..GRAIN_INDEX_LIMIT` straight to data: no chain on any read.
 //!
+//! The root table is the same kind of radix tree, keyed by root id: four
+//! levels of pages (5, 9, 9 and 9 bits of the id, so any id below
+//! [`ROOT_ID_LIMIT`] = 2^32) whose leaf entries are *records*: `PRESENT`
+//! | the root's top page (0: nothing written yet). The superblock names the
+//! table's top page. Its pages are shadowed, counted in the space map and
+//! committed exactly like tree pages, so a crash before the superblock write
+//! leaves the old table (T3); a page a delete leaves empty is freed, so a
+//! pool with no roots holds no table page. Ids may be sparse (the control
+//! plane names a tree by its offset in the pool's virtual space): a root
+//! costs its path's share of the table, at worst three pages of its own.
+//! Each table page has one parent (nothing snapshots the table), and a
+//! record holds one reference on its tree's top page.
+//!
 //! Sharing (T2): every page and grain has a reference count. A page may be
 //! changed in place only when this transaction allocated it and one parent
 //! holds it; otherwise it is *shadowed*: copied to a new page, and if the old
@@ -22,7 +35,9 @@
 //! slot, flushes, writes the other superblock, flushes. A page or grain is
 //! allocatable only when both its current and its committed count are zero,
 //! so nothing the last commit reaches is ever overwritten, and what was freed
-//! since waits for the next commit.
+//! since waits for the next commit. `DELETE_RESERVE` pages are kept for a
+//! delete (only it may use them), so a pool whose metadata is full can still
+//! delete a root, and after the next commit has that root's pages back.
 
 mod backend;
 mod format;
@@ -31,15 +46,24 @@ mod tests;
 
 pub use backend::{format, open, FileDevice, ThinBackend, ThinPool, THIN_BLOCK_BYTES};
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 
-pub use format::{Layout, GRAIN_BYTES_ALLOWED, ROOTS_MAX, SECTOR_BYTES};
+pub use format::{Layout, GRAIN_BYTES_ALLOWED, SECTOR_BYTES};
 use format::{Superblock, ENTRIES_PER_PAGE, PAGE_BYTES};
 
 /// Three levels of 512 entries.
 pub const GRAIN_INDEX_LIMIT: u64 = 1 << 27;
 const MASK_BITS: u64 = 0xffff;
+/// Root ids the four-level root table holds: 2^30 MiB-offsets of a 1 PiB
+/// virtual space fit with room to spare.
+pub const ROOT_ID_LIMIT: u64 = 1 << 32;
+const TABLE_LEVELS: usize = 4;
+/// Set in every root record, so a root with nothing written (top page 0) is
+/// told apart from no root.
+const PRESENT: u64 = 1 << 63;
+/// Free metadata pages only `delete_root` may take: one root-table path.
+const DELETE_RESERVE: u64 = TABLE_LEVELS as u64;
 
 /// The byte device a pool lives on. Writes may sit in a volatile cache until
 /// `flush` returns, as on NVMe.
@@ -57,8 +81,8 @@ pub enum ThinError {
     NoSpace,
     #[error("no root {0}")]
     NoRoot(u64),
-    #[error("root table full ({ROOTS_MAX} roots)")]
-    TooManyRoots,
+    #[error("root id {0} is not below 2^32")]
+    RootId(u64),
     #[error("range not 4 KiB aligned or beyond the tree")]
     Range,
     #[error("device too small or grain size not 16, 32 or 64 KiB")]
@@ -100,6 +124,27 @@ fn split(gi: u64) -> (usize, usize, usize) {
     )
 }
 
+/// Root id → its slot at each root-table level, top first.
+fn table_slots(id: u64) -> [usize; TABLE_LEVELS] {
+    [
+        (id >> 27) as usize & 511,
+        (id >> 18) as usize & 511,
+        (id >> 9) as usize & 511,
+        id as usize & 511,
+    ]
+}
+
+/// What a page's non-zero entries reference.
+#[derive(Debug, Clone, Copy)]
+enum Children {
+    /// Pages: a tree's or the root table's interior.
+    Pages,
+    /// Data grains (with a written mask): a tree's leaf.
+    Grains,
+    /// Root records: the root table's leaf.
+    Roots,
+}
+
 /// Bits of the sectors `first..first + n` of a grain.
 fn sector_bits(first: u64, n: u64) -> u64 {
     ((1u64 << n) - 1) << first
@@ -110,8 +155,10 @@ pub struct Pool<D> {
     layout: Layout,
     generation: u64,
     next_root: u64,
-    roots: BTreeMap<u64, u64>,
-    committed_roots: BTreeMap<u64, u64>,
+    /// Top page of the root table, and of the committed one (0: no roots).
+    /// Every page of the live table is in `cache` (loaded at open).
+    table: u64,
+    committed_table: u64,
     /// Reference counts: data grains, then metadata pages.
     counts: Vec<u16>,
     committed: Vec<u16>,
@@ -157,7 +204,7 @@ impl<D: Device> Pool<D> {
             generation: 1,
             layout,
             next_root: 1,
-            roots: BTreeMap::new(),
+            root_table: 0,
         };
         dev.write_at(&sb.encode(), PAGE_BYTES)?;
         dev.flush()?;
@@ -196,8 +243,8 @@ impl<D: Device> Pool<D> {
             layout,
             generation: sb.generation,
             next_root: sb.next_root,
-            committed_roots: sb.roots.clone(),
-            roots: sb.roots,
+            table: sb.root_table,
+            committed_table: sb.root_table,
             committed: counts.clone(),
             counts,
             free: [0; 2],
@@ -210,7 +257,27 @@ impl<D: Device> Pool<D> {
             failed: false,
         };
         pool.recount_free();
+        if sb.root_table != 0 {
+            pool.load_table(sb.root_table, 0)?;
+        }
         Ok(pool)
+    }
+
+    /// Caches the root table below `p` (at `level`), so `roots` needs no I/O.
+    fn load_table(&mut self, p: u64, level: usize) -> Result<()> {
+        if !self.layout.is_meta(p) {
+            return Err(ThinError::Corrupt(format!(
+                "root table page {p} outside the metadata area"
+            )));
+        }
+        self.load(p)?;
+        if level + 1 < TABLE_LEVELS {
+            let children: Vec<u64> = self.cache[&p].iter().copied().filter(|&e| e != 0).collect();
+            for c in children {
+                self.load_table(c, level + 1)?;
+            }
+        }
+        Ok(())
     }
 
     pub fn into_device(self) -> D {
@@ -225,8 +292,25 @@ impl<D: Device> Pool<D> {
         self.generation
     }
 
+    /// Every root id, in order: a walk of the whole root table.
     pub fn roots(&self) -> Vec<u64> {
-        self.roots.keys().copied().collect()
+        let mut out = Vec::new();
+        if self.table != 0 {
+            self.collect_roots(self.table, 0, 0, &mut out);
+        }
+        out
+    }
+
+    fn collect_roots(&self, p: u64, level: usize, prefix: u64, out: &mut Vec<u64>) {
+        let page = self.cache.get(&p).expect("the live root table is cached");
+        for (slot, &e) in page.iter().enumerate().filter(|(_, e)| **e != 0) {
+            let id = prefix << 9 | slot as u64;
+            if level + 1 == TABLE_LEVELS {
+                out.push(id);
+            } else {
+                self.collect_roots(e, level + 1, id, out);
+            }
+        }
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -241,26 +325,29 @@ impl<D: Device> Pool<D> {
     /// A new empty tree.
     pub fn create_root(&mut self) -> Result<u64> {
         self.usable()?;
-        self.add_root(0)
+        let r = self.add_root(0);
+        self.poison(r)
     }
 
-    /// Creates the empty tree `id` unless it exists; true when it did. A
-    /// namespace names its tree in its spec, so a restart finds it again.
+    /// Creates the empty tree `id` (any id below [`ROOT_ID_LIMIT`]) unless it
+    /// exists; true when it did. A namespace names its tree in its spec, so a
+    /// restart finds it again.
     pub fn ensure_root(&mut self, id: u64) -> Result<bool> {
         self.usable()?;
-        if id == 0 {
-            return Err(ThinError::NoRoot(0));
+        if id >= ROOT_ID_LIMIT {
+            return Err(ThinError::RootId(id));
         }
-        if self.roots.contains_key(&id) {
-            return Ok(false);
-        }
-        if self.roots.len() >= ROOTS_MAX {
-            return Err(ThinError::TooManyRoots);
-        }
-        self.roots.insert(id, 0);
-        self.next_root = self.next_root.max(id + 1);
-        self.changed = true;
-        Ok(true)
+        let r = (|| {
+            if self.record(self.table, id)?.is_some() {
+                return Ok(false);
+            }
+            let pages = self.table_need(id)?;
+            self.room(0, pages)?;
+            self.set_record(id, PRESENT)?;
+            self.next_root = self.next_root.max(id + 1);
+            Ok(true)
+        })();
+        self.poison(r)
     }
 
     /// Whether anything changed since the last commit.
@@ -277,25 +364,34 @@ impl<D: Device> Pool<D> {
     /// top page, whatever the size.
     pub fn snapshot(&mut self, root: u64) -> Result<u64> {
         self.usable()?;
-        let top = self.top(root)?;
-        let id = self.add_root(top)?;
-        if top != 0 {
-            self.inc(self.page_idx(top));
-        }
-        Ok(id)
+        let r = (|| {
+            let top = self.top(root)?;
+            let id = self.add_root(top)?;
+            if top != 0 {
+                self.inc(self.page_idx(top));
+            }
+            Ok(id)
+        })();
+        self.poison(r)
     }
 
-    /// Drops `root` and every page and grain only it reached.
+    /// Drops `root` and every page and grain only it reached. May use the
+    /// delete reserve; fails with [`ThinError::NoSpace`] only when earlier
+    /// deletes since the last commit used it up.
     pub fn delete_root(&mut self, root: u64) -> Result<()> {
         self.usable()?;
-        let top = self.top(root)?;
-        self.roots.remove(&root);
-        self.changed = true;
-        let r = if top != 0 {
-            self.drop_page(top, 0)
-        } else {
+        let r = (|| {
+            let top = self.top(root)?;
+            if self.table_need(root)? > self.free[PAGES] {
+                return Err(ThinError::NoSpace);
+            }
+            self.clear_record(root)?;
+            self.changed = true;
+            if top != 0 {
+                self.drop_page(top, 0)?;
+            }
             Ok(())
-        };
+        })();
         self.poison(r)
     }
 
@@ -328,9 +424,7 @@ impl<D: Device> Pool<D> {
             .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
             .collect();
         let (grains, pages) = self.need(root, &plan, true)?;
-        if grains > self.free[GRAINS] || pages > self.free[PAGES] {
-            return Err(ThinError::NoSpace);
-        }
+        self.room(grains, pages)?;
         let r = (|| {
             for (gi, first, n, at) in spans {
                 let bytes = &data[at..at + (n * SECTOR_BYTES) as usize];
@@ -352,9 +446,7 @@ impl<D: Device> Pool<D> {
             .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
             .collect();
         let (_, pages) = self.need(root, &plan, false)?;
-        if pages > self.free[PAGES] {
-            return Err(ThinError::NoSpace);
-        }
+        self.room(0, pages)?;
         let r = (|| {
             for (gi, bits) in plan {
                 let top = self.top(root)?;
@@ -415,29 +507,33 @@ impl<D: Device> Pool<D> {
             generation: gen,
             layout: self.layout,
             next_root: self.next_root,
-            roots: self.roots.clone(),
+            root_table: self.table,
         };
         self.dev.write_at(&sb.encode(), slot * PAGE_BYTES)?;
         self.dev.flush()?;
         self.generation = gen;
         self.slot_written[slot as usize] = gen;
         self.committed.clone_from(&self.counts);
-        self.committed_roots.clone_from(&self.roots);
+        self.committed_table = self.table;
         self.dirty.clear();
         self.changed = false;
         self.recount_free();
         Ok(())
     }
 
-    /// Recounts every reference from the roots and compares with the space
-    /// map: a leak or a double use is [`ThinError::Corrupt`].
+    /// Recounts every reference from the root table down (its own pages
+    /// included) and compares with the space map: a leak or a double use is
+    /// [`ThinError::Corrupt`].
     pub fn check(&mut self) -> Result<()> {
         let mut want = vec![0u32; self.counts.len()];
         let mut seen = HashSet::new();
-        let tops: Vec<u64> = self.roots.values().copied().filter(|&t| t != 0).collect();
-        let mut stack: Vec<(u64, usize)> = tops.into_iter().map(|t| (t, 0)).collect();
-        while let Some((p, level)) = stack.pop() {
-            if p < self.layout.meta_start || p >= self.layout.meta_start + self.layout.meta_pages {
+        // (page, whether it is a tree page, level in its tree or table)
+        let mut stack: Vec<(u64, bool, usize)> = Vec::new();
+        if self.table != 0 {
+            stack.push((self.table, false, 0));
+        }
+        while let Some((p, tree, level)) = stack.pop() {
+            if !self.layout.is_meta(p) {
                 return Err(ThinError::Corrupt(format!(
                     "page {p} outside the metadata area"
                 )));
@@ -447,13 +543,18 @@ impl<D: Device> Pool<D> {
                 continue;
             }
             self.load(p)?;
+            let bad = |e: u64| ThinError::Corrupt(format!("bad entry {e:#x} in page {p}"));
             for &e in self.cache[&p].iter().filter(|&&e| e != 0) {
-                if level < 2 {
-                    stack.push((e, level + 1));
-                } else if e & MASK_BITS == 0 || e >> 16 >= self.layout.data_grains {
-                    return Err(ThinError::Corrupt(format!("bad entry {e:#x} in page {p}")));
-                } else {
-                    want[(e >> 16) as usize] += 1;
+                match (tree, level) {
+                    (false, l) if l + 1 < TABLE_LEVELS => stack.push((e, false, l + 1)),
+                    (false, _) if e & PRESENT == 0 => return Err(bad(e)),
+                    (false, _) if e != PRESENT => stack.push((e & !PRESENT, true, 0)),
+                    (false, _) => {}
+                    (true, l) if l < 2 => stack.push((e, true, l + 1)),
+                    _ if e & MASK_BITS == 0 || e >> 16 >= self.layout.data_grains => {
+                        return Err(bad(e))
+                    }
+                    _ => want[(e >> 16) as usize] += 1,
                 }
             }
         }
@@ -488,21 +589,112 @@ impl<D: Device> Pool<D> {
         r
     }
 
-    fn top(&self, root: u64) -> Result<u64> {
-        self.roots
-            .get(&root)
-            .copied()
+    /// Whether `grains` and `pages` may be allocated now, keeping the delete
+    /// reserve.
+    fn room(&self, grains: u64, pages: u64) -> Result<()> {
+        if grains > self.free[GRAINS] || (pages > 0 && pages + DELETE_RESERVE > self.free[PAGES]) {
+            return Err(ThinError::NoSpace);
+        }
+        Ok(())
+    }
+
+    fn top(&mut self, root: u64) -> Result<u64> {
+        self.record(self.table, root)?
             .ok_or(ThinError::NoRoot(root))
     }
 
-    fn add_root(&mut self, top: u64) -> Result<u64> {
-        if self.roots.len() >= ROOTS_MAX {
-            return Err(ThinError::TooManyRoots);
+    /// `id`'s record in the root table whose top page is `table`: its tree's
+    /// top page (0: nothing written), or `None` for no such root.
+    fn record(&mut self, table: u64, id: u64) -> Result<Option<u64>> {
+        if id >= ROOT_ID_LIMIT {
+            return Ok(None);
         }
+        let mut e = table;
+        for slot in table_slots(id) {
+            e = self.entry(e, slot)?;
+        }
+        Ok((e & PRESENT != 0).then_some(e & !PRESENT))
+    }
+
+    /// Pages a change to `id`'s record allocates: every table page on its
+    /// path that is missing or not writable.
+    fn table_need(&mut self, id: u64) -> Result<u64> {
+        let (mut p, mut pages) = (self.table, 0);
+        for slot in table_slots(id) {
+            if !self.writable(p) {
+                pages += 1;
+            }
+            p = self.entry(p, slot)?;
+        }
+        Ok(pages)
+    }
+
+    /// Shadows the root table's path to `id`; returns its pages, top first.
+    fn table_path_for_write(&mut self, id: u64) -> Result<[u64; TABLE_LEVELS]> {
+        let slots = table_slots(id);
+        let mut path = [0; TABLE_LEVELS];
+        let kind = |level| {
+            if level + 1 == TABLE_LEVELS {
+                Children::Roots
+            } else {
+                Children::Pages
+            }
+        };
+        self.table = self.shadow(self.table, kind(0))?;
+        path[0] = self.table;
+        for level in 1..TABLE_LEVELS {
+            let parent = path[level - 1];
+            let child = self.entry(parent, slots[level - 1])?;
+            path[level] = self.shadow(child, kind(level))?;
+            self.set(parent, slots[level - 1], path[level]);
+        }
+        Ok(path)
+    }
+
+    fn set_record(&mut self, id: u64, record: u64) -> Result<()> {
+        let path = self.table_path_for_write(id)?;
+        self.set(
+            path[TABLE_LEVELS - 1],
+            table_slots(id)[TABLE_LEVELS - 1],
+            record,
+        );
+        Ok(())
+    }
+
+    /// Removes `id`'s record (its tree's reference is the caller's to drop)
+    /// and frees the table pages it leaves empty.
+    fn clear_record(&mut self, id: u64) -> Result<()> {
+        let path = self.table_path_for_write(id)?;
+        let slots = table_slots(id);
+        self.set(path[TABLE_LEVELS - 1], slots[TABLE_LEVELS - 1], 0);
+        for level in (0..TABLE_LEVELS).rev() {
+            let p = path[level];
+            if self.cache[&p].iter().any(|&e| e != 0) {
+                break;
+            }
+            // Written in this transaction and held once: free at once.
+            self.dec(self.page_idx(p));
+            self.cache.remove(&p);
+            self.dirty.remove(&p);
+            if level == 0 {
+                self.table = 0;
+            } else {
+                self.set(path[level - 1], slots[level - 1], 0);
+            }
+        }
+        Ok(())
+    }
+
+    /// A new root `next_root` whose record names `top`.
+    fn add_root(&mut self, top: u64) -> Result<u64> {
         let id = self.next_root;
-        self.next_root += 1;
-        self.roots.insert(id, top);
-        self.changed = true;
+        if id >= ROOT_ID_LIMIT {
+            return Err(ThinError::RootId(id));
+        }
+        let pages = self.table_need(id)?;
+        self.room(0, pages)?;
+        self.set_record(id, PRESENT | top)?;
+        self.next_root = id + 1;
         Ok(id)
     }
 
@@ -662,7 +854,7 @@ impl<D: Device> Pool<D> {
         if self.committed[i] == 0 {
             return Ok(true);
         }
-        let Some(&top) = self.committed_roots.get(&root) else {
+        let Some(top) = self.record(self.committed_table, root)? else {
             return Ok(false);
         };
         let (a, b, c) = split(gi);
@@ -716,6 +908,10 @@ impl<D: Device> Pool<D> {
                     pages += 1;
                 }
             }
+            if seen.insert((3, 0)) && !self.writable(top) {
+                // A new top page changes the root's record.
+                pages += self.table_need(root)?;
+            }
             if write && (l.entry == 0 || l.shared[2] || !self.in_place(root, gi, l.entry >> 16)?) {
                 grains += 1;
             }
@@ -726,7 +922,7 @@ impl<D: Device> Pool<D> {
     /// Makes `p` (0: none yet) writable for this transaction: returns it, or
     /// a new page holding its entries. Copying a shared page gives each
     /// child one more reference; copying a page held once moves them.
-    fn shadow(&mut self, p: u64, leaf: bool) -> Result<u64> {
+    fn shadow(&mut self, p: u64, children: Children) -> Result<u64> {
         if self.writable(p) {
             return Ok(p);
         }
@@ -737,12 +933,14 @@ impl<D: Device> Pool<D> {
             let page = self.cache[&p].clone();
             if self.shared(p) {
                 for &e in page.iter().filter(|&&e| e != 0) {
-                    let i = if leaf {
-                        (e >> 16) as usize
-                    } else {
-                        self.page_idx(e)
-                    };
-                    self.inc(i);
+                    match children {
+                        Children::Pages => self.inc(self.page_idx(e)),
+                        Children::Grains => self.inc((e >> 16) as usize),
+                        Children::Roots if e != PRESENT => {
+                            self.inc(self.page_idx(e & !PRESENT));
+                        }
+                        Children::Roots => {}
+                    }
                 }
             }
             if self.dec(self.page_idx(p)) {
@@ -760,13 +958,16 @@ impl<D: Device> Pool<D> {
     /// (writable) leaf and the entry's slot in it.
     fn path_for_write(&mut self, root: u64, gi: u64) -> Result<(u64, usize)> {
         let (a, b, c) = split(gi);
-        let top = self.shadow(self.top(root)?, false)?;
-        self.roots.insert(root, top);
+        let old = self.top(root)?;
+        let top = self.shadow(old, Children::Pages)?;
+        if top != old {
+            self.set_record(root, PRESENT | top)?;
+        }
         let mid = self.entry(top, a)?;
-        let mid = self.shadow(mid, false)?;
+        let mid = self.shadow(mid, Children::Pages)?;
         self.set(top, a, mid);
         let leaf = self.entry(mid, b)?;
-        let leaf = self.shadow(leaf, true)?;
+        let leaf = self.shadow(leaf, Children::Grains)?;
         self.set(mid, b, leaf);
         Ok((leaf, c))
     }

@@ -1,6 +1,7 @@
 //! Unit tests per operation, and T3's seeded crash simulation.
 
 use super::*;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A device in memory with a volatile write cache: writes since the last
 /// flush may be lost or torn by `crash`, and `ops_left` makes the device die
@@ -161,7 +162,7 @@ fn superblock_round_trip_and_checksum() {
         generation: 7,
         layout,
         next_root: 3,
-        roots: BTreeMap::from([(1, 0), (2, 40)]),
+        root_table: layout.meta_start + 3,
     };
     let mut page = sb.encode();
     assert_eq!(Superblock::decode(&page, 64 << 20), Some(sb));
@@ -316,12 +317,112 @@ fn io_error_fails_the_pool() {
     assert!(matches!(p.commit(), Err(ThinError::Failed)));
 }
 
+#[test]
+fn any_root_id_below_2_pow_32() {
+    let mut p = pool(16, 8, 64);
+    let last = ROOT_ID_LIMIT - 1;
+    let ids = [0, 511, 512, 1 << 27, last];
+    for id in ids {
+        assert!(p.ensure_root(id).expect("ensure"), "root {id} is new");
+    }
+    assert!(!p.ensure_root(512).expect("ensure"), "root 512 exists");
+    assert!(matches!(
+        p.ensure_root(ROOT_ID_LIMIT),
+        Err(ThinError::RootId(ROOT_ID_LIMIT))
+    ));
+    // Slot for slot, the same table path as root 512.
+    assert!(matches!(
+        p.read(1 << 36 | 512, 0, &mut [0; 4096]),
+        Err(ThinError::NoRoot(_))
+    ));
+    assert!(
+        matches!(p.create_root(), Err(ThinError::RootId(ROOT_ID_LIMIT))),
+        "ids are handed out above the largest, which was the last"
+    );
+    write_tags(&mut p, last, 0, &[7]).expect("write");
+    write_tags(&mut p, 0, 0, &[8]).expect("write");
+    p.commit().expect("commit");
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(p.roots(), ids);
+    assert_eq!(tags(&mut p, last, 0, 1), [7]);
+    assert_eq!(tags(&mut p, 0, 0, 1), [8]);
+    assert_eq!(tags(&mut p, 512, 0, 1), [0]);
+    p.check().expect("consistent");
+}
+
+#[test]
+fn two_thousand_roots_come_back_and_deleting_them_frees_everything() {
+    const N: u64 = 2000;
+    // Sparse, as offsets in a pool's virtual space are: a table leaf each.
+    let ids: Vec<u64> = (0..N).map(|k| k * 1021 + 7).collect();
+    let mut p = pool(16, N, 8256);
+    let (start, free) = (p.stats(), p.free);
+    for (k, &id) in ids.iter().enumerate() {
+        assert!(p.ensure_root(id).expect("room for the root"));
+        // Grain 7k: a tree page path of its own per root.
+        write_tags(&mut p, id, k as u64 * 28, &[id + 1]).expect("write");
+        if k % 250 == 249 {
+            p.commit().expect("commit");
+        }
+    }
+    p.commit().expect("commit");
+    assert_eq!(p.stats().grains_allocated, N);
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(p.roots(), ids);
+    for (k, &id) in ids.iter().enumerate() {
+        assert_eq!(tags(&mut p, id, k as u64 * 28, 1), [id + 1], "root {id}");
+    }
+    p.check().expect("consistent");
+    for &id in &ids {
+        p.delete_root(id).expect("delete");
+    }
+    assert!(p.roots().is_empty());
+    p.commit().expect("commit");
+    assert_eq!(p.stats(), start);
+    assert_eq!(p.free, free, "every grain and page is free again");
+    assert_eq!(p.table, 0, "an empty root table holds no page");
+    p.check().expect("consistent");
+}
+
+#[test]
+fn a_full_metadata_area_still_deletes_a_root() {
+    let mut p = pool(16, 64, 24);
+    // Roots far apart (a table path each) with a write each, until the
+    // metadata area is full.
+    let mut ids = Vec::new();
+    loop {
+        let id = (ids.len() as u64 + 1) << 20;
+        match p.ensure_root(id) {
+            Ok(true) => ids.push(id),
+            Err(ThinError::NoSpace) => break,
+            r => panic!("ensure_root: {r:?}"),
+        }
+        match write_tags(&mut p, id, 0, &[id]) {
+            Ok(()) => p.commit().expect("commit"),
+            Err(ThinError::NoSpace) => break,
+            Err(e) => panic!("write: {e}"),
+        }
+    }
+    p.commit().expect("commit");
+    assert!(ids.len() >= 2, "{ids:?}");
+    assert!(matches!(p.ensure_root(1 << 31), Err(ThinError::NoSpace)));
+    p.delete_root(ids[0]).expect("the reserve covers a delete");
+    p.commit().expect("commit");
+    assert!(
+        p.ensure_root(1 << 31)
+            .expect("the deleted root's pages are free"),
+        "new root"
+    );
+    assert_eq!(tags(&mut p, ids[1], 0, 1), [ids[1]]);
+    p.check().expect("consistent");
+}
+
 // ---- T3's crash simulation ----
 
 /// Seeds run by default; `THIN_SIM_SEEDS=n` runs more, `THIN_SIM_SEED=s` one.
 const SIM_SEEDS: u64 = 300;
 const SIM_OPS: u64 = 400;
-const SIM_ROOTS_MAX: usize = 8;
+const SIM_ROOTS_MAX: usize = 16;
 /// Grain indices the simulation writes around: the first leaf, both sides of
 /// a leaf and of a middle page, and the last grain of the tree.
 const SIM_GRAINS: [u64; 9] = [
@@ -351,6 +452,8 @@ struct SimStats {
     commits_landed_in_crash: u64,
     no_space: u64,
     shared_seen: u64,
+    roots_created: u64,
+    roots_deleted: u64,
 }
 
 /// What the pool must hold: per root, every sector ever touched.
@@ -380,6 +483,46 @@ impl Sim {
         (!roots.is_empty()).then(|| roots[self.rng.below(roots.len() as u64) as usize])
     }
 
+    /// A root id as the control plane names trees (sparse, below 2^30), or
+    /// one near a live root's (sharing its table pages, or taken already).
+    fn pick_id(&mut self) -> u64 {
+        match (self.rng.below(3), self.pick_root()) {
+            (0, Some(r)) => r ^ self.rng.below(1024),
+            _ => self.rng.below(1 << 30),
+        }
+    }
+
+    /// Up to three new roots, by `create_root` or, mostly, `ensure_root`.
+    fn add_roots(&mut self, stats: &mut SimStats) -> Result<()> {
+        for _ in 0..1 + self.rng.below(3) {
+            let id = if self.rng.below(3) == 0 {
+                self.p().create_root()?
+            } else {
+                let id = self.pick_id();
+                if !self.p().ensure_root(id)? {
+                    assert!(self.cur.contains_key(&id), "seed {}: {id}", self.seed);
+                    continue;
+                }
+                id
+            };
+            self.cur.insert(id, BTreeMap::new());
+            stats.roots_created += 1;
+        }
+        Ok(())
+    }
+
+    fn delete_roots(&mut self, stats: &mut SimStats) -> Result<()> {
+        for _ in 0..1 + self.rng.below(2) {
+            let Some(r) = self.pick_root() else {
+                break;
+            };
+            self.p().delete_root(r)?;
+            self.cur.remove(&r);
+            stats.roots_deleted += 1;
+        }
+        Ok(())
+    }
+
     /// A range of up to two grains' sectors near one of `SIM_GRAINS`.
     fn pick_range(&mut self) -> (u64, u64) {
         let gi = SIM_GRAINS[self.rng.below(SIM_GRAINS.len() as u64) as usize];
@@ -407,26 +550,15 @@ impl Sim {
                 }
                 (r, true)
             }
-            (60..=67, Some(r)) if self.cur.len() < SIM_ROOTS_MAX => {
+            (60..=63, Some(r)) if self.cur.len() < SIM_ROOTS_MAX => {
                 let r = self.p().snapshot(r).map(|id| {
                     let copy = self.cur[&r].clone();
                     self.cur.insert(id, copy);
                 });
                 (r, false)
             }
-            (60..=71, _) if self.cur.len() < SIM_ROOTS_MAX => (
-                self.p()
-                    .create_root()
-                    .map(|id| drop(self.cur.insert(id, BTreeMap::new()))),
-                false,
-            ),
-            (72..=77, Some(r)) => {
-                let res = self.p().delete_root(r);
-                if res.is_ok() {
-                    self.cur.remove(&r);
-                }
-                (res, false)
-            }
+            (60..=71, _) if self.cur.len() < SIM_ROOTS_MAX => (self.add_roots(stats), false),
+            (72..=77, Some(_)) => (self.delete_roots(stats), false),
             (78..=89, Some(r)) => (self.read_back(r), false),
             (90..=93, _) => {
                 self.p().dev.ops_left = Some(0);
@@ -583,7 +715,7 @@ fn simulate(seed: u64, stats: &mut SimStats) {
     let mut rng = Rng(seed);
     let grain_kib = [16, 32, 64][rng.below(3) as usize];
     let grains = 16 + rng.below(48);
-    let meta_pages = 12 + rng.below(40);
+    let meta_pages = 20 + rng.below(100);
     let mut sim = Sim {
         pool: Some(pool(grain_kib, grains, meta_pages)),
         rng,
@@ -640,5 +772,9 @@ fn crash_simulation() {
             "{stats:?}"
         );
         assert!(stats.no_space > 0 && stats.shared_seen > 0, "{stats:?}");
+        assert!(
+            stats.roots_created > 1000 && stats.roots_deleted > 1000,
+            "{stats:?}"
+        );
     }
 }
