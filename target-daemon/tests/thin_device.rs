@@ -9,12 +9,15 @@ mod common;
 use common::*;
 use nvpool_api::admin::extent_spec;
 use nvpool_api::rest::DeviceUsageBody;
+use nvpool_target::backend::{thin, Backend};
 use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegisterError};
-use nvpool_target::{AdminOptions, RegistrationConfig, StartOptions, Target};
+use nvpool_target::{AdminOptions, Registrar, RegistrationConfig, StartOptions, Target};
 use nvpool_testkit::target::{self as tk, LOOPBACK};
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const GRAIN: u64 = 64 << 10;
@@ -202,4 +205,91 @@ fn a_tree_serves_io_counts_in_the_heartbeat_and_is_released_once_unexported() {
     export(api, &spec);
     let (_a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
     assert!(q.read_ok(1, 0, 32, 4096).iter().all(|&b| b == 0));
+}
+
+/// Requests a fake control plane received: request line and body.
+type Seen = Arc<Mutex<Vec<(String, String)>>>;
+
+/// A control plane that answers every request `200 {}` and keeps what it
+/// was sent, so a test sees the heartbeat's body as it went over the wire.
+fn fake_control_plane() -> (SocketAddr, Seen) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Seen::default();
+    let keep = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let keep = keep.clone();
+            std::thread::spawn(move || {
+                let mut out = conn.try_clone().unwrap();
+                let mut r = BufReader::new(conn);
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut len = 0;
+                    loop {
+                        let mut h = String::new();
+                        r.read_line(&mut h).unwrap();
+                        let h = h.trim_end();
+                        if h.is_empty() {
+                            break;
+                        }
+                        if let Some((k, v)) = h.split_once(':') {
+                            if k.eq_ignore_ascii_case("content-length") {
+                                len = v.trim().parse().unwrap();
+                            }
+                        }
+                    }
+                    let mut body = vec![0; len];
+                    r.read_exact(&mut body).unwrap();
+                    let body = String::from_utf8(body).unwrap();
+                    keep.lock()
+                        .unwrap()
+                        .push((line.trim_end().to_owned(), body));
+                    out.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+                    )
+                    .unwrap();
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+#[test]
+fn the_heartbeat_reports_each_grain_pools_used_bytes() {
+    let (_dir, path) = scratch_file(32 * MIB);
+    let (_fdir, plain) = scratch_file(8 * MIB);
+    let pool_dev = probe("p0", &thin_device(&path)).unwrap();
+    let tree = thin::open(path.to_str().unwrap(), 1, 16 * MIB).unwrap();
+    tree.write_at(&pattern(1, 3 * GRAIN as usize), 0, true)
+        .unwrap();
+    let (cp, seen) = fake_control_plane();
+    let url = ControlPlaneUrl::parse(&format!("http://{cp}")).unwrap();
+    let a: SocketAddr = "127.0.0.1:4420".parse().unwrap();
+    let mut cfg = RegistrationConfig::new(url, "t-hb".into(), "t-hb".into(), a, a);
+    cfg.devices = vec![pool_dev, probe("f0", &file_spec(&plain)).unwrap()];
+    cfg.heartbeat_interval = Duration::from_millis(50);
+    let r = Registrar::start(cfg).unwrap();
+    let heartbeat = || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .find(|(line, _)| line.starts_with("PUT /v1/targets/t-hb/heartbeat "))
+            .map(|(_, body)| body.clone())
+    };
+    wait_for("a heartbeat", Duration::from_secs(10), || {
+        heartbeat().is_some()
+    });
+    r.stop();
+    let body: serde_json::Value = serde_json::from_str(&heartbeat().unwrap()).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"devices": [{"id": "p0", "used_bytes": 3 * GRAIN}]}),
+        "grain pools only, their allocated grains"
+    );
 }
