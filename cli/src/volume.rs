@@ -14,7 +14,8 @@ use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
 use nvpool_api::rest::{
-    AttachmentOut, CopyHistoryOut, ExportBody, ResizeBody, ServedView, VolumeOut, VolumeSpecBody,
+    AttachmentOut, CopyHistoryOut, ExportBody, Provisioning, ResizeBody, ServedView, VolumeOut,
+    VolumeSpecBody,
 };
 use nvpool_layout::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
 use nvpool_layout::{Layout, LayoutBody, Uuid};
@@ -137,6 +138,14 @@ pub struct CreateArgs {
     /// Place the volume on this pool's devices (default: unpooled devices).
     #[arg(long)]
     pub pool: Option<String>,
+    /// Thin: extents are trees in grain pools, space is taken when written
+    /// (the default when the devices include grain pools).
+    #[arg(long, conflicts_with = "thick")]
+    pub thin: bool,
+    /// Thick: extents are ranges of plain devices, taken whole at create
+    /// (the default when the devices include no grain pool).
+    #[arg(long)]
+    pub thick: bool,
     /// The volume's UUID (default: a random one); retrying a create with the
     /// same UUID returns the existing volume.
     #[arg(long, value_parser = parse_uuid)]
@@ -309,6 +318,23 @@ pub fn layout_of(a: &CreateArgs) -> Result<LayoutBody, Usage> {
     Ok(body)
 }
 
+/// The kind `--thin` or `--thick` asks for; neither: the control plane's
+/// default.
+fn provisioning_of(a: &CreateArgs) -> Option<Provisioning> {
+    match (a.thin, a.thick) {
+        (true, _) => Some(Provisioning::Thin),
+        (_, true) => Some(Provisioning::Thick),
+        _ => None,
+    }
+}
+
+fn provisioning_text(p: Provisioning) -> &'static str {
+    match p {
+        Provisioning::Thin => "thin",
+        Provisioning::Thick => "thick",
+    }
+}
+
 fn check_size(size: u64) -> Result<(), Usage> {
     if size == 0 || !size.is_multiple_of(BLOCK_BYTES) {
         return Err(Usage(format!(
@@ -367,6 +393,7 @@ fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
             format!("{} ({} bytes)", format_iec(x.size_bytes), x.size_bytes),
         ),
         ("Layout", layout_text(&x.layout)),
+        ("Provisioning", provisioning_text(x.provisioning).into()),
         ("Status", x.status_text()),
         ("Pool", x.pool.clone().unwrap_or_else(|| "-".into())),
         ("Extent size", format_iec(x.extent_bytes)),
@@ -556,6 +583,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
         VolumeCmd::Create(args) => {
             check_size(args.size)?;
             let layout = layout_of(&args)?;
+            let provisioning = provisioning_of(&args);
             let c = conn.client()?;
             let uuid = match args.uuid {
                 Some(u) => u,
@@ -564,9 +592,9 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let body = VolumeSpecBody {
                 name: args.name,
                 size_bytes: args.size,
+                provisioning,
                 layout,
                 pool: args.pool,
-                provisioning: None,
             };
             let (_, v): (u16, Value) = c.put(&format!("/v1/volumes/{uuid}"), &body)?;
             print_volume(&v, fmt)
@@ -579,7 +607,15 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
             let volumes: Vec<VolumeOut> = typed("/v1/volumes", &v)?;
             let local = attach::local_volumes();
             let mut t = table(&[
-                "NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED", "DEVICE",
+                "NAME",
+                "UUID",
+                "SIZE",
+                "LAYOUT",
+                "PROVISIONING",
+                "STATUS",
+                "POOL",
+                "ATTACHED",
+                "DEVICE",
             ]);
             for x in &volumes {
                 let device = local
@@ -592,6 +628,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     x.uuid.to_string(),
                     format_iec(x.size_bytes),
                     layout_text(&x.layout),
+                    provisioning_text(x.provisioning).into(),
                     x.status_text(),
                     x.pool.clone().unwrap_or_else(|| "-".into()),
                     if x.attachments.is_empty() {
@@ -1046,8 +1083,36 @@ mod tests {
             stripe_size: None,
             copies: None,
             pool: None,
+            thin: false,
+            thick: false,
             uuid: None,
         }
+    }
+
+    #[test]
+    fn thin_and_thick_are_asked_for_or_left_to_the_control_plane() {
+        use crate::Cli;
+        use clap::Parser;
+        let create = |flags: &[&str]| {
+            let argv = ["nvpool", "volume", "create", "v", "--size", "1G"];
+            Cli::try_parse_from(argv.iter().chain(flags))
+        };
+        for (flags, want) in [
+            (&[][..], None),
+            (&["--thin"][..], Some(Provisioning::Thin)),
+            (&["--thick"][..], Some(Provisioning::Thick)),
+        ] {
+            let cli = create(flags).unwrap();
+            let crate::Command::Volume(VolumeArgs {
+                cmd: VolumeCmd::Create(a),
+                ..
+            }) = cli.cmd
+            else {
+                panic!("{flags:?} is no volume create");
+            };
+            assert_eq!(provisioning_of(&a), want, "{flags:?}");
+        }
+        assert!(create(&["--thin", "--thick"]).is_err());
     }
 
     #[test]

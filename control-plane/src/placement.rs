@@ -805,6 +805,68 @@ mod tests {
     }
 
     #[test]
+    fn grain_pools_hold_thin_volumes_in_virtual_space() {
+        use crate::limits::GRAIN_POOL_VIRTUAL_BYTES;
+        let mut a = cluster(&["a", "b"], 4);
+        assert_eq!(a.provisioning_for(None, None), Ok(Provisioning::Thick));
+        let refused = a.provisioning_for(None, Some(Provisioning::Thin));
+        assert!(
+            matches!(refused, Err(PlacementError::NoDevicesOfKind { .. })),
+            "{refused:?}"
+        );
+        for i in 2..4 {
+            a.add_device(DeviceInfo {
+                target: format!("t{i}"),
+                device: "d0".into(),
+                capacity_bytes: 4 * E,
+                grain_pool: true,
+                domain: format!("target=t{i}"),
+                pool: None,
+                accepting: true,
+            })
+            .unwrap();
+        }
+        assert_eq!(a.provisioning_for(None, None), Ok(Provisioning::Thin));
+        // 64 extents a copy on pools of 4: over-committed.
+        let s = spec(1, Layout::Raid1 { copies: 2 }, 64 * E);
+        let v = volume(&s, a.allocate(&s, E).unwrap());
+        assert!(v
+            .extents
+            .iter()
+            .all(|e| e.target == "t2" || e.target == "t3"));
+        assert_eq!(a.provisioning_of(&v), Provisioning::Thin);
+        let u = a.usage(E);
+        let t2 = u.iter().find(|u| u.target == "t2").unwrap();
+        assert!(t2.grain_pool);
+        assert_eq!((t2.used_bytes, t2.free_bytes), (64 * E, 0));
+        assert_eq!(t2.free_extents, GRAIN_POOL_VIRTUAL_BYTES / E - 64);
+        let s2 = spec(2, Layout::Raid1 { copies: 2 }, 2 * E);
+        let thick = volume(&s2, a.allocate_as(&s2, E, Provisioning::Thick).unwrap());
+        assert!(thick
+            .extents
+            .iter()
+            .all(|e| e.target == "t0" || e.target == "t1"));
+        assert_eq!(a.provisioning_of(&thick), Provisioning::Thick);
+        // Growing keeps the kind.
+        let added = a.grow(&v, 66 * E).unwrap();
+        assert!(added.iter().all(|e| e.target == "t2" || e.target == "t3"));
+        // Rebalancing never moves an extent to a device of the other kind,
+        // however full the pools look against their real capacity.
+        let moves =
+            crate::rebalance::plan_rebalance(&a, &[&v, &thick], &[], &BTreeSet::new(), None, 100);
+        assert!(moves.is_empty(), "{moves:?}");
+        // A stored extent between two trees' places names no tree of its own.
+        let stray = Extent {
+            offset: 100 * E + 4096,
+            ..v.extents[0].clone()
+        };
+        assert!(
+            matches!(a.occupy(&stray), Err(PlacementError::Misaligned { .. })),
+            "{stray:?}"
+        );
+    }
+
+    #[test]
     fn occupy_refuses_overlaps_and_strays() {
         let mut a = cluster(&["a"], 4);
         let e = |offset, length| Extent {
