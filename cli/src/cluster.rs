@@ -11,8 +11,8 @@ use crate::size::format_iec;
 use crate::{Format, Usage};
 use comfy_table::Table;
 use nvpool_api::rest::{
-    DeviceRefBody, HostKeysBody, HostKeysOut, KeyRollout, PoolBody, PoolOut, RebalanceBody,
-    RebalanceOut, TargetOut, TargetState, TargetStateBody,
+    CapacityOut, DeviceRefBody, HostKeysBody, HostKeysOut, KeyRollout, PoolBody, PoolOut,
+    RebalanceBody, RebalanceOut, TargetOut, TargetState, TargetStateBody,
 };
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -484,6 +484,10 @@ pub enum PoolCmd {
     Ls,
     /// Show one pool and its devices.
     Info { name: String },
+    /// Real capacity, use and provisioned bytes of every pool, of the
+    /// devices in none and of all: grain pools' extents take space only
+    /// when written, so more may be provisioned than there is (over-commit).
+    Df,
     /// Delete a pool no volume uses (its devices return to the unpooled space).
     #[command(visible_alias = "rm")]
     Delete { name: String },
@@ -549,6 +553,104 @@ fn wait_rebalanced(c: &Client, total: u64) -> anyhow::Result<()> {
     }
 }
 
+/// One row of `pool df`: a set of devices' bytes, and how far they are
+/// promised (`overcommit`: provisioned / real capacity) and used.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+struct DfRow {
+    /// The pool; `null` for the devices in none and for the total.
+    pool: Option<String>,
+    total_bytes: u64,
+    used_bytes: u64,
+    free_bytes: u64,
+    provisioned_bytes: u64,
+    /// `null` without capacity.
+    overcommit: Option<f64>,
+    used_percent: Option<f64>,
+}
+
+impl DfRow {
+    fn new(pool: Option<String>, c: &CapacityOut) -> DfRow {
+        let ratio = |n: u64| (c.total_bytes > 0).then(|| n as f64 / c.total_bytes as f64);
+        DfRow {
+            pool,
+            total_bytes: c.total_bytes,
+            used_bytes: c.used_bytes,
+            free_bytes: c.free_bytes,
+            provisioned_bytes: c.provisioned_bytes,
+            overcommit: ratio(c.provisioned_bytes),
+            used_percent: ratio(c.used_bytes).map(|r| r * 100.0),
+        }
+    }
+
+    fn cells(&self, name: &str) -> [String; 7] {
+        [
+            name.to_owned(),
+            format_iec(self.total_bytes),
+            format_iec(self.used_bytes),
+            format_iec(self.free_bytes),
+            format_iec(self.provisioned_bytes),
+            self.overcommit.map_or("-".into(), |r| format!("{r:.2}x")),
+            self.used_percent.map_or("-".into(), |p| format!("{p:.0}%")),
+        ]
+    }
+}
+
+fn add_capacity(sum: &mut CapacityOut, c: &CapacityOut) {
+    sum.total_bytes = sum.total_bytes.saturating_add(c.total_bytes);
+    sum.used_bytes = sum.used_bytes.saturating_add(c.used_bytes);
+    sum.free_bytes = sum.free_bytes.saturating_add(c.free_bytes);
+    sum.free_extents = sum.free_extents.saturating_add(c.free_extents);
+    sum.provisioned_bytes = sum.provisioned_bytes.saturating_add(c.provisioned_bytes);
+}
+
+/// `pool df`'s rows: each pool (from `GET /v1/pools`), the devices in none
+/// (summed from `GET /v1/targets`), and the total.
+fn df_rows(pools: &[PoolOut], targets: &[TargetOut]) -> (Vec<DfRow>, DfRow, DfRow) {
+    let mut total = CapacityOut::default();
+    let rows = pools
+        .iter()
+        .map(|p| {
+            add_capacity(&mut total, &p.capacity);
+            DfRow::new(Some(p.name.clone()), &p.capacity)
+        })
+        .collect();
+    let mut unpooled = CapacityOut::default();
+    for d in targets
+        .iter()
+        .flat_map(|t| &t.devices)
+        .filter(|d| d.pool.is_none())
+    {
+        let c = CapacityOut {
+            total_bytes: d.capacity_bytes,
+            used_bytes: d.used_bytes,
+            free_bytes: d.free_bytes,
+            free_extents: 0,
+            provisioned_bytes: d.provisioned_bytes,
+        };
+        add_capacity(&mut unpooled, &c);
+    }
+    add_capacity(&mut total, &unpooled);
+    (rows, DfRow::new(None, &unpooled), DfRow::new(None, &total))
+}
+
+fn df_table(rows: &[DfRow], unpooled: &DfRow, total: &DfRow) -> Table {
+    let mut t = table(&[
+        "POOL",
+        "SIZE",
+        "USED",
+        "FREE",
+        "PROVISIONED",
+        "OVERCOMMIT",
+        "USE%",
+    ]);
+    for r in rows {
+        t.add_row(r.cells(r.pool.as_deref().unwrap_or_default()));
+    }
+    t.add_row(unpooled.cells("(unpooled)"));
+    t.add_row(total.cells("(total)"));
+    t
+}
+
 fn parse_device_ref(s: &str) -> Result<DeviceRefBody, String> {
     match s.trim().split_once('/') {
         Some((t, d)) if !t.is_empty() && !d.is_empty() && !d.contains('/') => Ok(DeviceRefBody {
@@ -609,6 +711,18 @@ pub fn run_pool(conn: &Connection, a: PoolArgs) -> anyhow::Result<()> {
                 ]);
             }
             println!("{t}");
+            Ok(())
+        }
+        PoolCmd::Df => {
+            let c = conn.client()?;
+            let pools: Vec<PoolOut> = typed("/v1/pools", &c.get("/v1/pools")?)?;
+            let targets: Vec<TargetOut> = typed("/v1/targets", &c.get("/v1/targets")?)?;
+            let (rows, unpooled, total) = df_rows(&pools, &targets);
+            if fmt == Format::Json {
+                let v = serde_json::json!({ "pools": rows, "unpooled": unpooled, "total": total });
+                return print_json(&v);
+            }
+            println!("{}", df_table(&rows, &unpooled, &total));
             Ok(())
         }
         PoolCmd::Info { name } => {
@@ -709,6 +823,64 @@ mod tests {
             mixed[2][..5],
             ["t1", "t1", "10.0.0.1:4420", "10.0.0.1:4421", "online"]
         );
+    }
+
+    #[test]
+    fn df_sums_pools_and_the_unpooled_devices() {
+        let device = |id: &str, pool: Option<&str>, cap: u64, used: u64, prov: u64| {
+            serde_json::json!({
+                "id": id, "backend": "thin:/x", "labels": {}, "pool": pool,
+                "capacity_bytes": cap, "used_bytes": used, "free_bytes": cap - used,
+                "thin": true, "provisioned_bytes": prov,
+            })
+        };
+        let target: TargetOut = serde_json::from_value(serde_json::json!({
+            "id": "t0", "name": "t0", "addr": "10.0.0.1:4420", "admin_addr": "10.0.0.1:4480",
+            "rdma_addr": null, "admin_tls": false, "labels": {}, "health": "online",
+            "state": "active", "drained": false, "registered_ms": 0, "last_heartbeat_ms": 0,
+            "capacity": {"total_bytes": 0, "used_bytes": 0, "free_bytes": 0, "free_extents": 0},
+            "devices": [device("d0", Some("fast"), 100, 90, 400), device("d1", None, 100, 10, 50)],
+        }))
+        .unwrap();
+        let pool: PoolOut = serde_json::from_value(serde_json::json!({
+            "name": "fast", "devices": [{"target": "t0", "device": "d0"}], "created_ms": 0,
+            "capacity": {"total_bytes": 100, "used_bytes": 90, "free_bytes": 10,
+                         "free_extents": 0, "provisioned_bytes": 400},
+        }))
+        .unwrap();
+        let (rows, unpooled, total) = df_rows(&[pool], &[target]);
+        assert_eq!(rows[0].overcommit, Some(4.0));
+        assert_eq!(rows[0].used_percent, Some(90.0));
+        assert_eq!(
+            (
+                unpooled.total_bytes,
+                unpooled.used_bytes,
+                unpooled.provisioned_bytes
+            ),
+            (100, 10, 50)
+        );
+        assert_eq!(
+            (
+                total.total_bytes,
+                total.used_bytes,
+                total.free_bytes,
+                total.provisioned_bytes
+            ),
+            (200, 100, 100, 450)
+        );
+        let text = df_table(&rows, &unpooled, &total).to_string();
+        let cells = |name: &str| -> Vec<String> {
+            let line = text
+                .lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap();
+            line.split_whitespace().map(str::to_owned).collect()
+        };
+        assert_eq!(cells("fast")[9..], ["4.00x", "90%"]);
+        assert_eq!(cells("(unpooled)")[9..], ["0.50x", "10%"]);
+        assert_eq!(cells("(total)")[9..], ["2.25x", "50%"]);
+        let empty = df_rows(&[], &[]).2;
+        assert_eq!((empty.overcommit, empty.used_percent), (None, None));
     }
 
     #[test]

@@ -428,6 +428,31 @@ fn pool_create_ls_info_delete() {
         .expect_error(1, "nope");
 }
 
+#[test]
+fn pool_df_shows_each_pool_the_unpooled_devices_and_the_total() {
+    let cp = control_plane(2);
+    cp.table(&["pool", "create", "fast", "--device", "t0/d1,t1/d1"]);
+    cp.json(&["volume", "create", "pv", "--size", "4M", "--pool", "fast"]);
+    cp.json(&["volume", "create", "uv", "--size", "2M"]);
+
+    let df = cp.table(&["pool", "df"]);
+    assert_eq!(row(&df, "POOL")[..3], ["POOL", "SIZE", "USED"]);
+    // Plain devices: provisioned is what is used; nothing is over-committed.
+    assert_eq!(
+        row(&df, "fast"),
+        ["fast", "128.0", "MiB", "4.0", "MiB", "124.0", "MiB", "4.0", "MiB", "0.03x", "3%"]
+    );
+    assert_eq!(row(&df, "(unpooled)")[1..5], ["128.0", "MiB", "2.0", "MiB"]);
+    assert_eq!(row(&df, "(total)")[1..5], ["256.0", "MiB", "6.0", "MiB"]);
+
+    let j = cp.json(&["pool", "df"]);
+    assert_eq!(j["pools"][0]["pool"], "fast");
+    assert_eq!(j["pools"][0]["provisioned_bytes"], 4 * MIB);
+    assert_eq!(j["unpooled"]["used_bytes"], 2 * MIB);
+    assert_eq!(j["total"]["total_bytes"], 256 * MIB);
+    assert_eq!(j["total"]["free_bytes"], 250 * MIB);
+}
+
 // ----- volumes -----
 
 #[test]
