@@ -95,17 +95,40 @@ pub struct Args {
 const VERIFY_MAGIC: u64 = 0x4656_4c4f_4f50_564e; // "NVPOOLVF"
 const VERIFY_HDR: usize = 32;
 
-/// Per-job results.
-struct JobResult {
+/// What a job, a `--volume` task or the whole run did.
+struct Tally {
     hist: Histogram<u64>,
-    /// When the timed phase ended (before any verify read-back).
-    timed_end: Instant,
     ops: u64,
     bytes: u64,
     errors: u64,
     checked: u64,
     failed: u64,
     first_error: Option<String>,
+}
+
+impl Tally {
+    fn new() -> Tally {
+        Tally {
+            hist: Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds"),
+            ops: 0,
+            bytes: 0,
+            errors: 0,
+            checked: 0,
+            failed: 0,
+            first_error: None,
+        }
+    }
+
+    /// Adds another job's counts; the first error seen stays first.
+    fn add(&mut self, o: Tally) {
+        self.hist.add(&o.hist).expect("same bounds");
+        self.ops += o.ops;
+        self.bytes += o.bytes;
+        self.errors += o.errors;
+        self.checked += o.checked;
+        self.failed += o.failed;
+        self.first_error = self.first_error.take().or(o.first_error);
+    }
 }
 
 pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
@@ -190,7 +213,7 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
     let cpu0 = crate::dataset::cpu_seconds();
     let deadline = start + a.runtime;
     let per_job = units / a.jobs as u64;
-    let results: Vec<anyhow::Result<JobResult>> = std::thread::scope(|s| {
+    let results: Vec<anyhow::Result<(Tally, Instant)>> = std::thread::scope(|s| {
         let hs: Vec<_> = queues
             .into_iter()
             .enumerate()
@@ -209,20 +232,11 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
             .collect()
     });
     let mut timed_end = start;
-    let mut hist =
-        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
-    let (mut ops, mut bytes, mut errors, mut checked, mut failed) = (0, 0, 0, 0, 0);
-    let mut first_error = None;
+    let mut total = Tally::new();
     for r in results {
-        let r = r?;
-        timed_end = timed_end.max(r.timed_end);
-        hist.add(&r.hist).expect("same bounds");
-        ops += r.ops;
-        bytes += r.bytes;
-        errors += r.errors;
-        checked += r.checked;
-        failed += r.failed;
-        first_error = first_error.or(r.first_error);
+        let (t, end) = r?;
+        timed_end = timed_end.max(end);
+        total.add(t);
     }
     let cpu = crate::dataset::cpu_seconds() - cpu0;
     drop(ctrl);
@@ -233,37 +247,16 @@ pub fn run(conn: &crate::cluster::Connection, a: Args) -> anyhow::Result<()> {
             a.nsid,
             nvpool_initiator::Transport::from(a.transport)
         ),
-        Totals {
-            secs: timed_end.duration_since(start).as_secs_f64().max(1e-3),
-            hist,
-            ops,
-            bytes,
-            errors,
-            checked,
-            failed,
-            first_error,
-            cpu,
-        },
+        timed_end.duration_since(start).as_secs_f64().max(1e-3),
+        cpu,
+        total,
     )
 }
 
-/// What a run did, for [`report`].
-struct Totals {
-    secs: f64,
-    hist: Histogram<u64>,
-    ops: u64,
-    bytes: u64,
-    errors: u64,
-    checked: u64,
-    failed: u64,
-    first_error: Option<String>,
-    /// CPU seconds of this process during the timed phase (and verify).
-    cpu: f64,
-}
-
-fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
-    let Totals {
-        secs,
+/// Prints what a run of `secs` did; `cpu` is this process's CPU seconds
+/// during the timed phase (and verify).
+fn report(a: &Args, what: &str, secs: f64, cpu: f64, t: Tally) -> anyhow::Result<()> {
+    let Tally {
         hist,
         ops,
         bytes,
@@ -271,7 +264,6 @@ fn report(a: &Args, what: &str, t: Totals) -> anyhow::Result<()> {
         checked,
         failed,
         first_error,
-        cpu,
     } = t;
     let cpu_us_per_io = cpu * 1e6 / ops.max(1) as f64;
     let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
@@ -387,23 +379,12 @@ fn job(
     (first, units): (u64, u64),
     deadline: Instant,
     seed: u64,
-) -> anyhow::Result<JobResult> {
+) -> anyhow::Result<(Tally, Instant)> {
     let bs = a.bs as usize;
     let blocks = (a.bs / block) as u32;
     let depth = (a.iodepth as usize).min(q.depth());
     let mut rng = Rng::new(seed);
-    let mut hist =
-        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
-    let mut res = JobResult {
-        hist: Histogram::new(3).expect("valid"),
-        timed_end: Instant::now(),
-        ops: 0,
-        bytes: 0,
-        errors: 0,
-        checked: 0,
-        failed: 0,
-        first_error: None,
-    };
+    let mut res = Tally::new();
     let mut bufs: Vec<Vec<u8>> = (0..depth)
         .map(|i| vec![(i as u8).wrapping_mul(31) | 1; bs])
         .collect();
@@ -415,7 +396,7 @@ fn job(
     let mut busy: HashSet<u64> = HashSet::new();
     let mut cursor = 0u64;
     let mut comps: Vec<Completion> = Vec::with_capacity(depth);
-    let fail = |res: &mut JobResult, msg: String| {
+    let fail = |res: &mut Tally, msg: String| {
         res.failed += 1;
         res.first_error.get_or_insert(msg);
     };
@@ -484,7 +465,7 @@ fn job(
             let t = c.token as usize;
             let inf = slots[t].take().expect("completion for a token in flight");
             let ns = done.duration_since(inf.start).as_nanos() as u64;
-            let _ = hist.record(ns.max(1));
+            let _ = res.hist.record(ns.max(1));
             res.ops += 1;
             res.bytes += bs as u64;
             if let Err(e) = &c.result {
@@ -503,12 +484,11 @@ fn job(
             free.push(t);
         }
     }
-    res.timed_end = Instant::now();
+    let timed_end = Instant::now();
     if a.verify && !written.is_empty() {
         verify_all(&mut q, a, blocks, &written, &mut res, &mut bufs)?;
     }
-    res.hist = hist;
-    Ok(res)
+    Ok((res, timed_end))
 }
 
 /// Reads back every block this job wrote and compares it.
@@ -517,7 +497,7 @@ fn verify_all(
     a: &Args,
     blocks: u32,
     written: &HashMap<u64, u64>,
-    res: &mut JobResult,
+    res: &mut Tally,
     bufs: &mut [Vec<u8>],
 ) -> anyhow::Result<()> {
     let mut pending: Vec<(u64, u64)> = written.iter().map(|(&l, &s)| (l, s)).collect();
@@ -572,9 +552,6 @@ fn verify_all(
     Ok(())
 }
 
-/// One `--volume` task's latencies, I/Os, errors and first error.
-type TaskResult = (Histogram<u64>, u64, u64, Option<String>);
-
 /// `--volume`: the same random load through the client-side volume engine
 /// in this process: `jobs` executor threads, `jobs × iodepth` tasks each
 /// keeping one request in flight.
@@ -622,7 +599,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
     let units = size / a.bs;
     let tasks = a.jobs as usize * a.iodepth as usize;
     let ex = nvpool_initiator::exec::Executor::new("bench", a.jobs as usize, tasks, false)?;
-    let results: Arc<Mutex<Vec<TaskResult>>> = Arc::default();
+    let results: Arc<Mutex<Vec<Tally>>> = Arc::default();
     let start = Instant::now();
     let cpu0 = crate::dataset::cpu_seconds();
     let deadline = start + a.runtime;
@@ -636,9 +613,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
         let (bs, rw, mix) = (a.bs, a.rw, a.rwmixread as u64);
         ex.spawn(async move {
             let mut rng = Rng::new(seed ^ (t as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)
-                .expect("valid histogram bounds");
-            let (mut ops, mut errors, mut first) = (0u64, 0u64, None);
+            let mut tally = Tally::new();
             let mut buf = vec![0x5a; bs as usize];
             while Instant::now() < deadline {
                 let off = rng.below(units) * bs;
@@ -654,27 +629,25 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
                     vol.read(off, buf).await
                 };
                 buf = b;
-                hist.saturating_record(t0.elapsed().as_nanos() as u64);
-                ops += 1;
+                tally.hist.saturating_record(t0.elapsed().as_nanos() as u64);
+                tally.ops += 1;
+                tally.bytes += bs;
                 if let Err(e) = r {
-                    errors += 1;
-                    first.get_or_insert(format!("offset {off}: {e}"));
+                    tally.errors += 1;
+                    tally
+                        .first_error
+                        .get_or_insert(format!("offset {off}: {e}"));
                 }
             }
-            lock(&results).push((hist, ops, errors, first));
+            lock(&results).push(tally);
         });
     }
     drop(ex);
     let cpu = crate::dataset::cpu_seconds() - cpu0;
     let secs = start.elapsed().as_secs_f64().max(1e-3);
-    let mut hist =
-        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds");
-    let (mut ops, mut errors, mut first_error) = (0, 0, None);
-    for (h, o, e, f) in lock(&results).drain(..) {
-        hist.add(&h).expect("same bounds");
-        ops += o;
-        errors += e;
-        first_error = first_error.or(f);
+    let mut total = Tally::new();
+    for t in lock(&results).drain(..) {
+        total.add(t);
     }
     if let Ok(v) = Arc::try_unwrap(vol) {
         let _ = v.close();
@@ -683,17 +656,9 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
     report(
         a,
         &format!("volume {volume} ({uuid}) through the client-side engine"),
-        Totals {
-            secs,
-            hist,
-            ops,
-            bytes: ops * a.bs,
-            errors,
-            checked: 0,
-            failed: 0,
-            first_error,
-            cpu,
-        },
+        secs,
+        cpu,
+        total,
     )
 }
 
