@@ -61,7 +61,6 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -244,10 +243,7 @@ pub fn read_attachment(
 /// A random session id for one serving process (or one volume served).
 pub fn new_session() -> u64 {
     let mut b = [0u8; 8];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .is_err()
-    {
+    if nvpool_rt::random::fill(&mut b).is_err() {
         // Unique enough without randomness: pid and time.
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
