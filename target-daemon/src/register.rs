@@ -184,7 +184,7 @@ pub struct DeviceOffer {
     pub labels: BTreeMap<String, String>,
     /// A grain pool's, open for as long as the offer is held.
     #[serde(skip)]
-    pub pool: Option<Arc<ThinPool>>,
+    pool: Option<Arc<ThinPool>>,
 }
 
 impl DeviceOffer {
