@@ -8,12 +8,13 @@ use crate::api::extract::{force_of, parse_uuid, JsonBody, Segments};
 use crate::api::Api;
 use crate::model::Uuid;
 use crate::program::{self, ProgramError};
-use crate::rest::{CopyHistoryOut, ErrorBody, ResizeBody, VolumeOut, VolumeSpecBody};
+use crate::rest::{CopyHistoryOut, ErrorBody, Provisioning, ResizeBody, VolumeOut, VolumeSpecBody};
 use crate::state::{Cluster, StateError};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::Json;
+use std::collections::BTreeSet;
 
 #[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "conflicts with the current state", body = ErrorBody), (status = 422, description = "cannot be placed or names an unknown device", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_volume(
@@ -125,7 +126,9 @@ pub(in crate::api) async fn resize_volume(
 /// Deletes a volume and frees its extents. An attached volume is refused
 /// (409 `attached`) unless `force`, which detaches it from every host
 /// first (forcibly: an unreachable target's leftovers keep their extents
-/// allocated until it is reconciled).
+/// allocated until it is reconciled). A thin volume's extents stay
+/// allocated until their targets released their trees (C13): its targets
+/// are reconciled at once, in the background.
 #[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "attached (use force)", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn delete_volume(
     State(api): State<Api>,
@@ -134,15 +137,27 @@ pub(in crate::api) async fn delete_volume(
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let force = force_of(query)?;
-    api.program(move |c| {
-        if force {
-            delete_volume_forced(c, &uuid)
-        } else {
-            Ok(c.delete_volume(&uuid)?)
-        }
-    })
-    .await?;
+    let thin_targets = api
+        .program(move |c| {
+            let v = if force {
+                delete_volume_forced(c, &uuid)?
+            } else {
+                c.delete_volume(&uuid)?
+            };
+            let targets = c.targets()?.into_iter();
+            let targets = targets.map(|t| (t.target.id.clone(), t.target)).collect();
+            Ok(match v.provisioning_on(&targets) {
+                Provisioning::Thin => v.extents.into_iter().map(|e| e.target).collect(),
+                Provisioning::Thick => BTreeSet::new(),
+            })
+        })
+        .await?;
     tracing::info!(volume = %uuid, force, "volume deleted");
+    // Its trees are released now rather than at the next round of
+    // reconciliation; their place is free once they are.
+    for t in thin_targets {
+        program::spawn_reconcile(api.cluster.clone(), t);
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
