@@ -25,7 +25,7 @@
 //! | `/stale-exports/{target}` | [`StaleExports`]: see [`crate::attach`] |
 //! | `/failed-copies/{uuid}` | [`FailedCopies`]: copies that missed writes |
 //! | `/copy-state/{uuid}` | [`CopyState`]: what stale copies missed, copy jobs, history |
-//! | `/target-usage/{id}` | [`TargetUsage`]: its grain pools' usage as it last reported it |
+//! | `/target-usage/{id}` | [`TargetUsage`]: its grain pools' usage as it last reported it (deleted with the target) |
 //! | `/meta/alloc-epoch` | u64, see below |
 //!
 //! **The allocation epoch.** "Nothing I read has changed" cannot be said
@@ -1338,7 +1338,11 @@ impl Cluster {
             }
             let key = keys::target(id);
             let mut conds = vec![Condition::VersionIs(key.clone(), t.version)];
-            let mut ops = vec![Op::Delete(key), Op::Delete(keys::target_credential(id))];
+            let mut ops = vec![
+                Op::Delete(key),
+                Op::Delete(keys::target_credential(id)),
+                Op::Delete(crate::usage::key(id)),
+            ];
             for (k, owner) in &s.target_addresses {
                 if owner.value == id {
                     conds.push(Condition::VersionIs(k.clone(), owner.version));

@@ -199,4 +199,19 @@ fn grain_pool_usage_comes_with_heartbeats() {
         kinds(&s),
         ["capacity_warning", "capacity_critical", "capacity_warning"]
     );
+
+    // The report goes with its target.
+    let usage_key = "/target-usage/t0";
+    assert!(s.cluster.store().get(usage_key).unwrap().is_some());
+    for n in [1, 2] {
+        let uuid = format!("{n:08x}-0000-4000-8000-000000000000");
+        let r = s.admin("DELETE", &format!("/v1/volumes/{uuid}"), None);
+        assert_eq!(r.status, 204, "{}", r.body);
+    }
+    assert_eq!(s.admin("DELETE", "/v1/pools/thin", None).status, 204);
+    // Forced: the deleted volumes' extents stay taken until a reconcile
+    // that this test's unreachable target never gets.
+    let r = s.admin("DELETE", "/v1/targets/t0?force=true", None);
+    assert_eq!(r.status, 204, "{}", r.body);
+    assert!(s.cluster.store().get(usage_key).unwrap().is_none());
 }
