@@ -241,16 +241,10 @@ pub fn read_attachment(
 }
 
 /// A random session id for one serving process (or one volume served).
+/// From the kernel's random bytes, or unique enough without them (the
+/// clock and the pid).
 pub fn new_session() -> u64 {
-    let mut b = [0u8; 8];
-    if nvpool_rt::random::fill(&mut b).is_err() {
-        // Unique enough without randomness: pid and time.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        return t ^ u64::from(std::process::id()).rotate_left(32);
-    }
-    u64::from_le_bytes(b)
+    nvpool_rt::random::Rng::from_os().next_u64()
 }
 
 /// Starts the thread that reports copies the engine gives up to the
