@@ -322,7 +322,13 @@ impl ThinPool {
         let mut dropped = Vec::new();
         for &root in roots {
             if existing.contains(&root) && !dropped.contains(&root) {
-                let r = p.delete_root(root);
+                let mut r = p.delete_root(root);
+                // A delete copies its table path; when the metadata area is
+                // full and the reserve spent, the pages freed so far come
+                // back at a commit, as on the write path.
+                if matches!(r, Err(ThinError::NoSpace)) && p.dirty() {
+                    r = p.commit().and_then(|()| p.delete_root(root));
+                }
                 self.failed.fetch_or(p.failed(), Ordering::Relaxed);
                 r.map_err(failed)?;
                 dropped.push(root);
