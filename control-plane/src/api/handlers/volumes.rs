@@ -127,8 +127,8 @@ pub(in crate::api) async fn resize_volume(
 /// (409 `attached`) unless `force`, which detaches it from every host
 /// first (forcibly: an unreachable target's leftovers keep their extents
 /// allocated until it is reconciled). A thin volume's extents stay
-/// allocated until their targets released their trees (C13): its targets
-/// are reconciled at once, in the background.
+/// allocated until their targets have released their trees; they are
+/// asked to at once, in the background.
 #[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "attached (use force)", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn delete_volume(
     State(api): State<Api>,
