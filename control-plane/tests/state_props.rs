@@ -127,6 +127,8 @@ fn check(c: &Cluster) {
     for d in &report.devices {
         let r = DeviceRef::new(&d.target, &d.device);
         assert_eq!(d.used_bytes, used.get(&r).copied().unwrap_or(0), "{r}");
+        // Plain devices: what is placed is what is used.
+        assert_eq!(d.provisioned_bytes, d.used_bytes, "{r}");
         assert_eq!(d.free_bytes + d.used_bytes, d.capacity_bytes, "{r}");
         assert_eq!(
             d.free_extents * E + d.used_bytes + d.capacity_bytes % E,
@@ -137,6 +139,7 @@ fn check(c: &Cluster) {
             cap.used_bytes += d.used_bytes;
             cap.free_bytes += d.free_bytes;
             cap.free_extents += d.free_extents;
+            cap.provisioned_bytes += d.provisioned_bytes;
         }
     }
     assert_eq!(report.total, total);
