@@ -244,8 +244,9 @@ impl BackendSpec {
                 "size" => size = Some(parse_size(v).map_err(|e| err(&e))?),
                 "root" => {
                     let r: u64 = v.parse().map_err(|_| err("root must be a number"))?;
-                    if r == 0 {
-                        return Err(err("trees are numbered from 1"));
+                    // Tree 0 is the control plane's extent at offset 0.
+                    if r >= thin::ROOT_ID_LIMIT {
+                        return Err(err("trees are numbered below 2^32"));
                     }
                     root = Some(r);
                 }
@@ -552,7 +553,7 @@ mod tests {
             "file:/x,foo=1",
             "thin:/x,size=1G",
             "thin:/x,root=1",
-            "thin:/x,root=0,size=1G",
+            "thin:/x,root=4294967296,size=1G",
             "thin:/x,root=1,size=1G,block_size=512",
             "thin:/x,root=1,size=1G,offset=4096",
             "file:/x,root=1",
