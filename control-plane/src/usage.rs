@@ -15,7 +15,7 @@
 //! crossing levels and the events are this process's memory (several
 //! control planes each raise their own), as the log lines are.
 
-use crate::limits::DEVICES_PER_TARGET_MAX;
+use crate::limits::{DEVICES_PER_TARGET_MAX, DEVICE_BYTES_MAX};
 use crate::model::{validate_id, Device, ModelError, Target};
 use crate::rest::HeartbeatBody;
 use crate::state::{Capacity, CapacityReport};
@@ -40,8 +40,9 @@ pub struct TargetUsage {
 
 impl crate::model::Stored for TargetUsage {}
 
-/// Refuses a report that names one device twice (which would it be?) or
-/// more devices than a target may have.
+/// Refuses a report that names one device twice (which would it be?),
+/// more devices than a target may have, or more bytes used than any
+/// device may hold.
 pub fn validate_report(report: &HeartbeatBody) -> Result<(), ModelError> {
     if report.devices.len() > DEVICES_PER_TARGET_MAX {
         return Err(ModelError::Invalid(format!(
@@ -52,6 +53,12 @@ pub fn validate_report(report: &HeartbeatBody) -> Result<(), ModelError> {
     let mut seen = std::collections::BTreeSet::new();
     for d in &report.devices {
         validate_id("device id", &d.id, crate::limits::ID_BYTES_MAX)?;
+        if d.used_bytes > DEVICE_BYTES_MAX {
+            return Err(ModelError::Invalid(format!(
+                "device {}: {} bytes used, at most {DEVICE_BYTES_MAX} (256 TiB)",
+                d.id, d.used_bytes
+            )));
+        }
         if !seen.insert(d.id.as_str()) {
             return Err(ModelError::Invalid(format!(
                 "device {} reported twice",

@@ -179,6 +179,7 @@ fn grain_pool_usage_comes_with_heartbeats() {
         r#"{"devices": [], "extra": 1}"#,
         r#"{"devices": [{"id": "g0", "used_bytes": 1}, {"id": "g0", "used_bytes": 2}]}"#,
         r#"{"devices": [{"id": "a/b", "used_bytes": 1}]}"#,
+        r#"{"devices": [{"id": "g0", "used_bytes": 9223372036854775808}]}"#,
     ] {
         let r = s.raw("PUT", "/v1/targets/t0/heartbeat", Some(TARGET), Some(bad));
         s.expect_error(&r, 400, "invalid");
