@@ -519,12 +519,22 @@ fn volumes_of_every_layout_are_created_listed_grown_and_deleted() {
     let header: Vec<&str> = ls.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(
         header,
-        ["NAME", "UUID", "SIZE", "LAYOUT", "STATUS", "POOL", "ATTACHED", "DEVICE"]
+        [
+            "NAME",
+            "UUID",
+            "SIZE",
+            "LAYOUT",
+            "PROVISIONING",
+            "STATUS",
+            "POOL",
+            "ATTACHED",
+            "DEVICE"
+        ]
     );
     let r = row(&ls, "v10");
     assert_eq!(
         r[2..],
-        ["4.0", "MiB", "raid10", "w=2", "s=64K", "c=2", "online", "-", "-", "-"]
+        ["4.0", "MiB", "raid10", "w=2", "s=64K", "c=2", "thick", "online", "-", "-", "-"]
     );
     assert_eq!(cp.json(&["volume", "ls"]).as_array().unwrap().len(), 5);
 
