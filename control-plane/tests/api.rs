@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{serve, Server, ADMIN, MIB, READER, TARGET};
+use common::{read_request, serve, Server, ADMIN, MIB, READER, TARGET};
 use nvpool_control::api::AuthConfig;
 use nvpool_control::auth::{Principal, Tokens};
 use serde_json::{json, Value};
@@ -245,28 +245,8 @@ impl FakeAdmin {
         std::thread::spawn(move || {
             for s in l.incoming() {
                 let Ok(mut s) = s else { return };
-                let mut head = Vec::new();
-                let mut b = [0u8; 1];
-                while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).is_ok_and(|n| n == 1) {
-                    head.push(b[0]);
-                }
-                let head = String::from_utf8_lossy(&head).into_owned();
-                let mut lines = head.split("\r\n");
-                let request = lines.next().unwrap_or_default().to_owned();
-                let mut auth = None;
-                let mut len = 0usize;
-                for l in lines {
-                    if let Some((k, v)) = l.split_once(':') {
-                        match k.trim().to_ascii_lowercase().as_str() {
-                            "authorization" => auth = Some(v.trim().to_owned()),
-                            "content-length" => len = v.trim().parse().unwrap_or(0),
-                            _ => {}
-                        }
-                    }
-                }
-                let mut body = vec![0u8; len];
-                let _ = s.read_exact(&mut body);
-                log.lock().unwrap().push((request, auth));
+                let r = read_request(&mut s);
+                log.lock().unwrap().push((r.line, r.authorization));
                 let _ = s.write_all(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\
                       Content-Length: 2\r\nConnection: close\r\n\r\n[]",

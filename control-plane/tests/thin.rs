@@ -5,12 +5,12 @@
 
 mod common;
 
-use common::{serve, Server, ADMIN, MIB, READER, TARGET};
+use common::{read_request, serve, Server, ADMIN, MIB, READER, TARGET};
 use nvpool_control::api::AuthConfig;
 use nvpool_control::auth::{Principal, Tokens};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,7 +43,9 @@ impl FakeTarget {
                 if is_down.load(Ordering::SeqCst) {
                     continue;
                 }
-                let (method, path, body) = read_request(&mut s);
+                let common::Request {
+                    method, path, body, ..
+                } = read_request(&mut s);
                 let (status, answer) = match (method.as_str(), path.as_str()) {
                     ("GET", "/v1/identity") => (
                         "200 OK",
@@ -109,27 +111,6 @@ impl FakeTarget {
             })
             .collect()
     }
-}
-
-fn read_request(s: &mut std::net::TcpStream) -> (String, String, String) {
-    let mut head = Vec::new();
-    let mut b = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).is_ok_and(|n| n == 1) {
-        head.push(b[0]);
-    }
-    let head = String::from_utf8_lossy(&head).into_owned();
-    let mut lines = head.split("\r\n");
-    let mut request = lines.next().unwrap_or_default().split(' ');
-    let method = request.next().unwrap_or_default().to_owned();
-    let path = request.next().unwrap_or_default().to_owned();
-    let len = lines
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .unwrap_or(0usize);
-    let mut body = vec![0u8; len];
-    let _ = s.read_exact(&mut body);
-    (method, path, String::from_utf8_lossy(&body).into_owned())
 }
 
 fn server() -> Server {

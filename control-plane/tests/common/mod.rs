@@ -138,3 +138,47 @@ impl Server {
         assert!(j["details"].is_object(), "{j}");
     }
 }
+
+/// One HTTP request as a fake target's admin API reads it.
+pub struct Request {
+    /// `METHOD PATH HTTP/1.1`.
+    pub line: String,
+    pub method: String,
+    pub path: String,
+    pub authorization: Option<String>,
+    pub body: String,
+}
+
+/// Reads one request (head and a Content-Length body) from `s`; what a
+/// broken stream left unread is empty.
+pub fn read_request(s: &mut TcpStream) -> Request {
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && s.read(&mut b).is_ok_and(|n| n == 1) {
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    let mut lines = head.split("\r\n");
+    let line = lines.next().unwrap_or_default().to_owned();
+    let mut words = line.split(' ');
+    let method = words.next().unwrap_or_default().to_owned();
+    let path = words.next().unwrap_or_default().to_owned();
+    let (mut authorization, mut len) = (None, 0usize);
+    for (k, v) in lines.filter_map(|l| l.split_once(':')) {
+        match k.trim().to_ascii_lowercase().as_str() {
+            "authorization" => authorization = Some(v.trim().to_owned()),
+            "content-length" => len = v.trim().parse().unwrap_or(0),
+            _ => {}
+        }
+    }
+    let mut body = vec![0u8; len];
+    let _ = s.read_exact(&mut body);
+    let body = String::from_utf8_lossy(&body).into_owned();
+    Request {
+        line,
+        method,
+        path,
+        authorization,
+        body,
+    }
+}
