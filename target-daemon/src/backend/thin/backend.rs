@@ -295,7 +295,7 @@ impl ThinPool {
     /// Bytes of the grains some tree holds.
     pub fn used_bytes(&self) -> u64 {
         let p = self.lock();
-        p.stats().grains_allocated * p.layout().grain_bytes
+        p.grains_allocated() * p.layout().grain_bytes
     }
 
     /// Drops the trees `roots` of extents the control plane freed (T1),

@@ -164,6 +164,9 @@ pub struct Pool<D> {
     committed: Vec<u16>,
     /// Allocatable (both counts zero) data grains and metadata pages.
     free: [u64; 2],
+    /// Data grains with a reference: kept as counts change, so the usage a
+    /// heartbeat reports costs no scan of the space map.
+    allocated: u64,
     cursor: [u64; 2],
     /// Every page read or written; pages allocated since the commit are in
     /// `dirty` too. Whole-metadata caching is the first cut (T2 remains).
@@ -248,6 +251,7 @@ impl<D: Device> Pool<D> {
             committed: counts.clone(),
             counts,
             free: [0; 2],
+            allocated: 0,
             cursor: [0; 2],
             cache: HashMap::new(),
             dirty: BTreeSet::new(),
@@ -313,11 +317,16 @@ impl<D: Device> Pool<D> {
         }
     }
 
+    /// Data grains with at least one reference, without a scan.
+    pub fn grains_allocated(&self) -> u64 {
+        self.allocated
+    }
+
     pub fn stats(&self) -> PoolStats {
         let grains = &self.counts[..self.layout.data_grains as usize];
         PoolStats {
             grains_total: self.layout.data_grains,
-            grains_allocated: grains.iter().filter(|&&c| c > 0).count() as u64,
+            grains_allocated: self.allocated,
             grains_shared: grains.iter().filter(|&&c| c > 1).count() as u64,
         }
     }
@@ -564,12 +573,12 @@ impl<D: Device> Pool<D> {
                 self.counts[i], want[i]
             )));
         }
-        let kept = self.free;
+        let kept = (self.free, self.allocated);
         self.recount_free();
-        if kept != self.free {
+        if kept != (self.free, self.allocated) {
             return Err(ThinError::Corrupt(format!(
-                "free counters {kept:?}, recounted {:?}",
-                self.free
+                "free and allocated counters {kept:?}, recounted {:?}",
+                (self.free, self.allocated)
             )));
         }
         Ok(())
@@ -755,6 +764,9 @@ impl<D: Device> Pool<D> {
         if c == 0 && self.committed[i] == 0 {
             self.free[self.kind(i)] -= 1;
         }
+        if c == 0 && self.kind(i) == GRAINS {
+            self.allocated += 1;
+        }
         self.counts[i] = c + 1;
         self.touch(i);
     }
@@ -767,15 +779,23 @@ impl<D: Device> Pool<D> {
         if c == 1 && self.committed[i] == 0 {
             self.free[self.kind(i)] += 1;
         }
+        if c == 1 && self.kind(i) == GRAINS {
+            self.allocated -= 1;
+        }
         self.touch(i);
         c == 1
     }
 
+    /// Recounts `free` and `allocated` from the counts.
     fn recount_free(&mut self) {
         self.free = [0; 2];
+        self.allocated = 0;
         for i in 0..self.counts.len() {
             if self.counts[i] == 0 && self.committed[i] == 0 {
                 self.free[self.kind(i)] += 1;
+            }
+            if self.counts[i] > 0 && self.kind(i) == GRAINS {
+                self.allocated += 1;
             }
         }
     }
