@@ -236,6 +236,48 @@ pub struct ReleaseRootsBody {
     pub roots: Vec<u64>,
 }
 
+/// `POST /v1/devices/{id}/snapshots`: new trees of a grain pool, each
+/// sharing everything with an existing one (design/thin-snapshots.md T5).
+///
+/// With `epoch` 0 the new trees are complete at once (a clone, or a
+/// snapshot of a volume no engine writes). With `epoch` E > 0 each new tree
+/// is *sealing*: until `POST …/seal` names it, a write to its live tree
+/// tagged 1..=E (in CDW2: `nvpool_wire::sqe::Sqe::write_epoch`) lands in both
+/// trees, and one tagged above E in the live tree only. A tree named again
+/// while it still seals is accepted (a retry); a new tree id that already
+/// exists otherwise is refused (409 `tree_exists`), since writes it should
+/// have taken may have gone past it (a restarted target, say). An unknown
+/// live tree is 404 `unknown_tree`. The new trees are committed before the
+/// answer (200 [`SnapshotTreesBody`] echoing the request).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotTreesBody {
+    pub epoch: u32,
+    pub trees: Vec<SnapshotTree>,
+}
+
+/// One new tree: `snapshot` (a root id the control plane chose, never in
+/// use) shares everything with `live`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotTree {
+    pub live: u64,
+    pub snapshot: u64,
+}
+
+/// `POST /v1/devices/{id}/seal`: the sealing trees are complete. From now
+/// on a write to their live trees tagged at or below their epoch is refused
+/// (Reservation Conflict: only a fenced writer can send one). A tree this
+/// target does not hold as sealing (a restart lost it) is 409
+/// `not_sealing` and the control plane gives the snapshot up; a tree
+/// already sealed is accepted (a retry). The pool is committed before the
+/// answer (200 [`SealBody`] echoing the request).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SealBody {
+    pub snapshots: Vec<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

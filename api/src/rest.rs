@@ -467,6 +467,60 @@ pub struct VolumeSpecBody {
     /// thick.
     #[serde(default)]
     pub provisioning: Option<Provisioning>,
+    /// A clone: the new volume starts as this snapshot's contents, sharing
+    /// its grains until written (design/thin-snapshots.md T6). Its size
+    /// and layout must be the snapshot's; `pool` and `provisioning` must be
+    /// absent (its trees are on the snapshot's devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<SnapshotRef>,
+}
+
+/// A snapshot, named by its volume and its name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRef {
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
+    pub volume: Uuid,
+    pub snapshot: String,
+}
+
+/// `POST /v1/volumes/{uuid}/snapshots`: take a crash-consistent snapshot
+/// (design/thin-snapshots.md T5). Names follow the rules of volume names
+/// and are unique per volume; taking one again under the same name is
+/// answered with the existing snapshot (200) instead of 201.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotBody {
+    pub name: String,
+}
+
+/// Where a snapshot stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum SnapshotState {
+    /// Targets hold its trees; engines are moving to the next epoch.
+    Creating,
+    /// Sealed: complete, and kept until deleted.
+    Ready,
+}
+
+/// A snapshot of a volume: every extent copy's tree as it stood at the cut.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+pub struct SnapshotOut {
+    #[cfg_attr(feature = "schema", schema(value_type = String))]
+    pub volume: Uuid,
+    pub name: String,
+    /// The cut: the snapshot holds every write its volume's engines tagged
+    /// at or below this epoch, and none tagged above it.
+    pub epoch: u32,
+    pub state: SnapshotState,
+    pub created_ms: u64,
+    /// The volume's size when taken.
+    pub size_bytes: u64,
 }
 
 /// `POST /v1/volumes/{uuid}/resize`.
@@ -588,7 +642,25 @@ pub struct AttachmentOut {
     /// `?after_revision=`.
     #[serde(default)]
     pub revision: u64,
+    /// The epoch the host's engine tags its writes with (CDW2 of Write,
+    /// Write Zeroes and Dataset Management). When it rises, the engine tags
+    /// new writes with it, waits for the writes it issued before, and
+    /// confirms with `PUT …/epoch` ([`EpochBody`]). 0: the control plane
+    /// predates epochs; the engine sends untagged writes.
+    #[serde(default)]
+    pub write_epoch: u32,
     pub plan: ConnectionPlan,
+}
+
+/// `PUT /v1/volumes/{uuid}/attachments/{host_nqn}/epoch`: the engine of
+/// `session` tags every new write with `epoch`, and every write it tagged
+/// lower has completed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct EpochBody {
+    pub session: u64,
+    pub epoch: u32,
 }
 
 /// `PUT /v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents`.

@@ -595,6 +595,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 provisioning,
                 layout,
                 pool: args.pool,
+                source: None,
             };
             let (_, v): (u16, Value) = c.put(&format!("/v1/volumes/{uuid}"), &body)?;
             print_volume(&v, fmt)

@@ -165,6 +165,16 @@ impl Sqe {
     pub fn fua(&self) -> bool {
         self.cdw(12) & (1 << 30) != 0
     }
+    /// The write epoch nvpool's engines tag Write, Write Zeroes and Dataset
+    /// Management commands to extent namespaces with (CDW2, reserved for
+    /// these commands without end-to-end protection; design/thin-snapshots.md
+    /// T5). 0, what any other host sends, is untagged.
+    pub fn write_epoch(&self) -> u32 {
+        self.cdw(2)
+    }
+    pub fn set_write_epoch(&mut self, epoch: u32) {
+        self.set_cdw(2, epoch)
+    }
 }
 
 /// Direction of data a command moves, per the opcode and fabrics type rules.

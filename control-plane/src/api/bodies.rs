@@ -77,6 +77,7 @@ pub(super) fn spec_body(
         layout: s.layout.into(),
         pool: s.pool.clone(),
         provisioning: Some(provisioning),
+        source: None,
     }
 }
 
@@ -152,6 +153,7 @@ pub(super) fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentO
         syncing: Vec::new(),
         moving: Vec::new(),
         revision: 0,
+        write_epoch: 0,
         plan,
     }
 }

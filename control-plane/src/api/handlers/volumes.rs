@@ -23,6 +23,15 @@ pub(in crate::api) async fn put_volume(
     JsonBody(body): JsonBody<VolumeSpecBody>,
 ) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
+    if body.source.is_some() {
+        // Until clones are built (design/thin-snapshots.md T6): refused,
+        // never an empty volume that looks like one.
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "not_supported",
+            "clones from a snapshot are not supported yet",
+        ));
+    }
     let spec = crate::model::VolumeSpec {
         uuid,
         name: body.name,

@@ -40,6 +40,7 @@
 //! delete a root, and after the next commit has that root's pages back.
 
 mod backend;
+pub mod epochs;
 mod format;
 #[cfg(test)]
 mod tests;
