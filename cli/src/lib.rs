@@ -16,6 +16,7 @@ pub use nvpool_agent::dhchap;
 pub mod discover;
 pub mod nvmef;
 pub mod size;
+pub mod snapshot;
 pub mod top;
 pub mod verify;
 pub mod volume;
@@ -63,6 +64,8 @@ pub enum Command {
     Host(cluster::HostArgs),
     /// Volumes: create, list, grow, delete, attach to and detach from hosts.
     Volume(volume::VolumeArgs),
+    /// Snapshots of thin volumes: take, list, show and delete (`VOLUME@SNAPSHOT`).
+    Snapshot(snapshot::SnapshotArgs),
     /// A small-file training dataset: write one, or read it like an epoch (verified).
     Dataset(dataset::Args),
     /// The volumes this host serves, live: requests, bandwidth, latency and paths (like `iostat -x`).
@@ -154,6 +157,7 @@ pub fn main() -> ExitCode {
         Command::Pool(a) => cluster::run_pool(&conn, a),
         Command::Host(a) => cluster::run_host(&conn, a),
         Command::Volume(a) => volume::run(&conn, a),
+        Command::Snapshot(a) => snapshot::run(&conn, a),
         Command::Dataset(a) => dataset::run(a),
         Command::Top(a) => top::run(a),
         Command::Agent(mut a) => {

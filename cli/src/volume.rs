@@ -14,8 +14,8 @@ use crate::size::{format_iec, parse_size};
 use crate::{Format, Usage};
 use anyhow::Context;
 use nvpool_api::rest::{
-    AttachmentOut, CopyHistoryOut, ExportBody, Provisioning, ResizeBody, ServedView, VolumeOut,
-    VolumeSpecBody,
+    AttachmentOut, CopyHistoryOut, ExportBody, Provisioning, ResizeBody, ServedView, SnapshotOut,
+    SnapshotRef, VolumeOut, VolumeSpecBody,
 };
 use nvpool_layout::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
 use nvpool_layout::{Layout, LayoutBody, Uuid};
@@ -122,8 +122,14 @@ pub enum LayoutArg {
 pub struct CreateArgs {
     pub name: String,
     /// Size in IEC units: 10G = 10 GiB, 1T = 1 TiB, 512M, 10GiB, or bytes.
-    #[arg(long, value_parser = parse_size)]
-    pub size: u64,
+    #[arg(long, value_parser = parse_size, required_unless_present = "from")]
+    pub size: Option<u64>,
+    /// A clone of this snapshot (VOLUME@SNAPSHOT): the new volume starts as
+    /// its contents, sharing its space until written, with its size and
+    /// layout, on its devices; ready at once, whatever the size.
+    #[arg(long, value_parser = crate::snapshot::parse_snapshot_name,
+          conflicts_with_all = ["size", "layout", "stripe_width", "stripe_size", "copies", "pool", "thin", "thick"])]
+    pub from: Option<crate::snapshot::SnapshotName>,
     #[arg(long, value_enum, default_value_t = LayoutArg::Concat)]
     pub layout: LayoutArg,
     /// Stripe members of raid0/raid10 (default 2).
@@ -333,6 +339,28 @@ fn provisioning_text(p: Provisioning) -> &'static str {
         Provisioning::Thin => "thin",
         Provisioning::Thick => "thick",
     }
+}
+
+/// A clone takes its size and layout from the snapshot and its volume.
+fn clone_body(
+    c: &Client,
+    name: String,
+    from: &crate::snapshot::SnapshotName,
+) -> anyhow::Result<VolumeSpecBody> {
+    let (volume, snapshot) = crate::snapshot::get(c, from)?;
+    let snapshot: SnapshotOut = typed("snapshot", &snapshot)?;
+    let source: VolumeOut = typed("volume", &c.get(&format!("/v1/volumes/{volume}"))?)?;
+    Ok(VolumeSpecBody {
+        name,
+        size_bytes: snapshot.size_bytes,
+        layout: source.layout,
+        pool: None,
+        provisioning: None,
+        source: Some(SnapshotRef {
+            volume,
+            snapshot: snapshot.name,
+        }),
+    })
 }
 
 fn check_size(size: u64) -> Result<(), Usage> {
@@ -581,21 +609,25 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
     let fmt = a.out.output;
     match a.cmd {
         VolumeCmd::Create(args) => {
-            check_size(args.size)?;
-            let layout = layout_of(&args)?;
-            let provisioning = provisioning_of(&args);
             let c = conn.client()?;
             let uuid = match args.uuid {
                 Some(u) => u,
                 None => random_uuid()?,
             };
-            let body = VolumeSpecBody {
-                name: args.name,
-                size_bytes: args.size,
-                provisioning,
-                layout,
-                pool: args.pool,
-                source: None,
+            let body = match &args.from {
+                Some(from) => clone_body(&c, args.name.clone(), from)?,
+                None => {
+                    let size = args.size.unwrap_or_default();
+                    check_size(size)?;
+                    VolumeSpecBody {
+                        name: args.name.clone(),
+                        size_bytes: size,
+                        provisioning: provisioning_of(&args),
+                        layout: layout_of(&args)?,
+                        pool: args.pool.clone(),
+                        source: None,
+                    }
+                }
             };
             let (_, v): (u16, Value) = c.put(&format!("/v1/volumes/{uuid}"), &body)?;
             print_volume(&v, fmt)
@@ -1078,7 +1110,8 @@ mod tests {
     fn args(layout: LayoutArg) -> CreateArgs {
         CreateArgs {
             name: "v".into(),
-            size: 1 << 30,
+            size: Some(1 << 30),
+            from: None,
             layout,
             stripe_width: None,
             stripe_size: None,
@@ -1114,6 +1147,40 @@ mod tests {
             assert_eq!(provisioning_of(&a), want, "{flags:?}");
         }
         assert!(create(&["--thin", "--thick"]).is_err());
+    }
+
+    #[test]
+    fn a_clone_takes_its_size_and_layout_from_the_snapshot() {
+        use crate::Cli;
+        use clap::Parser;
+        let create = |flags: &[&str]| {
+            let argv = ["nvpool", "volume", "create", "job-1"];
+            Cli::try_parse_from(argv.iter().chain(flags))
+        };
+        let Ok(Cli {
+            cmd:
+                crate::Command::Volume(VolumeArgs {
+                    cmd: VolumeCmd::Create(a),
+                    ..
+                }),
+            ..
+        }) = create(&["--from", "data@epoch-3"])
+        else {
+            panic!("--from alone is a volume create");
+        };
+        let from = a.from.unwrap();
+        assert_eq!((&*from.volume, &*from.snapshot), ("data", "epoch-3"));
+        assert!(create(&[]).is_err(), "neither --size nor --from");
+        for extra in [
+            &["--size", "1G"][..],
+            &["--layout", "raid1"],
+            &["--thick"],
+            &["--pool", "p"],
+        ] {
+            let argv: Vec<&str> = ["--from", "data@s"].iter().chain(extra).copied().collect();
+            assert!(create(&argv).is_err(), "{extra:?} with --from");
+        }
+        assert!(create(&["--from", "data"]).is_err(), "no @");
     }
 
     #[test]
