@@ -82,6 +82,18 @@ start_target() {
     TARGET_PIDS[i]=$!
 }
 
+# start_thin_target I: target tI offering a blank 1 GiB sparse file as a grain
+# pool (formatted at its first start; kept across restarts).
+start_thin_target() {
+    local i=$1 d=$E2E_DIR/t$1
+    mkdir -p "$d/state"
+    [[ -f $d/pool.img ]] || truncate -s 1G "$d/pool.img"
+    target_argv "t$i" "$((TARGET_PORT_BASE + i))" "$((ADMIN_PORT_BASE + i))" "$d/state" \
+        "d0=thin:$d/pool.img" --label "rack=r$i" --reactors 1 --log warn
+    "${CLUSTER_ARGV[@]}" >>"$d/target.log" 2>&1 &
+    TARGET_PIDS[i]=$!
+}
+
 # target_admin I PATH [CURL_ARGS...]: a request to target tI's admin API with the
 # bearer token its state directory holds (admin-token, written by the target at its
 # first start). The token reaches curl on stdin, never on a command line.
@@ -130,7 +142,7 @@ cleanup() {
         tail -n 20 "$E2E_DIR"/cp*.log "$E2E_DIR"/t*/target.log "$NVPOOL_RUN_DIR"/agent.log \
             2>/dev/null >&2 || true
         # The sparse device files are large on disk after the test.
-        rm -f "$E2E_DIR"/t*/d0.img
+        rm -f "$E2E_DIR"/t*/d0.img "$E2E_DIR"/t*/pool.img
     else
         rm -rf "$E2E_DIR"
     fi

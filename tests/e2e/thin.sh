@@ -30,17 +30,6 @@ done
 trap cleanup EXIT
 MIB=$((1 << 20))
 
-# start_thin_target I: target tI offering a blank 1 GiB sparse file as a grain pool.
-start_thin_target() {
-    local i=$1 d=$E2E_DIR/t$1
-    mkdir -p "$d/state"
-    [[ -f $d/pool.img ]] || truncate -s 1G "$d/pool.img"
-    target_argv "t$i" "$((TARGET_PORT_BASE + i))" "$((ADMIN_PORT_BASE + i))" "$d/state" \
-        "d0=thin:$d/pool.img" --label "rack=r$i" --reactors 1 --log warn
-    "${CLUSTER_ARGV[@]}" >>"$d/target.log" 2>&1 &
-    TARGET_PIDS[i]=$!
-}
-
 # quiet CMD...: CMD with its output kept out of the log.
 quiet() { "$@" >/dev/null; }
 # df FIELD: the cluster total's FIELD from `nvpool pool df`.
