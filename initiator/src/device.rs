@@ -102,6 +102,8 @@ struct Job {
     buf: Vec<u8>,
     /// A write's data shared with other jobs (see [`Device::write_shared`]).
     shared: Option<Arc<Vec<u8>>>,
+    /// CDW2 of each of its commands (see [`Device::tagged`]).
+    write_epoch: u32,
     cell: Arc<Cell>,
 }
 
@@ -376,6 +378,7 @@ impl ControllerIo {
         fua: bool,
         buf: Vec<u8>,
         shared: Option<Arc<Vec<u8>>>,
+        write_epoch: u32,
     ) -> (Result<(), IoError>, Vec<u8>) {
         if blocks == 0 && op != Op::Flush {
             return (Ok(()), buf);
@@ -384,7 +387,7 @@ impl ControllerIo {
             // A flush must follow every write completed before it, on every
             // queue; the queues take it concurrently.
             let all = (0..self.workers.len())
-                .map(|w| self.run_on(w, true, nsid, op, 0, 0, false, Vec::new(), None));
+                .map(|w| self.run_on(w, true, nsid, op, 0, 0, false, Vec::new(), None, 0));
             let r = join_all(all)
                 .await
                 .into_iter()
@@ -394,8 +397,19 @@ impl ControllerIo {
             return (r, buf);
         }
         let w = self.next.fetch_add(1, Ordering::Relaxed) % self.workers.len();
-        self.run_on(w, false, nsid, op, lba, blocks, fua, buf, shared)
-            .await
+        self.run_on(
+            w,
+            false,
+            nsid,
+            op,
+            lba,
+            blocks,
+            fua,
+            buf,
+            shared,
+            write_epoch,
+        )
+        .await
     }
 
     /// Runs one request on queue `w` (`pinned`), or on the first of the
@@ -412,6 +426,7 @@ impl ControllerIo {
         fua: bool,
         buf: Vec<u8>,
         shared: Option<Arc<Vec<u8>>>,
+        write_epoch: u32,
     ) -> (Result<(), IoError>, Vec<u8>) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         std::future::poll_fn(|cx| {
@@ -431,6 +446,7 @@ impl ControllerIo {
             fua,
             buf,
             shared,
+            write_epoch,
             cell: cell.clone(),
         });
         let n = self.workers.len();
@@ -549,7 +565,7 @@ impl Device {
     /// Reads `buf.len()` bytes at `offset`; the buffer comes back filled.
     pub async fn read(&self, offset: u64, buf: Vec<u8>) -> (Result<(), IoError>, Vec<u8>) {
         match self.check(offset, buf.len() as u64) {
-            Ok((lba, blocks)) => self.run(Op::Read, lba, blocks, false, buf).await,
+            Ok((lba, blocks)) => self.run(Op::Read, lba, blocks, false, buf, 0).await,
             Err(e) => (Err(e), buf),
         }
     }
@@ -561,10 +577,7 @@ impl Device {
         buf: Vec<u8>,
         fua: bool,
     ) -> (Result<(), IoError>, Vec<u8>) {
-        match self.check(offset, buf.len() as u64) {
-            Ok((lba, blocks)) => self.run(Op::Write, lba, blocks, fua, buf).await,
-            Err(e) => (Err(e), buf),
-        }
+        self.tagged(0).write(offset, buf, fua).await
     }
 
     /// Writes `buf` at `offset` without taking it: the copies of a
@@ -576,24 +589,12 @@ impl Device {
         buf: Arc<Vec<u8>>,
         fua: bool,
     ) -> Result<(), IoError> {
-        let (lba, blocks) = self.check(offset, buf.len() as u64)?;
-        self.io
-            .run(
-                self.info.nsid,
-                Op::Write,
-                lba,
-                blocks,
-                fua,
-                Vec::new(),
-                Some(buf),
-            )
-            .await
-            .0
+        self.tagged(0).write_shared(offset, buf, fua).await
     }
 
     /// Makes every completed write durable.
     pub async fn flush(&self) -> Result<(), IoError> {
-        self.run(Op::Flush, 0, 0, false, Vec::new()).await.0
+        self.run(Op::Flush, 0, 0, false, Vec::new(), 0).await.0
     }
 
     /// Zeroes a range (deallocating it when the device allows).
@@ -603,24 +604,23 @@ impl Device {
         len: u64,
         deallocate: bool,
     ) -> Result<(), IoError> {
-        let (lba, blocks) = self.check(offset, len)?;
-        self.run(
-            Op::WriteZeroes { deallocate },
-            lba,
-            blocks,
-            false,
-            Vec::new(),
-        )
-        .await
-        .0
+        self.tagged(0).write_zeroes(offset, len, deallocate).await
     }
 
     /// Discards (deallocates) a range.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), IoError> {
-        let (lba, blocks) = self.check(offset, len)?;
-        self.run(Op::Deallocate, lba, blocks, false, Vec::new())
-            .await
-            .0
+        self.tagged(0).discard(offset, len).await
+    }
+
+    /// This namespace's writes, write-zeroes and discards with every
+    /// command carrying `write_epoch` in CDW2: how a volume engine tags its
+    /// mutations for the targets' snapshots (design/thin-snapshots.md T5).
+    /// The untagged calls above are these with 0.
+    pub fn tagged(&self, write_epoch: u32) -> Tagged<'_> {
+        Tagged {
+            dev: self,
+            write_epoch,
+        }
     }
 
     async fn run(
@@ -630,10 +630,89 @@ impl Device {
         blocks: u64,
         fua: bool,
         buf: Vec<u8>,
+        write_epoch: u32,
     ) -> (Result<(), IoError>, Vec<u8>) {
         self.io
-            .run(self.info.nsid, op, lba, blocks, fua, buf, None)
+            .run(self.info.nsid, op, lba, blocks, fua, buf, None, write_epoch)
             .await
+    }
+}
+
+/// A [`Device`]'s mutations tagged with a write epoch ([`Device::tagged`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Tagged<'a> {
+    dev: &'a Device,
+    write_epoch: u32,
+}
+
+impl Tagged<'_> {
+    /// [`Device::write`], tagged.
+    pub async fn write(
+        self,
+        offset: u64,
+        buf: Vec<u8>,
+        fua: bool,
+    ) -> (Result<(), IoError>, Vec<u8>) {
+        match self.dev.check(offset, buf.len() as u64) {
+            Ok((lba, blocks)) => {
+                self.dev
+                    .run(Op::Write, lba, blocks, fua, buf, self.write_epoch)
+                    .await
+            }
+            Err(e) => (Err(e), buf),
+        }
+    }
+
+    /// [`Device::write_shared`], tagged.
+    pub async fn write_shared(
+        self,
+        offset: u64,
+        buf: Arc<Vec<u8>>,
+        fua: bool,
+    ) -> Result<(), IoError> {
+        let d = self.dev;
+        let (lba, blocks) = d.check(offset, buf.len() as u64)?;
+        d.io.run(
+            d.info.nsid,
+            Op::Write,
+            lba,
+            blocks,
+            fua,
+            Vec::new(),
+            Some(buf),
+            self.write_epoch,
+        )
+        .await
+        .0
+    }
+
+    /// [`Device::write_zeroes`], tagged.
+    pub async fn write_zeroes(
+        self,
+        offset: u64,
+        len: u64,
+        deallocate: bool,
+    ) -> Result<(), IoError> {
+        let (lba, blocks) = self.dev.check(offset, len)?;
+        let op = Op::WriteZeroes { deallocate };
+        let r = self
+            .dev
+            .run(op, lba, blocks, false, Vec::new(), self.write_epoch);
+        r.await.0
+    }
+
+    /// [`Device::discard`], tagged.
+    pub async fn discard(self, offset: u64, len: u64) -> Result<(), IoError> {
+        let (lba, blocks) = self.dev.check(offset, len)?;
+        let r = self.dev.run(
+            Op::Deallocate,
+            lba,
+            blocks,
+            false,
+            Vec::new(),
+            self.write_epoch,
+        );
+        r.await.0
     }
 }
 
@@ -852,7 +931,7 @@ impl QueueState {
             };
             p.next += n.max(1);
             p.left += 1;
-            if let Err((req, e)) = q.submit(req) {
+            if let Err((req, e)) = q.submit_tagged(req, p.job.write_epoch) {
                 tracing::warn!(error = %e, "submit failed");
                 p.left -= 1;
                 p.err.get_or_insert(match e {

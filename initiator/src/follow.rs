@@ -14,9 +14,16 @@
 //!    │                                  ─► PUT …/sync/{job} {missed regions}
 //!    ├─ copy no longer stale         ─► finish_sync (reads may use it)
 //!    ├─ stale, engine mirroring      ─► abort_sync (the job failed)
-//!    └─ stale, engine Ok             ─► mark_failed (another host found it stale)
+//!    ├─ stale, engine Ok             ─► mark_failed (another host found it stale)
+//!    └─ write_epoch above confirmed  ─► set_write_epoch (tag new writes, drain)
+//!                                       ─► PUT …/epoch {session, epoch}
 //!  stop ── PUT …/missed {extent: regions}
 //! ```
+//!
+//! The write epoch (snapshots, design/thin-snapshots.md T5) is confirmed
+//! at open too (when above 0), so the control plane counts a freshly
+//! opened engine; an unconfirmed one is retried every [`FOLLOW_RETRY`]
+//! rather than after the next long-poll, since a snapshot waits for it.
 //!
 //! A copy moving to a new extent (replace, move) is listed in `moving`:
 //!
@@ -52,7 +59,7 @@ use crate::limits::{
 use crate::volume::{CopyState, ExtentFailedFn, ExtentFailure, MissedRegions, MovingCopy, Volume};
 use nvpool_api::names::segment;
 use nvpool_api::rest::{
-    AttachmentOut, ErrorBody, FailedExtentsBody, MissedBody, SessionBody, SyncBody,
+    AttachmentOut, EpochBody, ErrorBody, FailedExtentsBody, MissedBody, SessionBody, SyncBody,
 };
 use nvpool_layout::copies::{HostMove, SyncingCopy};
 use nvpool_layout::plan::{ConnectionPlan, PlanExtent};
@@ -172,6 +179,8 @@ pub struct CopyView {
     pub syncing: Vec<SyncingCopy>,
     pub moving: Vec<HostMove>,
     pub revision: u64,
+    /// The epoch the engine tags its writes with (0: untagged).
+    pub write_epoch: u32,
 }
 
 impl CopyView {
@@ -222,6 +231,7 @@ impl From<AttachmentOut> for AttachmentView {
             syncing: a.syncing,
             moving: a.moving,
             revision: a.revision,
+            write_epoch: a.write_epoch,
         };
         AttachmentView {
             plan: a.plan,
@@ -373,6 +383,7 @@ trait Engine: Send + Sync {
     fn extent_location(&self, index: usize) -> PlanExtent;
     fn size(&self) -> u64;
     fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error>;
+    fn set_write_epoch(&self, epoch: u32) -> Result<(), Error>;
 }
 
 impl Engine for Volume {
@@ -420,6 +431,9 @@ impl Engine for Volume {
     }
     fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error> {
         Volume::grow(self, plan)
+    }
+    fn set_write_epoch(&self, epoch: u32) -> Result<(), Error> {
+        Volume::set_write_epoch(self, epoch)
     }
 }
 
@@ -536,11 +550,20 @@ impl<C: ControlPlane> Watcher<C> {
         // Copies opened mirroring mirror for the jobs the view named.
         let mut mirroring_for: BTreeMap<u32, u64> =
             view.syncing.iter().map(|s| (s.extent, s.job)).collect();
+        // The highest write epoch the control plane took from this session.
+        let mut epoch_confirmed = 0;
         loop {
             self.apply_moves(&view, &mut moves);
             self.apply(&view, &mut confirmed, &mut mirroring_for);
+            let epoch_done = self.apply_epoch(&view, &mut epoch_confirmed);
             if self.stop.load(Ordering::Relaxed) {
                 return;
+            }
+            if !epoch_done {
+                // A snapshot waits for it: again soon, not after a
+                // long-poll.
+                std::thread::sleep(FOLLOW_RETRY);
+                continue;
             }
             match self.watch(view.revision) {
                 Ok(v) => {
@@ -727,6 +750,45 @@ impl<C: ControlPlane> Watcher<C> {
         done.retain(|(j, _)| view.moving.iter().any(|m| m.job == *j));
     }
 
+    /// Moves the engine to the view's write epoch, then confirms it
+    /// (`PUT …/epoch`) once every write the engine tagged lower has
+    /// completed; at open too, so the control plane counts a freshly
+    /// opened engine. `confirmed` is the highest epoch taken (or answered
+    /// 404: the attachment is gone, nothing to confirm to). False: to be
+    /// retried (the engine's drain timed out, or the control plane did
+    /// not take it).
+    fn apply_epoch(&self, view: &CopyView, confirmed: &mut u32) -> bool {
+        let epoch = view.write_epoch;
+        if epoch == 0 || epoch <= *confirmed {
+            return true;
+        }
+        if let Err(err) = self.engine.set_write_epoch(epoch) {
+            tracing::warn!(epoch, error = %err,
+                "cannot move to the new write epoch yet; retrying");
+            return false;
+        }
+        let body = EpochBody {
+            session: self.session,
+            epoch,
+        };
+        match put(&self.cp, &format!("{}/epoch", self.base), &body) {
+            Ok(()) => {
+                tracing::info!(epoch, "write epoch confirmed");
+                *confirmed = epoch;
+                true
+            }
+            Err(e) if e.status() == Some(404) => {
+                tracing::info!(epoch, "the attachment is gone; write epoch not confirmed");
+                *confirmed = epoch;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(epoch, error = %e, "confirming the write epoch failed; retrying");
+                false
+            }
+        }
+    }
+
     fn report_move_failed(&self, job: u64) -> bool {
         let path = format!("{}/sync/{job}", self.base);
         let body = SyncBody {
@@ -889,6 +951,10 @@ mod tests {
         size: u64,
         /// grow fails this many times before it takes the plan.
         grow_fails: u32,
+        /// The write epoch, and how many times set_write_epoch fails (its
+        /// drain timed out) before it takes one.
+        epoch: u32,
+        epoch_fails: u32,
         calls: Vec<String>,
     }
 
@@ -921,6 +987,8 @@ mod tests {
                 dest_fails: false,
                 size: 1 << 20,
                 grow_fails: 0,
+                epoch: 0,
+                epoch_fails: 0,
                 calls: Vec::new(),
             })))
         }
@@ -1048,6 +1116,17 @@ mod tests {
                 let grown = plan.size_bytes > s.size;
                 s.size = plan.size_bytes;
                 Ok(grown)
+            })
+        }
+        fn set_write_epoch(&self, epoch: u32) -> Result<(), Error> {
+            self.with(|s| {
+                s.calls.push(format!("set_write_epoch {epoch}"));
+                if s.epoch_fails > 0 {
+                    s.epoch_fails -= 1;
+                    return Err(Error::Invalid("older writes still in flight".into()));
+                }
+                s.epoch = s.epoch.max(epoch);
+                Ok(())
             })
         }
     }
@@ -1320,6 +1399,59 @@ mod tests {
         assert_eq!(
             cp.puts_to("/missed"),
             [json!({"session": SESSION, "extents": {"1": [2, 4], "2": []}})]
+        );
+    }
+
+    #[test]
+    fn a_rising_write_epoch_switches_the_engine_then_is_confirmed() {
+        let cp = FakeCp::new(&[
+            // A copy change at the same epoch: nothing to confirm again.
+            json!({"write_epoch": 2, "revision": 2}),
+            json!({"write_epoch": 3, "revision": 3}),
+        ]);
+        let refused = json!({"kind": "unavailable", "message": "store busy"});
+        cp.answer_put(
+            &format!("{BASE}/epoch"),
+            Ok((503, refused.to_string().into_bytes())),
+        );
+        let engine = FakeEngine::new(&[CopyState::Ok]);
+        watcher(&cp, &engine).run(view(json!({"write_epoch": 2, "revision": 1})));
+
+        // Confirmed at open (refused once, so asked again), then after the
+        // engine moved to epoch 3.
+        assert_eq!(
+            engine.calls(),
+            [
+                "set_write_epoch 2",
+                "set_write_epoch 2",
+                "set_write_epoch 3"
+            ]
+        );
+        assert_eq!(engine.with(|s| s.epoch), 3);
+        let confirm = |e: u32| json!({"session": SESSION, "epoch": e});
+        assert_eq!(cp.puts_to("/epoch"), [confirm(2), confirm(2), confirm(3)]);
+        // The refused confirmation was retried without a long-poll.
+        assert_eq!(
+            gets(&cp),
+            [1, 2, 3].map(|r| format!("{BASE}?after_revision={r}"))
+        );
+    }
+
+    #[test]
+    fn a_write_epoch_is_confirmed_only_once_the_engine_switched() {
+        let cp = FakeCp::new(&[json!({"write_epoch": 5, "revision": 2})]);
+        // The attachment went away meanwhile: 404 ends the retries.
+        cp.answer_put(&format!("{BASE}/epoch"), Ok((404, b"{}".to_vec())));
+        let engine = FakeEngine::new(&[CopyState::Ok]);
+        engine.with(|s| s.epoch_fails = 1);
+        // Opened untagged: nothing to confirm at open.
+        watcher(&cp, &engine).run(view(json!({"revision": 1})));
+
+        assert_eq!(engine.calls(), ["set_write_epoch 5", "set_write_epoch 5"]);
+        // No confirmation while older writes were in flight; one 404.
+        assert_eq!(
+            cp.puts_to("/epoch"),
+            [json!({"session": SESSION, "epoch": 5})]
         );
     }
 

@@ -75,6 +75,9 @@ struct Slot {
     gen: u16,
     /// Data-digest retries so far.
     retries: u8,
+    /// CDW2 of a Write, Write Zeroes or Dataset Management: the write
+    /// epoch the request was submitted with, sent again on a reissue.
+    write_epoch: u32,
 }
 
 /// CIDs are slot | generation << 12, as the Linux host does.
@@ -126,6 +129,7 @@ impl IoQueue {
                 got: 0,
                 gen: 0,
                 retries: 0,
+                write_epoch: 0,
             })
             .collect();
         let inline_max = ctrl.inline_data_max();
@@ -193,6 +197,20 @@ impl IoQueue {
     /// Queues a request. Err gives the request back: the queue is full, or
     /// the request is malformed, or the controller is lost.
     pub fn submit(&mut self, req: Request) -> Result<(), (Request, Error)> {
+        self.submit_tagged(req, 0)
+    }
+
+    /// [`IoQueue::submit`] for a volume engine: a Write, Write Zeroes or
+    /// Deallocate carries `write_epoch` in CDW2 (every time it is issued,
+    /// reissues after a reconnect too); other requests ignore it. 0 is
+    /// untagged, what [`IoQueue::submit`] sends. The tag sits beside the
+    /// request rather than in it so that callers outside the engine build
+    /// their requests as before.
+    pub fn submit_tagged(
+        &mut self,
+        req: Request,
+        write_epoch: u32,
+    ) -> Result<(), (Request, Error)> {
         if self.failed {
             let e = Error::ControllerLost {
                 addr: self.ctrl.addr().to_string(),
@@ -240,6 +258,7 @@ impl IoQueue {
         s.state = SlotState::Sent;
         s.got = 0;
         s.retries = 0;
+        s.write_epoch = write_epoch;
         s.req = Some(req);
         self.issue(si);
         Ok(())
@@ -252,6 +271,7 @@ impl IoQueue {
         s.gen = (s.gen + 1) & 0xF;
         s.got = 0;
         let cid = si | s.gen << SLOT_BITS;
+        let write_epoch = s.write_epoch;
         let req = s.req.as_ref().expect("slot in use has a request");
         let mut sqe;
         let data;
@@ -299,6 +319,9 @@ impl IoQueue {
                 self.dsm[8..16].copy_from_slice(&req.lba.to_le_bytes());
                 data = Data::Out(&self.dsm);
             }
+        }
+        if matches!(req.op, Op::Write | Op::WriteZeroes { .. } | Op::Deallocate) {
+            sqe.set_write_epoch(write_epoch);
         }
         sqe.set_nsid(req.nsid);
         self.conn.command(sqe, si as usize, data, self.inline_max);

@@ -105,6 +105,14 @@
 //! switch, however many (drain.rs has the ordering argument). The data path
 //! takes no lock for this: an atomic increment and decrement per request.
 //!
+//! **Write epoch** (snapshots, design/thin-snapshots.md T5): every write,
+//! write-zeroes and discard command the volume sends carries its write
+//! epoch in CDW2 ([`Device::tagged`]), the same on every copy; reads and
+//! flushes are untagged (0). [`Volume::set_write_epoch`] raises it and
+//! drains with the same two counters, so once it returns no command tagged
+//! lower is in flight: a target can cut a snapshot between the writes
+//! tagged up to E and the ones after.
+//!
 //! **How long a dead copy stalls I/O.** An I/O to a target that went away
 //! waits while its queues reconnect (every `reconnect_delay`, doubling) for
 //! up to the controller-loss timeout, then fails with `ControllerLost`.
@@ -171,7 +179,7 @@ use nvpool_wire::Status;
 use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -236,6 +244,10 @@ pub struct VolumeOptions {
     /// authenticate (the control plane holds the same keys for this host
     /// NQN); `None`: connect without.
     pub dhchap: Option<Arc<nvpool_wire::dhchap::Keys>>,
+    /// The write epoch the volume starts with (the attachment's
+    /// `write_epoch`): every write, write-zeroes and discard carries it in
+    /// CDW2 until [`Volume::set_write_epoch`] raises it. 0: untagged.
+    pub write_epoch: u32,
 }
 
 impl Default for VolumeOptions {
@@ -256,6 +268,7 @@ impl Default for VolumeOptions {
             moving: Vec::new(),
             prefer_rdma: true,
             dhchap: None,
+            write_epoch: 0,
         }
     }
 }
@@ -277,6 +290,7 @@ impl fmt::Debug for VolumeOptions {
             .field("syncing_extents", &self.syncing_extents)
             .field("moving", &self.moving)
             .field("dhchap", &self.dhchap.is_some())
+            .field("write_epoch", &self.write_epoch)
             .finish()
     }
 }
@@ -426,12 +440,13 @@ struct CopyIo {
     move_failed: AtomicBool,
 }
 
-/// What a run does to every copy it writes.
+/// What a run does to every copy it writes; `epoch` is the volume's write
+/// epoch the mutation was admitted with (flushes are untagged).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mutation {
-    Write { fua: bool },
-    Zeroes { unmap: bool },
-    Discard,
+    Write { fua: bool, epoch: u32 },
+    Zeroes { unmap: bool, epoch: u32 },
+    Discard { epoch: u32 },
     Flush,
 }
 
@@ -557,16 +572,24 @@ enum Data {
 
 async fn mutate(dev: &Device, m: Mutation, offset: u64, len: u64, data: Data) -> BufResult {
     match (m, data) {
-        (Mutation::Write { fua }, Data::Shared(s)) => {
-            (dev.write_shared(offset, s, fua).await, Vec::new())
+        (Mutation::Write { fua, epoch }, Data::Shared(s)) => (
+            dev.tagged(epoch).write_shared(offset, s, fua).await,
+            Vec::new(),
+        ),
+        (Mutation::Write { fua, epoch }, Data::Owned(b)) => {
+            dev.tagged(epoch).write(offset, b, fua).await
         }
-        (Mutation::Write { fua }, Data::Owned(b)) => dev.write(offset, b, fua).await,
         (Mutation::Write { .. }, Data::None) => (
             Err(IoError::Invalid("a write without its data")),
             Vec::new(),
         ),
-        (Mutation::Zeroes { unmap }, _) => (dev.write_zeroes(offset, len, unmap).await, Vec::new()),
-        (Mutation::Discard, _) => (dev.discard(offset, len).await, Vec::new()),
+        (Mutation::Zeroes { unmap, epoch }, _) => (
+            dev.tagged(epoch).write_zeroes(offset, len, unmap).await,
+            Vec::new(),
+        ),
+        (Mutation::Discard { epoch }, _) => {
+            (dev.tagged(epoch).discard(offset, len).await, Vec::new())
+        }
         (Mutation::Flush, _) => (dev.flush().await, Vec::new()),
     }
 }
@@ -641,8 +664,15 @@ pub struct Volume {
     on_failed: Option<ExtentFailedFn>,
     /// Buffers of the runs of reads that span extents.
     bufs: BufPool,
-    /// Mutations outstanding, for begin_sync's and begin_move's drains.
+    /// Mutations outstanding, for begin_sync's, begin_move's and
+    /// set_write_epoch's drains.
     drain: Drain,
+    /// What every mutation admitted now is tagged with; loaded after the
+    /// mutation's drain hold (see [`Volume::set_write_epoch`]).
+    write_epoch: AtomicU32,
+    /// No mutation tagged below it is in flight: the highest epoch whose
+    /// drain completed (or the one the volume opened with).
+    drained_epoch: AtomicU32,
     /// begin_sync, begin_move and switch_move calls run one at a time.
     syncing: Mutex<()>,
     /// Grows run one at a time (each replaces the table it loaded).
@@ -840,6 +870,7 @@ impl Volume {
             failed = ?opts.failed_extents,
             syncing = ?opts.syncing_extents,
             moving = ?opts.moving.iter().map(|m| m.extent).collect::<Vec<_>>(),
+            write_epoch = opts.write_epoch,
             "volume open"
         );
         let volume = Volume {
@@ -855,6 +886,8 @@ impl Volume {
             bufs: BufPool::default(),
             on_failed: opts.on_extent_failed,
             drain: Drain::default(),
+            write_epoch: AtomicU32::new(opts.write_epoch),
+            drained_epoch: AtomicU32::new(opts.write_epoch),
             syncing: Mutex::new(()),
             growing: Mutex::new(()),
             params: base,
@@ -1118,6 +1151,54 @@ impl Volume {
         }
     }
 
+    /// The write epoch mutations admitted now are tagged with.
+    pub fn write_epoch(&self) -> u32 {
+        self.write_epoch.load(Ordering::SeqCst)
+    }
+
+    /// Blocking; call it from a control thread, never from an I/O callback
+    /// or an async task.
+    ///
+    /// Raises the volume's write epoch to `epoch` (design/thin-snapshots.md
+    /// T5): every write, write-zeroes and discard admitted from now on is
+    /// tagged with it (or a later one), then the call waits up to
+    /// [`SYNC_DRAIN_TIMEOUT`] until every mutation admitted before has
+    /// completed, with begin_sync's drain. Once it returns `Ok`, no
+    /// mutation tagged below `epoch` is in flight and none is sent again.
+    /// An epoch at or below one already drained is a no-op; one that is
+    /// tagged with already but whose drain timed out drains again (a
+    /// retry is safe). The epoch never goes down.
+    ///
+    /// **Why no mutation is admitted with an older epoch once the drain
+    /// began.** A mutation takes its drain hold, then loads the epoch
+    /// (both `SeqCst`); this call stores the epoch, then waits. This is
+    /// drain.rs's argument with the epoch in place of a copy's state: a
+    /// mutation that loaded the old epoch did so before the store in the
+    /// single `SeqCst` order, and counted itself before that, so every
+    /// counter check of the wait (all after the store) sees it and waits
+    /// for it to complete; a mutation the wait does not wait for counted
+    /// itself after a check, hence after the store, and its epoch load,
+    /// later still, sees the new epoch. Loading the epoch before taking
+    /// the hold would break this: the load could see the old epoch and the
+    /// hold be counted after the wait's last check.
+    pub fn set_write_epoch(&self, epoch: u32) -> Result<(), Error> {
+        if epoch <= self.drained_epoch.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let before = self.write_epoch.fetch_max(epoch, Ordering::SeqCst);
+        let name = self.table.load().plan.name.clone();
+        tracing::info!(volume = %name, from = before, to = epoch,
+            "write epoch raised; draining older writes");
+        if !self.drain.wait(SYNC_DRAIN_TIMEOUT) {
+            return Err(Error::Timeout {
+                addr: format!("volume {name}"),
+                what: "the writes issued before the write epoch rose",
+            });
+        }
+        self.drained_epoch.fetch_max(epoch, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// `Ok` or `Syncing` → `Failed` without reporting it: the control plane
     /// says the copy is stale (another host saw it fail). Neither read nor
     /// written from now on; its missed regions are recorded from now, in a
@@ -1345,14 +1426,16 @@ impl Volume {
     /// Writes `buf` at `offset` to every copy in sync or syncing; with
     /// `fua` it is durable on every copy on success.
     pub async fn write(&self, offset: u64, buf: Vec<u8>, fua: bool) -> BufResult {
-        // Outstanding until it completes (or is dropped), for begin_sync.
+        // Outstanding until it completes (or is dropped), for begin_sync
+        // and set_write_epoch; the epoch is loaded after it, never before.
         let _hold = self.drain.enter();
+        let epoch = self.write_epoch.load(Ordering::SeqCst);
         let t = self.table.load();
         let split = match Volume::split(&t, offset, buf.len() as u64) {
             Ok(s) => s,
             Err(e) => return (Err(e), buf),
         };
-        let m = Mutation::Write { fua };
+        let m = Mutation::Write { fua, epoch };
         match split.runs.as_slice() {
             [] => (Ok(()), buf),
             [r] => {
@@ -1379,17 +1462,29 @@ impl Volume {
         len: u64,
         may_unmap: bool,
     ) -> Result<(), IoError> {
-        self.mutate(offset, len, Mutation::Zeroes { unmap: may_unmap })
-            .await
+        self.mutate(offset, len, |epoch| Mutation::Zeroes {
+            unmap: may_unmap,
+            epoch,
+        })
+        .await
     }
 
     /// Discards a range on every copy in sync or syncing.
     pub async fn discard(&self, offset: u64, len: u64) -> Result<(), IoError> {
-        self.mutate(offset, len, Mutation::Discard).await
+        self.mutate(offset, len, |epoch| Mutation::Discard { epoch })
+            .await
     }
 
-    async fn mutate(&self, offset: u64, len: u64, m: Mutation) -> Result<(), IoError> {
+    /// Applies the mutation `tagged` makes of the volume's write epoch.
+    async fn mutate(
+        &self,
+        offset: u64,
+        len: u64,
+        tagged: impl FnOnce(u32) -> Mutation,
+    ) -> Result<(), IoError> {
         let _hold = self.drain.enter();
+        // After the hold, never before: see set_write_epoch.
+        let m = tagged(self.write_epoch.load(Ordering::SeqCst));
         let t = self.table.load();
         let split = Volume::split(&t, offset, len)?;
         let all = split

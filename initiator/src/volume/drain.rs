@@ -26,6 +26,10 @@
 //! after a check, hence after the state store, and its state load (later
 //! still) sees the new state. Neither flip is needed for this argument;
 //! they are what keeps the wait from starving under constant load.
+//!
+//! The volume's write epoch is the same case: `Volume::set_write_epoch`
+//! stores the new epoch, then waits; every mutation loads the epoch after
+//! its hold is counted, so one that was not waited for carries the new one.
 
 use crate::limits::{DRAIN_NAP_MAX, DRAIN_NAP_MIN};
 use nvpool_rt::lock;

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub mod memdev;
+pub mod tap;
 pub mod volumes;
 
 pub const SUBNQN: &str = "nqn.2026-11.io.nvpool:init-disk";
