@@ -47,6 +47,9 @@ impl Status {
     pub const LBA_OUT_OF_RANGE: Status = st(0, 0x80, true);
     pub const CAPACITY_EXCEEDED: Status = st(0, 0x81, true);
     pub const NS_NOT_READY: Status = st(0, 0x82, false);
+    /// A write tagged at or below a sealed snapshot's epoch
+    /// (design/thin-snapshots.md T5): only a fenced writer sends one.
+    pub const RESERVATION_CONFLICT: Status = st(0, 0x83, true);
 
     pub const INVALID_QUEUE_ID: Status = st(1, 0x01, true);
     pub const INVALID_QUEUE_SIZE: Status = st(1, 0x02, true);
@@ -139,6 +142,7 @@ impl fmt::Display for Status {
             (0, 0x16) => "SGL offset invalid",
             (0, 0x80) => "LBA out of range",
             (0, 0x81) => "capacity exceeded",
+            (0, 0x83) => "reservation conflict",
             (1, 0x84) => "connect: invalid host",
             (1, 0x82) => "connect: invalid parameters",
             (1, 0x91) => "authentication required",

@@ -150,6 +150,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         drop(op);
         done.complete(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP)));
     }
+
+    /// [`Backend::submit`] of a Write, Write Zeroes or deallocate with the
+    /// write epoch its command carried in CDW2 (0: untagged;
+    /// design/thin-snapshots.md T5). Only a grain pool's trees have
+    /// snapshots to route it to; the others ignore it. A refused epoch
+    /// fails with EBADE, which the queue answers with Reservation Conflict.
+    fn submit_tagged(&self, op: AsyncOp, epoch: u32, done: AsyncDone) {
+        let _ = epoch;
+        self.submit(op, done);
+    }
 }
 
 /// A parsed backend specification, as written in configs and on the CLI:

@@ -120,12 +120,18 @@ impl Queue {
                 return;
             }
         };
+        // The write epoch of the commands a snapshot's cut is made of (T5).
+        let epoch = match slot.kind {
+            IoKind::Write | IoKind::WriteZeroes | IoKind::Dsm => slot.sqe.write_epoch(),
+            _ => 0,
+        };
         slot.state = SlotState::Backend;
         self.inflight += 1;
         // May complete at once, on this thread: the completion then waits
         // in the sink like any other until the reactor takes it.
-        ns.backend.submit(
+        ns.backend.submit_tagged(
             op,
+            epoch,
             AsyncDone::new(ex.sink.clone(), user_data(ex.conn, si as u16)),
         );
     }
@@ -417,6 +423,11 @@ pub(super) fn io_error_status(kind: IoKind, e: &std::io::Error) -> Status {
         // An asynchronous backend with no room for another operation now
         // (never the result of a file operation): the host retries.
         Some(libc::EAGAIN) => Status::NS_NOT_READY,
+        // A write tagged at or below a sealed snapshot's epoch (a grain
+        // pool's, thin/backend.rs): only a fenced writer sends one. EBADE is
+        // what Linux maps a reservation conflict to, and no file operation
+        // returns it.
+        Some(libc::EBADE) => Status::RESERVATION_CONFLICT,
         // A volume namespace that stopped serving between the ANA check and
         // its backend (the path lost ownership): a path error, no DNR.
         Some(libc::ENOTCONN) => Status::ANA_INACCESSIBLE,

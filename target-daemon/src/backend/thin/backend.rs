@@ -22,10 +22,19 @@
 //! so the namespaces the control plane adds find it here, and its usage
 //! and [`ThinPool::release`] need no open. The pool counts which trees
 //! namespaces have open, so a tree is never released under one.
+//!
+//! Snapshots (design T5): a Write, Write Zeroes or deallocate comes with the
+//! write epoch of its command ([`Backend::submit_tagged`]), and the pool's
+//! thread routes it ([`Pool::route`]) and applies it to every tree named
+//! under one hold of the pool's lock, so a snapshot is taken either before
+//! or after the whole write. Each tree takes grains of its own (the two
+//! copies are not shared). A write refused for its epoch fails with EBADE,
+//! Reservation Conflict to the host.
 
 use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
 use crate::backend::{AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, FileId};
 use crate::limits::{THIN_COMMIT_INTERVAL_MS, THIN_QUEUE_LEN};
+use crate::peerlog::peer_warn;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io;
@@ -156,6 +165,8 @@ fn file_id(path: &str) -> io::Result<FileId> {
 /// One operation for the pool's thread.
 struct Job {
     root: u64,
+    /// The command's write epoch (0: untagged).
+    tag: u32,
     op: AsyncOp,
     done: AsyncDone,
 }
@@ -341,6 +352,30 @@ impl ThinPool {
         }
         Ok(dropped)
     }
+
+    /// Creates the snapshot trees `(live, snapshot)` at `epoch` and commits
+    /// (`POST /v1/devices/{id}/snapshots`): see [`Pool::begin_snapshots`].
+    pub fn snapshot_trees(&self, epoch: u32, trees: &[(u64, u64)]) -> Result<(), ThinError> {
+        let mut p = self.lock();
+        let mut r = p.begin_snapshots(epoch, trees);
+        // As on the write path: what was freed since the last commit is
+        // reusable after the next one.
+        if matches!(r, Err(ThinError::NoSpace)) && p.dirty() {
+            r = p.commit().and_then(|()| p.begin_snapshots(epoch, trees));
+        }
+        let r = r.and_then(|()| p.commit());
+        self.failed.fetch_or(p.failed(), Ordering::Relaxed);
+        r
+    }
+
+    /// Seals `snapshots` and commits, so the writes they took are durable
+    /// (`POST /v1/devices/{id}/seal`): see [`Pool::seal`].
+    pub fn seal(&self, snapshots: &[u64]) -> Result<(), ThinError> {
+        let mut p = self.lock();
+        let r = p.seal(snapshots).and_then(|()| p.commit());
+        self.failed.fetch_or(p.failed(), Ordering::Relaxed);
+        r
+    }
 }
 
 /// Whether the device's first MiB (all of it, when smaller) reads as zeroes.
@@ -388,9 +423,15 @@ fn run(pool: &Mutex<Pool<FileDevice>>, jobs: &Receiver<Job>, failed: &AtomicBool
         }
         batch.extend(jobs.try_iter().take(THIN_QUEUE_LEN));
         let mut p = lock();
-        for Job { root, op, done } in batch.drain(..) {
+        for Job {
+            root,
+            tag,
+            op,
+            done,
+        } in batch.drain(..)
+        {
             let commit = matches!(op, AsyncOp::Flush | AsyncOp::Write { fua: true, .. });
-            match apply(&mut p, root, op) {
+            match apply(&mut p, root, tag, op) {
                 Ok(_) if commit => waiting.push(done),
                 r => done.complete(r),
             }
@@ -419,7 +460,15 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn apply(p: &mut Pool<FileDevice>, root: u64, op: AsyncOp) -> AsyncResult {
+/// Runs `op` on tree `root`; a change goes to every tree its write epoch
+/// `tag` routes it to.
+fn apply(p: &mut Pool<FileDevice>, root: u64, tag: u32, op: AsyncOp) -> AsyncResult {
+    let trees = |p: &Pool<FileDevice>| {
+        p.route(root, tag).map_err(|e| {
+            peer_warn!(tree = root, error = %e, "a write from a fenced writer refused");
+            io_error(e)
+        })
+    };
     match op {
         AsyncOp::Read { off, len } => {
             let mut buf = vec![0u8; len];
@@ -427,12 +476,13 @@ fn apply(p: &mut Pool<FileDevice>, root: u64, op: AsyncOp) -> AsyncResult {
             Ok(Some(buf))
         }
         AsyncOp::Write { off, data, .. } => {
-            match p.write(root, off, &data) {
+            let trees = trees(p)?;
+            match p.write_trees(&trees, off, &data) {
                 // Grains freed since the last commit are reusable after the
                 // next one: commit before calling the pool full.
                 Err(ThinError::NoSpace) if p.dirty() => {
                     p.commit().map_err(io_error)?;
-                    p.write(root, off, &data).map_err(io_error)?;
+                    p.write_trees(&trees, off, &data).map_err(io_error)?;
                 }
                 r => r.map_err(io_error)?,
             }
@@ -440,12 +490,14 @@ fn apply(p: &mut Pool<FileDevice>, root: u64, op: AsyncOp) -> AsyncResult {
         }
         AsyncOp::Flush => Ok(None),
         AsyncOp::WriteZeroes { off, len } => {
-            p.deallocate(root, off, len).map_err(io_error)?;
+            let trees = trees(p)?;
+            p.deallocate_trees(&trees, off, len).map_err(io_error)?;
             Ok(None)
         }
         AsyncOp::Discard { ranges } => {
+            let trees = trees(p)?;
             for (off, len) in ranges {
-                p.deallocate(root, off, len).map_err(io_error)?;
+                p.deallocate_trees(&trees, off, len).map_err(io_error)?;
             }
             Ok(None)
         }
@@ -453,10 +505,12 @@ fn apply(p: &mut Pool<FileDevice>, root: u64, op: AsyncOp) -> AsyncResult {
 }
 
 /// The errno the queue turns into a status (queue/io.rs): no space is
-/// Capacity Exceeded.
+/// Capacity Exceeded, a fenced write (EBADE, Linux's errno for a
+/// reservation conflict) Reservation Conflict.
 fn io_error(e: ThinError) -> io::Error {
     match e {
         ThinError::NoSpace => io::Error::from_raw_os_error(libc::ENOSPC),
+        ThinError::Fenced { .. } => io::Error::from_raw_os_error(libc::EBADE),
         ThinError::Io(e) => e,
         e => io::Error::other(e),
     }
@@ -492,7 +546,7 @@ impl ThinBackend {
     /// off the reactor).
     fn now(&self, op: AsyncOp) -> AsyncResult {
         let mut p = self.pool.lock();
-        let r = apply(&mut p, self.root, op);
+        let r = apply(&mut p, self.root, 0, op);
         self.pool.failed.fetch_or(p.failed(), Ordering::Relaxed);
         r
     }
@@ -554,12 +608,16 @@ impl Backend for ThinBackend {
         true
     }
     fn submit(&self, op: AsyncOp, done: AsyncDone) {
+        self.submit_tagged(op, 0, done);
+    }
+    fn submit_tagged(&self, op: AsyncOp, epoch: u32, done: AsyncDone) {
         let Some(jobs) = &self.pool.jobs else {
             done.complete(Err(io::Error::other("the grain pool is closing")));
             return;
         };
         let job = Job {
             root: self.root,
+            tag: epoch,
             op,
             done,
         };

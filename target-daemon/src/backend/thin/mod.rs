@@ -38,6 +38,12 @@
 //! since waits for the next commit. `DELETE_RESERVE` pages are kept for a
 //! delete (only it may use them), so a pool whose metadata is full can still
 //! delete a root, and after the next commit has that root's pages back.
+//!
+//! Snapshots (T5): [`Pool::begin_snapshots`] makes trees sharing everything
+//! with live ones, and the pool keeps, per live tree, the [`TreeEpochs`] of
+//! its snapshots still sealing, so [`Pool::route`] names every tree a tagged
+//! write lands in. That state is in memory only: a restart forgets it, and
+//! the control plane gives up a snapshot its target no longer seals.
 
 mod backend;
 pub mod epochs;
@@ -49,6 +55,8 @@ pub use backend::{format, open, FileDevice, ThinBackend, ThinPool, THIN_BLOCK_BY
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
+
+use epochs::TreeEpochs;
 
 pub use format::{Layout, GRAIN_BYTES_ALLOWED, SECTOR_BYTES};
 use format::{Superblock, ENTRIES_PER_PAGE, PAGE_BYTES};
@@ -84,6 +92,18 @@ pub enum ThinError {
     NoRoot(u64),
     #[error("root id {0} is not below 2^32")]
     RootId(u64),
+    #[error("tree {0} exists")]
+    RootExists(u64),
+    /// A snapshot's epoch not above one sealed already on its live tree:
+    /// writes it should take may have been refused.
+    #[error("epoch {epoch} of tree {live} is not above a sealed snapshot's")]
+    EpochSealed { live: u64, epoch: u32 },
+    #[error("tree {0} is not a sealing snapshot here")]
+    NotSealing(u64),
+    /// A write tagged at or below a sealed snapshot's epoch: only a fenced
+    /// writer sends one.
+    #[error("a write to tree {root} tagged {tag} is at or below the sealed epoch {floor}")]
+    Fenced { root: u64, tag: u32, floor: u32 },
     #[error("range not 4 KiB aligned or beyond the tree")]
     Range,
     #[error("device too small or grain size not 16, 32 or 64 KiB")]
@@ -180,6 +200,11 @@ pub struct Pool<D> {
     slot_written: [u64; 2],
     changed: bool,
     failed: bool,
+    /// Per live tree with snapshots sealing or sealed (T5).
+    epochs: HashMap<u64, TreeEpochs>,
+    /// Snapshot trees sealed since the pool was opened: sealing one again is
+    /// a retry.
+    sealed: HashSet<u64>,
 }
 
 impl<D> std::fmt::Debug for Pool<D> {
@@ -260,6 +285,8 @@ impl<D: Device> Pool<D> {
             slot_written: [0; 2],
             changed: false,
             failed: false,
+            epochs: HashMap::new(),
+            sealed: HashSet::new(),
         };
         pool.recount_free();
         if sb.root_table != 0 {
@@ -370,19 +397,125 @@ impl<D: Device> Pool<D> {
         self.failed
     }
 
-    /// A new root sharing everything `root` maps: one more reference on its
-    /// top page, whatever the size.
+    /// A new root sharing everything `root` maps, numbered above every
+    /// other (see [`Pool::snapshot_as`]).
     pub fn snapshot(&mut self, root: u64) -> Result<u64> {
+        let id = self.next_root;
+        self.snapshot_as(root, id)?;
+        Ok(id)
+    }
+
+    /// Creates tree `id` sharing everything `live` maps: one more reference
+    /// on its top page, whatever the size. The control plane names snapshot
+    /// and clone trees, so an `id` that exists is refused
+    /// ([`ThinError::RootExists`]), as is one not below [`ROOT_ID_LIMIT`].
+    pub fn snapshot_as(&mut self, live: u64, id: u64) -> Result<()> {
         self.usable()?;
+        if id >= ROOT_ID_LIMIT {
+            return Err(ThinError::RootId(id));
+        }
         let r = (|| {
-            let top = self.top(root)?;
-            let id = self.add_root(top)?;
+            let top = self.top(live)?;
+            if self.record(self.table, id)?.is_some() {
+                return Err(ThinError::RootExists(id));
+            }
+            let pages = self.table_need(id)?;
+            self.room(0, pages)?;
+            self.set_record(id, PRESENT | top)?;
             if top != 0 {
                 self.inc(self.page_idx(top));
             }
-            Ok(id)
+            self.next_root = self.next_root.max(id + 1);
+            Ok(())
         })();
         self.poison(r)
+    }
+
+    /// Creates each `(live, snapshot)` tree by [`Pool::snapshot_as`] and,
+    /// with `epoch` > 0, starts it sealing (T5; `epoch` 0: complete at
+    /// once). A snapshot still sealing on the same live tree is accepted
+    /// again (a retry). Everything is checked before anything changes, and a
+    /// failure part way (no room) deletes the trees this call made.
+    pub fn begin_snapshots(&mut self, epoch: u32, trees: &[(u64, u64)]) -> Result<()> {
+        self.usable()?;
+        let mut staged: HashMap<u64, TreeEpochs> = HashMap::new();
+        let mut new: Vec<(u64, u64)> = Vec::new();
+        for &(live, snapshot) in trees {
+            if snapshot >= ROOT_ID_LIMIT {
+                return Err(ThinError::RootId(snapshot));
+            }
+            self.top(live)?;
+            let t = staged
+                .entry(live)
+                .or_insert_with(|| self.epochs.get(&live).cloned().unwrap_or_default());
+            let exists = self.record(self.table, snapshot)?.is_some()
+                || new.iter().any(|&(_, s)| s == snapshot);
+            if exists && !(epoch > 0 && t.is_sealing(snapshot)) {
+                return Err(ThinError::RootExists(snapshot));
+            }
+            if epoch > 0 && !t.begin(epoch, snapshot) {
+                return Err(ThinError::EpochSealed { live, epoch });
+            }
+            if !exists {
+                new.push((live, snapshot));
+            }
+        }
+        for (k, &(live, snapshot)) in new.iter().enumerate() {
+            if let Err(e) = self.snapshot_as(live, snapshot) {
+                for &(_, made) in new[..k].iter().rev() {
+                    // The delete reserve covers these; a failure here
+                    // leaves a tree the control plane releases anyway.
+                    let _ = self.delete_root(made);
+                }
+                return Err(e);
+            }
+        }
+        for &(_, snapshot) in &new {
+            self.sealed.remove(&snapshot);
+        }
+        if epoch > 0 {
+            self.epochs.extend(staged);
+        }
+        Ok(())
+    }
+
+    /// Seals `snapshots` (T5): from now on a write to their live trees
+    /// tagged at or below their epochs is refused. One sealed since the pool
+    /// was opened is accepted again (a retry); one that is neither is
+    /// [`ThinError::NotSealing`], and then nothing is sealed. Changes no
+    /// metadata.
+    pub fn seal(&mut self, snapshots: &[u64]) -> Result<()> {
+        self.usable()?;
+        if let Some(&s) = snapshots
+            .iter()
+            .find(|&&s| !self.sealed.contains(&s) && !self.epochs.values().any(|t| t.is_sealing(s)))
+        {
+            return Err(ThinError::NotSealing(s));
+        }
+        for &s in snapshots {
+            for t in self.epochs.values_mut() {
+                if t.seal(s) {
+                    self.sealed.insert(s);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The trees a write to `root` tagged `tag` (CDW2, T5; 0: untagged)
+    /// lands in: `root`, then each snapshot of it still sealing at or above
+    /// `tag`. [`ThinError::Fenced`] for a tag at or below a sealed epoch.
+    pub fn route(&self, root: u64, tag: u32) -> Result<Vec<u64>> {
+        let mut trees = vec![root];
+        if let Some(t) = self.epochs.get(&root) {
+            let also = t.route(tag).map_err(|f| ThinError::Fenced {
+                root,
+                tag: f.tag,
+                floor: f.floor,
+            })?;
+            trees.extend(also);
+        }
+        Ok(trees)
     }
 
     /// Drops `root` and every page and grain only it reached. May use the
@@ -400,6 +533,14 @@ impl<D: Device> Pool<D> {
             if top != 0 {
                 self.drop_page(top, 0)?;
             }
+            // No write goes to a deleted snapshot, and a deleted live tree's
+            // boundaries go with it.
+            self.epochs.remove(&root);
+            for t in self.epochs.values_mut() {
+                t.forget(root);
+            }
+            self.epochs.retain(|_, t| !t.is_empty());
+            self.sealed.remove(&root);
             Ok(())
         })();
         self.poison(r)
@@ -426,19 +567,34 @@ impl<D: Device> Pool<D> {
     /// Writes whole 4 KiB sectors. Allocates before it changes anything, so
     /// [`ThinError::NoSpace`] leaves the pool as it was.
     pub fn write(&mut self, root: u64, off: u64, data: &[u8]) -> Result<()> {
+        self.write_trees(&[root], off, data)
+    }
+
+    /// [`Pool::write`] of the same bytes to each of `roots` (a live tree and
+    /// the snapshots a tagged write also lands in, [`Pool::route`]), each
+    /// with grains of its own: all or nothing, since the room checked first
+    /// is each tree's need on the pool as it is (a bound: one tree's write
+    /// only unshares what the next one would have copied).
+    pub fn write_trees(&mut self, roots: &[u64], off: u64, data: &[u8]) -> Result<()> {
         self.usable()?;
-        self.top(root)?;
         let spans = self.spans(off, data.len() as u64)?;
         let plan: Vec<_> = spans
             .iter()
             .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
             .collect();
-        let (grains, pages) = self.need(root, &plan, true)?;
+        let (mut grains, mut pages) = (0, 0);
+        for &root in roots {
+            let (g, p) = self.need(root, &plan, true)?;
+            grains += g;
+            pages += p;
+        }
         self.room(grains, pages)?;
         let r = (|| {
-            for (gi, first, n, at) in spans {
-                let bytes = &data[at..at + (n * SECTOR_BYTES) as usize];
-                self.write_grain(root, gi, first, bytes)?;
+            for &root in roots {
+                for &(gi, first, n, at) in &spans {
+                    let bytes = &data[at..at + (n * SECTOR_BYTES) as usize];
+                    self.write_grain(root, gi, first, bytes)?;
+                }
             }
             Ok(())
         })();
@@ -448,34 +604,51 @@ impl<D: Device> Pool<D> {
     /// Deallocate and Write Zeroes (T4): clears written bits; a grain whose
     /// mask empties loses this tree's reference.
     pub fn deallocate(&mut self, root: u64, off: u64, len: u64) -> Result<()> {
+        self.deallocate_trees(&[root], off, len)
+    }
+
+    /// [`Pool::deallocate`] of each of `roots`, all or nothing as
+    /// [`Pool::write_trees`].
+    pub fn deallocate_trees(&mut self, roots: &[u64], off: u64, len: u64) -> Result<()> {
         self.usable()?;
-        self.top(root)?;
         let plan: Vec<_> = self
             .spans(off, len)?
             .iter()
             .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
             .collect();
-        let (_, pages) = self.need(root, &plan, false)?;
+        let mut pages = 0;
+        for &root in roots {
+            pages += self.need(root, &plan, false)?.1;
+        }
         self.room(0, pages)?;
         let r = (|| {
-            for (gi, bits) in plan {
-                let top = self.top(root)?;
-                let e = self.lookup(top, gi)?.entry;
-                if e & bits == 0 {
-                    continue;
-                }
-                let (leaf, slot) = self.path_for_write(root, gi)?;
-                let mask = e & MASK_BITS & !bits;
-                if mask == 0 {
-                    self.dec((e >> 16) as usize);
-                    self.set(leaf, slot, 0);
-                } else {
-                    self.set(leaf, slot, (e & !MASK_BITS) | mask);
-                }
+            for &root in roots {
+                self.deallocate_plan(root, &plan)?;
             }
             Ok(())
         })();
         self.poison(r)
+    }
+
+    /// Clears `plan`'s (grain index, sector bits) in `root`, the room
+    /// checked already.
+    fn deallocate_plan(&mut self, root: u64, plan: &[(u64, u64)]) -> Result<()> {
+        for &(gi, bits) in plan {
+            let top = self.top(root)?;
+            let e = self.lookup(top, gi)?.entry;
+            if e & bits == 0 {
+                continue;
+            }
+            let (leaf, slot) = self.path_for_write(root, gi)?;
+            let mask = e & MASK_BITS & !bits;
+            if mask == 0 {
+                self.dec((e >> 16) as usize);
+                self.set(leaf, slot, 0);
+            } else {
+                self.set(leaf, slot, (e & !MASK_BITS) | mask);
+            }
+        }
+        Ok(())
     }
 
     /// Makes everything so far durable: pages and space map, a flush, the

@@ -417,6 +417,169 @@ fn a_full_metadata_area_still_deletes_a_root() {
     p.check().expect("consistent");
 }
 
+#[test]
+fn snapshot_as_names_its_tree_and_refuses_one_that_exists() {
+    let mut p = pool(64, 16, 64);
+    let (live, snap) = (3, 1 << 20);
+    assert!(p.ensure_root(live).expect("live"));
+    write_tags(&mut p, live, 0, &[1, 2]).expect("write");
+    p.snapshot_as(live, snap).expect("snapshot");
+    assert!(matches!(
+        p.snapshot_as(live, snap),
+        Err(ThinError::RootExists(id)) if id == snap
+    ));
+    assert!(matches!(
+        p.snapshot_as(live, live),
+        Err(ThinError::RootExists(3))
+    ));
+    assert!(matches!(p.snapshot_as(4, 5), Err(ThinError::NoRoot(4))));
+    assert!(matches!(
+        p.snapshot_as(live, ROOT_ID_LIMIT),
+        Err(ThinError::RootId(ROOT_ID_LIMIT))
+    ));
+    write_tags(&mut p, live, 1, &[20]).expect("write");
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 20]);
+    assert_eq!(tags(&mut p, snap, 0, 2), [1, 2]);
+    p.commit().expect("commit");
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(p.roots(), [live, snap]);
+    assert_eq!(tags(&mut p, snap, 0, 2), [1, 2]);
+    assert_eq!(
+        p.create_root().expect("root"),
+        snap + 1,
+        "ids are handed out above it"
+    );
+    p.check().expect("consistent");
+}
+
+/// A write to `root` tagged `tag`, where the pool routes it.
+fn write_tagged(p: &mut Pool<MemDisk>, root: u64, tag: u32, first: u64, t: &[u64]) -> Result<()> {
+    let trees = p.route(root, tag)?;
+    let data: Vec<u8> = t.iter().flat_map(|&t| sector(t)).collect();
+    p.write_trees(&trees, first * SECTOR_BYTES, &data)
+}
+
+fn deallocate_tagged(p: &mut Pool<MemDisk>, root: u64, tag: u32, first: u64, n: u64) -> Result<()> {
+    let trees = p.route(root, tag)?;
+    p.deallocate_trees(&trees, first * SECTOR_BYTES, n * SECTOR_BYTES)
+}
+
+#[test]
+fn a_write_tagged_up_to_the_cut_lands_in_the_sealing_snapshot_and_is_refused_once_sealed() {
+    let mut p = pool(64, 32, 64);
+    let live = 5;
+    assert!(p.ensure_root(live).expect("live"));
+    write_tags(&mut p, live, 0, &[1, 1, 1, 1]).expect("write");
+    p.begin_snapshots(3, &[(live, 100)]).expect("begin");
+    p.begin_snapshots(3, &[(live, 100)])
+        .expect("a retry while it seals");
+    write_tagged(&mut p, live, 3, 0, &[2]).expect("tagged at the cut");
+    write_tagged(&mut p, live, 4, 1, &[3]).expect("tagged after the cut");
+    deallocate_tagged(&mut p, live, 2, 2, 1).expect("deallocate before the cut");
+    deallocate_tagged(&mut p, live, 0, 3, 1).expect("untagged deallocate");
+    assert_eq!(tags(&mut p, live, 0, 4), [2, 3, 0, 0]);
+    assert_eq!(tags(&mut p, 100, 0, 4), [2, 1, 0, 1]);
+    p.check().expect("consistent");
+
+    assert!(matches!(
+        p.seal(&[100, 101]),
+        Err(ThinError::NotSealing(101))
+    ));
+    assert_eq!(
+        p.route(live, 3).expect("route"),
+        [live, 100],
+        "nothing sealed"
+    );
+    p.seal(&[100]).expect("seal");
+    p.seal(&[100]).expect("a retry");
+    assert!(matches!(
+        write_tagged(&mut p, live, 3, 0, &[9]),
+        Err(ThinError::Fenced {
+            root: 5,
+            tag: 3,
+            floor: 3
+        })
+    ));
+    write_tagged(&mut p, live, 0, 0, &[7]).expect("untagged is never refused");
+    write_tagged(&mut p, live, 4, 1, &[8]).expect("after the cut");
+    assert_eq!(tags(&mut p, live, 0, 2), [7, 8]);
+    assert_eq!(
+        tags(&mut p, 100, 0, 2),
+        [2, 1],
+        "sealed: live writes stay out"
+    );
+
+    // Refused requests change nothing.
+    assert!(matches!(
+        p.begin_snapshots(3, &[(live, 200)]),
+        Err(ThinError::EpochSealed { live: 5, epoch: 3 })
+    ));
+    assert!(matches!(
+        p.begin_snapshots(5, &[(live, 200), (live, 100)]),
+        Err(ThinError::RootExists(100))
+    ));
+    assert!(matches!(
+        p.begin_snapshots(5, &[(99, 200)]),
+        Err(ThinError::NoRoot(99))
+    ));
+    assert_eq!(p.roots(), [live, 100]);
+    assert_eq!(p.route(live, 5).expect("route"), [live]);
+
+    // Epoch 0 (a clone): complete at once, so never a retry.
+    p.begin_snapshots(0, &[(100, 300)]).expect("clone");
+    assert_eq!(tags(&mut p, 300, 0, 4), [2, 1, 0, 1]);
+    assert!(matches!(
+        p.begin_snapshots(0, &[(100, 300)]),
+        Err(ThinError::RootExists(300))
+    ));
+    assert!(matches!(p.seal(&[300]), Err(ThinError::NotSealing(300))));
+
+    // Deleting a sealing snapshot stops its writes; deleting the live
+    // tree forgets its sealed epoch.
+    p.begin_snapshots(6, &[(live, 400)]).expect("begin");
+    assert_eq!(p.route(live, 6).expect("route"), [live, 400]);
+    p.delete_root(400).expect("delete");
+    assert_eq!(p.route(live, 6).expect("route"), [live]);
+    assert!(matches!(p.seal(&[400]), Err(ThinError::NotSealing(400))));
+    p.delete_root(live).expect("delete");
+    assert!(p.ensure_root(live).expect("the extent placed again"));
+    assert_eq!(p.route(live, 3).expect("route"), [live]);
+    p.check().expect("consistent");
+
+    // A restart forgets what seals: the control plane gives it up.
+    p.begin_snapshots(7, &[(live, 500)]).expect("begin");
+    p.commit().expect("commit");
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert!(matches!(p.seal(&[500]), Err(ThinError::NotSealing(500))));
+    assert!(matches!(
+        p.begin_snapshots(7, &[(live, 500)]),
+        Err(ThinError::RootExists(500))
+    ));
+    p.check().expect("consistent");
+}
+
+#[test]
+fn a_dual_write_without_room_for_both_trees_changes_neither() {
+    let mut p = pool(16, 4, 32);
+    let live = p.create_root().expect("root");
+    write_tags(&mut p, live, 0, &[1; 12]).expect("three grains");
+    p.commit().expect("commit");
+    p.begin_snapshots(2, &[(live, 9)]).expect("begin");
+    let before = p.stats();
+    // Each tree needs a grain of its own for it; one is free.
+    assert!(matches!(
+        write_tagged(&mut p, live, 2, 0, &[5]),
+        Err(ThinError::NoSpace)
+    ));
+    assert_eq!(p.stats(), before);
+    assert_eq!(tags(&mut p, live, 0, 1), [1]);
+    assert_eq!(tags(&mut p, 9, 0, 1), [1]);
+    write_tagged(&mut p, live, 3, 0, &[6]).expect("after the cut: the live tree only");
+    assert_eq!(tags(&mut p, live, 0, 1), [6]);
+    assert_eq!(tags(&mut p, 9, 0, 1), [1]);
+    p.check().expect("consistent");
+}
+
 // ---- T3's crash simulation ----
 
 /// Seeds run by default; `THIN_SIM_SEEDS=n` runs more, `THIN_SIM_SEED=s` one.
@@ -551,9 +714,23 @@ impl Sim {
                 (r, true)
             }
             (60..=63, Some(r)) if self.cur.len() < SIM_ROOTS_MAX => {
-                let r = self.p().snapshot(r).map(|id| {
-                    let copy = self.cur[&r].clone();
-                    self.cur.insert(id, copy);
+                let id = if self.rng.below(2) == 0 {
+                    let id = self.pick_id();
+                    match self.p().snapshot_as(r, id) {
+                        Err(ThinError::RootExists(_)) => {
+                            assert!(self.cur.contains_key(&id), "seed {}: {id}", self.seed);
+                            Ok(None)
+                        }
+                        other => other.map(|()| Some(id)),
+                    }
+                } else {
+                    self.p().snapshot(r).map(Some)
+                };
+                let r = id.map(|id| {
+                    if let Some(id) = id {
+                        let copy = self.cur[&r].clone();
+                        self.cur.insert(id, copy);
+                    }
                 });
                 (r, false)
             }
@@ -584,7 +761,16 @@ impl Sim {
         }
     }
 
+    /// `root`, and sometimes another (a write a sealing snapshot takes too).
+    fn pick_trees(&mut self, root: u64) -> Vec<u64> {
+        match (self.rng.below(4), self.pick_root()) {
+            (0, Some(other)) if other != root => vec![root, other],
+            _ => vec![root],
+        }
+    }
+
     fn write(&mut self, root: u64) -> Result<()> {
+        let trees = self.pick_trees(root);
         let (first, n) = self.pick_range();
         let secs: Vec<Sec> = (0..n)
             .map(|_| {
@@ -593,32 +779,37 @@ impl Sim {
             })
             .collect();
         let data: Vec<u8> = secs.iter().flat_map(sec_bytes).collect();
-        let r = self.p().write(root, first * SECTOR_BYTES, &data);
+        let r = self.p().write_trees(&trees, first * SECTOR_BYTES, &data);
         if std::env::var("THIN_SIM_TRACE").is_ok() {
             eprintln!(
-                "write root {root} sectors {first}+{n} tags {:?}",
+                "write roots {trees:?} sectors {first}+{n} tags {:?}",
                 secs.iter().map(|s| s[0]).collect::<Vec<_>>()
             );
         }
         if !matches!(r, Err(ThinError::NoSpace)) {
-            for (k, sec) in secs.into_iter().enumerate() {
-                let s = first + k as u64;
-                self.since.entry((root, s)).or_default().push(sec);
-                self.cur.get_mut(&root).expect("root").insert(s, sec);
+            for root in trees {
+                for (k, &sec) in secs.iter().enumerate() {
+                    let s = first + k as u64;
+                    self.since.entry((root, s)).or_default().push(sec);
+                    self.cur.get_mut(&root).expect("root").insert(s, sec);
+                }
             }
         }
         r
     }
 
     fn deallocate(&mut self, root: u64) -> Result<()> {
+        let trees = self.pick_trees(root);
         let (first, n) = self.pick_range();
         let r = self
             .p()
-            .deallocate(root, first * SECTOR_BYTES, n * SECTOR_BYTES);
+            .deallocate_trees(&trees, first * SECTOR_BYTES, n * SECTOR_BYTES);
         if !matches!(r, Err(ThinError::NoSpace)) {
-            for s in first..first + n {
-                self.since.entry((root, s)).or_default().push([0; 8]);
-                self.cur.get_mut(&root).expect("root").insert(s, [0; 8]);
+            for root in trees {
+                for s in first..first + n {
+                    self.since.entry((root, s)).or_default().push([0; 8]);
+                    self.cur.get_mut(&root).expect("root").insert(s, [0; 8]);
+                }
             }
         }
         r
