@@ -225,6 +225,7 @@ pub fn open(
         on_extent_failed: Some(on_failed),
         connections: Some(connections.clone()),
         dhchap,
+        write_epoch: view.copies.write_epoch,
         ..VolumeOptions::default()
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).context("connecting the volume")?);

@@ -99,6 +99,7 @@ impl VolumeSource for ControlPlaneSource {
             on_extent_failed: Some(on_failed),
             host_id: Some(nvpool_initiator::hostnqn::host_id_of(&host)),
             dhchap: keys,
+            write_epoch: view.copies.write_epoch,
             ..VolumeOptions::default()
         };
         let vol = Arc::new(
