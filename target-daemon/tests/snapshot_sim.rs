@@ -78,6 +78,7 @@
 //! trace:
 //!
 //! ```text
+//! SNAPSHOT_SIM_SEEDS=1000000 cargo test -p nvpool-target --test snapshot_sim correct (a soak run)
 //! SNAPSHOT_SIM_SEED=123 cargo test -p nvpool-target --test snapshot_sim correct
 //! SNAPSHOT_SIM_SEED=123 SNAPSHOT_SIM_PROTOCOL=early-raise cargo test ... (a broken variant:
 //!   no-drain | live-only | early-seal | early-raise | concurrent | lost-boundary)
@@ -1199,7 +1200,8 @@ fn assert_caught(proto: Protocol, name: &str) {
 /// every fault and every path (else passing would mean little).
 /// `SNAPSHOT_SIM_SEED=n` runs only seed n, traced (with
 /// `SNAPSHOT_SIM_PROTOCOL` naming a broken variant, it replays that
-/// variant's failure).
+/// variant's failure); `SNAPSHOT_SIM_SEEDS=n` runs seeds 0..n instead of
+/// `SEEDS_CORRECT` (a soak run).
 #[test]
 fn correct_protocol_holds_for_every_seed() {
     if let Ok(seed) = std::env::var("SNAPSHOT_SIM_SEED") {
@@ -1213,9 +1215,12 @@ fn correct_protocol_holds_for_every_seed() {
         }
         return;
     }
+    let seeds = std::env::var("SNAPSHOT_SIM_SEEDS").map_or(SEEDS_CORRECT, |n| {
+        n.parse().expect("SNAPSHOT_SIM_SEEDS is a number")
+    });
     let mut total = Stats::default();
     let mut failures = Vec::new();
-    for seed in 0..SEEDS_CORRECT {
+    for seed in 0..seeds {
         match run_seed(seed, Protocol::Correct, false) {
             Ok(stats) => total += &stats,
             Err(e) => {
@@ -1230,7 +1235,7 @@ fn correct_protocol_holds_for_every_seed() {
         failures.len(),
         failures[0]
     );
-    eprintln!("{SEEDS_CORRECT} seeds passed: {total:?}");
+    eprintln!("{seeds} seeds passed: {total:?}");
     let exercised = [
         ("acknowledged writes", total.writes_acked),
         ("failed writes", total.writes_failed),
