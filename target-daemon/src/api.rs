@@ -25,7 +25,9 @@
 //! | `POST /v1/copies/{id}/start` | start an armed job (body: regions, null = all) |
 //! | `GET /v1/copies/{id}`, `GET /v1/copies` | copy job status |
 //! | `DELETE /v1/copies/{id}` | cancel if running, disarm the guard, forget |
-//! | `POST /v1/devices/{id}/release` | drop trees of a grain pool device (body and answer: `{"roots": [...]}`, the answer listing those that existed); 409 `in_use` when a namespace has one open (nothing dropped), 409 `not_grain_pool`, 404 for an unknown device |
+//! | `POST /v1/devices/{id}/release` | drop trees of a grain pool device (body and answer: `{"roots": [...]}`, the answer listing those that existed); 409 `in_use` when a namespace has one open (nothing dropped), 409 `not_grain_pool`, 404 for an unknown device; a released snapshot tree stops sealing, a released live tree's epochs are forgotten |
+//! | `POST /v1/devices/{id}/snapshots` | new trees sharing everything with live ones, sealing at `epoch` > 0 (body and answer `{"epoch": E, "trees": [{"live": L, "snapshot": S}]}`, committed before the answer); a still-sealing tree again is a retry; 409 `tree_exists`, 404 `unknown_tree` (live), 409 `epoch_sealed` (E not above a sealed epoch of L), 400 `invalid` (S ≥ 2^32), 507 `no_space`; nothing is created on any error |
+//! | `POST /v1/devices/{id}/seal` | seal snapshot trees (body and answer `{"snapshots": [...]}`, committed before the answer): writes to their live trees tagged at or below their epoch answer Reservation Conflict; one sealed earlier since the target started is a retry; 409 `not_sealing` (nothing sealed) |
 //!
 //! The router is built from one table ([`routes`] lists it), so a test can
 //! drive every route there is.
@@ -33,11 +35,15 @@
 //! DH-HMAC-CHAP secrets are write-only: views say `"configured": true`
 //! and whether a controller key is set, never the secret.
 //!
+//! The device routes answer 409 `not_grain_pool` for a plain device and 404
+//! `not_found` for an unknown one.
+//!
 //! Errors are `{"kind": …, "message": …}` with a 4xx status. Every change is
 //! saved to the state directory before it is answered, except copy jobs,
 //! which live in memory only (copier.rs).
 
 use crate::auth::AdminTokens;
+use crate::backend::thin::{ThinError, ThinPool};
 use crate::backend::BackendError;
 use crate::config::{AnaConfig, AnaState, NamespaceConfig, SubsystemConfig};
 use crate::copier::CopyError;
@@ -54,7 +60,7 @@ use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
 use nvpool_api::admin::{
     AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, ReleaseRootsBody,
-    StartCopyBody,
+    SealBody, SnapshotTreesBody, StartCopyBody,
 };
 use nvpool_api::serve::{Peer, ServerThread};
 use nvpool_api::tls::ServerTls;
@@ -146,6 +152,8 @@ fn table() -> Vec<Route> {
         route(M::DELETE, "/v1/copies/{id}", delete_copy),
         route(M::POST, "/v1/copies/{id}/start", start_copy),
         route(M::POST, "/v1/devices/{id}/release", release_roots),
+        route(M::POST, "/v1/devices/{id}/snapshots", snapshot_trees),
+        route(M::POST, "/v1/devices/{id}/seal", seal_snapshots),
     ]
 }
 
@@ -289,6 +297,21 @@ impl From<BackendError> for ApiError {
     fn from(e: BackendError) -> ApiError {
         let (code, kind) = match &e {
             BackendError::RootInUse { .. } => (StatusCode::CONFLICT, "in_use"),
+            _ => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
+        };
+        ApiError::new(code, kind, e.to_string())
+    }
+}
+
+impl From<ThinError> for ApiError {
+    fn from(e: ThinError) -> ApiError {
+        let (code, kind) = match &e {
+            ThinError::NoRoot(_) => (StatusCode::NOT_FOUND, "unknown_tree"),
+            ThinError::RootExists(_) => (StatusCode::CONFLICT, "tree_exists"),
+            ThinError::EpochSealed { .. } => (StatusCode::CONFLICT, "epoch_sealed"),
+            ThinError::NotSealing(_) => (StatusCode::CONFLICT, "not_sealing"),
+            ThinError::RootId(_) => (StatusCode::BAD_REQUEST, "invalid"),
+            ThinError::NoSpace => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             _ => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
         };
         ApiError::new(code, kind, e.to_string())
@@ -766,13 +789,8 @@ async fn delete_copy(
 
 // ----- devices -----
 
-/// Drops trees of a grain pool whose extents the control plane freed; see
-/// [`crate::backend::thin::ThinPool::release`].
-async fn release_roots(
-    State(api): State<Api>,
-    Path(id): Path<String>,
-    JsonBody(b): JsonBody<ReleaseRootsBody>,
-) -> Result<Json<ReleaseRootsBody>, ApiError> {
+/// The grain pool offered as device `id`.
+fn grain_pool(api: &Api, id: &str) -> Result<Arc<ThinPool>, ApiError> {
     let device = api.devices.iter().find(|d| d.id == id).ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,
@@ -780,17 +798,54 @@ async fn release_roots(
             format!("device {id} not found"),
         )
     })?;
-    let pool = device.pool().cloned().ok_or_else(|| {
+    device.pool().cloned().ok_or_else(|| {
         ApiError::new(
             StatusCode::CONFLICT,
             "not_grain_pool",
             format!(
-                "device {id} ({}) is not a grain pool: its extents are byte ranges, with no trees to release",
+                "device {id} ({}) is not a grain pool: its extents are byte ranges, with no trees",
                 device.backend
             ),
         )
-    })?;
+    })
+}
+
+/// Drops trees of a grain pool whose extents the control plane freed; see
+/// [`ThinPool::release`].
+async fn release_roots(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<ReleaseRootsBody>,
+) -> Result<Json<ReleaseRootsBody>, ApiError> {
+    let pool = grain_pool(&api, &id)?;
     // Frees grains and commits: device I/O, off the runtime.
     let roots = blocking(move || pool.release(&b.roots)).await?;
     Ok(Json(ReleaseRootsBody { roots }))
+}
+
+/// Takes snapshot (or clone) trees of a grain pool
+/// ([`SnapshotTreesBody`] is the spec); see [`ThinPool::snapshot_trees`].
+async fn snapshot_trees(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<SnapshotTreesBody>,
+) -> Result<Json<SnapshotTreesBody>, ApiError> {
+    let pool = grain_pool(&api, &id)?;
+    let trees: Vec<(u64, u64)> = b.trees.iter().map(|t| (t.live, t.snapshot)).collect();
+    let epoch = b.epoch;
+    // Commits: device I/O, off the runtime.
+    blocking(move || pool.snapshot_trees(epoch, &trees)).await?;
+    Ok(Json(b))
+}
+
+/// Seals snapshot trees ([`SealBody`] is the spec); see [`ThinPool::seal`].
+async fn seal_snapshots(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<SealBody>,
+) -> Result<Json<SealBody>, ApiError> {
+    let pool = grain_pool(&api, &id)?;
+    let snapshots = b.snapshots.clone();
+    blocking(move || pool.seal(&snapshots)).await?;
+    Ok(Json(b))
 }

@@ -13,6 +13,7 @@ use nvpool_target::backend::{thin, Backend};
 use nvpool_target::register::{ControlPlaneUrl, DeviceOffer, RegisterError};
 use nvpool_target::{AdminOptions, Registrar, RegistrationConfig, StartOptions, Target};
 use nvpool_testkit::target::{self as tk, LOOPBACK};
+use nvpool_wire::Status;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
@@ -292,4 +293,130 @@ fn the_heartbeat_reports_each_grain_pools_used_bytes() {
         serde_json::json!({"devices": [{"id": "p0", "used_bytes": 3 * GRAIN}]}),
         "grain pools only, their allocated grains"
     );
+}
+
+fn post(api: SocketAddr, device: &str, what: &str, body: &serde_json::Value) -> HttpResponse {
+    let body = body.to_string();
+    http(
+        api,
+        "POST",
+        &format!("/v1/devices/{device}/{what}"),
+        Some(&body),
+    )
+}
+
+/// A Write of 4 KiB blocks at `slba` of namespace 1 with the write epoch
+/// `epoch` in CDW2, as nvpool's engines send it.
+fn write_tagged(q: &mut Conn, epoch: u32, slba: u64, data: &[u8]) -> Completion {
+    let mut sqe = write_cmd(1, slba, (data.len() / 4096) as u32, false);
+    sqe.set_write_epoch(epoch);
+    q.exec_write(sqe, data.to_vec(), false)
+}
+
+#[test]
+fn a_snapshot_takes_the_writes_tagged_up_to_its_epoch_until_sealed_then_refuses_them() {
+    let (_dir, path) = scratch_file(64 * MIB);
+    let (_fdir, plain) = scratch_file(8 * MIB);
+    let pool_dev = probe("p0", &thin_device(&path)).unwrap();
+    let (serving, _target) = start(vec![
+        pool_dev.clone(),
+        probe("f0", &file_spec(&plain)).unwrap(),
+    ]);
+    let api = serving.admin_addr();
+    // The live tree: the extent at 3 MiB, tree 3.
+    export(api, &extent_spec(&pool_dev.backend, 3 * MIB, 16 * MIB));
+    let (_a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let block = |seed: u64| pattern(seed, 4096);
+    for (slba, tag) in [(0, 1), (1, 2), (2, 3), (3, 4)] {
+        write_tagged(&mut q, 1, slba, &block(tag)).ok();
+    }
+
+    let begin = serde_json::json!({"epoch": 1, "trees": [{"live": 3, "snapshot": 1000}]});
+    let r = post(api, "p0", "snapshots", &begin);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), begin, "the request echoed");
+    let r = post(api, "p0", "snapshots", &begin);
+    assert_eq!(r.status, 200, "a retry while it seals: {}", r.body);
+
+    // Tagged up to the cut: both trees; above it: the live tree only.
+    write_tagged(&mut q, 1, 1, &block(12)).ok();
+    write_tagged(&mut q, 2, 2, &block(13)).ok();
+    let mut zeroes = write_zeroes_cmd(1, 3, 1);
+    zeroes.set_write_epoch(1);
+    q.exec(zeroes).ok();
+
+    let seal = serde_json::json!({"snapshots": [1000]});
+    let r = post(api, "p0", "seal", &seal);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), seal);
+    assert_eq!(post(api, "p0", "seal", &seal).status, 200, "a retry");
+
+    // Sealed: only a fenced writer still sends epoch 1.
+    write_tagged(&mut q, 1, 0, &block(21)).expect_status(Status::RESERVATION_CONFLICT);
+    let mut dsm = dsm_cmd(1, 1);
+    dsm.set_write_epoch(1);
+    q.exec_write(dsm, dsm_ranges(&[(0, 1)]), false)
+        .expect_status(Status::RESERVATION_CONFLICT);
+    write_tagged(&mut q, 0, 0, &block(22)).ok();
+    write_tagged(&mut q, 2, 1, &block(23)).ok();
+    assert_eq!(
+        q.read_ok(1, 0, 4, 4096),
+        [block(22), block(23), block(13), vec![0; 4096]].concat()
+    );
+
+    // Refusals, with the error body of every route.
+    let tree = |epoch: u32, live: u64, snapshot: u64| serde_json::json!({"epoch": epoch, "trees": [{"live": live, "snapshot": snapshot}]});
+    let snapshots = |body| post(api, "p0", "snapshots", &body);
+    assert_error(&snapshots(tree(2, 3, 1000)), 409, "tree_exists");
+    assert_error(&snapshots(tree(2, 3, 3)), 409, "tree_exists");
+    assert_error(&snapshots(tree(2, 77, 1001)), 404, "unknown_tree");
+    assert_error(&snapshots(tree(1, 3, 1001)), 409, "epoch_sealed");
+    assert_error(&snapshots(tree(2, 3, 1 << 32)), 400, "invalid");
+    assert_error(
+        &snapshots(serde_json::json!({"epoch": 2, "trees": [{"live": 3}]})),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &post(api, "f0", "snapshots", &tree(2, 3, 1001)),
+        409,
+        "not_grain_pool",
+    );
+    assert_error(
+        &post(api, "nope", "snapshots", &tree(2, 3, 1001)),
+        404,
+        "not_found",
+    );
+    let seal = |ids: &[u64]| serde_json::json!({ "snapshots": ids });
+    assert_error(&post(api, "p0", "seal", &seal(&[1001])), 409, "not_sealing");
+    assert_error(
+        &post(api, "f0", "seal", &seal(&[1000])),
+        409,
+        "not_grain_pool",
+    );
+    assert_error(&post(api, "nope", "seal", &seal(&[1000])), 404, "not_found");
+
+    // Releasing a sealing snapshot forgets its boundary.
+    assert_eq!(snapshots(tree(5, 3, 1002)).status, 200);
+    let r = release(api, "p0", &[1002]);
+    assert_eq!(r.json(), serde_json::json!({"roots": [1002]}), "{}", r.body);
+    assert_error(&post(api, "p0", "seal", &seal(&[1002])), 409, "not_sealing");
+    write_tagged(&mut q, 5, 0, &block(24)).ok();
+
+    // A clone of the snapshot: complete at once.
+    assert_eq!(snapshots(tree(0, 1000, 2000)).status, 200);
+    assert_error(&snapshots(tree(0, 1000, 2000)), 409, "tree_exists");
+
+    // The snapshot and the clone, exported, read what was cut.
+    let want = [block(1), block(12), block(3), vec![0; 4096]].concat();
+    for (nsid, root) in [(2, 1000), (3, 2000)] {
+        let spec = format!("{},root={root},size={}", pool_dev.backend, 16 * MIB);
+        let body = serde_json::json!({ "backend": spec }).to_string();
+        let path = format!("/v1/subsystems/{SUBNQN}/namespaces/{nsid}");
+        let r = http(api, "PUT", &path, Some(&body));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let (_a2, mut q2) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    assert_eq!(q2.read_ok(2, 0, 4, 4096), want, "the snapshot");
+    assert_eq!(q2.read_ok(3, 0, 4, 4096), want, "the clone");
 }
