@@ -29,7 +29,10 @@
 //! issued before and confirms → once every engine confirmed ≥ E+1, seal on
 //! every target (`TreeEpochs::seal`) → ready. Creations are serialised up
 //! to the raise (a snapshot asked for meanwhile waits), so a snapshot may
-//! begin while earlier ones still wait for confirmations or seal.
+//! begin while earlier ones still wait for confirmations or seal. The
+//! other correct way, [`Protocol::RaiseIfUnmoved`], lets creations overlap
+//! and gives one up at its raise if another moved the epoch past its E
+//! first (a compare-and-set of the epoch).
 //!
 //! # Faults
 //!
@@ -74,11 +77,15 @@
 //! # Teeth
 //!
 //! Six deliberately broken protocols ([`Protocol`]) must each fail for some
-//! seed; the correct one must pass every seed. Reproduce one seed, with its
-//! trace:
+//! seed; the two correct ones must pass every seed. Without either
+//! serialising creations or checking the epoch at the raise
+//! (`concurrent`), a snapshot recorded at E whose begins land after
+//! another creation raised the epoch holds writes tagged E+1. Reproduce
+//! one seed, with its trace, or soak:
 //!
 //! ```text
 //! SNAPSHOT_SIM_SEEDS=1000000 cargo test -p nvpool-target --test snapshot_sim correct (a soak run)
+//! SNAPSHOT_SIM_SEEDS=100000 SNAPSHOT_SIM_PROTOCOL=raise-if-unmoved cargo test ... correct
 //! SNAPSHOT_SIM_SEED=123 cargo test -p nvpool-target --test snapshot_sim correct
 //! SNAPSHOT_SIM_SEED=123 SNAPSHOT_SIM_PROTOCOL=early-raise cargo test ... (a broken variant:
 //!   no-drain | live-only | early-seal | early-raise | concurrent | lost-boundary)
@@ -166,6 +173,10 @@ impl Dice {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Protocol {
     Correct,
+    /// Also correct: creations run concurrently, but the raise gives the
+    /// snapshot up if the epoch moved past E since it was recorded (another
+    /// creation raised it, maybe before some of this one's begins landed).
+    RaiseIfUnmoved,
     /// Engines confirm as soon as they switch, without waiting for the
     /// writes they issued before.
     ConfirmWithoutDrain,
@@ -190,6 +201,7 @@ impl Protocol {
     fn from_env_name(name: &str) -> Protocol {
         match name {
             "correct" => Protocol::Correct,
+            "raise-if-unmoved" => Protocol::RaiseIfUnmoved,
             "no-drain" => Protocol::ConfirmWithoutDrain,
             "live-only" => Protocol::LiveTreeOnly,
             "early-seal" => Protocol::SealBeforeConfirm,
@@ -197,8 +209,8 @@ impl Protocol {
             "concurrent" => Protocol::ConcurrentCreations,
             "lost-boundary" => Protocol::SealAfterLostBoundary,
             other => panic!(
-                "SNAPSHOT_SIM_PROTOCOL={other}: want correct|no-drain|live-only|early-seal|\
-                 early-raise|concurrent|lost-boundary"
+                "SNAPSHOT_SIM_PROTOCOL={other}: want correct|raise-if-unmoved|no-drain|\
+                 live-only|early-seal|early-raise|concurrent|lost-boundary"
             ),
         }
     }
@@ -369,6 +381,8 @@ struct Stats {
     given_up_begin: u64,
     given_up_timeout: u64,
     given_up_seal: u64,
+    /// Given up at the raise: another creation had moved the epoch.
+    given_up_raced: u64,
     /// Snapshots recorded while an earlier one still confirmed or sealed.
     overlapping: u64,
     /// (snapshot, copy, block) values checked against invariants 2 and 3.
@@ -394,6 +408,7 @@ impl std::ops::AddAssign<&Stats> for Stats {
         self.given_up_begin += o.given_up_begin;
         self.given_up_timeout += o.given_up_timeout;
         self.given_up_seal += o.given_up_seal;
+        self.given_up_raced += o.given_up_raced;
         self.overlapping += o.overlapping;
         self.blocks_checked += o.blocks_checked;
         self.ordered_writes_checked += o.ordered_writes_checked;
@@ -407,6 +422,7 @@ type Check = Result<(), String>;
 #[derive(Debug, Clone, Copy)]
 enum GiveUp {
     Begin,
+    Raced,
     Timeout,
     Seal,
 }
@@ -883,7 +899,11 @@ impl Sim {
     // --- control plane ----------------------------------------------------
 
     fn take_snapshot(&mut self) {
-        if self.cp.creating && self.proto != Protocol::ConcurrentCreations {
+        let concurrent = matches!(
+            self.proto,
+            Protocol::ConcurrentCreations | Protocol::RaiseIfUnmoved
+        );
+        if self.cp.creating && !concurrent {
             let d = self.rng.range(CREATE_RETRY_TICKS);
             self.after(d, Ev::TakeSnapshot);
             return;
@@ -953,6 +973,10 @@ impl Sim {
             self.give_up(s, GiveUp::Begin);
             return;
         }
+        if self.proto == Protocol::RaiseIfUnmoved && self.cp.epoch > snap.epoch {
+            self.give_up(s, GiveUp::Raced);
+            return;
+        }
         if !snap.raised {
             self.raise(s);
         }
@@ -1014,6 +1038,7 @@ impl Sim {
         self.log(|| format!("control: snapshot {s} given up ({why:?})"));
         match why {
             GiveUp::Begin => self.stats.given_up_begin += 1,
+            GiveUp::Raced => self.stats.given_up_raced += 1,
             GiveUp::Timeout => self.stats.given_up_timeout += 1,
             GiveUp::Seal => self.stats.given_up_seal += 1,
         }
@@ -1201,14 +1226,14 @@ fn assert_caught(proto: Protocol, name: &str) {
 /// `SNAPSHOT_SIM_SEED=n` runs only seed n, traced (with
 /// `SNAPSHOT_SIM_PROTOCOL` naming a broken variant, it replays that
 /// variant's failure); `SNAPSHOT_SIM_SEEDS=n` runs seeds 0..n instead of
-/// `SEEDS_CORRECT` (a soak run).
+/// `SEEDS_CORRECT` (a soak run, of that protocol if named).
 #[test]
 fn correct_protocol_holds_for_every_seed() {
+    let proto = std::env::var("SNAPSHOT_SIM_PROTOCOL")
+        .map(|p| Protocol::from_env_name(&p))
+        .unwrap_or(Protocol::Correct);
     if let Ok(seed) = std::env::var("SNAPSHOT_SIM_SEED") {
         let seed: u64 = seed.parse().expect("SNAPSHOT_SIM_SEED is a number");
-        let proto = std::env::var("SNAPSHOT_SIM_PROTOCOL")
-            .map(|p| Protocol::from_env_name(&p))
-            .unwrap_or(Protocol::Correct);
         match run_seed(seed, proto, true) {
             Ok(stats) => eprintln!("SEED={seed} {proto:?} passed: {stats:?}"),
             Err(e) => panic!("SEED={seed} {proto:?} failed: {e}"),
@@ -1221,7 +1246,7 @@ fn correct_protocol_holds_for_every_seed() {
     let mut total = Stats::default();
     let mut failures = Vec::new();
     for seed in 0..seeds {
-        match run_seed(seed, Protocol::Correct, false) {
+        match run_seed(seed, proto, false) {
             Ok(stats) => total += &stats,
             Err(e) => {
                 eprintln!("SNAPSHOT_SIM_SEED={seed} failed: {e}");
@@ -1261,6 +1286,24 @@ fn correct_protocol_holds_for_every_seed() {
         "only {} snapshots ready, {given_up} given up",
         total.snapshots_ready
     );
+}
+
+/// The other way to let creations overlap: each raise checks that the
+/// epoch is still its snapshot's (a compare-and-set in the store).
+#[test]
+fn concurrent_creations_hold_when_the_raise_checks_the_epoch() {
+    let mut total = Stats::default();
+    for seed in 0..SEEDS_BROKEN {
+        match run_seed(seed, Protocol::RaiseIfUnmoved, false) {
+            Ok(stats) => total += &stats,
+            Err(e) => panic!(
+                "SNAPSHOT_SIM_SEED={seed} SNAPSHOT_SIM_PROTOCOL=raise-if-unmoved failed: {e}"
+            ),
+        }
+    }
+    eprintln!("{SEEDS_BROKEN} seeds passed: {total:?}");
+    assert!(total.given_up_raced > 0, "no creations raced");
+    assert!(total.snapshots_ready > 2 * total.given_up_raced);
 }
 
 #[test]
