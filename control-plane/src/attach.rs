@@ -318,6 +318,7 @@ impl Snapshot {
             .values()
             .flat_map(|v| &v.value.extents)
             .chain(self.job_dests().map(|(_, d)| d))
+            .chain(self.snapshot_trees())
             .map(|e| (e.target.as_str(), e.device.as_str(), e.offset))
             .collect();
         let mut seen = BTreeSet::new();

@@ -54,6 +54,7 @@ pub mod plan;
 pub mod program;
 pub mod rebalance;
 pub mod resync;
+pub mod snapshots;
 pub mod state;
 pub mod store;
 pub mod usage;

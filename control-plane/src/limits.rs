@@ -258,3 +258,12 @@ const _: () =
     assert!(LEADER_REQUEST_TIMEOUT_MS + LEADER_MARGIN_MS < LEADER_LEASE_TTL_S as u64 * 1_000);
 // The newest transaction always survives trimming of the change log.
 const _: () = assert!(CHANGE_LOG_BYTES_MAX >= 2 * TXN_BYTES_MAX as u64);
+
+/// How long a snapshot waits for its volume's engines to confirm the
+/// raised write epoch before it is given up (`Cluster::set_snapshot_confirm_wait_ms`).
+pub const SNAPSHOT_CONFIRM_WAIT_MS: u64 = 30_000;
+
+/// A snapshot still `creating`, or a clone still pending, this long after
+/// it began was abandoned by whoever began it (the wait above and each
+/// target call's timeout bound that work): the leader gives it up.
+pub const SNAPSHOT_ABANDONED_MS: u64 = 120_000;

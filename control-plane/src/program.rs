@@ -29,7 +29,7 @@ use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
 use crate::state::{Cluster, HostKeys, StateError};
 use nvpool_api::admin::{
     AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, ReleaseRootsBody,
-    SecretText, StartCopyBody, SubsystemAccess,
+    SealBody, SecretText, SnapshotTreesBody, StartCopyBody, SubsystemAccess,
 };
 use nvpool_api::client::{segment, Client, ClientError, NO_BODY};
 use nvpool_api::http::{Call, NoAnswer};
@@ -468,6 +468,37 @@ impl TargetAdmin {
                 nothing to release");
         }
         Ok(())
+    }
+
+    /// Has grain pool `device` create new trees sharing everything with
+    /// live ones (`POST /v1/devices/{id}/snapshots`; a retry of the same
+    /// trees is accepted). An unknown device or live tree is refused.
+    pub(crate) fn snapshot_trees(
+        &self,
+        device: &str,
+        body: &SnapshotTreesBody,
+    ) -> Result<(), ProgramError> {
+        self.change_existing(
+            Method::POST,
+            &format!("/v1/devices/{}/snapshots", segment(device)),
+            Some(body),
+            None,
+            &format!("creating {} trees on device {device}", body.trees.len()),
+            "the device or a live tree is unknown to the target",
+        )
+    }
+
+    /// Seals snapshot trees of grain pool `device` (`POST …/seal`): writes
+    /// tagged at or below their epoch are refused from now on.
+    pub(crate) fn seal(&self, device: &str, body: &SealBody) -> Result<(), ProgramError> {
+        self.change_existing(
+            Method::POST,
+            &format!("/v1/devices/{}/seal", segment(device)),
+            Some(body),
+            None,
+            &format!("sealing {} trees of device {device}", body.snapshots.len()),
+            "the device is unknown to the target",
+        )
     }
 
     /// Arms copy job `id` (idempotent for the same body).
@@ -1003,6 +1034,11 @@ pub async fn reconcile_loop(cluster: std::sync::Arc<Cluster>) {
             // The leader's work (see `leader`).
             if !c.is_leader() {
                 return;
+            }
+            if let Err(e) =
+                crate::snapshots::give_up_abandoned(&c, crate::limits::SNAPSHOT_ABANDONED_MS)
+            {
+                tracing::warn!(error = %e, "reconcile: cannot give up abandoned snapshots");
             }
             let targets = match c.targets() {
                 Ok(t) => t,

@@ -26,6 +26,7 @@
 //! | `/failed-copies/{uuid}` | [`FailedCopies`]: copies that missed writes |
 //! | `/copy-state/{uuid}` | [`CopyState`]: what stale copies missed, copy jobs, history |
 //! | `/target-usage/{id}` | [`TargetUsage`]: its grain pools' usage as it last reported it (deleted with the target) |
+//! | `/write-epochs/{uuid}`, `/snapshots/{uuid}/{name}`, `/clones/{uuid}` | see [`crate::snapshots`] |
 //! | `/meta/alloc-epoch` | u64, see below |
 //!
 //! **The allocation epoch.** "Nothing I read has changed" cannot be said
@@ -62,6 +63,7 @@ use crate::placement::{
 };
 use crate::rest::{CapacityOut, Provisioning, Secret};
 use crate::resync::{copy_state_key, CopyState, COPY_STATE};
+use crate::snapshots::{PendingClone, SnapshotRecord, WriteEpoch};
 use crate::store::{Condition, Op, Revision, Store, StoreError, TxnOutcome};
 use crate::usage::TargetUsage;
 use serde::{Deserialize, Serialize};
@@ -199,6 +201,27 @@ pub enum StateError {
     /// longer) the leader; its writes were refused by the fence.
     #[error(transparent)]
     NotLeader(#[from] crate::leader::NotLeader),
+    /// The request conflicts with the state (409 with this kind).
+    #[error("{message}")]
+    Conflict { kind: &'static str, message: String },
+    /// The request cannot be carried out (422 with this kind).
+    #[error("{message}")]
+    Unprocessable { kind: &'static str, message: String },
+    #[error("session {session} of {host} is not the one serving volume {volume}")]
+    StaleSession {
+        volume: Uuid,
+        host: String,
+        session: u64,
+    },
+    #[error("volume {volume} has no snapshot {name}")]
+    SnapshotNotFound { volume: Uuid, name: String },
+    /// A snapshot was given up: its trees are freed, its record gone.
+    #[error("snapshot {name} of volume {volume} was given up: {reason}")]
+    SnapshotFailed {
+        volume: Uuid,
+        name: String,
+        reason: String,
+    },
     #[error("stored record {key} is corrupt")]
     Corrupt {
         key: String,
@@ -406,6 +429,12 @@ pub struct Snapshot {
     pub failed_copies: BTreeMap<Uuid, Versioned<FailedCopies>>,
     /// volume → resync bookkeeping.
     pub copy_states: BTreeMap<Uuid, Versioned<CopyState>>,
+    /// volume → its write epoch (absent: the first).
+    pub write_epochs: BTreeMap<Uuid, Versioned<WriteEpoch>>,
+    /// (volume, name) → snapshot.
+    pub snapshots: BTreeMap<(Uuid, String), Versioned<SnapshotRecord>>,
+    /// new volume → a clone whose trees are being created.
+    pub pending_clones: BTreeMap<Uuid, Versioned<PendingClone>>,
 }
 
 impl Snapshot {
@@ -568,6 +597,8 @@ pub struct Cluster {
     usage_levels: Arc<crate::usage::Levels>,
     /// Whether this process leads (see `leader`).
     leadership: Arc<Leadership>,
+    /// How long a snapshot waits for engines to confirm its epoch.
+    snapshot_wait_ms: Arc<std::sync::atomic::AtomicU64>,
     /// Every write also requires the leader's term (the leader's own work).
     fenced: bool,
     /// Whom a target's https admin API must prove it is
@@ -715,6 +746,9 @@ impl Cluster {
             events: Arc::default(),
             usage_levels: Arc::default(),
             leadership: Leadership::solo("this process"),
+            snapshot_wait_ms: Arc::new(std::sync::atomic::AtomicU64::new(
+                crate::limits::SNAPSHOT_CONFIRM_WAIT_MS,
+            )),
             fenced: false,
             #[cfg(feature = "client")]
             target_tls: None,
@@ -794,6 +828,18 @@ impl Cluster {
     /// check (see [`crate::usage::Levels::check`]).
     pub fn check_usage(&self, report: &CapacityReport) {
         self.usage_levels.check(report, &self.events, self.now());
+    }
+
+    /// How long a snapshot waits for the volume's engines to confirm the
+    /// raised epoch before it is given up.
+    pub fn snapshot_confirm_wait_ms(&self) -> u64 {
+        self.snapshot_wait_ms
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn set_snapshot_confirm_wait_ms(&self, ms: u64) {
+        self.snapshot_wait_ms
+            .store(ms, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -1038,6 +1084,19 @@ impl Cluster {
                 file(&mut s.copy_states, "copy state", kv, |c| {
                     (c.volume, copy_state_key(&c.volume))
                 })?;
+            } else if k.starts_with(crate::snapshots::WRITE_EPOCHS) {
+                file(&mut s.write_epochs, "write epoch", kv, |w| {
+                    (w.volume, crate::snapshots::write_epoch_key(&w.volume))
+                })?;
+            } else if k.starts_with(crate::snapshots::SNAPSHOTS) {
+                file(&mut s.snapshots, "snapshot", kv, |r| {
+                    let at = crate::snapshots::snapshot_key(&r.volume, &r.name);
+                    ((r.volume, r.name.clone()), at)
+                })?;
+            } else if k.starts_with(crate::snapshots::CLONES) {
+                file(&mut s.pending_clones, "pending clone", kv, |c| {
+                    (c.spec.uuid, crate::snapshots::clone_key(&c.spec.uuid))
+                })?;
             } else if k == keys::ALLOC_EPOCH {
                 let value: u64 = decode_at("allocation epoch", k, &kv.value)?;
                 s.alloc_epoch = Some(Versioned {
@@ -1083,6 +1142,13 @@ impl Cluster {
         for (uuid, d) in s.job_dests() {
             a.occupy(d)
                 .map_err(|e| StateError::Inconsistent(format!("copy job of volume {uuid}: {e}")))?;
+        }
+        // Snapshot trees, and a pending clone's, are ranges of their
+        // grain pools' virtual space like extents.
+        for e in s.snapshot_trees() {
+            a.occupy(e).map_err(|err| {
+                StateError::Inconsistent(format!("snapshot tree on {}: {err}", e.device_ref()))
+            })?;
         }
         // Extents a target may still export after a forced detach stay
         // taken until it is reconciled.
@@ -1627,6 +1693,21 @@ impl Cluster {
                     hosts,
                 });
             }
+            let snapshots = s.snapshots_of(uuid);
+            if !snapshots.is_empty() {
+                return Err(StateError::Conflict {
+                    kind: "volume_has_snapshots",
+                    message: format!(
+                        "volume {uuid} has {} snapshots ({}): delete them first",
+                        snapshots.len(),
+                        snapshots
+                            .iter()
+                            .map(|r| r.value.name.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                });
+            }
             let key = keys::volume(uuid);
             let name_key = keys::volume_name(&v.value.name);
             let mut conds = vec![Condition::VersionIs(key.clone(), v.version)];
@@ -1644,6 +1725,11 @@ impl Cluster {
                 let ckey = crate::resync::copy_state_key(uuid);
                 conds.push(Condition::VersionIs(ckey.clone(), c.version));
                 ops.push(Op::Delete(ckey));
+            }
+            if let Some(w) = s.write_epochs.get(uuid) {
+                let wkey = crate::snapshots::write_epoch_key(uuid);
+                conds.push(Condition::VersionIs(wkey.clone(), w.version));
+                ops.push(Op::Delete(wkey));
             }
             let mut trees: BTreeMap<String, Vec<crate::attach::Export>> = BTreeMap::new();
             let dests = s.job_dests().filter(|(u, _)| *u == uuid).map(|(_, d)| d);

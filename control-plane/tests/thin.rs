@@ -5,113 +5,15 @@
 
 mod common;
 
-use common::{read_request, serve, Server, ADMIN, MIB, READER, TARGET};
+use common::fake::FakeTarget;
+use common::{serve, Server, ADMIN, MIB, READER, TARGET};
 use nvpool_control::api::AuthConfig;
 use nvpool_control::auth::{Principal, Tokens};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
-use std::io::Write;
-use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001";
-
-/// What a [`FakeTarget`] was asked: method, path and body.
-type Seen = Arc<Mutex<Vec<(String, String, String)>>>;
-
-/// A target's admin API on a loopback port: says it is `id`, has no
-/// subsystem until one is put, accepts every change, echoes a release's
-/// body (every root dropped), and records each request. While `down`, it
-/// closes every connection unanswered.
-struct FakeTarget {
-    addr: SocketAddr,
-    seen: Seen,
-    down: Arc<AtomicBool>,
-}
-
-impl FakeTarget {
-    fn start(id: &str) -> FakeTarget {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let seen = Seen::default();
-        let down = Arc::new(AtomicBool::new(false));
-        let (log, is_down, id) = (seen.clone(), down.clone(), id.to_owned());
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let Ok(mut s) = s else { return };
-                if is_down.load(Ordering::SeqCst) {
-                    continue;
-                }
-                let common::Request {
-                    method, path, body, ..
-                } = read_request(&mut s);
-                let (status, answer) = match (method.as_str(), path.as_str()) {
-                    ("GET", "/v1/identity") => (
-                        "200 OK",
-                        json!({"identity": "00000000-0000-4000-8000-000000000000",
-                               "target_id": id})
-                        .to_string(),
-                    ),
-                    ("GET", p) if p.starts_with("/v1/subsystems/") => (
-                        "404 Not Found",
-                        json!({"kind": "not_found", "message": "no such subsystem",
-                               "details": {}})
-                        .to_string(),
-                    ),
-                    ("GET", _) => ("200 OK", "[]".to_owned()),
-                    ("POST", p) if p.ends_with("/release") => ("200 OK", body.clone()),
-                    _ => ("200 OK", "{}".to_owned()),
-                };
-                log.lock().unwrap().push((method, path, body));
-                let _ = s.write_all(
-                    format!(
-                        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\n\
-                         Content-Length: {}\r\nConnection: close\r\n\r\n{answer}",
-                        answer.len()
-                    )
-                    .as_bytes(),
-                );
-            }
-        });
-        FakeTarget { addr, seen, down }
-    }
-
-    /// The roots released on `device` (a release is idempotent: asked
-    /// twice, they count once).
-    fn released(&self, device: &str) -> BTreeSet<u64> {
-        let path = format!("/v1/devices/{device}/release");
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(m, p, _)| m == "POST" && *p == path)
-            .flat_map(|(_, _, b)| {
-                let v: Value = serde_json::from_str(b).unwrap();
-                v["roots"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|r| r.as_u64().unwrap())
-                    .collect::<Vec<_>>()
-            })
-            .collect()
-    }
-
-    /// The backends of every namespace put.
-    fn namespace_backends(&self) -> Vec<String> {
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(m, p, _)| m == "PUT" && p.contains("/namespaces/"))
-            .map(|(_, _, b)| {
-                let v: Value = serde_json::from_str(b).unwrap();
-                v["backend"].as_str().unwrap().to_owned()
-            })
-            .collect()
-    }
-}
 
 fn server() -> Server {
     serve(AuthConfig::new(

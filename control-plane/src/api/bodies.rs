@@ -170,6 +170,7 @@ pub(super) fn attachment_with_plan(
     out.syncing = copies.syncing;
     out.moving = copies.moving;
     out.revision = copies.revision;
+    out.write_epoch = c.write_epoch(&out.volume)?;
     Ok(out)
 }
 

@@ -175,6 +175,33 @@ impl ApiError {
                 "contention",
                 json!({"attempts": attempts}),
             ),
+            StateError::Conflict { kind, .. } => (S::CONFLICT, *kind, json!({})),
+            StateError::Unprocessable { kind, .. } => (S::UNPROCESSABLE_ENTITY, *kind, json!({})),
+            StateError::StaleSession {
+                volume,
+                host,
+                session,
+            } => (
+                S::CONFLICT,
+                "stale_session",
+                json!({"volume": volume, "host_nqn": host, "session": session}),
+            ),
+            StateError::SnapshotNotFound { volume, name } => (
+                S::NOT_FOUND,
+                "not_found",
+                json!({"volume": volume, "snapshot": name}),
+            ),
+            // Its trees were freed and its record is gone: taking it again
+            // starts afresh.
+            StateError::SnapshotFailed {
+                volume,
+                name,
+                reason,
+            } => (
+                S::SERVICE_UNAVAILABLE,
+                "snapshot_failed",
+                json!({"volume": volume, "snapshot": name, "reason": reason}),
+            ),
             // Only the leader answers this call: ask another endpoint.
             StateError::NotLeader(_) => (S::SERVICE_UNAVAILABLE, "not_leader", json!({})),
             StateError::Corrupt { .. } | StateError::Inconsistent(_) => {

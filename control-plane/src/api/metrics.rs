@@ -26,6 +26,20 @@ pub(super) fn render_metrics(c: &Cluster) -> Result<String, StateError> {
         let n = volumes.iter().filter(|v| v.status == s).count();
         out.sample("nvpool_volumes", &[("status", s.name())], n);
     }
+    let snapshots = c.snapshot()?.snapshots;
+    let name = "nvpool_snapshots";
+    let help = "Snapshots of thin volumes by state (creating: waiting for engines or targets).";
+    out.family(name, Kind::Gauge, help);
+    for (state, label) in [
+        (crate::snapshots::SnapshotState::Creating, "creating"),
+        (crate::snapshots::SnapshotState::Ready, "ready"),
+    ] {
+        let n = snapshots
+            .values()
+            .filter(|r| r.value.state == state)
+            .count();
+        out.sample(name, &[("state", label)], n);
+    }
     let name = "nvpool_capacity_bytes";
     out.family(name, Kind::Gauge, "Device bytes in the cluster.");
     for (kind, v) in [

@@ -22,7 +22,8 @@
 //! | `GET /v1/volumes/{uuid}/history` | copies of the volume: running and past |
 //! | `POST /v1/volumes/{uuid}/extents/{index}/resync` | mark a copy stale: it is copied whole |
 //! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach |
-//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy |
+//! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}`, `…/epoch` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy, tagging writes with a new epoch |
+//! | `POST/GET /v1/volumes/{uuid}/snapshots`, `GET/DELETE …/snapshots/{name}` | snapshots of thin volumes (a clone: `PUT /v1/volumes/{uuid}` with a source) |
 //! | `PUT/DELETE /v1/volumes/{uuid}/exports/{host}`, `GET /v1/volumes/{uuid}/exports` | serve the volume to a stock host through targets (ANA paths) |
 //! | `POST /v1/targets/{id}/lease` | an owner of served volumes renews its lease |
 //!
@@ -42,7 +43,7 @@
 //!   mod ── router: routes, JSON 404/405, Api (the cluster on the blocking pool)
 //!    ├── guard ── bearer token and role of every call (a route layer)
 //!    ├── extract ── path segments, JSON bodies, query options → ApiError
-//!    ├── handlers/{targets,pools,volumes,attachments,exports,hosts,rebalance}
+//!    ├── handlers/{targets,pools,volumes,snapshots,attachments,exports,hosts,rebalance}
 //!    │     └── bodies ── response bodies from the cluster's records
 //!    ├── errors ── ApiError: cluster and target errors → status, kind
 //!    ├── metrics ── GET /metrics, GET /v1/events
@@ -72,13 +73,14 @@ use axum::routing::{get, post, put};
 use axum::Router;
 use guard::authorize;
 use handlers::attachments::{
-    delete_attachment, get_attachment, list_attachments, put_attachment, put_failed_extents,
-    put_missed, put_session, put_sync,
+    delete_attachment, get_attachment, list_attachments, put_attachment, put_epoch,
+    put_failed_extents, put_missed, put_session, put_sync,
 };
 use handlers::exports::{delete_export, get_exports, put_export};
 use handlers::hosts::{delete_host_keys, get_host_keys, put_host_keys};
 use handlers::pools::{delete_pool, get_pool, list_pools, put_pool};
 use handlers::rebalance::{get_rebalance, post_rebalance};
+use handlers::snapshots::{delete_snapshot, get_snapshot, list_snapshots, post_snapshot};
 use handlers::targets::{
     delete_target, get_target, heartbeat, list_targets, post_lease, put_target_state,
     reconcile_target, register_target,
@@ -147,6 +149,18 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
         .route(
             "/v1/volumes/{uuid}/attachments/{host_nqn}/sync/{job}",
             put(put_sync),
+        )
+        .route(
+            "/v1/volumes/{uuid}/attachments/{host_nqn}/epoch",
+            put(put_epoch),
+        )
+        .route(
+            "/v1/volumes/{uuid}/snapshots",
+            post(post_snapshot).get(list_snapshots),
+        )
+        .route(
+            "/v1/volumes/{uuid}/snapshots/{name}",
+            get(get_snapshot).delete(delete_snapshot),
         )
         .route("/v1/volumes/{uuid}/history", get(get_history))
         .route(

@@ -2,7 +2,9 @@
 //! checks (token roles, patterns, ranges) written into it from the same
 //! tables the server enforces.
 
-use super::handlers::{self, attachments, exports, hosts, pools, rebalance, targets, volumes};
+use super::handlers::{
+    self, attachments, exports, hosts, pools, rebalance, snapshots, targets, volumes,
+};
 use super::metrics;
 use crate::auth::{self, Access};
 use crate::model::TargetState;
@@ -24,7 +26,9 @@ use utoipa::OpenApi;
         volumes::delete_volume, attachments::put_attachment, attachments::get_attachment,
         attachments::list_attachments, attachments::delete_attachment,
         attachments::put_failed_extents, attachments::put_session, attachments::put_missed,
-        attachments::put_sync, volumes::get_history, volumes::post_resync,
+        attachments::put_sync, attachments::put_epoch, snapshots::post_snapshot,
+        snapshots::list_snapshots, snapshots::get_snapshot, snapshots::delete_snapshot,
+        volumes::get_history, volumes::post_resync,
         targets::reconcile_target, targets::put_target_state, targets::delete_target,
         rebalance::post_rebalance, rebalance::get_rebalance, exports::put_export,
         exports::get_exports, exports::delete_export, targets::post_lease,

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod etcd;
+pub mod fake;
 pub mod nodes;
 pub mod workload;
 

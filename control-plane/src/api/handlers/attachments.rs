@@ -6,7 +6,9 @@ use crate::api::errors::ApiError;
 use crate::api::extract::{force_of, parse_host, parse_uuid, JsonBody, Segments};
 use crate::api::Api;
 use crate::program;
-use crate::rest::{AttachmentOut, ErrorBody, FailedExtentsBody, MissedBody, SessionBody, SyncBody};
+use crate::rest::{
+    AttachmentOut, EpochBody, ErrorBody, FailedExtentsBody, MissedBody, SessionBody, SyncBody,
+};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
 use axum::http::StatusCode;
@@ -25,15 +27,20 @@ pub(in crate::api) async fn put_attachment(
 ) -> Result<(StatusCode, Json<AttachmentOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
-    let r = api
-        .program(move |c| program::attach(c, &uuid, &host))
+    let (r, write_epoch) = api
+        .program(move |c| {
+            let r = program::attach(c, &uuid, &host)?;
+            Ok((r, c.write_epoch(&uuid)?))
+        })
         .await?;
     let code = if r.created {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    Ok((code, Json(attachment_out(r.attachment, r.plan))))
+    let mut out = attachment_out(r.attachment, r.plan);
+    out.write_epoch = write_epoch;
+    Ok((code, Json(out)))
 }
 
 #[utoipa::path(get, path = "/v1/volumes/{uuid}/attachments/{host_nqn}", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)"), WatchQuery), responses((status = 200, description = "the attachment and its connection plan", body = AttachmentOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not attached to that host", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
@@ -165,6 +172,23 @@ pub(in crate::api) async fn put_missed(
         extents.insert(e, v);
     }
     api.run(move |c| c.hand_over_missed(&uuid, &host, body.session, &extents))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A host's engine of `session` tags new writes with `epoch` (its
+/// attachment's `write_epoch`) and every write it tagged lower has
+/// completed: a snapshot waiting on the volume counts it. A session other
+/// than the one the host registered is refused (409 `stale_session`).
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/attachments/{host_nqn}/epoch", tag = "attachments", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body = EpochBody, responses((status = 204, description = "recorded"), (status = 400, description = "invalid input (an epoch the volume never had)", body = ErrorBody), (status = 404, description = "no such volume, or not attached to that host", body = ErrorBody), (status = 409, description = "the session is not the one serving the volume on that host (stale_session)", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
+pub(in crate::api) async fn put_epoch(
+    State(api): State<Api>,
+    Segments((uuid, host)): Segments<(String, String)>,
+    JsonBody(body): JsonBody<EpochBody>,
+) -> Result<StatusCode, ApiError> {
+    let uuid = parse_uuid(&uuid)?;
+    let host = parse_host(&host)?;
+    api.run(move |c| c.confirm_epoch(&uuid, &host, body.session, body.epoch))
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -5,6 +5,7 @@ pub(super) mod exports;
 pub(super) mod hosts;
 pub(super) mod pools;
 pub(super) mod rebalance;
+pub(super) mod snapshots;
 pub(super) mod targets;
 pub(super) mod volumes;
 

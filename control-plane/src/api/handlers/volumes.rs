@@ -16,20 +16,20 @@ use axum::http::StatusCode;
 use axum::Json;
 use std::collections::BTreeSet;
 
-#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "conflicts with the current state", body = ErrorBody), (status = 422, description = "cannot be placed or names an unknown device", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
+/// Creates a volume (idempotent by UUID, C9). With `source`, a clone of
+/// that snapshot: a thin volume whose trees the snapshot trees' targets
+/// create before the volume exists (any failure leaves no volume).
+#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input (a clone given a pool or a provisioning)", body = ErrorBody), (status = 404, description = "not found (a clone's source volume or snapshot)", body = ErrorBody), (status = 409, description = "conflicts with the current state (a clone's snapshot still creating: snapshot_not_ready; a clone under that UUID under way: clone_in_progress; the daemon at a target's admin address is another target: wrong_target)", body = ErrorBody), (status = 422, description = "cannot be placed or names an unknown device; a clone whose size or layout is not its snapshot's (clone_mismatch); a target refused a clone's trees (target_refused)", body = ErrorBody), (status = 503, description = "store busy or unavailable, or a target of a clone unreachable (nothing was left behind); retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_volume(
     State(api): State<Api>,
     Segments(uuid): Segments<String>,
     JsonBody(body): JsonBody<VolumeSpecBody>,
 ) -> Result<(StatusCode, Json<VolumeOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
-    if body.source.is_some() {
-        // Until clones are built (design/thin-snapshots.md T6): refused,
-        // never an empty volume that looks like one.
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "not_supported",
-            "clones from a snapshot are not supported yet",
+    let source = body.source;
+    if source.is_some() && (body.pool.is_some() || body.provisioning.is_some()) {
+        return Err(ApiError::invalid(
+            "a clone's trees are on its snapshot's devices: give neither pool nor provisioning",
         ));
     }
     let spec = crate::model::VolumeSpec {
@@ -41,16 +41,17 @@ pub(in crate::api) async fn put_volume(
     };
     let asked = body.provisioning;
     let (created, out) = api
-        .run(move |c| {
-            let r = c.create_volume_as(&spec, asked)?;
+        .program(move |c| {
+            let (volume, created) = match &source {
+                Some(src) => crate::snapshots::make_clone(c, &spec, &src.volume, &src.snapshot)?,
+                None => {
+                    let r = c.create_volume_as(&spec, asked)?;
+                    (r.volume, r.created)
+                }
+            };
             let view = c.volume(&uuid)?;
-            let out = volume_out(
-                r.volume,
-                view.status,
-                view.failed_extents,
-                view.provisioning,
-            );
-            Ok((r.created, one_with_attachments(c, out)?))
+            let out = volume_out(volume, view.status, view.failed_extents, view.provisioning);
+            Ok((created, one_with_attachments(c, out)?))
         })
         .await?;
     if created {
@@ -138,7 +139,7 @@ pub(in crate::api) async fn resize_volume(
 /// allocated until it is reconciled). A thin volume's extents stay
 /// allocated until their targets have released their trees; they are
 /// asked to at once, in the background.
-#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "attached (use force)", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
+#[utoipa::path(delete, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client"), ForceQuery), responses((status = 204, description = "deleted, its extents freed"), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "not found", body = ErrorBody), (status = 409, description = "attached (use force), or has snapshots (volume_has_snapshots: delete them first)", body = ErrorBody), (status = 503, description = "store busy or unavailable; retry", body = ErrorBody)))]
 pub(in crate::api) async fn delete_volume(
     State(api): State<Api>,
     Segments(uuid): Segments<String>,
@@ -149,6 +150,18 @@ pub(in crate::api) async fn delete_volume(
     let thin_targets = api
         .program(move |c| {
             let v = if force {
+                // Refused before any host is detached for nothing.
+                let snapshots = c.snapshot_records(&uuid)?;
+                if !snapshots.is_empty() {
+                    return Err(StateError::Conflict {
+                        kind: "volume_has_snapshots",
+                        message: format!(
+                            "volume {uuid} has {} snapshots: delete them first",
+                            snapshots.len()
+                        ),
+                    }
+                    .into());
+                }
                 delete_volume_forced(c, &uuid)?
             } else {
                 c.delete_volume(&uuid)?
