@@ -328,10 +328,14 @@ impl Cluster {
         })
     }
 
-    /// Raises the volume's write epoch past `cut` (to `cut + 1`, or
-    /// leaves a higher one) and wakes its attachments' long polls;
-    /// returns the epoch. Confirmations of hosts no longer attached go.
-    pub fn raise_epoch(&self, volume: &Uuid, cut: u32) -> Result<u32, StateError> {
+    /// Raises the volume's write epoch from `cut` to `cut + 1` and wakes
+    /// its attachments' long polls; returns the new epoch. `None` when
+    /// the epoch is no longer `cut` (another snapshot raised it
+    /// meanwhile): writes tagged above `cut` may have landed before this
+    /// snapshot's trees existed, so its cut is not one and it must be
+    /// given up (a compare-and-set; design/thin-snapshots.md T5).
+    /// Confirmations of hosts no longer attached go.
+    pub fn raise_epoch(&self, volume: &Uuid, cut: u32) -> Result<Option<u32>, StateError> {
         let r = self.change_copy_state(volume, |s, cs, conds, ops| {
             let read = s.write_epochs.get(volume);
             let mut w = read.map_or_else(
@@ -342,16 +346,19 @@ impl Cluster {
                 },
                 |r| r.value.clone(),
             );
-            w.epoch = w.epoch.max(cut.saturating_add(1));
+            if w.epoch != cut {
+                return Ok(Some(None));
+            }
+            w.epoch = cut.saturating_add(1);
             w.confirmed
                 .retain(|h, _| s.attachments.contains_key(&(*volume, h.clone())));
             cs.revision += 1;
             let key = write_epoch_key(volume);
             conds.push(unchanged(&key, read.map(|r| r.version)));
             ops.push(Op::Put(key, encode(&w)));
-            Ok(Some(w.epoch))
+            Ok(Some(Some(w.epoch)))
         })?;
-        Ok(r.unwrap_or(FIRST_WRITE_EPOCH))
+        Ok(r.flatten())
     }
 
     /// Writers of the volume that have not confirmed `epoch` yet.
@@ -743,7 +750,18 @@ mod protocol {
     /// The steps of T5 after the record: trees, epoch, confirmations, seal.
     fn drive(cluster: &Cluster, r: &SnapshotRecord) -> Result<SnapshotRecord, ProgramError> {
         create_trees(cluster, &r.trees, r.epoch)?;
-        let next = cluster.raise_epoch(&r.volume, r.epoch)?;
+        let Some(next) = cluster.raise_epoch(&r.volume, r.epoch)? else {
+            return Err(StateError::SnapshotFailed {
+                volume: r.volume,
+                name: r.name.clone(),
+                reason: format!(
+                    "another snapshot raised the volume's write epoch past {} meanwhile; \
+                     take it again",
+                    r.epoch
+                ),
+            }
+            .into());
+        };
         let wait = Duration::from_millis(cluster.snapshot_confirm_wait_ms());
         let deadline = Instant::now() + wait;
         loop {

@@ -517,6 +517,12 @@ fn a_restart_gives_up_snapshots_left_creating() {
             t.tree
         );
     }
+    // Creations overlap: one whose epoch another raised first is given
+    // up at its raise (a compare-and-set), never cut at a stale epoch.
+    assert_eq!(young.json()["epoch"], 1);
+    assert_eq!(snap(&s, 1, "later").json()["epoch"], 1);
+    assert_eq!(s.cluster.raise_epoch(&one, 1).unwrap(), None);
+    assert_eq!(s.cluster.raise_epoch(&one, 2).unwrap(), Some(3));
     // A snapshot being created is not deleted from under its creator.
     let r = s.admin(
         "DELETE",
