@@ -27,9 +27,9 @@
 //! write epoch of its command ([`Backend::submit_tagged`]), and the pool's
 //! thread routes it ([`Pool::route`]) and applies it to every tree named
 //! under one hold of the pool's lock, so a snapshot is taken either before
-//! or after the whole write. Each tree takes grains of its own (the two
-//! copies are not shared). A write refused for its epoch fails with EBADE,
-//! Reservation Conflict to the host.
+//! or after the whole write; a grain the trees mapped alike is shared after
+//! it ([`Pool::write_trees`]). A write refused for its epoch fails with
+//! EBADE, Reservation Conflict to the host.
 
 use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
 use crate::backend::{AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, FileId};

@@ -571,10 +571,14 @@ impl<D: Device> Pool<D> {
     }
 
     /// [`Pool::write`] of the same bytes to each of `roots` (a live tree and
-    /// the snapshots a tagged write also lands in, [`Pool::route`]), each
-    /// with grains of its own: all or nothing, since the room checked first
-    /// is each tree's need on the pool as it is (a bound: one tree's write
-    /// only unshares what the next one would have copied).
+    /// the snapshots a tagged write also lands in, [`Pool::route`]). Where a
+    /// later tree mapped a grain exactly as the first did (the same grain,
+    /// or none), it held the same bytes, so it takes one more reference on
+    /// the first tree's new grain (T5: one new grain, two references); it
+    /// writes a grain of its own elsewhere. All or nothing: the room checked
+    /// first is each tree's need on the pool as it is, less the grains it
+    /// shares (a bound: one tree's write only unshares what the next one
+    /// would have copied).
     pub fn write_trees(&mut self, roots: &[u64], off: u64, data: &[u8]) -> Result<()> {
         self.usable()?;
         let spans = self.spans(off, data.len() as u64)?;
@@ -582,23 +586,67 @@ impl<D: Device> Pool<D> {
             .iter()
             .map(|&(gi, f, n, _)| (gi, sector_bits(f, n)))
             .collect();
-        let (mut grains, mut pages) = (0, 0);
-        for &root in roots {
+        let Some((&first, rest)) = roots.split_first() else {
+            return Ok(());
+        };
+        let before = self.entries(first, &plan)?;
+        let (mut grains, mut pages) = self.need(first, &plan, true)?;
+        let mut alike = Vec::with_capacity(rest.len());
+        for &root in rest {
+            let same: Vec<bool> = self
+                .entries(root, &plan)?
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a == b)
+                .collect();
             let (g, p) = self.need(root, &plan, true)?;
-            grains += g;
+            // `need` counted a grain for each of these: unmapped, or
+            // reached by both trees, so never written in place.
+            grains += g.saturating_sub(same.iter().filter(|&&s| s).count() as u64);
             pages += p;
+            alike.push(same);
         }
         self.room(grains, pages)?;
         let r = (|| {
-            for &root in roots {
-                for &(gi, first, n, at) in &spans {
-                    let bytes = &data[at..at + (n * SECTOR_BYTES) as usize];
-                    self.write_grain(root, gi, first, bytes)?;
+            for &(gi, f, n, at) in &spans {
+                self.write_grain(first, gi, f, &data[at..at + (n * SECTOR_BYTES) as usize])?;
+            }
+            for (&root, same) in rest.iter().zip(&alike) {
+                for (&(gi, f, n, at), &same) in spans.iter().zip(same) {
+                    if same {
+                        self.share_grain(first, root, gi)?;
+                    } else {
+                        let bytes = &data[at..at + (n * SECTOR_BYTES) as usize];
+                        self.write_grain(root, gi, f, bytes)?;
+                    }
                 }
             }
             Ok(())
         })();
         self.poison(r)
+    }
+
+    /// `root`'s leaf entries for `plan`'s grain indices.
+    fn entries(&mut self, root: u64, plan: &[(u64, u64)]) -> Result<Vec<u64>> {
+        let top = self.top(root)?;
+        plan.iter()
+            .map(|&(gi, _)| Ok(self.lookup(top, gi)?.entry))
+            .collect()
+    }
+
+    /// Maps `to`'s grain index `gi` to `from`'s grain, one more reference,
+    /// dropping `to`'s own.
+    fn share_grain(&mut self, from: u64, to: u64, gi: u64) -> Result<()> {
+        let top = self.top(from)?;
+        let e = self.lookup(top, gi)?.entry;
+        let (leaf, slot) = self.path_for_write(to, gi)?;
+        let old = self.entry(leaf, slot)?;
+        self.inc((e >> 16) as usize);
+        if old != 0 {
+            self.dec((old >> 16) as usize);
+        }
+        self.set(leaf, slot, e);
+        Ok(())
     }
 
     /// Deallocate and Write Zeroes (T4): clears written bits; a grain whose

@@ -559,24 +559,48 @@ fn a_write_tagged_up_to_the_cut_lands_in_the_sealing_snapshot_and_is_refused_onc
 }
 
 #[test]
-fn a_dual_write_without_room_for_both_trees_changes_neither() {
+fn a_dual_write_shares_the_new_grain_where_the_trees_were_alike() {
     let mut p = pool(16, 4, 32);
     let live = p.create_root().expect("root");
-    write_tags(&mut p, live, 0, &[1; 12]).expect("three grains");
+    write_tags(&mut p, live, 0, &[1; 8]).expect("two grains");
     p.commit().expect("commit");
     p.begin_snapshots(2, &[(live, 9)]).expect("begin");
+    write_tagged(&mut p, live, 2, 1, &[5]).expect("one new grain for both");
+    write_tagged(&mut p, live, 2, 12, &[6]).expect("unmapped in both");
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 5]);
+    assert_eq!(tags(&mut p, 9, 0, 2), [1, 5]);
+    assert_eq!(tags(&mut p, 9, 12, 1), [6]);
+    let stats = p.stats();
+    assert_eq!(
+        (stats.grains_allocated, stats.grains_shared),
+        (3, 3),
+        "the old grain 0 is free: neither tree maps it"
+    );
+    p.check().expect("consistent");
+}
+
+#[test]
+fn a_dual_write_without_room_for_every_tree_changes_none() {
+    let mut p = pool(16, 4, 32);
+    let live = p.create_root().expect("root");
+    write_tags(&mut p, live, 0, &[1; 4]).expect("a grain");
+    p.commit().expect("commit");
+    p.begin_snapshots(2, &[(live, 9)]).expect("begin");
+    // The trees part at grain 0, and the pool fills up.
+    write_tags(&mut p, live, 0, &[2]).expect("the live tree's own copy");
+    write_tags(&mut p, live, 4, &[3; 8]).expect("two more grains");
     let before = p.stats();
-    // Each tree needs a grain of its own for it; one is free.
+    // The live tree would write in place; the snapshot needs a grain.
     assert!(matches!(
-        write_tagged(&mut p, live, 2, 0, &[5]),
+        write_tagged(&mut p, live, 2, 1, &[5]),
         Err(ThinError::NoSpace)
     ));
     assert_eq!(p.stats(), before);
-    assert_eq!(tags(&mut p, live, 0, 1), [1]);
-    assert_eq!(tags(&mut p, 9, 0, 1), [1]);
-    write_tagged(&mut p, live, 3, 0, &[6]).expect("after the cut: the live tree only");
-    assert_eq!(tags(&mut p, live, 0, 1), [6]);
-    assert_eq!(tags(&mut p, 9, 0, 1), [1]);
+    assert_eq!(tags(&mut p, live, 0, 2), [2, 1]);
+    assert_eq!(tags(&mut p, 9, 0, 2), [1, 1]);
+    write_tagged(&mut p, live, 3, 1, &[6]).expect("after the cut: the live tree only");
+    assert_eq!(tags(&mut p, live, 0, 2), [2, 6]);
+    assert_eq!(tags(&mut p, 9, 0, 2), [1, 1]);
     p.check().expect("consistent");
 }
 
