@@ -756,6 +756,15 @@ impl Cluster {
             if cs.job_on(c.extent).is_some() || (!moves && !stale) {
                 return Ok(Txn::Done(None));
             }
+            // Copying into a tree while a snapshot of it seals is not built
+            // (design/thin-snapshots.md T7): the job waits for the snapshot.
+            let sealing = s
+                .snapshots_of(&c.volume)
+                .iter()
+                .any(|r| r.value.state == crate::snapshots::SnapshotState::Creating);
+            if sealing {
+                return Ok(Txn::Done(None));
+            }
             let mut conds = Vec::new();
             let mut ops = Vec::new();
             let now = self.now();

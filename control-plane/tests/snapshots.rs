@@ -531,3 +531,31 @@ fn a_restart_gives_up_snapshots_left_creating() {
     );
     s.expect_error(&r, 409, "snapshot_creating");
 }
+
+#[test]
+fn copies_and_snapshot_creations_wait_for_each_other() {
+    use nvpool_control::resync::{Candidate, CopyKind};
+    let (s, _fakes) = cluster();
+    create(&s, 1, MIB, "thin");
+    let one: Uuid = uuid(1).parse().unwrap();
+    let r = s.admin(
+        "POST",
+        &format!("/v1/volumes/{}/extents/0/resync", uuid(1)),
+        None,
+    );
+    assert!(r.status < 300, "{} {}", r.status, r.body);
+    let resync = Candidate {
+        volume: one,
+        extent: 0,
+        source: 1,
+        kind: CopyKind::ResyncFull,
+        to: None,
+    };
+    // A snapshot being created: no copy job starts.
+    s.cluster.begin_snapshot(&one, "sealing").unwrap();
+    assert_eq!(s.cluster.create_job(&resync).unwrap(), None);
+    s.cluster.drop_snapshot(&one, "sealing", true).unwrap();
+    // A copy job under way: no snapshot is taken.
+    assert!(s.cluster.create_job(&resync).unwrap().is_some());
+    s.expect_error(&snap(&s, 1, "s1"), 409, "copy_in_progress");
+}
