@@ -247,7 +247,9 @@ pub struct ReleaseRootsBody {
 /// while it still seals is accepted (a retry); a new tree id that already
 /// exists otherwise is refused (409 `tree_exists`), since writes it should
 /// have taken may have gone past it (a restarted target, say). An unknown
-/// live tree is 404 `unknown_tree`. The new trees are committed before the
+/// live tree is 404 `unknown_tree` with `epoch` 0 (a clone's source must
+/// exist); with `epoch` > 0 it is created empty first (an extent no
+/// namespace has exported yet holds nothing). The new trees are committed before the
 /// answer (200 [`SnapshotTreesBody`] echoing the request).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -369,7 +369,7 @@ fn a_snapshot_takes_the_writes_tagged_up_to_its_epoch_until_sealed_then_refuses_
     let snapshots = |body| post(api, "p0", "snapshots", &body);
     assert_error(&snapshots(tree(2, 3, 1000)), 409, "tree_exists");
     assert_error(&snapshots(tree(2, 3, 3)), 409, "tree_exists");
-    assert_error(&snapshots(tree(2, 77, 1001)), 404, "unknown_tree");
+    assert_error(&snapshots(tree(0, 77, 1001)), 404, "unknown_tree");
     assert_error(&snapshots(tree(1, 3, 1001)), 409, "epoch_sealed");
     assert_error(&snapshots(tree(2, 3, 1 << 32)), 400, "invalid");
     assert_error(

@@ -434,8 +434,11 @@ impl<D: Device> Pool<D> {
     /// Creates each `(live, snapshot)` tree by [`Pool::snapshot_as`] and,
     /// with `epoch` > 0, starts it sealing (T5; `epoch` 0: complete at
     /// once). A snapshot still sealing on the same live tree is accepted
-    /// again (a retry). Everything is checked before anything changes, and a
-    /// failure part way (no room) deletes the trees this call made.
+    /// again (a retry). With `epoch` > 0 a live tree the pool does not hold
+    /// is created empty first (its extent was never exported); with 0 it is
+    /// [`ThinError::NoRoot`]. Everything else is checked before anything
+    /// changes, and a failure part way (no room) deletes the trees this
+    /// call made.
     pub fn begin_snapshots(&mut self, epoch: u32, trees: &[(u64, u64)]) -> Result<()> {
         self.usable()?;
         let mut staged: HashMap<u64, TreeEpochs> = HashMap::new();
@@ -443,6 +446,12 @@ impl<D: Device> Pool<D> {
         for &(live, snapshot) in trees {
             if snapshot >= ROOT_ID_LIMIT {
                 return Err(ThinError::RootId(snapshot));
+            }
+            if epoch > 0 {
+                // A live tree no namespace has exported yet holds nothing:
+                // it is created empty, and so is its snapshot. A clone's
+                // source (epoch 0) must exist.
+                self.ensure_root(live)?;
             }
             self.top(live)?;
             let t = staged

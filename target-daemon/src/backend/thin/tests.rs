@@ -519,11 +519,17 @@ fn a_write_tagged_up_to_the_cut_lands_in_the_sealing_snapshot_and_is_refused_onc
         Err(ThinError::RootExists(100))
     ));
     assert!(matches!(
-        p.begin_snapshots(5, &[(99, 200)]),
+        p.begin_snapshots(0, &[(99, 200)]),
         Err(ThinError::NoRoot(99))
     ));
     assert_eq!(p.roots(), [live, 100]);
     assert_eq!(p.route(live, 5).expect("route"), [live]);
+    // A live tree no namespace exported yet (epoch > 0): created empty,
+    // and its snapshot with it.
+    p.begin_snapshots(5, &[(99, 200)])
+        .expect("a snapshot of a tree never exported");
+    assert_eq!(p.roots(), [live, 99, 100, 200]);
+    assert_eq!(p.route(99, 5).expect("route"), [99, 200]);
 
     // Epoch 0 (a clone): complete at once, so never a retry.
     p.begin_snapshots(0, &[(100, 300)]).expect("clone");
