@@ -586,6 +586,9 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
         failed_extents: view.copies.stale_at_open(),
         syncing_extents: view.copies.syncing_at_open(),
         moving: view.copies.moving_at_open(),
+        // Tagged like any engine's writes; with no follower this run never
+        // confirms a new epoch, so a snapshot taken meanwhile is given up.
+        write_epoch: view.copies.write_epoch,
         ..VolumeOptions::default()
     };
     let vol = match Volume::open(&view.plan, opts) {
