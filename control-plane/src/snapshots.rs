@@ -67,6 +67,21 @@ pub struct WriteEpoch {
 
 impl crate::model::Stored for WriteEpoch {}
 
+impl WriteEpoch {
+    /// The stored record, or the first epoch with nothing confirmed (no
+    /// record: no snapshot was ever taken).
+    fn read(read: Option<&Versioned<WriteEpoch>>, volume: &Uuid) -> WriteEpoch {
+        read.map_or_else(
+            || WriteEpoch {
+                volume: *volume,
+                epoch: FIRST_WRITE_EPOCH,
+                confirmed: BTreeMap::new(),
+            },
+            |r| r.value.clone(),
+        )
+    }
+}
+
 /// An engine's confirmation: it tags new writes with `epoch`, and every
 /// write it tagged lower has completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -297,14 +312,7 @@ impl Cluster {
                 }
             }
             let read = s.write_epochs.get(volume);
-            let mut w = read.map_or_else(
-                || WriteEpoch {
-                    volume: *volume,
-                    epoch: FIRST_WRITE_EPOCH,
-                    confirmed: BTreeMap::new(),
-                },
-                |r| r.value.clone(),
-            );
+            let mut w = WriteEpoch::read(read, volume);
             let c = w
                 .confirmed
                 .entry(host.to_owned())
@@ -338,14 +346,7 @@ impl Cluster {
     pub fn raise_epoch(&self, volume: &Uuid, cut: u32) -> Result<Option<u32>, StateError> {
         let r = self.change_copy_state(volume, |s, cs, conds, ops| {
             let read = s.write_epochs.get(volume);
-            let mut w = read.map_or_else(
-                || WriteEpoch {
-                    volume: *volume,
-                    epoch: FIRST_WRITE_EPOCH,
-                    confirmed: BTreeMap::new(),
-                },
-                |r| r.value.clone(),
-            );
+            let mut w = WriteEpoch::read(read, volume);
             if w.epoch != cut {
                 return Ok(Some(None));
             }
