@@ -31,14 +31,6 @@ CP_PORT=14530 TARGET_PORT_BASE=14520 ADMIN_PORT_BASE=14580
 EXTENT_BYTES=$((64 << 20))
 source tests/e2e/lib.sh
 
-skip() {
-    echo "SKIP e2e resync: $*"
-    if [[ ${CI:-} == true ]]; then
-        echo "FAIL: CI must run this test" >&2
-        exit 1
-    fi
-    exit 0
-}
 [[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
 [[ -c /dev/fuse ]] || skip "no /dev/fuse"
 [[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"

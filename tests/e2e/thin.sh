@@ -15,11 +15,6 @@ cd "$(dirname "$0")/../.."
 BIN=$(cd "${1:-target/release}" && pwd)
 source tests/e2e/lib.sh
 
-skip() {
-    echo "SKIP e2e thin: $*"
-    [[ ${CI:-} == true ]] && exit 1
-    exit 0
-}
 [[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
 [[ -c /dev/fuse ]] || skip "no /dev/fuse"
 [[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
