@@ -69,8 +69,9 @@
 //! ```
 
 use nvpool_target::sync::{Admit, SyncGuard};
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use nvpool_testkit::sim::{Draw, EventQueue, NetDelay, Seeds};
+use nvpool_testkit::sim_stats;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Units in the simulated extent: small so a seed runs in well under a
 /// millisecond, yet eight copier chunks and room for a few hosts' blocks.
@@ -96,11 +97,6 @@ const HOST_IO_MAX: usize = 4;
 const RUN_TICKS: u64 = 700;
 /// Copy jobs the control plane starts at most per run (first + retries).
 const JOBS_MAX: u32 = 6;
-/// Network delay range in ticks, and one message in `LONG_DELAY_ONE_IN` is
-/// delayed `LONG_DELAY_FACTOR_MAX` times more at most.
-const NET_TICKS: (u64, u64) = (1, 10);
-const LONG_DELAY_ONE_IN: u64 = 16;
-const LONG_DELAY_FACTOR_MAX: u64 = 20;
 const DISK_TICKS: (u64, u64) = (1, 6);
 
 const _: () = assert!(UNITS.is_multiple_of(CHUNK_UNITS) && WRITE_UNITS_MAX < CHUNK_UNITS);
@@ -109,6 +105,10 @@ const _: () = assert!(UNITS.is_multiple_of(CHUNK_UNITS) && WRITE_UNITS_MAX < CHU
 const SEEDS_CORRECT: u64 = 3000;
 /// Seeds among which each broken protocol must fail at least once.
 const SEEDS_BROKEN: u64 = 2000;
+/// `MIRROR_SIM_SEED` replays one seed, `MIRROR_SIM_PROTOCOL` names a variant.
+const SEEDS: Seeds = Seeds {
+    prefix: "MIRROR_SIM",
+};
 
 const SRC: usize = 0;
 const DST: usize = 1;
@@ -123,20 +123,10 @@ const TAG_GARBAGE: u64 = 1 << 63;
 /// splitmix64: tiny, good enough, and the same on every platform.
 struct Rng(u64);
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix(self.0)
-    }
-    /// Uniform in [lo, hi].
-    fn range(&mut self, (lo, hi): (u64, u64)) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
+impl Draw for Rng {
     fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn one_in(&mut self, n: u64) -> bool {
-        self.below(n) == 0
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix(self.0) % n
     }
 }
 
@@ -447,62 +437,20 @@ enum Ev {
     CpCancelJob,
 }
 
-struct Queued {
-    at: u64,
-    seq: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Queued) -> bool {
-        (self.at, self.seq) == (o.at, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Queued) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    /// Reversed: `BinaryHeap` pops the earliest event, ties in schedule order.
-    fn cmp(&self, o: &Queued) -> Ordering {
-        (o.at, o.seq).cmp(&(self.at, self.seq))
-    }
-}
-
-/// What a run exercised, summed over seeds to show the faults happen.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Stats {
-    events: u64,
-    writes_acked: u64,
-    long_delays: u64,
-    parked_writes: u64,
-    skipped_units: u64,
-    jobs_done: u64,
-    jobs_cancelled: u64,
-    dest_reads: u64,
-    dest_crashes: u64,
-    host_crashes: u64,
-    runs_in_sync: u64,
-    /// Digest of both copies at the end (determinism check).
-    digest: u64,
-}
-
-impl std::ops::AddAssign<&Stats> for Stats {
-    fn add_assign(&mut self, o: &Stats) {
-        self.events += o.events;
-        self.writes_acked += o.writes_acked;
-        self.long_delays += o.long_delays;
-        self.parked_writes += o.parked_writes;
-        self.skipped_units += o.skipped_units;
-        self.jobs_done += o.jobs_done;
-        self.jobs_cancelled += o.jobs_cancelled;
-        self.dest_reads += o.dest_reads;
-        self.dest_crashes += o.dest_crashes;
-        self.host_crashes += o.host_crashes;
-        self.runs_in_sync += o.runs_in_sync;
-        self.digest ^= o.digest;
+sim_stats! {
+    /// What a run exercised, summed over seeds to show the faults happen.
+    struct Stats {
+        events,
+        writes_acked,
+        long_delays,
+        parked_writes,
+        skipped_units,
+        jobs_done,
+        jobs_cancelled,
+        dest_reads,
+        dest_crashes,
+        host_crashes,
+        runs_in_sync,
     }
 }
 
@@ -511,9 +459,7 @@ type Check = Result<(), String>;
 struct Sim {
     proto: Protocol,
     rng: Rng,
-    now: u64,
-    next_seq: u64,
-    queue: BinaryHeap<Queued>,
+    queue: EventQueue<Ev>,
     trace: bool,
     source: Vec<u8>,
     dest: DestTarget,
@@ -569,9 +515,7 @@ impl Sim {
         let mut sim = Sim {
             proto,
             rng,
-            now: 0,
-            next_seq: 0,
-            queue: BinaryHeap::new(),
+            queue: EventQueue::default(),
             trace,
             source,
             dest: DestTarget {
@@ -600,54 +544,35 @@ impl Sim {
         };
         for h in 0..host_count {
             let at = sim.rng.range((0, 10));
-            sim.at(at, Ev::HostTick(h));
+            sim.queue.at(at, Ev::HostTick(h));
             if sim.rng.one_in(8) {
                 let at = sim.rng.range((0, RUN_TICKS));
-                sim.at(at, Ev::HostCrash(h));
+                sim.queue.at(at, Ev::HostCrash(h));
             }
         }
         let at = sim.rng.range((0, RUN_TICKS / 3));
-        sim.at(at, Ev::CpStartJob);
+        sim.queue.at(at, Ev::CpStartJob);
         for _ in 0..2 {
             if sim.rng.one_in(3) {
                 let at = sim.rng.range((0, RUN_TICKS));
-                sim.at(at, Ev::DestCrash);
+                sim.queue.at(at, Ev::DestCrash);
             }
         }
         if sim.rng.one_in(4) {
             let at = sim.rng.range((0, RUN_TICKS / 2));
-            sim.at(at, Ev::CpCancelJob);
+            sim.queue.at(at, Ev::CpCancelJob);
         }
         sim
     }
 
     fn log(&self, what: impl FnOnce() -> String) {
         if self.trace {
-            eprintln!("t={:5} {}", self.now, what());
+            eprintln!("t={:5} {}", self.queue.now(), what());
         }
-    }
-
-    fn at(&mut self, at: u64, ev: Ev) {
-        self.next_seq += 1;
-        self.queue.push(Queued {
-            at,
-            seq: self.next_seq,
-            ev,
-        });
-    }
-
-    fn after(&mut self, ticks: u64, ev: Ev) {
-        self.at(self.now + ticks, ev);
     }
 
     fn net(&mut self) -> u64 {
-        let d = self.rng.range(NET_TICKS);
-        if self.rng.one_in(LONG_DELAY_ONE_IN) {
-            self.stats.long_delays += 1;
-            d * self.rng.range((2, LONG_DELAY_FACTOR_MAX))
-        } else {
-            d
-        }
+        NetDelay::STANDARD.draw(&mut self.rng, &mut self.stats.long_delays)
     }
 
     fn disk(&mut self) -> u64 {
@@ -656,20 +581,19 @@ impl Sim {
 
     /// A control-plane → host message: random delay, but in order per host.
     fn send_to_host(&mut self, host: usize, ev: Ev) {
-        let at = (self.now + self.net()).max(self.hosts[host].cp_link_free);
+        let at = (self.queue.now() + self.net()).max(self.hosts[host].cp_link_free);
         self.hosts[host].cp_link_free = at + 1;
-        self.at(at, ev);
+        self.queue.at(at, ev);
     }
 
     fn run(mut self) -> Result<Stats, String> {
-        while let Some(q) = self.queue.pop() {
-            self.now = q.at;
+        while let Some(ev) = self.queue.pop() {
             self.stats.events += 1;
-            self.handle(q.ev)
-                .map_err(|e| format!("t={}: {e}", self.now))?;
+            self.handle(ev)
+                .map_err(|e| format!("t={}: {e}", self.queue.now()))?;
         }
         self.final_check()
-            .map_err(|e| format!("at the end (t={}): {e}", self.now))?;
+            .map_err(|e| format!("at the end (t={}): {e}", self.queue.now()))?;
         let mut digest = 0u64;
         for (i, b) in self.source.iter().chain(self.dest.data.iter()).enumerate() {
             digest = mix(digest ^ ((i as u64) << 8 | u64::from(*b)));
@@ -715,7 +639,7 @@ impl Sim {
                 self.dest.alive = true;
                 self.log(|| format!("destination restarted as incarnation {}", self.dest.inc));
                 let (d, inc) = (self.net(), self.dest.inc);
-                self.after(d, Ev::CpLearnsRestart { inc });
+                self.queue.after(d, Ev::CpLearnsRestart { inc });
             }
             // The destination target's job and copier.
             Ev::ArmAtTarget { job, start_too } => self.arm_at_target(job, start_too),
@@ -731,7 +655,7 @@ impl Sim {
                     chunk,
                     data,
                 };
-                self.after(d, claim);
+                self.queue.after(d, claim);
             }
             Ev::CopierClaim {
                 job,
@@ -743,7 +667,7 @@ impl Sim {
             Ev::CopierFlushed { job, inc } => {
                 if self.copier_is(job, inc) {
                     let d = self.net();
-                    self.after(d, Ev::JobDone { job, inc });
+                    self.queue.after(d, Ev::JobDone { job, inc });
                 }
             }
             // Control plane.
@@ -766,7 +690,7 @@ impl Sim {
                     self.stats.jobs_cancelled += 1;
                     self.cp_abort_job("cancelled");
                     let d = self.net();
-                    self.after(d, Ev::DisarmAtTarget { job });
+                    self.queue.after(d, Ev::DisarmAtTarget { job });
                 }
             }
         }
@@ -776,11 +700,11 @@ impl Sim {
     // --- hosts ------------------------------------------------------------
 
     fn host_tick(&mut self, h: usize) {
-        if !self.hosts[h].alive || self.now >= RUN_TICKS {
+        if !self.hosts[h].alive || self.queue.now() >= RUN_TICKS {
             return;
         }
         let next = self.rng.range((1, 12));
-        self.after(next, Ev::HostTick(h));
+        self.queue.after(next, Ev::HostTick(h));
         let host = &self.hosts[h];
         if host.blocks.is_empty() || host.inflight.len() >= HOST_IO_MAX {
             return;
@@ -842,7 +766,7 @@ impl Sim {
         for copy in [SRC, DST] {
             if self.writes[&id].legs[copy] != Leg::Unused {
                 let d = self.net();
-                self.after(d, Ev::LegDeliver { w: id, copy });
+                self.queue.after(d, Ev::LegDeliver { w: id, copy });
             }
         }
     }
@@ -884,7 +808,7 @@ impl Sim {
             },
         );
         let d = self.net();
-        self.after(d, Ev::ReadDeliver { r: id });
+        self.queue.after(d, Ev::ReadDeliver { r: id });
     }
 
     fn leg_reply(&mut self, w: u64, copy: usize, ok: bool) -> Check {
@@ -994,7 +918,7 @@ impl Sim {
         if matches!(self.hosts[h].view, View::Syncing { job: j, .. } if j == job) {
             self.log(|| format!("host {h}: job {job}: confirm"));
             let d = self.net();
-            self.after(d, Ev::Confirm { host: h, job });
+            self.queue.after(d, Ev::Confirm { host: h, job });
         }
     }
 
@@ -1006,7 +930,7 @@ impl Sim {
         } else {
             if !self.dest.alive || self.dest.inc != read.inc {
                 let d = self.net();
-                self.after(d, Ev::ReadReply { r, ok: false });
+                self.queue.after(d, Ev::ReadReply { r, ok: false });
                 return Ok(());
             }
             if self.cp.in_sync != Some(self.dest.inc) {
@@ -1032,7 +956,7 @@ impl Sim {
             }
         }
         let d = self.net();
-        self.after(d, Ev::ReadReply { r, ok: true });
+        self.queue.after(d, Ev::ReadReply { r, ok: true });
         Ok(())
     }
 
@@ -1075,7 +999,7 @@ impl Sim {
         }
         self.log(|| format!("host {h} crashed"));
         let d = self.rng.range((10, 60));
-        self.after(d, Ev::CpLearnsHostGone(h));
+        self.queue.after(d, Ev::CpLearnsHostGone(h));
     }
 
     // --- copies -----------------------------------------------------------
@@ -1115,7 +1039,7 @@ impl Sim {
     fn issue(&mut self, w: u64, copy: usize) {
         self.writes.get_mut(&w).expect("write").legs[copy] = Leg::OnDisk;
         let d = self.disk();
-        self.after(d, Ev::LegLand { w, copy });
+        self.queue.after(d, Ev::LegLand { w, copy });
     }
 
     fn land(&mut self, w: u64, copy: usize) {
@@ -1134,7 +1058,7 @@ impl Sim {
     fn reply(&mut self, w: u64, copy: usize, ok: bool) {
         self.writes.get_mut(&w).expect("write").legs[copy] = Leg::Replying;
         let d = self.net();
-        self.after(d, Ev::LegReply { w, copy, ok });
+        self.queue.after(d, Ev::LegReply { w, copy, ok });
     }
 
     fn retry_parked(&mut self) {
@@ -1188,11 +1112,11 @@ impl Sim {
         }
         self.dest.guard = None;
         let down = self.rng.range((20, 120));
-        self.after(down, Ev::DestRestart);
+        self.queue.after(down, Ev::DestRestart);
         for h in 0..self.hosts.len() {
             if self.hosts[h].alive {
                 let d = self.rng.range((1, 40));
-                self.after(
+                self.queue.after(
                     d,
                     Ev::ConnLost {
                         host: h,
@@ -1210,7 +1134,7 @@ impl Sim {
         if !self.dest.alive || busy {
             // Down, or another job holds the range (409): the arm fails.
             let d = self.net();
-            self.after(d, Ev::ArmReply { job, inc: None });
+            self.queue.after(d, Ev::ArmReply { job, inc: None });
             return;
         }
         if self.dest.guard.is_none() {
@@ -1223,7 +1147,7 @@ impl Sim {
         } else {
             let d = self.net();
             let inc = Some(self.dest.inc);
-            self.after(d, Ev::ArmReply { job, inc });
+            self.queue.after(d, Ev::ArmReply { job, inc });
         }
     }
 
@@ -1255,7 +1179,8 @@ impl Sim {
     fn copier_next(&mut self, job: u64, chunk: u64) {
         let d = self.net();
         let inc = self.dest.inc;
-        self.after(d, Ev::CopierReadAtSource { job, inc, chunk });
+        self.queue
+            .after(d, Ev::CopierReadAtSource { job, inc, chunk });
     }
 
     fn copier_is(&self, job: u64, inc: u64) -> bool {
@@ -1284,7 +1209,7 @@ impl Sim {
         }
         self.dest.copier.as_mut().expect("copier").landing = Some(Landing { chunk, data, runs });
         let d = self.disk();
-        self.after(d, Ev::CopierLand { job, inc });
+        self.queue.after(d, Ev::CopierLand { job, inc });
     }
 
     /// Copies the device run [off, off+len) of a landing chunk to the destination.
@@ -1313,13 +1238,13 @@ impl Sim {
         self.dest.guard.as_ref().expect("guard").1.release();
         if !self.dest.parked.is_empty() {
             let d = self.rng.range((1, 3));
-            self.after(d, Ev::RetryParked { inc });
+            self.queue.after(d, Ev::RetryParked { inc });
         }
         if landing.chunk + 1 < CHUNKS {
             self.copier_next(job, landing.chunk + 1);
         } else {
             let d = self.disk();
-            self.after(d, Ev::CopierFlushed { job, inc });
+            self.queue.after(d, Ev::CopierFlushed { job, inc });
         }
     }
 
@@ -1350,7 +1275,7 @@ impl Sim {
                 confirmed: BTreeSet::new(),
             });
             let d = self.net();
-            self.after(
+            self.queue.after(
                 d,
                 Ev::ArmAtTarget {
                     job: id,
@@ -1373,7 +1298,7 @@ impl Sim {
             // A late arm of a job given up on: remove it again.
             if inc.is_some() {
                 let d = self.net();
-                self.after(d, Ev::DisarmAtTarget { job });
+                self.queue.after(d, Ev::DisarmAtTarget { job });
             }
             return;
         };
@@ -1399,7 +1324,7 @@ impl Sim {
         self.log(|| format!("control: job {job}: every host confirmed, start"));
         let d = self.net();
         if self.proto == Protocol::ArmAfterMirroring {
-            self.after(
+            self.queue.after(
                 d,
                 Ev::ArmAtTarget {
                     job,
@@ -1407,7 +1332,7 @@ impl Sim {
                 },
             );
         } else {
-            self.after(d, Ev::StartAtTarget { job });
+            self.queue.after(d, Ev::StartAtTarget { job });
         }
     }
 
@@ -1415,7 +1340,7 @@ impl Sim {
         if let Some(j) = self.cp.job.take() {
             self.log(|| format!("control: job {} failed: {why}", j.id));
             let d = self.rng.range((10, 60));
-            self.after(d, Ev::CpStartJob);
+            self.queue.after(d, Ev::CpStartJob);
         }
     }
 
@@ -1434,7 +1359,7 @@ impl Sim {
             self.cp_abort_job("destination restarted");
         } else if self.cp.job.is_none() {
             let d = self.rng.range((10, 60));
-            self.after(d, Ev::CpStartJob);
+            self.queue.after(d, Ev::CpStartJob);
         }
     }
 
@@ -1544,18 +1469,10 @@ fn run_seed(seed: u64, proto: Protocol, trace: bool) -> Result<Stats, String> {
     Sim::new(seed, proto, trace).run()
 }
 
-/// The first seed in [0, seeds) for which `proto` breaks an invariant.
-fn first_failing_seed(proto: Protocol, seeds: u64) -> Option<(u64, String)> {
-    (0..seeds).find_map(|seed| run_seed(seed, proto, false).err().map(|e| (seed, e)))
-}
-
 fn assert_caught(proto: Protocol, name: &str) {
-    match first_failing_seed(proto, SEEDS_BROKEN) {
-        Some((seed, why)) => {
-            eprintln!("{proto:?} caught: SEED={seed} MIRROR_SIM_PROTOCOL={name}: {why}")
-        }
-        None => panic!("{proto:?} passed all {SEEDS_BROKEN} seeds: the simulation has no teeth"),
-    }
+    SEEDS.assert_caught(proto, name, SEEDS_BROKEN, |seed| {
+        run_seed(seed, proto, false)
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -1567,35 +1484,13 @@ fn assert_caught(proto: Protocol, name: &str) {
 /// naming a broken variant, it replays that variant's failure).
 #[test]
 fn correct_protocol_holds_for_every_seed() {
-    if let Ok(seed) = std::env::var("MIRROR_SIM_SEED") {
-        let seed: u64 = seed.parse().expect("MIRROR_SIM_SEED is a number");
-        let proto = std::env::var("MIRROR_SIM_PROTOCOL")
-            .map(|p| Protocol::from_env_name(&p))
-            .unwrap_or(Protocol::Correct);
-        match run_seed(seed, proto, true) {
-            Ok(stats) => eprintln!("SEED={seed} {proto:?} passed: {stats:?}"),
-            Err(e) => panic!("SEED={seed} {proto:?} failed: {e}"),
-        }
+    let proto = SEEDS.protocol(Protocol::from_env_name, Protocol::Correct);
+    if SEEDS.replay(proto, run_seed) {
         return;
     }
-    let mut total = Stats::default();
-    let mut failures = Vec::new();
-    for seed in 0..SEEDS_CORRECT {
-        match run_seed(seed, Protocol::Correct, false) {
-            Ok(stats) => total += &stats,
-            Err(e) => {
-                eprintln!("SEED={seed} failed: {e}");
-                failures.push(seed);
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} seeds failed (first SEED={}); rerun one with MIRROR_SIM_SEED",
-        failures.len(),
-        failures[0]
-    );
-    eprintln!("{SEEDS_CORRECT} seeds passed: {total:?}");
+    let total = SEEDS.pass_all(SEEDS_CORRECT, |seed| {
+        run_seed(seed, Protocol::Correct, false)
+    });
     let exercised = [
         ("acknowledged writes", total.writes_acked),
         ("long network delays", total.long_delays),

@@ -93,8 +93,9 @@
 
 use nvpool_rt::random::Rng;
 use nvpool_target::backend::thin::epochs::TreeEpochs;
-use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use nvpool_testkit::sim::{Draw, EventQueue, NetDelay, Seeds};
+use nvpool_testkit::sim_stats;
+use std::collections::{BTreeMap, BTreeSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 /// Blocks per extent: a few, so that writes to one block often straddle a
@@ -119,11 +120,6 @@ const CREATE_RETRY_TICKS: (u64, u64) = (5, 20);
 /// (notify, drain, confirm: a few network delays), shorter than the
 /// slowest ones, so both outcomes happen.
 const CONFIRM_TIMEOUT_TICKS: u64 = 150;
-/// Network delay range in ticks, and one message in `LONG_DELAY_ONE_IN` is
-/// delayed `LONG_DELAY_FACTOR_MAX` times more at most.
-const NET_TICKS: (u64, u64) = (1, 10);
-const LONG_DELAY_ONE_IN: u64 = 16;
-const LONG_DELAY_FACTOR_MAX: u64 = 20;
 /// Each target crashes once in a run with probability 1 / this.
 const CRASH_ONE_IN: u64 = 4;
 const DOWN_TICKS: (u64, u64) = (5, 120);
@@ -139,31 +135,19 @@ const _: () = assert!(EXTENTS.1 * (EXTENT_BLOCKS as u64) < SNAPSHOT_TREE_FIRST);
 const SEEDS_CORRECT: u64 = 10_000;
 /// Seeds among which each broken protocol must fail at least once.
 const SEEDS_BROKEN: u64 = 1000;
+/// `SNAPSHOT_SIM_SEED` replays one seed, `SNAPSHOT_SIM_PROTOCOL` names a
+/// variant, `SNAPSHOT_SIM_SEEDS` sets how many to soak.
+const SEEDS: Seeds = Seeds {
+    prefix: "SNAPSHOT_SIM",
+};
 
 // ---------------------------------------------------------------------------
 // Randomness
 
-/// The project's seeded generator with the few draws a simulation needs.
-struct Dice(Rng);
-
-impl Dice {
-    fn new(seed: u64) -> Dice {
-        // Spread small seeds over the state (xorshift's first outputs
-        // from a state like 1 or 2 look alike); +1 keeps 0 and 1 apart.
-        Dice(Rng::new(
-            seed.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        ))
-    }
-    /// Uniform in [lo, hi].
-    fn range(&mut self, (lo, hi): (u64, u64)) -> u64 {
-        lo + self.0.below(hi - lo + 1)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.0.below(n)
-    }
-    fn one_in(&mut self, n: u64) -> bool {
-        self.below(n) == 0
-    }
+/// The project's seeded generator, its state spread from `seed`: xorshift's
+/// first outputs from a state like 1 or 2 look alike; +1 keeps 0 and 1 apart.
+fn dice(seed: u64) -> Rng {
+    Rng::new(seed.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
 }
 
 // ---------------------------------------------------------------------------
@@ -343,77 +327,31 @@ enum Ev {
     TargetRestart(usize),
 }
 
-struct Queued {
-    at: u64,
-    seq: u64,
-    ev: Ev,
-}
-
-impl PartialEq for Queued {
-    fn eq(&self, o: &Queued) -> bool {
-        (self.at, self.seq) == (o.at, o.seq)
-    }
-}
-impl Eq for Queued {}
-impl PartialOrd for Queued {
-    fn partial_cmp(&self, o: &Queued) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Queued {
-    /// Reversed: `BinaryHeap` pops the earliest event, ties in schedule order.
-    fn cmp(&self, o: &Queued) -> Ordering {
-        (o.at, o.seq).cmp(&(self.at, self.seq))
-    }
-}
-
-/// What a run exercised, summed over seeds to show the faults happen.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Stats {
-    events: u64,
-    writes_acked: u64,
-    writes_failed: u64,
-    /// Writes that landed in a sealing snapshot tree as well as the live one.
-    dual_writes: u64,
-    long_delays: u64,
-    target_crashes: u64,
-    snapshots_ready: u64,
-    given_up_begin: u64,
-    given_up_timeout: u64,
-    given_up_seal: u64,
-    /// Given up at the raise: another creation had moved the epoch.
-    given_up_raced: u64,
-    /// Snapshots recorded while an earlier one still confirmed or sealed.
-    overlapping: u64,
-    /// (snapshot, copy, block) values checked against invariants 2 and 3.
-    blocks_checked: u64,
-    /// (snapshot, acknowledged write) pairs the ordering rule applied to.
-    ordered_writes_checked: u64,
-    /// Ready snapshots holding a write of one engine but not an earlier
-    /// acknowledged one of the other.
-    cross_engine_inversions: u64,
-    /// Digest of every tree at the end (determinism check).
-    digest: u64,
-}
-
-impl std::ops::AddAssign<&Stats> for Stats {
-    fn add_assign(&mut self, o: &Stats) {
-        self.events += o.events;
-        self.writes_acked += o.writes_acked;
-        self.writes_failed += o.writes_failed;
-        self.dual_writes += o.dual_writes;
-        self.long_delays += o.long_delays;
-        self.target_crashes += o.target_crashes;
-        self.snapshots_ready += o.snapshots_ready;
-        self.given_up_begin += o.given_up_begin;
-        self.given_up_timeout += o.given_up_timeout;
-        self.given_up_seal += o.given_up_seal;
-        self.given_up_raced += o.given_up_raced;
-        self.overlapping += o.overlapping;
-        self.blocks_checked += o.blocks_checked;
-        self.ordered_writes_checked += o.ordered_writes_checked;
-        self.cross_engine_inversions += o.cross_engine_inversions;
-        self.digest ^= o.digest;
+sim_stats! {
+    /// What a run exercised, summed over seeds to show the faults happen.
+    struct Stats {
+        events,
+        writes_acked,
+        writes_failed,
+        /// Writes that landed in a sealing snapshot tree as well as the live one.
+        dual_writes,
+        long_delays,
+        target_crashes,
+        snapshots_ready,
+        given_up_begin,
+        given_up_timeout,
+        given_up_seal,
+        /// Given up at the raise: another creation had moved the epoch.
+        given_up_raced,
+        /// Snapshots recorded while an earlier one still confirmed or sealed.
+        overlapping,
+        /// (snapshot, copy, block) values checked against invariants 2 and 3.
+        blocks_checked,
+        /// (snapshot, acknowledged write) pairs the ordering rule applied to.
+        ordered_writes_checked,
+        /// Ready snapshots holding a write of one engine but not an earlier
+        /// acknowledged one of the other.
+        cross_engine_inversions,
     }
 }
 
@@ -429,10 +367,8 @@ enum GiveUp {
 
 struct Sim {
     proto: Protocol,
-    rng: Dice,
-    now: u64,
-    next_seq: u64,
-    queue: BinaryHeap<Queued>,
+    rng: Rng,
+    queue: EventQueue<Ev>,
     trace: bool,
     /// Per extent, the targets of its copies.
     copies: Vec<Vec<usize>>,
@@ -449,7 +385,7 @@ struct Sim {
 
 impl Sim {
     fn new(seed: u64, proto: Protocol, trace: bool) -> Sim {
-        let mut rng = Dice::new(seed);
+        let mut rng = dice(seed);
         let target_count = rng.range(TARGETS) as usize;
         let extent_count = rng.range(EXTENTS) as usize;
         let mut copies = Vec::new();
@@ -499,9 +435,7 @@ impl Sim {
         let mut sim = Sim {
             proto,
             rng,
-            now: 0,
-            next_seq: 0,
-            queue: BinaryHeap::new(),
+            queue: EventQueue::default(),
             trace,
             copies,
             targets,
@@ -521,16 +455,16 @@ impl Sim {
         };
         for e in 0..engine_count {
             let at = sim.rng.range((0, 10));
-            sim.at(at, Ev::EngineTick(e));
+            sim.queue.at(at, Ev::EngineTick(e));
         }
         for _ in 0..sim.rng.range(SNAPSHOTS) {
             let at = sim.rng.range((0, RUN_TICKS));
-            sim.at(at, Ev::TakeSnapshot);
+            sim.queue.at(at, Ev::TakeSnapshot);
         }
         for t in 0..target_count {
             if sim.rng.one_in(CRASH_ONE_IN) {
                 let at = sim.rng.range((0, RUN_TICKS));
-                sim.at(at, Ev::TargetCrash(t));
+                sim.queue.at(at, Ev::TargetCrash(t));
             }
         }
         sim
@@ -538,38 +472,19 @@ impl Sim {
 
     fn log(&self, what: impl FnOnce() -> String) {
         if self.trace {
-            eprintln!("t={:5} {}", self.now, what());
+            eprintln!("t={:5} {}", self.queue.now(), what());
         }
-    }
-
-    fn at(&mut self, at: u64, ev: Ev) {
-        self.next_seq += 1;
-        self.queue.push(Queued {
-            at,
-            seq: self.next_seq,
-            ev,
-        });
-    }
-
-    fn after(&mut self, ticks: u64, ev: Ev) {
-        self.at(self.now + ticks, ev);
     }
 
     fn net(&mut self) -> u64 {
-        let d = self.rng.range(NET_TICKS);
-        if self.rng.one_in(LONG_DELAY_ONE_IN) {
-            self.stats.long_delays += 1;
-            d * self.rng.range((2, LONG_DELAY_FACTOR_MAX))
-        } else {
-            d
-        }
+        NetDelay::STANDARD.draw(&mut self.rng, &mut self.stats.long_delays)
     }
 
     /// A control-plane → engine message: random delay, but in order per engine.
     fn send_to_engine(&mut self, engine: usize, ev: Ev) {
-        let at = (self.now + self.net()).max(self.engines[engine].link_free);
+        let at = (self.queue.now() + self.net()).max(self.engines[engine].link_free);
         self.engines[engine].link_free = at + 1;
-        self.at(at, ev);
+        self.queue.at(at, ev);
     }
 
     fn w(&self, v: u64) -> &Write {
@@ -584,14 +499,13 @@ impl Sim {
     }
 
     fn run(mut self) -> Result<Stats, String> {
-        while let Some(q) = self.queue.pop() {
-            self.now = q.at;
+        while let Some(ev) = self.queue.pop() {
             self.stats.events += 1;
-            self.handle(q.ev)
-                .map_err(|e| format!("t={}: {e}", self.now))?;
+            self.handle(ev)
+                .map_err(|e| format!("t={}: {e}", self.queue.now()))?;
         }
         self.final_check()
-            .map_err(|e| format!("at the end (t={}): {e}", self.now))?;
+            .map_err(|e| format!("at the end (t={}): {e}", self.queue.now()))?;
         let mut h = DefaultHasher::new();
         for target in &self.targets {
             for r in target.replicas.values() {
@@ -614,7 +528,7 @@ impl Sim {
                 let ok = self.begin_at(snap, target);
                 self.log(|| format!("target {target}: begin snapshot {snap}: {ok}"));
                 let d = self.net();
-                self.after(d, Ev::BeginReply { snap, ok });
+                self.queue.after(d, Ev::BeginReply { snap, ok });
             }
             Ev::BeginReply { snap, ok } => self.begin_reply(snap, ok),
             Ev::Confirm { engine, epoch } => {
@@ -633,7 +547,7 @@ impl Sim {
                 let ok = self.seal_at(snap, target);
                 self.log(|| format!("target {target}: seal snapshot {snap}: {ok}"));
                 let d = self.net();
-                self.after(d, Ev::SealReply { snap, ok });
+                self.queue.after(d, Ev::SealReply { snap, ok });
             }
             Ev::SealReply { snap, ok } => return self.seal_reply(snap, ok),
             Ev::Release { snap, target } => self.release_at(snap, target),
@@ -649,11 +563,11 @@ impl Sim {
     // --- engines ----------------------------------------------------------
 
     fn engine_tick(&mut self, e: usize) {
-        if self.now >= RUN_TICKS {
+        if self.queue.now() >= RUN_TICKS {
             return;
         }
         let next = self.rng.range(ENGINE_TICKS);
-        self.after(next, Ev::EngineTick(e));
+        self.queue.after(next, Ev::EngineTick(e));
         let engine = &self.engines[e];
         if engine.blocks.is_empty() || engine.inflight.len() >= ENGINE_IO_MAX {
             return;
@@ -688,7 +602,7 @@ impl Sim {
         self.log(|| format!("engine {e}: write {v} to block {b} tagged {tag}"));
         for leg in 0..n {
             let d = self.net();
-            self.after(d, Ev::LegDeliver { w: v, leg });
+            self.queue.after(d, Ev::LegDeliver { w: v, leg });
         }
     }
 
@@ -714,7 +628,7 @@ impl Sim {
     fn confirm(&mut self, e: usize, epoch: u32) {
         self.log(|| format!("engine {e}: confirm epoch {epoch}"));
         let d = self.net();
-        self.after(d, Ev::Confirm { engine: e, epoch });
+        self.queue.after(d, Ev::Confirm { engine: e, epoch });
     }
 
     fn leg_reply(&mut self, v: u64, leg: usize) -> Check {
@@ -804,7 +718,7 @@ impl Sim {
         };
         self.writes[v as usize - 1].legs[leg] = state;
         let d = self.net();
-        self.after(d, Ev::LegReply { w: v, leg });
+        self.queue.after(d, Ev::LegReply { w: v, leg });
         Ok(())
     }
 
@@ -863,7 +777,7 @@ impl Sim {
     fn release_at(&mut self, s: usize, t: usize) {
         if !self.targets[t].alive {
             let d = self.rng.range(RELEASE_RETRY_TICKS);
-            self.after(d, Ev::Release { snap: s, target: t });
+            self.queue.after(d, Ev::Release { snap: s, target: t });
             return;
         }
         let mine: Vec<(usize, u64)> = self.cp.snaps[s]
@@ -893,7 +807,7 @@ impl Sim {
         self.stats.target_crashes += 1;
         self.log(|| format!("target {t} crashed"));
         let d = self.rng.range(DOWN_TICKS);
-        self.after(d, Ev::TargetRestart(t));
+        self.queue.after(d, Ev::TargetRestart(t));
     }
 
     // --- control plane ----------------------------------------------------
@@ -905,7 +819,7 @@ impl Sim {
         );
         if self.cp.creating && !concurrent {
             let d = self.rng.range(CREATE_RETRY_TICKS);
-            self.after(d, Ev::TakeSnapshot);
+            self.queue.after(d, Ev::TakeSnapshot);
             return;
         }
         let s = self.cp.snaps.len();
@@ -938,7 +852,7 @@ impl Sim {
         });
         for target in targets {
             let d = self.net();
-            self.after(d, Ev::Begin { snap: s, target });
+            self.queue.after(d, Ev::Begin { snap: s, target });
         }
         if self.proto == Protocol::RaiseBeforeBegin {
             self.raise(s);
@@ -981,7 +895,8 @@ impl Sim {
             self.raise(s);
         }
         self.cp.snaps[s].phase = Phase::Confirming;
-        self.after(CONFIRM_TIMEOUT_TICKS, Ev::ConfirmTimeout { snap: s });
+        self.queue
+            .after(CONFIRM_TIMEOUT_TICKS, Ev::ConfirmTimeout { snap: s });
         if self.proto == Protocol::SealBeforeConfirm {
             self.seal_all(s);
         } else {
@@ -1004,7 +919,7 @@ impl Sim {
         let targets = snap.targets.clone();
         for target in targets {
             let d = self.net();
-            self.after(d, Ev::Seal { snap: s, target });
+            self.queue.after(d, Ev::Seal { snap: s, target });
         }
     }
 
@@ -1048,7 +963,7 @@ impl Sim {
         self.cp.releases_pending += targets.len() as u64;
         for target in targets {
             let d = self.net();
-            self.after(d, Ev::Release { snap: s, target });
+            self.queue.after(d, Ev::Release { snap: s, target });
         }
     }
 
@@ -1202,20 +1117,10 @@ fn run_seed(seed: u64, proto: Protocol, trace: bool) -> Result<Stats, String> {
     Sim::new(seed, proto, trace).run()
 }
 
-/// The first seed in [0, seeds) for which `proto` breaks an invariant.
-fn first_failing_seed(proto: Protocol, seeds: u64) -> Option<(u64, String)> {
-    (0..seeds).find_map(|seed| run_seed(seed, proto, false).err().map(|e| (seed, e)))
-}
-
 fn assert_caught(proto: Protocol, name: &str) {
-    match first_failing_seed(proto, SEEDS_BROKEN) {
-        Some((seed, why)) => {
-            eprintln!(
-                "{proto:?} caught: SNAPSHOT_SIM_SEED={seed} SNAPSHOT_SIM_PROTOCOL={name}: {why}"
-            )
-        }
-        None => panic!("{proto:?} passed all {SEEDS_BROKEN} seeds: the simulation has no teeth"),
-    }
+    SEEDS.assert_caught(proto, name, SEEDS_BROKEN, |seed| {
+        run_seed(seed, proto, false)
+    });
 }
 
 // ---------------------------------------------------------------------------
@@ -1229,38 +1134,12 @@ fn assert_caught(proto: Protocol, name: &str) {
 /// `SEEDS_CORRECT` (a soak run, of that protocol if named).
 #[test]
 fn correct_protocol_holds_for_every_seed() {
-    let proto = std::env::var("SNAPSHOT_SIM_PROTOCOL")
-        .map(|p| Protocol::from_env_name(&p))
-        .unwrap_or(Protocol::Correct);
-    if let Ok(seed) = std::env::var("SNAPSHOT_SIM_SEED") {
-        let seed: u64 = seed.parse().expect("SNAPSHOT_SIM_SEED is a number");
-        match run_seed(seed, proto, true) {
-            Ok(stats) => eprintln!("SEED={seed} {proto:?} passed: {stats:?}"),
-            Err(e) => panic!("SEED={seed} {proto:?} failed: {e}"),
-        }
+    let proto = SEEDS.protocol(Protocol::from_env_name, Protocol::Correct);
+    if SEEDS.replay(proto, run_seed) {
         return;
     }
-    let seeds = std::env::var("SNAPSHOT_SIM_SEEDS").map_or(SEEDS_CORRECT, |n| {
-        n.parse().expect("SNAPSHOT_SIM_SEEDS is a number")
-    });
-    let mut total = Stats::default();
-    let mut failures = Vec::new();
-    for seed in 0..seeds {
-        match run_seed(seed, proto, false) {
-            Ok(stats) => total += &stats,
-            Err(e) => {
-                eprintln!("SNAPSHOT_SIM_SEED={seed} failed: {e}");
-                failures.push(seed);
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} seeds failed (first SNAPSHOT_SIM_SEED={}); rerun one with SNAPSHOT_SIM_SEED",
-        failures.len(),
-        failures[0]
-    );
-    eprintln!("{seeds} seeds passed: {total:?}");
+    let seeds = SEEDS.count(SEEDS_CORRECT);
+    let total = SEEDS.pass_all(seeds, |seed| run_seed(seed, proto, false));
     let exercised = [
         ("acknowledged writes", total.writes_acked),
         ("failed writes", total.writes_failed),
@@ -1292,16 +1171,9 @@ fn correct_protocol_holds_for_every_seed() {
 /// epoch is still its snapshot's (a compare-and-set in the store).
 #[test]
 fn concurrent_creations_hold_when_the_raise_checks_the_epoch() {
-    let mut total = Stats::default();
-    for seed in 0..SEEDS_BROKEN {
-        match run_seed(seed, Protocol::RaiseIfUnmoved, false) {
-            Ok(stats) => total += &stats,
-            Err(e) => panic!(
-                "SNAPSHOT_SIM_SEED={seed} SNAPSHOT_SIM_PROTOCOL=raise-if-unmoved failed: {e}"
-            ),
-        }
-    }
-    eprintln!("{SEEDS_BROKEN} seeds passed: {total:?}");
+    let total = SEEDS.pass_all(SEEDS_BROKEN, |seed| {
+        run_seed(seed, Protocol::RaiseIfUnmoved, false)
+    });
     assert!(total.given_up_raced > 0, "no creations raced");
     assert!(total.snapshots_ready > 2 * total.given_up_raced);
 }

@@ -9,7 +9,9 @@
 //!   waiting for, instead of hanging;
 //! - [`pattern`] and [`fill`]: deterministic test data from a seed;
 //! - [`scratch_file`], [`file_spec`], [`free_port`]: what a daemon under test
-//!   is given to serve and listen on.
+//!   is given to serve and listen on;
+//! - [`sim`]: the generic core of the seeded deterministic simulations
+//!   (event queue, draws, network delay, seed loop and replay).
 //!
 //! Tests that run the daemons' binaries find them with
 //! `env!("CARGO_BIN_EXE_…")` in their own package; this crate spawns no
@@ -19,6 +21,7 @@
 pub mod certs;
 #[cfg(feature = "control")]
 pub mod control;
+pub mod sim;
 pub mod target;
 
 use nvpool_layout::mapping::Geometry;
