@@ -18,12 +18,7 @@ TARGET_PORT_BASE=14520
 ADMIN_PORT_BASE=14580
 source tests/e2e/lib.sh
 
-[[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices, mkfs)"
-[[ -c /dev/fuse ]] || skip "no /dev/fuse"
-[[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
-for t in jq curl ss mkfs.xfs xfs_growfs xfs_repair sha256sum; do
-    command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
-done
+need_host jq curl ss mkfs.xfs xfs_growfs xfs_repair sha256sum
 
 trap cleanup EXIT
 SOCK=$NVPOOL_RUN_DIR/agent.sock

@@ -12,12 +12,7 @@ cd "$(dirname "$0")/../.."
 BIN=$(cd "${1:-target/release}" && pwd)
 source tests/e2e/lib.sh
 
-[[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices, mkfs)"
-[[ -c /dev/fuse ]] || skip "no /dev/fuse"
-[[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
-for t in jq curl fio mkfs.ext4 e2fsck sha256sum; do
-    command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
-done
+need_host jq curl fio mkfs.ext4 e2fsck sha256sum
 
 trap cleanup EXIT
 BIG_MIB=${E2E_BIG_MIB:-1024}

@@ -20,12 +20,7 @@ CP0=$NVPOOL_ENDPOINT
 # The CLI and the targets know all three control planes and fail over.
 export NVPOOL_ENDPOINT=$CP0,http://127.0.0.1:$((CP_PORT + 1)),http://127.0.0.1:$((CP_PORT + 2))
 
-[[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
-[[ -c /dev/fuse ]] || skip "no /dev/fuse"
-[[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
-for t in jq curl fio etcd; do
-    command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
-done
+need_host jq curl fio etcd
 
 ETCD_CLIENT_BASE=14450
 ETCD_PEER_BASE=14460

@@ -38,6 +38,17 @@ skip() {
     echo "SKIP e2e $name: $*"
     exit 0
 }
+# need_host TOOL...: root, /dev/fuse, the loop module and every TOOL, or
+# skip (a failure under CI=true).
+need_host() {
+    [[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
+    [[ -c /dev/fuse ]] || skip "no /dev/fuse"
+    [[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
+    local t
+    for t in "$@"; do
+        command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
+    done
+}
 log() { printf '%s %s\n' "$(date +%T)" "$*"; }
 ok() { pass=$((pass + 1)); printf 'PASS %s\n' "$*"; }
 bad() { fail=$((fail + 1)); printf 'FAIL %s\n' "$*"; }

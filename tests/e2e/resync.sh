@@ -31,12 +31,7 @@ CP_PORT=14530 TARGET_PORT_BASE=14520 ADMIN_PORT_BASE=14580
 EXTENT_BYTES=$((64 << 20))
 source tests/e2e/lib.sh
 
-[[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
-[[ -c /dev/fuse ]] || skip "no /dev/fuse"
-[[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
-for t in jq curl fio cmp; do
-    command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
-done
+need_host jq curl fio cmp
 
 trap 'stop_fio; cleanup' EXIT
 FIO_PID=

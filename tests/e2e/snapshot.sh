@@ -23,12 +23,7 @@ cd "$(dirname "$0")/../.."
 BIN=$(cd "${1:-target/release}" && pwd)
 source tests/e2e/lib.sh
 
-[[ $(id -u) -eq 0 ]] || skip "needs root (FUSE mount, loop devices)"
-[[ -c /dev/fuse ]] || skip "no /dev/fuse"
-[[ -e /dev/loop-control ]] || skip "no /dev/loop-control (loop module)"
-for t in jq curl cmp; do
-    command -v "$t" >/dev/null || skip "$t is not installed (scripts/setup-deps test)"
-done
+need_host jq curl cmp
 
 trap 'stop_writer; cleanup' EXIT
 MIB=$((1 << 20))
