@@ -280,6 +280,21 @@ pub struct SealBody {
     pub snapshots: Vec<u64>,
 }
 
+/// `POST /v1/devices/{id}/rollback`: each `live` tree takes the contents
+/// of its `snapshot` tree (design/thin-snapshots.md T6): the live tree's
+/// own grains are dropped and it shares everything with the snapshot,
+/// which is unchanged. The control plane does this only while nothing
+/// writes the volume (it is detached). An unknown `snapshot` is 404
+/// `unknown_tree`; a live tree with a sealing snapshot is 409 `sealing`
+/// (a snapshot of it is being taken); an unknown live tree is created. The
+/// pool is committed before the answer (200 [`RollbackBody`] echoing the
+/// request); the same request again changes nothing more.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackBody {
+    pub trees: Vec<SnapshotTree>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -521,7 +521,42 @@ pub struct SnapshotOut {
     pub created_ms: u64,
     /// The volume's size when taken.
     pub size_bytes: u64,
+    /// A group snapshot: every volume of the group (this one among them),
+    /// each with a snapshot of this name at one cut ([`SnapshotGroupBody`]).
+    /// Empty for a snapshot of one volume.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schema(value_type = Vec<String>))]
+    pub group: Vec<Uuid>,
 }
+
+/// `POST /v1/snapshot-groups`: one snapshot named `name` of every volume
+/// in `volumes`, all at one cut (design/thin-snapshots.md T5, group
+/// snapshots): a write to any of them issued after a write to any other
+/// completed is in the group only if that one is. For a training job's
+/// data and its checkpoint volume together. Taken again with the same
+/// name and volumes it answers the existing snapshots (200); a volume
+/// that has a snapshot of that name outside the group is 409
+/// `snapshot_exists`. Any failure gives every snapshot of the group up.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotGroupBody {
+    pub name: String,
+    /// At least one; no volume twice.
+    #[cfg_attr(feature = "schema", schema(value_type = Vec<String>))]
+    pub volumes: Vec<Uuid>,
+}
+
+/// How long the control plane holds writers at a group snapshot's barrier
+/// ([`AttachmentOut::write_hold`]): past it, it clears the hold and gives
+/// the group up. Counted from before it sets the hold.
+pub const WRITE_HOLD_MAX_MS: u64 = 5_000;
+
+/// How long an engine stays held on its own: past it (counted from when
+/// it saw the hold, so always after the control plane's deadline), it
+/// admits writes again, tagged with the new epoch. Any snapshot whose
+/// barrier it was part of has been given up by then.
+pub const ENGINE_HOLD_MAX_MS: u64 = 15_000;
 
 /// `POST /v1/volumes/{uuid}/resize`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -649,6 +684,20 @@ pub struct AttachmentOut {
     /// predates epochs; the engine sends untagged writes.
     #[serde(default)]
     pub write_epoch: u32,
+    /// A barrier across several writers (a group snapshot, or a volume
+    /// with more than one engine writing it): while true, the engine
+    /// admits no new write (reads go on, and so do writes already issued),
+    /// moves to `write_epoch` like any raise, and confirms with `held:
+    /// true` ([`EpochBody`]) once every write it tagged lower completed. It
+    /// admits writes again, tagged `write_epoch`, once the hold is false
+    /// (the control plane clears it when every writer confirmed, or at
+    /// [`WRITE_HOLD_MAX_MS`]), or on its own after [`ENGINE_HOLD_MAX_MS`].
+    /// No write tagged with the new epoch is issued until every writer
+    /// stopped issuing older ones, so no write of the new epoch completes
+    /// before a write of an old one is issued, across every volume of the
+    /// cut.
+    #[serde(default)]
+    pub write_hold: bool,
     pub plan: ConnectionPlan,
 }
 
@@ -661,6 +710,11 @@ pub struct AttachmentOut {
 pub struct EpochBody {
     pub session: u64,
     pub epoch: u32,
+    /// The engine is held ([`AttachmentOut::write_hold`]): it admits no
+    /// new write until the hold is cleared. A barrier counts only held
+    /// confirmations.
+    #[serde(default)]
+    pub held: bool,
 }
 
 /// `PUT /v1/volumes/{uuid}/attachments/{host_nqn}/failed-extents`.

@@ -54,6 +54,8 @@ pub mod plan;
 pub mod program;
 pub mod rebalance;
 pub mod resync;
+pub mod rollback;
+pub mod snapshot_groups;
 pub mod snapshots;
 pub mod state;
 pub mod store;

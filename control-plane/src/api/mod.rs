@@ -24,6 +24,8 @@
 //! | `PUT/GET/DELETE /v1/volumes/{uuid}/attachments/{host}` | attach (plan), read (`?after_revision=N` long-polls), detach |
 //! | `PUT …/attachments/{host}/session`, `…/missed`, `…/sync/{job}`, `…/epoch` | a host's serving process: started, stopping (its missed-regions record), mirroring a copy, tagging writes with a new epoch |
 //! | `POST/GET /v1/volumes/{uuid}/snapshots`, `GET/DELETE …/snapshots/{name}` | snapshots of thin volumes (a clone: `PUT /v1/volumes/{uuid}` with a source) |
+//! | `POST /v1/volumes/{uuid}/snapshots/{name}/rollback` | a detached volume takes its snapshot's contents back |
+//! | `POST /v1/snapshot-groups` | snapshots of several volumes at one cut |
 //! | `PUT/DELETE /v1/volumes/{uuid}/exports/{host}`, `GET /v1/volumes/{uuid}/exports` | serve the volume to a stock host through targets (ANA paths) |
 //! | `POST /v1/targets/{id}/lease` | an owner of served volumes renews its lease |
 //!
@@ -43,7 +45,7 @@
 //!   mod ── router: routes, JSON 404/405, Api (the cluster on the blocking pool)
 //!    ├── guard ── bearer token and role of every call (a route layer)
 //!    ├── extract ── path segments, JSON bodies, query options → ApiError
-//!    ├── handlers/{targets,pools,volumes,snapshots,attachments,exports,hosts,rebalance}
+//!    ├── handlers/{targets,pools,volumes,snapshots,rollback,snapshot_groups,attachments,exports,hosts,rebalance}
 //!    │     └── bodies ── response bodies from the cluster's records
 //!    ├── errors ── ApiError: cluster and target errors → status, kind
 //!    ├── metrics ── GET /metrics, GET /v1/events
@@ -80,6 +82,8 @@ use handlers::exports::{delete_export, get_exports, put_export};
 use handlers::hosts::{delete_host_keys, get_host_keys, put_host_keys};
 use handlers::pools::{delete_pool, get_pool, list_pools, put_pool};
 use handlers::rebalance::{get_rebalance, post_rebalance};
+use handlers::rollback::post_rollback;
+use handlers::snapshot_groups::post_snapshot_group;
 use handlers::snapshots::{delete_snapshot, get_snapshot, list_snapshots, post_snapshot};
 use handlers::targets::{
     delete_target, get_target, heartbeat, list_targets, post_lease, put_target_state,
@@ -162,6 +166,11 @@ pub fn router(cluster: Arc<Cluster>, auth: AuthConfig) -> Router {
             "/v1/volumes/{uuid}/snapshots/{name}",
             get(get_snapshot).delete(delete_snapshot),
         )
+        .route(
+            "/v1/volumes/{uuid}/snapshots/{name}/rollback",
+            post(post_rollback),
+        )
+        .route("/v1/snapshot-groups", post(post_snapshot_group))
         .route("/v1/volumes/{uuid}/history", get(get_history))
         .route(
             "/v1/volumes/{uuid}/extents/{index}/resync",

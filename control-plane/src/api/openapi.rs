@@ -3,7 +3,8 @@
 //! tables the server enforces.
 
 use super::handlers::{
-    self, attachments, exports, hosts, pools, rebalance, snapshots, targets, volumes,
+    self, attachments, exports, hosts, pools, rebalance, rollback, snapshot_groups, snapshots,
+    targets, volumes,
 };
 use super::metrics;
 use crate::auth::{self, Access};
@@ -28,6 +29,7 @@ use utoipa::OpenApi;
         attachments::put_failed_extents, attachments::put_session, attachments::put_missed,
         attachments::put_sync, attachments::put_epoch, snapshots::post_snapshot,
         snapshots::list_snapshots, snapshots::get_snapshot, snapshots::delete_snapshot,
+        rollback::post_rollback, snapshot_groups::post_snapshot_group,
         volumes::get_history, volumes::post_resync,
         targets::reconcile_target, targets::put_target_state, targets::delete_target,
         rebalance::post_rebalance, rebalance::get_rebalance, exports::put_export,

@@ -5,6 +5,8 @@ pub(super) mod exports;
 pub(super) mod hosts;
 pub(super) mod pools;
 pub(super) mod rebalance;
+pub(super) mod rollback;
+pub(super) mod snapshot_groups;
 pub(super) mod snapshots;
 pub(super) mod targets;
 pub(super) mod volumes;
