@@ -106,12 +106,13 @@ start_target() {
     TARGET_PIDS[i]=$!
 }
 
-# start_thin_target I: target tI offering a blank 1 GiB sparse file as a grain
-# pool (formatted at its first start; kept across restarts).
+# start_thin_target I [SIZE]: target tI offering a blank sparse file of SIZE
+# (default 1G) as a grain pool (formatted at its first start; kept across
+# restarts).
 start_thin_target() {
     local i=$1 d=$E2E_DIR/t$1
     mkdir -p "$d/state"
-    [[ -f $d/pool.img ]] || truncate -s 1G "$d/pool.img"
+    [[ -f $d/pool.img ]] || truncate -s "${2:-1G}" "$d/pool.img"
     target_argv "t$i" "$((TARGET_PORT_BASE + i))" "$((ADMIN_PORT_BASE + i))" "$d/state" \
         "d0=thin:$d/pool.img" --label "rack=r$i" --reactors 1 --log warn
     "${CLUSTER_ARGV[@]}" >>"$d/target.log" 2>&1 &
