@@ -29,7 +29,11 @@
 //! under one hold of the pool's lock, so a snapshot is taken either before
 //! or after the whole write; a grain the trees mapped alike is shared after
 //! it ([`Pool::write_trees`]). A write refused for its epoch fails with
-//! EBADE, Reservation Conflict to the host.
+//! EBADE, Reservation Conflict to the host; the floor it is refused below
+//! is in the pool's metadata, so that holds across a restart too.
+//! Nothing here keeps a tree's top page between commands, so a rollback
+//! ([`ThinPool::rollback`]) is seen by the next command of a namespace
+//! serving the live tree.
 
 use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
 use crate::backend::{AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, FileId};
@@ -356,23 +360,37 @@ impl ThinPool {
     /// Creates the snapshot trees `(live, snapshot)` at `epoch` and commits
     /// (`POST /v1/devices/{id}/snapshots`): see [`Pool::begin_snapshots`].
     pub fn snapshot_trees(&self, epoch: u32, trees: &[(u64, u64)]) -> Result<(), ThinError> {
-        let mut p = self.lock();
-        let mut r = p.begin_snapshots(epoch, trees);
-        // As on the write path: what was freed since the last commit is
-        // reusable after the next one.
-        if matches!(r, Err(ThinError::NoSpace)) && p.dirty() {
-            r = p.commit().and_then(|()| p.begin_snapshots(epoch, trees));
-        }
-        let r = r.and_then(|()| p.commit());
-        self.failed.fetch_or(p.failed(), Ordering::Relaxed);
-        r
+        self.changed(|p| p.begin_snapshots(epoch, trees))
     }
 
-    /// Seals `snapshots` and commits, so the writes they took are durable
-    /// (`POST /v1/devices/{id}/seal`): see [`Pool::seal`].
+    /// Seals `snapshots` and commits, so the writes they took and the live
+    /// trees' new floors are durable (`POST /v1/devices/{id}/seal`): see
+    /// [`Pool::seal`].
     pub fn seal(&self, snapshots: &[u64]) -> Result<(), ThinError> {
+        self.changed(|p| p.seal(snapshots))
+    }
+
+    /// Rolls live trees back to snapshots and commits (`POST
+    /// /v1/devices/{id}/rollback`): see [`Pool::rollback`]. A namespace
+    /// serving a live tree reads the snapshot's contents from the next
+    /// command on: every command looks its tree up in the root table.
+    pub fn rollback(&self, trees: &[(u64, u64)]) -> Result<(), ThinError> {
+        self.changed(|p| p.rollback(trees))
+    }
+
+    /// Runs `change` and commits. As on the write path, what was freed since
+    /// the last commit is reusable after the next one: without room, commit
+    /// and try once more.
+    fn changed(
+        &self,
+        change: impl Fn(&mut Pool<FileDevice>) -> Result<(), ThinError>,
+    ) -> Result<(), ThinError> {
         let mut p = self.lock();
-        let r = p.seal(snapshots).and_then(|()| p.commit());
+        let mut r = change(&mut p);
+        if matches!(r, Err(ThinError::NoSpace)) && p.dirty() {
+            r = p.commit().and_then(|()| change(&mut p));
+        }
+        let r = r.and_then(|()| p.commit());
         self.failed.fetch_or(p.failed(), Ordering::Relaxed);
         r
     }

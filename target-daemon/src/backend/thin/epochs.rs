@@ -13,7 +13,10 @@
 //! (`tests/snapshot_sim.rs`) drives the same code the target runs. The pool
 //! holds one [`TreeEpochs`] per live tree under the same lock as its pages,
 //! so a write is routed and applied in one step with respect to a snapshot
-//! being taken.
+//! being taken. The pool keeps each live tree's floor in its metadata
+//! ([`TreeEpochs::floor`], [`TreeEpochs::with_floor`]), so a restarted
+//! target still refuses what it refused before; the sealing snapshots are
+//! not kept (the control plane gives them up).
 
 /// The sealing snapshots of one live tree and the highest sealed epoch.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -32,6 +35,26 @@ pub struct Fenced {
 }
 
 impl TreeEpochs {
+    /// Nothing sealing, and writes tagged 1..=`floor` refused: a live tree
+    /// as a reopened pool finds it.
+    pub fn with_floor(floor: u32) -> TreeEpochs {
+        TreeEpochs {
+            sealing: Vec::new(),
+            floor,
+        }
+    }
+
+    /// The highest sealed epoch (0: none): writes tagged 1..=floor are
+    /// refused.
+    pub fn floor(&self) -> u32 {
+        self.floor
+    }
+
+    /// Whether any snapshot of the tree is still sealing.
+    pub fn has_sealing(&self) -> bool {
+        !self.sealing.is_empty()
+    }
+
     /// `snapshot` starts sealing at `epoch` (> 0). False: its epoch is not
     /// above a sealed one, so writes it should take may already have been
     /// refused or gone past it.
@@ -120,5 +143,21 @@ mod tests {
         assert!(!t.is_empty());
         assert!(TreeEpochs::default().is_empty());
         assert!(!TreeEpochs::default().begin(0, 1));
+    }
+
+    #[test]
+    fn a_tree_restored_with_its_floor_refuses_what_it_refused_before() {
+        let mut t = TreeEpochs::default();
+        assert!(t.begin(4, 100) && t.seal(100));
+        assert!(t.begin(6, 200));
+        assert!(t.has_sealing());
+        let mut back = TreeEpochs::with_floor(t.floor());
+        assert_eq!(back.floor(), 4);
+        assert!(!back.has_sealing() && !back.is_empty());
+        assert_eq!(route(&back, 4), Err(Fenced { tag: 4, floor: 4 }));
+        assert_eq!(route(&back, 5), Ok(vec![]), "the sealing one is not kept");
+        assert!(!back.begin(4, 300), "not above the floor");
+        assert!(back.begin(5, 300));
+        assert!(TreeEpochs::with_floor(0).is_empty());
     }
 }

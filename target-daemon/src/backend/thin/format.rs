@@ -14,6 +14,14 @@
 //! of metadata pages like the trees (mod.rs), so the number of roots is not
 //! bounded by the superblock.
 //!
+//! Versions: 4 adds, in the same root table, a live tree's *sealed floor*
+//! (T5): the entry at key 2^32 + id holds tree `id`'s highest sealed epoch
+//! (a u32 above 0, no reference to anything); ids use keys below 2^32, so
+//! the two never meet, and the floors are shadowed and committed with the
+//! pages like every table entry. Version 3 is the same bytes without floor
+//! keys: it is read (every floor 0), and its next commit writes version 4,
+//! which code before version 4 does not read.
+//!
 //! Everything is little-endian. Only the superblock carries a checksum: the
 //! pages and the space map slot it names were flushed before it was written,
 //! so a superblock that checks out names bytes that are all on the device.
@@ -24,10 +32,13 @@ pub const SECTOR_BYTES: u64 = 4096;
 pub const ENTRIES_PER_PAGE: usize = 512;
 /// 16 bits of written mask cap a grain at 16 sectors.
 pub const GRAIN_BYTES_ALLOWED: [u64; 3] = [16 << 10, 32 << 10, 64 << 10];
-/// Grain pools are format version 3 (T2); version 1 is fixed extents.
-/// Version 2 kept at most 250 roots in the superblock; nothing ever used it,
-/// so a version-2 pool is not read (no compatibility kept on purpose).
-const VERSION: u32 = 3;
+/// Grain pools are format version 4 (T2, with T5's floors); version 1 is
+/// fixed extents. Version 2 kept at most 250 roots in the superblock;
+/// nothing ever used it, so a version-2 pool is not read (no compatibility
+/// kept on purpose). Version 3 has no floors and is read as version 4.
+pub const VERSION: u32 = 4;
+/// The versions [`Superblock::decode`] reads.
+const VERSIONS_READ: [u32; 2] = [3, VERSION];
 const MAGIC: u64 = u64::from_le_bytes(*b"NVPTHIN\0");
 const COUNTS_PER_SM_PAGE: u64 = PAGE_BYTES / 2;
 
@@ -111,6 +122,8 @@ impl Layout {
 /// One committed transaction: its generation, the layout, and its roots.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
+    /// [`VERSION`] when written; as read when decoded.
+    pub version: u32,
     pub generation: u64,
     pub layout: Layout,
     pub next_root: u64,
@@ -131,7 +144,7 @@ impl Superblock {
         let mut p = vec![0u8; PAGE_BYTES as usize];
         let l = &self.layout;
         put(&mut p, 0, MAGIC);
-        p[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        p[8..12].copy_from_slice(&self.version.to_le_bytes());
         put(&mut p, 16, self.generation);
         put(&mut p, 24, l.grain_bytes);
         put(&mut p, 32, l.data_grains);
@@ -147,7 +160,7 @@ impl Superblock {
         p
     }
 
-    /// `None` for anything but an intact version-3 superblock that fits a
+    /// `None` for anything but an intact version-3 or -4 superblock that fits a
     /// device of `size` bytes: a torn or never-written one loses to the other.
     pub fn decode(page: &[u8], size: u64) -> Option<Superblock> {
         if page.len() != PAGE_BYTES as usize || get(page, 0) != MAGIC {
@@ -156,7 +169,8 @@ impl Superblock {
         let mut p = page.to_vec();
         let crc = u32::from_le_bytes(p[12..16].try_into().expect("4 bytes"));
         p[12..16].fill(0);
-        if nvpool_wire::digest::crc32c(&p) != crc || p[8..12] != VERSION.to_le_bytes() {
+        let version = u32::from_le_bytes(p[8..12].try_into().expect("4 bytes"));
+        if nvpool_wire::digest::crc32c(&p) != crc || !VERSIONS_READ.contains(&version) {
             return None;
         }
         let layout = Layout {
@@ -176,6 +190,7 @@ impl Superblock {
             return None;
         }
         Some(Superblock {
+            version,
             generation: get(&p, 16),
             layout,
             next_root: get(&p, 80),

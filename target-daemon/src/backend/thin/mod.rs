@@ -42,8 +42,17 @@
 //! Snapshots (T5): [`Pool::begin_snapshots`] makes trees sharing everything
 //! with live ones, and the pool keeps, per live tree, the [`TreeEpochs`] of
 //! its snapshots still sealing, so [`Pool::route`] names every tree a tagged
-//! write lands in. That state is in memory only: a restart forgets it, and
-//! the control plane gives up a snapshot its target no longer seals.
+//! write lands in. The snapshots still sealing are in memory only: a
+//! restart forgets them, and the control plane gives up a snapshot its
+//! target no longer seals. A live tree's *floor* (its highest sealed epoch:
+//! writes tagged 1..=floor are refused) is kept in the root table at key
+//! [`FLOOR_KEYS`] + id, written by [`Pool::seal`] and committed with the
+//! pages like any record, so a reopened pool refuses what it refused before
+//! (format.rs, version 4). Deleting a tree drops its floor.
+//!
+//! Rollback (T6): [`Pool::rollback`] points a live tree's record at a
+//! snapshot's top page (one more reference, whatever the size) and drops
+//! the live tree's own pages and grains; its floor stays.
 
 mod backend;
 pub mod epochs;
@@ -71,8 +80,17 @@ const TABLE_LEVELS: usize = 4;
 /// Set in every root record, so a root with nothing written (top page 0) is
 /// told apart from no root.
 const PRESENT: u64 = 1 << 63;
-/// Free metadata pages only `delete_root` may take: one root-table path.
-const DELETE_RESERVE: u64 = TABLE_LEVELS as u64;
+/// Root-table keys from here hold floors: key `FLOOR_KEYS + id` is tree
+/// `id`'s highest sealed epoch (a u32 above 0, referencing nothing). Ids
+/// take the table's top slots 0..32, floors 32..64: the top level has room
+/// for 512.
+const FLOOR_KEYS: u64 = ROOT_ID_LIMIT;
+/// Top-level slots of the root table that hold root ids.
+const ROOT_TOP_SLOTS: usize = (ROOT_ID_LIMIT >> 27) as usize;
+const _: () = assert!(2 * ROOT_TOP_SLOTS <= ENTRIES_PER_PAGE);
+/// Free metadata pages only `delete_root` may take: the root's table path
+/// and its floor's, which share the top page.
+const DELETE_RESERVE: u64 = 2 * TABLE_LEVELS as u64 - 1;
 
 /// The byte device a pool lives on. Writes may sit in a volatile cache until
 /// `flush` returns, as on NVMe.
@@ -100,6 +118,10 @@ pub enum ThinError {
     EpochSealed { live: u64, epoch: u32 },
     #[error("tree {0} is not a sealing snapshot here")]
     NotSealing(u64),
+    /// A rollback of a tree with a snapshot sealing (or of one that is):
+    /// a snapshot is being taken.
+    #[error("a snapshot of tree {0} is being taken (sealing)")]
+    Sealing(u64),
     /// A write tagged at or below a sealed snapshot's epoch: only a fenced
     /// writer sends one.
     #[error("a write to tree {root} tagged {tag} is at or below the sealed epoch {floor}")]
@@ -145,7 +167,8 @@ fn split(gi: u64) -> (usize, usize, usize) {
     )
 }
 
-/// Root id → its slot at each root-table level, top first.
+/// Root-table key (a root id, or [`FLOOR_KEYS`] + id) → its slot at each
+/// level, top first.
 fn table_slots(id: u64) -> [usize; TABLE_LEVELS] {
     [
         (id >> 27) as usize & 511,
@@ -164,6 +187,8 @@ enum Children {
     Grains,
     /// Root records: the root table's leaf.
     Roots,
+    /// Floors: the root table's leaf under [`FLOOR_KEYS`]; no references.
+    Floors,
 }
 
 /// Bits of the sectors `first..first + n` of a grain.
@@ -230,6 +255,7 @@ impl<D: Device> Pool<D> {
         }
         dev.write_at(&zero, 0)?;
         let sb = Superblock {
+            version: format::VERSION,
             generation: 1,
             layout,
             next_root: 1,
@@ -292,6 +318,11 @@ impl<D: Device> Pool<D> {
         if sb.root_table != 0 {
             pool.load_table(sb.root_table, 0)?;
         }
+        for (id, floor) in pool.floors() {
+            let floor = u32::try_from(floor)
+                .map_err(|_| ThinError::Corrupt(format!("floor {floor} of tree {id}")))?;
+            pool.epochs.insert(id, TreeEpochs::with_floor(floor));
+        }
         Ok(pool)
     }
 
@@ -326,23 +357,59 @@ impl<D: Device> Pool<D> {
 
     /// Every root id, in order: a walk of the whole root table.
     pub fn roots(&self) -> Vec<u64> {
+        self.table_entries(0..ROOT_TOP_SLOTS)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    /// Every stored floor, `(tree id, floor)` in id order.
+    fn floors(&self) -> Vec<(u64, u64)> {
+        self.table_entries(ROOT_TOP_SLOTS..2 * ROOT_TOP_SLOTS)
+            .into_iter()
+            .map(|(key, floor)| (key - FLOOR_KEYS, floor))
+            .collect()
+    }
+
+    /// `(key, entry)` of the root table's leaves under the top slots `top`.
+    fn table_entries(&self, top: std::ops::Range<usize>) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         if self.table != 0 {
-            self.collect_roots(self.table, 0, 0, &mut out);
+            self.collect_entries(self.table, 0, 0, &top, &mut out);
         }
         out
     }
 
-    fn collect_roots(&self, p: u64, level: usize, prefix: u64, out: &mut Vec<u64>) {
+    fn collect_entries(
+        &self,
+        p: u64,
+        level: usize,
+        prefix: u64,
+        top: &std::ops::Range<usize>,
+        out: &mut Vec<(u64, u64)>,
+    ) {
         let page = self.cache.get(&p).expect("the live root table is cached");
         for (slot, &e) in page.iter().enumerate().filter(|(_, e)| **e != 0) {
-            let id = prefix << 9 | slot as u64;
+            if level == 0 && !top.contains(&slot) {
+                continue;
+            }
+            let key = prefix << 9 | slot as u64;
             if level + 1 == TABLE_LEVELS {
-                out.push(id);
+                out.push((key, e));
             } else {
-                self.collect_roots(e, level + 1, id, out);
+                self.collect_entries(e, level + 1, key, top, out);
             }
         }
+    }
+
+    /// Tree `id`'s highest sealed epoch as the root table holds it (0:
+    /// none).
+    pub fn floor(&mut self, id: u64) -> Result<u32> {
+        if id >= ROOT_ID_LIMIT {
+            return Ok(0);
+        }
+        let e = self.table_entry(self.table, FLOOR_KEYS + id)?;
+        u32::try_from(e).map_err(|_| ThinError::Corrupt(format!("floor {e} of tree {id}")))
     }
 
     /// Data grains with at least one reference, without a scan.
@@ -491,8 +558,10 @@ impl<D: Device> Pool<D> {
     /// Seals `snapshots` (T5): from now on a write to their live trees
     /// tagged at or below their epochs is refused. One sealed since the pool
     /// was opened is accepted again (a retry); one that is neither is
-    /// [`ThinError::NotSealing`], and then nothing is sealed. Changes no
-    /// metadata.
+    /// [`ThinError::NotSealing`], and then nothing is sealed. A live tree's
+    /// floor that rises is written to the root table (part of the next
+    /// commit, so a reopened pool still refuses those writes); without room
+    /// for its table pages, [`ThinError::NoSpace`] and nothing is sealed.
     pub fn seal(&mut self, snapshots: &[u64]) -> Result<()> {
         self.usable()?;
         if let Some(&s) = snapshots
@@ -501,14 +570,89 @@ impl<D: Device> Pool<D> {
         {
             return Err(ThinError::NotSealing(s));
         }
+        let mut staged = self.epochs.clone();
+        let mut sealed = Vec::new();
         for &s in snapshots {
-            for t in self.epochs.values_mut() {
+            for t in staged.values_mut() {
                 if t.seal(s) {
-                    self.sealed.insert(s);
+                    sealed.push(s);
                 }
             }
         }
+        let mut raised: Vec<(u64, u32)> = staged
+            .iter()
+            .filter(|(id, t)| self.epochs.get(id).map_or(0, TreeEpochs::floor) != t.floor())
+            .map(|(&id, t)| (id, t.floor()))
+            .collect();
+        raised.sort_unstable();
+        let r = (|| {
+            let keys: Vec<u64> = raised.iter().map(|&(id, _)| FLOOR_KEYS + id).collect();
+            let pages = self.table_need_keys(&keys)?;
+            self.room(0, pages)?;
+            for &(id, floor) in &raised {
+                self.set_record(FLOOR_KEYS + id, u64::from(floor))?;
+                self.changed = true;
+            }
+            Ok(())
+        })();
+        self.poison(r)?;
+        self.epochs = staged;
+        self.sealed.extend(sealed);
         Ok(())
+    }
+
+    /// Rollback (T6): each `(live, snapshot)` makes `live` share everything
+    /// `snapshot` maps (one more reference on its top page, whatever the
+    /// size) and drops what `live` mapped, so the grains only it held are
+    /// free after the next commit; `snapshot` is unchanged and `live`'s
+    /// floor stays (epochs only grow). A `live` tree the pool does not hold
+    /// is created. Pairs apply in order; a `live` already sharing
+    /// `snapshot`'s top page is left as it is (a retry changes nothing).
+    /// Checked before anything changes: an unknown `snapshot` is
+    /// [`ThinError::NoRoot`], a `live` not below [`ROOT_ID_LIMIT`]
+    /// [`ThinError::RootId`], a tree of the request that has a snapshot
+    /// sealing or is one [`ThinError::Sealing`], and no room for the table
+    /// pages [`ThinError::NoSpace`].
+    pub fn rollback(&mut self, trees: &[(u64, u64)]) -> Result<()> {
+        self.usable()?;
+        for &(live, snapshot) in trees {
+            if live >= ROOT_ID_LIMIT {
+                return Err(ThinError::RootId(live));
+            }
+            self.top(snapshot)?;
+        }
+        for &(live, snapshot) in trees {
+            for id in [live, snapshot] {
+                if self.epochs.get(&id).is_some_and(TreeEpochs::has_sealing)
+                    || self.epochs.values().any(|t| t.is_sealing(id))
+                {
+                    return Err(ThinError::Sealing(id));
+                }
+            }
+        }
+        let r = (|| {
+            let keys: Vec<u64> = trees.iter().map(|&(live, _)| live).collect();
+            let pages = self.table_need_keys(&keys)?;
+            self.room(0, pages)?;
+            for &(live, snapshot) in trees {
+                let top = self.top(snapshot)?;
+                let old = self.record(self.table, live)?;
+                if old == Some(top) {
+                    continue;
+                }
+                if top != 0 {
+                    self.inc(self.page_idx(top));
+                }
+                self.set_record(live, PRESENT | top)?;
+                self.changed = true;
+                self.next_root = self.next_root.max(live + 1);
+                if let Some(old) = old.filter(|&p| p != 0) {
+                    self.drop_page(old, 0)?;
+                }
+            }
+            Ok(())
+        })();
+        self.poison(r)
     }
 
     /// The trees a write to `root` tagged `tag` (CDW2, T5; 0: untagged)
@@ -534,10 +678,19 @@ impl<D: Device> Pool<D> {
         self.usable()?;
         let r = (|| {
             let top = self.top(root)?;
-            if self.table_need(root)? > self.free[PAGES] {
+            let floor = self.floor(root)? != 0;
+            let keys: &[u64] = if floor {
+                &[root, FLOOR_KEYS + root]
+            } else {
+                &[root]
+            };
+            if self.table_need_keys(keys)? > self.free[PAGES] {
                 return Err(ThinError::NoSpace);
             }
             self.clear_record(root)?;
+            if floor {
+                self.clear_record(FLOOR_KEYS + root)?;
+            }
             self.changed = true;
             if top != 0 {
                 self.drop_page(top, 0)?;
@@ -744,6 +897,7 @@ impl<D: Device> Pool<D> {
         }
         self.dev.flush()?;
         let sb = Superblock {
+            version: format::VERSION,
             generation: gen,
             layout: self.layout,
             next_root: self.next_root,
@@ -763,16 +917,20 @@ impl<D: Device> Pool<D> {
 
     /// Recounts every reference from the root table down (its own pages
     /// included) and compares with the space map: a leak or a double use is
-    /// [`ThinError::Corrupt`].
+    /// [`ThinError::Corrupt`]. So is a floor in the table that is not the
+    /// live tree's floor in memory, or one of a tree that does not exist.
     pub fn check(&mut self) -> Result<()> {
         let mut want = vec![0u32; self.counts.len()];
         let mut seen = HashSet::new();
-        // (page, whether it is a tree page, level in its tree or table)
-        let mut stack: Vec<(u64, bool, usize)> = Vec::new();
+        let mut floors: HashMap<u64, u64> = HashMap::new();
+        let mut roots: HashSet<u64> = HashSet::new();
+        // (page, whether it is a tree page, level in its tree or table, the
+        // table key bits above the page)
+        let mut stack: Vec<(u64, bool, usize, u64)> = Vec::new();
         if self.table != 0 {
-            stack.push((self.table, false, 0));
+            stack.push((self.table, false, 0, 0));
         }
-        while let Some((p, tree, level)) = stack.pop() {
+        while let Some((p, tree, level, prefix)) = stack.pop() {
             if !self.layout.is_meta(p) {
                 return Err(ThinError::Corrupt(format!(
                     "page {p} outside the metadata area"
@@ -784,19 +942,49 @@ impl<D: Device> Pool<D> {
             }
             self.load(p)?;
             let bad = |e: u64| ThinError::Corrupt(format!("bad entry {e:#x} in page {p}"));
-            for &e in self.cache[&p].iter().filter(|&&e| e != 0) {
+            let page = self.cache[&p].clone();
+            for (slot, &e) in page.iter().enumerate().filter(|(_, e)| **e != 0) {
+                let key = prefix << 9 | slot as u64;
                 match (tree, level) {
-                    (false, l) if l + 1 < TABLE_LEVELS => stack.push((e, false, l + 1)),
+                    (false, 0) if slot >= 2 * ROOT_TOP_SLOTS => return Err(bad(e)),
+                    (false, l) if l + 1 < TABLE_LEVELS => stack.push((e, false, l + 1, key)),
+                    (false, _) if key >= FLOOR_KEYS => {
+                        if e > u64::from(u32::MAX) {
+                            return Err(bad(e));
+                        }
+                        floors.insert(key - FLOOR_KEYS, e);
+                    }
                     (false, _) if e & PRESENT == 0 => return Err(bad(e)),
-                    (false, _) if e != PRESENT => stack.push((e & !PRESENT, true, 0)),
-                    (false, _) => {}
-                    (true, l) if l < 2 => stack.push((e, true, l + 1)),
+                    (false, _) => {
+                        roots.insert(key);
+                        if e != PRESENT {
+                            stack.push((e & !PRESENT, true, 0, 0));
+                        }
+                    }
+                    (true, l) if l < 2 => stack.push((e, true, l + 1, 0)),
                     _ if e & MASK_BITS == 0 || e >> 16 >= self.layout.data_grains => {
                         return Err(bad(e))
                     }
                     _ => want[(e >> 16) as usize] += 1,
                 }
             }
+        }
+        if let Some(id) = floors.keys().find(|id| !roots.contains(id)) {
+            return Err(ThinError::Corrupt(format!(
+                "a floor of tree {id}, which does not exist"
+            )));
+        }
+        let held = |id: &u64| self.epochs.get(id).map_or(0, |t| u64::from(t.floor()));
+        if let Some(id) = floors
+            .keys()
+            .chain(self.epochs.keys())
+            .find(|id| floors.get(id).copied().unwrap_or(0) != held(id))
+        {
+            return Err(ThinError::Corrupt(format!(
+                "tree {id}: floor {} stored, {} in memory",
+                floors.get(id).copied().unwrap_or(0),
+                held(id)
+            )));
         }
         if let Some(i) = (0..want.len()).find(|&i| want[i] != u32::from(self.counts[i])) {
             return Err(ThinError::Corrupt(format!(
@@ -849,22 +1037,42 @@ impl<D: Device> Pool<D> {
         if id >= ROOT_ID_LIMIT {
             return Ok(None);
         }
+        let e = self.table_entry(table, id)?;
+        Ok((e & PRESENT != 0).then_some(e & !PRESENT))
+    }
+
+    /// The entry at `key` of the root table whose top page is `table` (0:
+    /// none).
+    fn table_entry(&mut self, table: u64, key: u64) -> Result<u64> {
         let mut e = table;
-        for slot in table_slots(id) {
+        for slot in table_slots(key) {
             e = self.entry(e, slot)?;
         }
-        Ok((e & PRESENT != 0).then_some(e & !PRESENT))
+        Ok(e)
     }
 
     /// Pages a change to `id`'s record allocates: every table page on its
     /// path that is missing or not writable.
     fn table_need(&mut self, id: u64) -> Result<u64> {
-        let (mut p, mut pages) = (self.table, 0);
-        for slot in table_slots(id) {
-            if !self.writable(p) {
-                pages += 1;
+        self.table_need_keys(&[id])
+    }
+
+    /// Pages changes to the entries at `keys` allocate together: each table
+    /// page on their paths that is missing or not writable, once however
+    /// many paths pass through it.
+    fn table_need_keys(&mut self, keys: &[u64]) -> Result<u64> {
+        let mut seen: HashSet<(usize, u64)> = HashSet::new();
+        let mut pages = 0;
+        for &key in keys {
+            let mut p = self.table;
+            for (level, slot) in table_slots(key).into_iter().enumerate() {
+                // The page at `level` is named by the key's bits above it.
+                let at = key >> (9 * (TABLE_LEVELS - level));
+                if seen.insert((level, at)) && !self.writable(p) {
+                    pages += 1;
+                }
+                p = self.entry(p, slot)?;
             }
-            p = self.entry(p, slot)?;
         }
         Ok(pages)
     }
@@ -874,10 +1082,12 @@ impl<D: Device> Pool<D> {
         let slots = table_slots(id);
         let mut path = [0; TABLE_LEVELS];
         let kind = |level| {
-            if level + 1 == TABLE_LEVELS {
-                Children::Roots
-            } else {
+            if level + 1 < TABLE_LEVELS {
                 Children::Pages
+            } else if id >= FLOOR_KEYS {
+                Children::Floors
+            } else {
+                Children::Roots
             }
         };
         self.table = self.shadow(self.table, kind(0))?;
@@ -1190,7 +1400,7 @@ impl<D: Device> Pool<D> {
                         Children::Roots if e != PRESENT => {
                             self.inc(self.page_idx(e & !PRESENT));
                         }
-                        Children::Roots => {}
+                        Children::Roots | Children::Floors => {}
                     }
                 }
             }

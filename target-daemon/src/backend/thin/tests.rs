@@ -159,15 +159,25 @@ fn superblock_round_trip_and_checksum() {
     let layout = Layout::compute(64 << 20, 64 << 10, None).expect("fits");
     assert_eq!(layout.data_start % layout.grain_bytes, 0);
     let sb = Superblock {
+        version: format::VERSION,
         generation: 7,
         layout,
         next_root: 3,
         root_table: layout.meta_start + 3,
     };
     let mut page = sb.encode();
-    assert_eq!(Superblock::decode(&page, 64 << 20), Some(sb));
+    assert_eq!(Superblock::decode(&page, 64 << 20), Some(sb.clone()));
     page[300] ^= 1;
     assert_eq!(Superblock::decode(&page, 64 << 20), None);
+    for (version, read) in [(2, false), (3, true), (4, true), (5, false)] {
+        let page = Superblock {
+            version,
+            ..sb.clone()
+        }
+        .encode();
+        let got = Superblock::decode(&page, 64 << 20).map(|b| b.version);
+        assert_eq!(got, read.then_some(version), "version {version}");
+    }
     assert!(Layout::compute(64 << 20, 8 << 10, None).is_none());
     assert!(Layout::compute(16 << 10, 64 << 10, None).is_none());
 }
@@ -610,6 +620,249 @@ fn a_dual_write_without_room_for_every_tree_changes_none() {
     p.check().expect("consistent");
 }
 
+#[test]
+fn a_rollback_shares_the_snapshot_and_frees_what_only_the_live_tree_held() {
+    // 16 KiB grains: four sectors each.
+    let mut p = pool(16, 64, 64);
+    let (live, snap) = (3, 100);
+    assert!(p.ensure_root(live).expect("live"));
+    // Three leaves' worth of the tree, so the snapshot is not one page.
+    write_tags(&mut p, live, 0, &[1, 2, 3, 4, 5, 6, 7, 8]).expect("write");
+    write_tags(&mut p, live, 512 * 4, &[9]).expect("a second leaf");
+    write_tags(&mut p, live, 262_144 * 4, &[10]).expect("a second middle page");
+    p.snapshot_as(live, snap).expect("snapshot");
+    p.commit().expect("commit");
+    let (free, stats) = (p.free, p.stats());
+    // The trees share the top page; each grain is held once, below it.
+    assert_eq!((stats.grains_allocated, stats.grains_shared), (4, 0));
+
+    // The live tree moves on: a copy of grain 0, a grain of its own, and
+    // a deallocate of the snapshot's second leaf.
+    write_tags(&mut p, live, 1, &[20]).expect("write");
+    write_tags(&mut p, live, 40, &[21, 22]).expect("write");
+    p.deallocate(live, 512 * 4 * SECTOR_BYTES, SECTOR_BYTES)
+        .expect("deallocate");
+    p.commit().expect("commit");
+    assert_eq!(p.stats().grains_allocated, 6);
+    let pages_before = p.free[PAGES];
+
+    p.rollback(&[(live, snap)]).expect("rollback");
+    // Whatever the size: no grain, and at most the live tree's table path.
+    assert!(
+        pages_before - p.free[PAGES] <= TABLE_LEVELS as u64,
+        "{pages_before} -> {}",
+        p.free[PAGES]
+    );
+    for (first, n) in [(0, 8), (40, 2), (512 * 4, 1), (262_144 * 4, 1)] {
+        assert_eq!(
+            tags(&mut p, live, first, n),
+            tags(&mut p, snap, first, n),
+            "sectors {first}+{n}"
+        );
+    }
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 2]);
+    assert_eq!(
+        tags(&mut p, live, 40, 2),
+        [0, 0],
+        "the live tree's own: gone"
+    );
+    assert_eq!(tags(&mut p, live, 512 * 4, 1), [9]);
+    p.commit().expect("commit");
+    assert_eq!(p.stats(), stats, "the live tree's own grains are free");
+    assert_eq!(p.free, free, "and so are its pages");
+    p.check().expect("consistent");
+
+    // The same request again changes nothing.
+    p.rollback(&[(live, snap)]).expect("a retry");
+    assert!(!p.dirty(), "nothing to commit");
+
+    // Writes after it go to the live tree only.
+    write_tags(&mut p, live, 1, &[30]).expect("write");
+    write_tags(&mut p, live, 512 * 4, &[31]).expect("write");
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 30]);
+    assert_eq!(
+        tags(&mut p, snap, 0, 2),
+        [1, 2],
+        "the snapshot is unchanged"
+    );
+    assert_eq!(tags(&mut p, snap, 512 * 4, 1), [9]);
+    p.check().expect("consistent");
+    // Rolled back again, before any commit.
+    p.rollback(&[(live, snap)]).expect("rollback");
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 2]);
+    assert_eq!(tags(&mut p, live, 512 * 4, 1), [9]);
+    p.commit().expect("commit");
+    assert_eq!(p.stats(), stats);
+    assert_eq!(p.free, free);
+
+    // An unknown live tree is created; an unknown snapshot refuses the
+    // whole request, a tree id past 2^32 too.
+    write_tags(&mut p, live, 1, &[40]).expect("write");
+    let roots = p.roots();
+    assert!(matches!(
+        p.rollback(&[(live, snap), (7, 999)]),
+        Err(ThinError::NoRoot(999))
+    ));
+    assert!(matches!(
+        p.rollback(&[(live, snap), (ROOT_ID_LIMIT, snap)]),
+        Err(ThinError::RootId(ROOT_ID_LIMIT))
+    ));
+    assert_eq!(p.roots(), roots);
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 40], "nothing rolled back");
+    p.rollback(&[(live, snap), (42, snap)]).expect("rollback");
+    assert_eq!(p.roots(), [live, 42, snap]);
+    assert_eq!(tags(&mut p, 42, 0, 2), [1, 2]);
+    assert_eq!(tags(&mut p, live, 0, 2), [1, 2]);
+
+    // The floor stays; a snapshot sealing refuses a rollback.
+    p.begin_snapshots(3, &[(live, 200)]).expect("begin");
+    assert!(matches!(
+        p.rollback(&[(live, snap)]),
+        Err(ThinError::Sealing(3))
+    ));
+    assert!(matches!(
+        p.rollback(&[(42, 200)]),
+        Err(ThinError::Sealing(200))
+    ));
+    p.seal(&[200]).expect("seal");
+    p.rollback(&[(live, snap)]).expect("rollback");
+    assert!(matches!(
+        p.route(live, 3),
+        Err(ThinError::Fenced { floor: 3, .. })
+    ));
+    p.commit().expect("commit");
+
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(tags(&mut p, live, 0, 8), [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(tags(&mut p, 42, 262_144 * 4, 1), [10]);
+    assert_eq!(p.floor(live).expect("floor"), 3);
+    p.check().expect("consistent");
+}
+
+#[test]
+fn the_sealed_floor_is_committed_with_the_pages_and_survives_a_reopen() {
+    let mut p = pool(64, 16, 64);
+    let live = 5;
+    assert!(p.ensure_root(live).expect("live"));
+    write_tags(&mut p, live, 0, &[1]).expect("write");
+    p.begin_snapshots(3, &[(live, 100)]).expect("begin");
+    p.commit().expect("commit");
+    p.seal(&[100]).expect("seal");
+    assert!(p.dirty(), "the floor is part of the next commit");
+    assert_eq!(p.floor(live).expect("floor"), 3);
+    p.check().expect("consistent");
+    // Lost before its commit: the floor with it.
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(p.floor(live).expect("floor"), 0);
+    assert_eq!(p.route(live, 3).expect("route"), [live]);
+
+    p.begin_snapshots(3, &[(live, 101)]).expect("begin");
+    p.seal(&[101]).expect("seal");
+    p.commit().expect("commit");
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(p.floor(live).expect("floor"), 3);
+    for tag in 1..=3 {
+        assert!(matches!(
+            p.route(live, tag),
+            Err(ThinError::Fenced {
+                root: 5,
+                floor: 3,
+                ..
+            })
+        ));
+    }
+    assert_eq!(p.route(live, 4).expect("route"), [live]);
+    assert_eq!(p.route(live, 0).expect("untagged"), [live]);
+    assert!(matches!(
+        p.begin_snapshots(3, &[(live, 102)]),
+        Err(ThinError::EpochSealed { live: 5, epoch: 3 })
+    ));
+    assert!(matches!(p.seal(&[101]), Err(ThinError::NotSealing(101))));
+    p.check().expect("consistent");
+
+    // Raised again, with other live trees sealed beside it.
+    p.begin_snapshots(8, &[(live, 102), (6, 103), (1 << 30, 104)])
+        .expect("begin");
+    p.seal(&[102, 103, 104]).expect("seal");
+    p.commit().expect("commit");
+    let mut p = Pool::open(p.into_device()).expect("open");
+    assert_eq!(p.floor(live).expect("floor"), 8);
+    assert_eq!(p.floor(1 << 30).expect("floor"), 8);
+    assert_eq!(p.roots(), [live, 6, 100, 101, 102, 103, 104, 1 << 30]);
+    p.check().expect("consistent");
+
+    // Deleting a live tree forgets its floor; with every tree gone the
+    // table holds no page.
+    p.delete_root(live).expect("delete");
+    assert!(p.ensure_root(live).expect("placed again"));
+    assert_eq!(p.floor(live).expect("floor"), 0);
+    assert_eq!(p.route(live, 1).expect("route"), [live]);
+    for id in p.roots() {
+        p.delete_root(id).expect("delete");
+    }
+    p.commit().expect("commit");
+    assert_eq!(p.table, 0);
+    p.check().expect("consistent");
+    let p = Pool::open(p.into_device()).expect("open");
+    assert!(p.epochs.is_empty());
+}
+
+/// Rewrites every superblock on `disk` that checks out as `version`.
+fn set_version(disk: &mut MemDisk, version: u32) {
+    for slot in 0..2 {
+        let mut page = vec![0; PAGE_BYTES as usize];
+        disk.read_at(&mut page, slot * PAGE_BYTES).expect("read");
+        if let Some(sb) = Superblock::decode(&page, disk.size()) {
+            let page = Superblock { version, ..sb }.encode();
+            disk.write_at(&page, slot * PAGE_BYTES).expect("write");
+        }
+    }
+    disk.flush().expect("flush");
+}
+
+fn versions(disk: &mut MemDisk) -> Vec<u32> {
+    (0..2)
+        .filter_map(|slot| {
+            let mut page = vec![0; PAGE_BYTES as usize];
+            disk.read_at(&mut page, slot * PAGE_BYTES).expect("read");
+            Superblock::decode(&page, disk.size()).map(|sb| sb.version)
+        })
+        .collect()
+}
+
+#[test]
+fn a_version_3_pool_opens_with_no_floors_and_commits_as_version_4() {
+    let mut p = pool(64, 16, 64);
+    let live = p.create_root().expect("root");
+    write_tags(&mut p, live, 0, &[1, 2]).expect("write");
+    p.snapshot_as(live, 9).expect("snapshot");
+    p.commit().expect("commit");
+    let mut disk = p.into_device();
+    // Version 3 is these bytes, without floor keys, under another number.
+    set_version(&mut disk, 3);
+    assert_eq!(versions(&mut disk), [3, 3]);
+    let mut p = Pool::open(disk).expect("a version-3 pool opens");
+    assert_eq!(p.roots(), [live, 9]);
+    assert_eq!(tags(&mut p, 9, 0, 2), [1, 2]);
+    assert_eq!(p.floor(live).expect("floor"), 0);
+    assert_eq!(p.route(live, 1).expect("route"), [live]);
+    p.check().expect("consistent");
+    p.begin_snapshots(2, &[(live, 10)]).expect("begin");
+    p.seal(&[10]).expect("seal");
+    p.commit().expect("commit");
+    let mut disk = p.into_device();
+    let mut got = versions(&mut disk);
+    got.sort_unstable();
+    assert_eq!(got, [3, 4], "the new commit is version 4");
+    let mut p = Pool::open(disk).expect("open");
+    assert_eq!(p.floor(live).expect("floor"), 2);
+    p.check().expect("consistent");
+
+    let mut disk = p.into_device();
+    set_version(&mut disk, 2);
+    assert!(matches!(Pool::open(disk), Err(ThinError::NoSuperblock)));
+}
+
 // ---- T3's crash simulation ----
 
 /// Seeds run by default; `THIN_SIM_SEEDS=n` runs more, `THIN_SIM_SEED=s` one.
@@ -647,6 +900,8 @@ struct SimStats {
     shared_seen: u64,
     roots_created: u64,
     roots_deleted: u64,
+    floors_raised: u64,
+    rollbacks: u64,
 }
 
 /// What the pool must hold: per root, every sector ever touched.
@@ -664,6 +919,9 @@ struct Sim {
     since: BTreeMap<(u64, u64), Vec<Sec>>,
     tag: u64,
     generation: u64,
+    /// Each live tree's sealed floor (T5), now and at the last commit.
+    floors: BTreeMap<u64, u32>,
+    committed_floors: BTreeMap<u64, u32>,
 }
 
 impl Sim {
@@ -711,6 +969,7 @@ impl Sim {
             };
             self.p().delete_root(r)?;
             self.cur.remove(&r);
+            self.floors.remove(&r);
             stats.roots_deleted += 1;
         }
         Ok(())
@@ -738,6 +997,7 @@ impl Sim {
                 let r = self.p().commit();
                 if r.is_ok() {
                     self.committed = self.cur.clone();
+                    self.committed_floors = self.floors.clone();
                     self.since.clear();
                     self.generation = self.p().generation();
                 }
@@ -771,6 +1031,8 @@ impl Sim {
                 self.p().dev.ops_left = Some(0);
                 (Err(ThinError::Io(io::Error::other("crash now"))), false)
             }
+            (94..=95, Some(r)) if self.cur.len() < SIM_ROOTS_MAX => (self.seal(r, stats), false),
+            (96..=97, Some(r)) => (self.rollback(r, stats), false),
             _ => (self.p().check(), false),
         };
         if self.p().stats().grains_shared > 0 {
@@ -789,6 +1051,68 @@ impl Sim {
             Err(ThinError::Io(_)) => self.recover(commit, stats),
             Err(e) => panic!("seed {}: unexpected {e}", self.seed),
         }
+    }
+
+    /// A snapshot of `root` taken and sealed at an epoch above its floor:
+    /// the floor rises. A snapshot left sealing (no room to seal) is
+    /// deleted, or, without room for that either, stays (a rollback of its
+    /// tree is then refused).
+    fn seal(&mut self, root: u64, stats: &mut SimStats) -> Result<()> {
+        let epoch = self.floors.get(&root).copied().unwrap_or(0) + 1 + self.rng.below(3) as u32;
+        let id = self.pick_id();
+        match self.p().begin_snapshots(epoch, &[(root, id)]) {
+            Err(ThinError::RootExists(_)) => {
+                assert!(self.cur.contains_key(&id), "seed {}: {id}", self.seed);
+                return Ok(());
+            }
+            r => r?,
+        }
+        let copy = self.cur[&root].clone();
+        self.cur.insert(id, copy);
+        match self.p().seal(&[id]) {
+            Err(ThinError::NoSpace) => {
+                match self.p().delete_root(id) {
+                    Ok(()) => {
+                        self.cur.remove(&id);
+                    }
+                    Err(ThinError::NoSpace) => {}
+                    Err(e) => return Err(e),
+                }
+                Err(ThinError::NoSpace)
+            }
+            r => {
+                r?;
+                self.floors.insert(root, epoch);
+                stats.floors_raised += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// `live` (an existing tree, or sometimes a new id) takes the contents
+    /// of another tree.
+    fn rollback(&mut self, root: u64, stats: &mut SimStats) -> Result<()> {
+        let Some(snapshot) = self.pick_root() else {
+            return Ok(());
+        };
+        let live = if self.rng.below(4) == 0 && self.cur.len() < SIM_ROOTS_MAX {
+            self.pick_id()
+        } else {
+            root
+        };
+        match self.p().rollback(&[(live, snapshot)]) {
+            Err(ThinError::Sealing(_)) => return Ok(()),
+            r => r?,
+        }
+        let mut now: BTreeMap<u64, Sec> = self
+            .cur
+            .get(&live)
+            .map(|m| m.keys().map(|&s| (s, [0; 8])).collect())
+            .unwrap_or_default();
+        now.extend(self.cur[&snapshot].iter().map(|(&s, &v)| (s, v)));
+        self.cur.insert(live, now);
+        stats.rollbacks += 1;
+        Ok(())
     }
 
     /// `root`, and sometimes another (a write a sealing snapshot takes too).
@@ -924,6 +1248,21 @@ impl Sim {
         }
         p.check()
             .unwrap_or_else(|e| panic!("seed {seed}: after crash: {e}"));
+        let mut floors = if landed {
+            self.floors.clone()
+        } else {
+            self.committed_floors.clone()
+        };
+        floors.retain(|root, _| base.contains_key(root));
+        for &root in base.keys() {
+            assert_eq!(
+                p.floor(root).expect("floor"),
+                floors.get(&root).copied().unwrap_or(0),
+                "seed {seed}: root {root}'s floor after crash"
+            );
+        }
+        self.committed_floors.clone_from(&floors);
+        self.floors = floors;
         self.generation = p.generation();
         self.cur = now.clone();
         self.committed = now;
@@ -947,6 +1286,8 @@ fn simulate(seed: u64, stats: &mut SimStats) {
         since: BTreeMap::new(),
         tag: 0,
         generation: 1,
+        floors: BTreeMap::new(),
+        committed_floors: BTreeMap::new(),
     };
     for _ in 0..SIM_OPS {
         sim.step(stats);
@@ -995,6 +1336,10 @@ fn crash_simulation() {
         assert!(stats.no_space > 0 && stats.shared_seen > 0, "{stats:?}");
         assert!(
             stats.roots_created > 1000 && stats.roots_deleted > 1000,
+            "{stats:?}"
+        );
+        assert!(
+            stats.floors_raised > 100 && stats.rollbacks > 100,
             "{stats:?}"
         );
     }
