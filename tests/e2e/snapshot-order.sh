@@ -78,7 +78,7 @@ STOP=$E2E_DIR/writers.stop
 declare -a WRITERS=()
 declare -a PENDING=()
 rounds_done=0 ready=0 given_up=0 refused=0 kills=0 checked=0 records=0
-replaced=0 written=0
+replaced=0 written=0 violations=0 diverged=0
 DEV=
 declare -a LAYOUT_ARGS=()
 
@@ -218,14 +218,15 @@ check_snapshot() {
     fi
     quiet nvpool volume delete "c-$name" || bad "delete clone c-$name"
     quiet nvpool snapshot rm "data@$name" || bad "delete snapshot $name"
+    checked=$((checked + 1))
     if [[ $rc -ne 0 ]]; then
+        violations=$((violations + 1))
         bad "snapshot $name is not a prefix of each writer's records:"
         printf '%s\n' "$out"
         return
     fi
     local ka kb n
     read -r ka kb n <<<"$out"
-    checked=$((checked + 1))
     records=$((records + n))
     [[ -n ${ORDER_VERBOSE:-} ]] && log "snapshot $name: A 0..$((ka - 1)), B 0..$((kb - 1))"
 }
@@ -333,7 +334,7 @@ kill_round() {
     if in_sync data; then
         # The host kept both copies: they must hold the same bytes (the
         # writes in flight at the kill were reissued to the target).
-        copies_agree || how="healed, but the copies differ"
+        copies_agree || { how="healed, but the copies differ" diverged=$((diverged + 1)); }
     else
         how="copies given up, volume replaced"
         replaced=$((replaced + 1))
@@ -388,7 +389,7 @@ check "most rounds took a snapshot ($ready ready)" test "$ready" -gt $((ROUNDS /
 check "nothing is left: no volume" test "$(nvpool volume ls -o json | jq length)" -eq 0
 
 log "summary: seed $SEED, $rounds_done rounds of $LAYOUT in ${elapsed} s: $ready snapshots" \
-    "ready, $checked checked ($records records in them), $given_up given up, $refused refused" \
-    "(copies under way); $kills targets SIGKILLed, volume replaced $replaced times;" \
-    "$written records written"
+    "ready, $checked checked ($records records in them, $violations not a prefix), $given_up" \
+    "given up, $refused refused (copies under way); $kills targets SIGKILLed, copies differing" \
+    "after $diverged kills, volume replaced $replaced times; $written records written"
 summary
