@@ -29,7 +29,7 @@ use crate::plan::{ConnectionPlan, HOST_SUBSYSTEM_PREFIX};
 use crate::state::{Cluster, HostKeys, StateError};
 use nvpool_api::admin::{
     AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, ReleaseRootsBody,
-    SealBody, SecretText, SnapshotTreesBody, StartCopyBody, SubsystemAccess,
+    RollbackBody, SealBody, SecretText, SnapshotTreesBody, StartCopyBody, SubsystemAccess,
 };
 use nvpool_api::client::{segment, Client, ClientError, NO_BODY};
 use nvpool_api::http::{Call, NoAnswer};
@@ -498,6 +498,21 @@ impl TargetAdmin {
             None,
             &format!("sealing {} trees of device {device}", body.snapshots.len()),
             "the device is unknown to the target",
+        )
+    }
+
+    /// Has grain pool `device` give each live tree of `body` the contents
+    /// of its snapshot tree (`POST …/rollback`; the same body again
+    /// changes nothing more). An unknown device or snapshot tree is
+    /// refused.
+    pub(crate) fn rollback(&self, device: &str, body: &RollbackBody) -> Result<(), ProgramError> {
+        self.change_existing(
+            Method::POST,
+            &format!("/v1/devices/{}/rollback", segment(device)),
+            Some(body),
+            None,
+            &format!("rolling back {} trees of device {device}", body.trees.len()),
+            "the device or a snapshot tree is unknown to the target",
         )
     }
 

@@ -1,7 +1,8 @@
 //! A target's admin API on a loopback port, for tests of what the control
 //! plane asks of targets: it says it is `id`, has no subsystem until one
-//! is put, accepts every change (echoing a release's body: every root
-//! dropped) unless told to refuse a path, and records each request.
+//! is put, accepts every change (echoing the body of a release, a
+//! snapshot, a seal or a rollback: all done) unless told to refuse a
+//! path, and records each request.
 //! While `down`, it closes every connection unanswered.
 
 use super::{read_request, Request};
@@ -72,7 +73,8 @@ impl FakeTarget {
                     ("POST", p, _)
                         if p.ends_with("/release")
                             || p.ends_with("/snapshots")
-                            || p.ends_with("/seal") =>
+                            || p.ends_with("/seal")
+                            || p.ends_with("/rollback") =>
                     {
                         ("200 OK".to_owned(), body.clone())
                     }
