@@ -19,9 +19,10 @@
 //! | 1 | first |
 //! | 2 | [`Target`] gains `rdma_addr` (read from format 1 as `None`) |
 //! | 3 | [`Target`] gains `admin_tls` (read from formats 1 and 2 as `false`) |
+//! | 4 | `WriteEpoch` gains its hold, `Confirmed` `held`, `SnapshotRecord` its `group` (`snapshots`; read from format 3 as none) |
 //!
 //! Values are always written in the current format, so once a build writes
-//! format 3 an older build can no longer read what it wrote: upgrade, do
+//! format 4 an older build can no longer read what it wrote: upgrade, do
 //! not downgrade.
 
 use crate::limits::{
@@ -46,7 +47,7 @@ use std::fmt;
 use std::net::SocketAddr;
 
 /// Format byte in front of every value written (see the table above).
-pub const FORMAT: u8 = 3;
+pub const FORMAT: u8 = 4;
 /// The oldest format `decode` still reads.
 pub const FORMAT_MIN: u8 = 1;
 
@@ -126,6 +127,8 @@ impl Stored for Target {
                 let (old, rest) = postcard::take_from_bytes::<TargetV2>(body)?;
                 Ok((old.into(), rest))
             }
+            // Unchanged since format 3.
+            3 => postcard::take_from_bytes(body),
             // `decode` passes only formats below FORMAT; a later change to
             // Target adds a frozen `TargetV3` arm above.
             _ => Err(postcard::Error::DeserializeBadEncoding),
@@ -882,7 +885,7 @@ mod tests {
 
         // Written again, it is the current format, and only that.
         let now = encode(&t);
-        assert_eq!(now[0], 3);
+        assert_eq!(now[0], FORMAT);
         assert_eq!(&now[1..now.len() - 2], &TARGET_FORMAT_1[1..]);
         assert_eq!(
             &now[now.len() - 2..],
@@ -947,11 +950,11 @@ mod tests {
         assert_eq!(read, t);
         assert!(!read.admin_tls, "format 2 knew only plain HTTP");
 
-        // Written again, it is format 3: the same body, admin_tls appended.
+        // Written again, it is the current format: the same body, admin_tls appended.
         let mut https = t.clone();
         https.admin_tls = true;
         let now = encode(&https);
-        assert_eq!(now[0], 3);
+        assert_eq!(now[0], FORMAT);
         assert_eq!(&now[1..now.len() - 1], &TARGET_FORMAT_2[1..]);
         assert_eq!(now.last(), Some(&1), "admin_tls true, appended");
         let mut mislabelled = now.clone();

@@ -25,11 +25,21 @@
 //! The epoch is a record of its own rather than a field of the volume's,
 //! so the volume's stored layout (C4) is unchanged and the raise does not
 //! conflict with attaches, which rewrite the volume record.
+//!
+//! **The hold.** Per engine, the epoch orders that engine's writes; across
+//! engines (a volume written by two, or a group of volumes at one cut,
+//! [`crate::snapshot_groups`]) a raise also sets a *hold*: every engine
+//! admits no new write until every one has confirmed, held, that its older
+//! writes completed; then the hold is cleared. So no write of the new
+//! epoch completes before a write of an old one is issued, on any engine
+//! of the cut. A raise with one writer or none sets no hold (nothing to
+//! order it against, and no stall).
 
 use crate::model::{encode, validate_id, Extent, ModelError, Uuid, Volume, VolumeSpec};
 use crate::state::{unchanged, Cluster, Snapshot, StateError, Txn, Versioned};
 use crate::store::{Condition, Op};
 pub use nvpool_api::rest::SnapshotState;
+use nvpool_api::rest::ENGINE_HOLD_MAX_MS;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -63,9 +73,44 @@ pub struct WriteEpoch {
     pub epoch: u32,
     /// Host NQN → the epoch its engine of `session` tags writes with.
     pub confirmed: BTreeMap<String, Confirmed>,
+    /// When (ms) the raise to `epoch` set a hold on the volume's writers,
+    /// if it did and nobody cleared it yet (stored format 4).
+    pub hold_since_ms: Option<u64>,
 }
 
-impl crate::model::Stored for WriteEpoch {}
+/// Format 3's [`WriteEpoch`] (before holds): read with no hold.
+#[derive(Deserialize)]
+struct WriteEpochV3 {
+    volume: Uuid,
+    epoch: u32,
+    confirmed: BTreeMap<String, ConfirmedV3>,
+}
+
+impl crate::model::Stored for WriteEpoch {
+    fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(WriteEpoch, &[u8])> {
+        let (old, rest) = postcard::take_from_bytes::<WriteEpochV3>(body)?;
+        let _ = format; // write epochs first appeared in format 3
+        let confirmed = old
+            .confirmed
+            .into_iter()
+            .map(|(h, c)| {
+                let c = Confirmed {
+                    session: c.session,
+                    epoch: c.epoch,
+                    held: false,
+                };
+                (h, c)
+            })
+            .collect();
+        let w = WriteEpoch {
+            volume: old.volume,
+            epoch: old.epoch,
+            confirmed,
+            hold_since_ms: None,
+        };
+        Ok((w, rest))
+    }
+}
 
 impl WriteEpoch {
     /// The stored record, or the first epoch with nothing confirmed (no
@@ -76,9 +121,19 @@ impl WriteEpoch {
                 volume: *volume,
                 epoch: FIRST_WRITE_EPOCH,
                 confirmed: BTreeMap::new(),
+                hold_since_ms: None,
             },
             |r| r.value.clone(),
         )
+    }
+
+    /// Whether the writers are held at `now_ms`: a hold older than
+    /// [`ENGINE_HOLD_MAX_MS`] holds nobody (every engine released itself,
+    /// and whoever set it gave up long before), so it is as good as
+    /// cleared: a leftover of a control plane that died at the barrier.
+    pub fn held_at(&self, now_ms: u64) -> bool {
+        self.hold_since_ms
+            .is_some_and(|t| now_ms.saturating_sub(t) < ENGINE_HOLD_MAX_MS)
     }
 }
 
@@ -88,6 +143,15 @@ impl WriteEpoch {
 pub struct Confirmed {
     pub session: u64,
     pub epoch: u32,
+    /// It admits no new write: it saw the hold (stored format 4).
+    pub held: bool,
+}
+
+/// Format 3's [`Confirmed`].
+#[derive(Deserialize)]
+struct ConfirmedV3 {
+    session: u64,
+    epoch: u32,
 }
 
 /// A snapshot of a volume.
@@ -105,9 +169,45 @@ pub struct SnapshotRecord {
     pub extent_bytes: u64,
     /// One per extent copy of the volume, in its extent order.
     pub trees: Vec<SnapshotTree>,
+    /// A group snapshot: every volume of the group, this one among them,
+    /// in the order the group was asked for; empty for a snapshot of one
+    /// volume (stored format 4).
+    pub group: Vec<Uuid>,
 }
 
-impl crate::model::Stored for SnapshotRecord {}
+/// Format 3's [`SnapshotRecord`] (before groups): read as no group.
+#[derive(Deserialize)]
+struct SnapshotRecordV3 {
+    volume: Uuid,
+    name: String,
+    epoch: u32,
+    state: SnapshotState,
+    created_ms: u64,
+    size_bytes: u64,
+    layout: crate::model::Layout,
+    extent_bytes: u64,
+    trees: Vec<SnapshotTree>,
+}
+
+impl crate::model::Stored for SnapshotRecord {
+    fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(SnapshotRecord, &[u8])> {
+        let _ = format; // snapshots first appeared in format 3
+        let (r, rest) = postcard::take_from_bytes::<SnapshotRecordV3>(body)?;
+        let record = SnapshotRecord {
+            volume: r.volume,
+            name: r.name,
+            epoch: r.epoch,
+            state: r.state,
+            created_ms: r.created_ms,
+            size_bytes: r.size_bytes,
+            layout: r.layout,
+            extent_bytes: r.extent_bytes,
+            trees: r.trees,
+            group: Vec::new(),
+        };
+        Ok((record, rest))
+    }
+}
 
 /// A live extent and the snapshot's tree of it, on the same device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -196,8 +296,9 @@ impl Snapshot {
 
     /// The writers of `volume` that have not confirmed `epoch` for their
     /// current session (a writer with no session known counts once it
-    /// confirms with any).
-    pub fn epoch_pending(&self, volume: &Uuid, epoch: u32) -> Vec<String> {
+    /// confirms with any); with `held`, only confirmations made held
+    /// count (the engine admits no new write).
+    pub fn epoch_pending(&self, volume: &Uuid, epoch: u32, held: bool) -> Vec<String> {
         let sessions = self.copy_state(volume).sessions;
         let confirmed = self.write_epochs.get(volume).map(|w| &w.value.confirmed);
         self.writers_of(volume)
@@ -205,11 +306,27 @@ impl Snapshot {
             .filter(|h| {
                 let c = confirmed.and_then(|c| c.get(h));
                 !c.is_some_and(|c| {
-                    c.epoch >= epoch && sessions.get(h).is_none_or(|&s| s == c.session)
+                    c.epoch >= epoch
+                        && (c.held || !held)
+                        && sessions.get(h).is_none_or(|&s| s == c.session)
                 })
             })
             .collect()
     }
+}
+
+/// What [`Cluster::raise_epochs`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Raise {
+    /// Every volume's epoch rose: the new epochs, in the order asked, and
+    /// whether the raise holds their writers (more than one writer in
+    /// all).
+    Raised { epochs: Vec<u32>, held: bool },
+    /// Nothing changed: this volume's epoch is no longer the cut (another
+    /// snapshot raised it meanwhile).
+    Moved { volume: Uuid, epoch: u32 },
+    /// Nothing changed: another snapshot holds this volume's writers.
+    Held { volume: Uuid },
 }
 
 /// What [`Cluster::abandoned`] found.
@@ -229,12 +346,15 @@ pub struct Begun {
     pub created: bool,
 }
 
-fn conflict(kind: &'static str, message: String) -> StateError {
+pub(crate) fn conflict(kind: &'static str, message: String) -> StateError {
     StateError::Conflict { kind, message }
 }
 
 /// The volume's record and its version, or `VolumeNotFound`.
-fn volume_in<'a>(s: &'a Snapshot, uuid: &Uuid) -> Result<&'a Versioned<Volume>, StateError> {
+pub(crate) fn volume_in<'a>(
+    s: &'a Snapshot,
+    uuid: &Uuid,
+) -> Result<&'a Versioned<Volume>, StateError> {
     s.volumes
         .get(uuid)
         .ok_or_else(|| StateError::VolumeNotFound(uuid.to_string()))
@@ -277,15 +397,25 @@ impl Cluster {
             .map_or(FIRST_WRITE_EPOCH, |w| w.value.epoch))
     }
 
+    /// The volume's write epoch and whether its writers are held
+    /// ([`nvpool_api::rest::AttachmentOut::write_hold`]).
+    pub fn write_barrier(&self, volume: &Uuid) -> Result<(u32, bool), StateError> {
+        let w = self.read::<WriteEpoch>("write epoch", &write_epoch_key(volume))?;
+        let w = WriteEpoch::read(w.as_ref(), volume);
+        Ok((w.epoch, w.held_at(self.now())))
+    }
+
     /// `host`'s engine of `session` tags new writes with `epoch` and its
-    /// older writes completed. A session other than the one the host
-    /// registered is `StaleSession` (that engine no longer serves).
+    /// older writes completed; `held`: it admits no new write (it saw the
+    /// hold). A session other than the one the host registered is
+    /// `StaleSession` (that engine no longer serves).
     pub fn confirm_epoch(
         &self,
         volume: &Uuid,
         host: &str,
         session: u64,
         epoch: u32,
+        held: bool,
     ) -> Result<(), StateError> {
         self.transact(|s| {
             volume_in(s, volume)?;
@@ -313,20 +443,22 @@ impl Cluster {
             }
             let read = s.write_epochs.get(volume);
             let mut w = WriteEpoch::read(read, volume);
-            let c = w
-                .confirmed
-                .entry(host.to_owned())
-                .or_insert(Confirmed { session, epoch: 0 });
-            if c.session == session && c.epoch >= epoch {
-                return Ok(Txn::Done(()));
-            }
-            if c.session != session {
-                c.epoch = 0;
-            }
-            *c = Confirmed {
-                session,
-                epoch: c.epoch.max(epoch),
+            let was = w.confirmed.get(host).copied();
+            // The newest word of this session: a lower epoch says nothing
+            // new; the same epoch again may say the engine is now held,
+            // or released.
+            let next = match was {
+                Some(c) if c.session == session && c.epoch > epoch => return Ok(Txn::Done(())),
+                Some(c) if c.session == session && c.epoch == epoch && c.held == held => {
+                    return Ok(Txn::Done(()))
+                }
+                _ => Confirmed {
+                    session,
+                    epoch,
+                    held,
+                },
             };
+            w.confirmed.insert(host.to_owned(), next);
             let key = write_epoch_key(volume);
             Ok(Txn::Commit(
                 vec![unchanged(&key, read.map(|r| r.version))],
@@ -339,32 +471,135 @@ impl Cluster {
     /// Raises the volume's write epoch from `cut` to `cut + 1` and wakes
     /// its attachments' long polls; returns the new epoch. `None` when
     /// the epoch is no longer `cut` (another snapshot raised it
-    /// meanwhile): writes tagged above `cut` may have landed before this
+    /// meanwhile: writes tagged above `cut` may have landed before this
     /// snapshot's trees existed, so its cut is not one and it must be
-    /// given up (a compare-and-set; design/thin-snapshots.md T5).
-    /// Confirmations of hosts no longer attached go.
+    /// given up; a compare-and-set, design/thin-snapshots.md T5) or
+    /// another snapshot holds the volume's writers. With more than one
+    /// writer, the raise holds them ([`Self::raise_epochs`]).
     pub fn raise_epoch(&self, volume: &Uuid, cut: u32) -> Result<Option<u32>, StateError> {
-        let r = self.change_copy_state(volume, |s, cs, conds, ops| {
-            let read = s.write_epochs.get(volume);
-            let mut w = WriteEpoch::read(read, volume);
-            if w.epoch != cut {
-                return Ok(Some(None));
-            }
-            w.epoch = cut.saturating_add(1);
-            w.confirmed
-                .retain(|h, _| s.attachments.contains_key(&(*volume, h.clone())));
-            cs.revision += 1;
-            let key = write_epoch_key(volume);
-            conds.push(unchanged(&key, read.map(|r| r.version)));
-            ops.push(Op::Put(key, encode(&w)));
-            Ok(Some(Some(w.epoch)))
-        })?;
-        Ok(r.flatten())
+        Ok(match self.raise_epochs(&[(*volume, cut)])? {
+            Raise::Raised { epochs, .. } => epochs.first().copied(),
+            Raise::Moved { .. } | Raise::Held { .. } => None,
+        })
     }
 
-    /// Writers of the volume that have not confirmed `epoch` yet.
-    pub fn epoch_pending(&self, volume: &Uuid, epoch: u32) -> Result<Vec<String>, StateError> {
-        Ok(self.snapshot()?.epoch_pending(volume, epoch))
+    /// Raises every `(volume, cut)`'s write epoch to `cut + 1`, all in one
+    /// transaction or none, and wakes their attachments' long polls. If
+    /// they have more than one writer in all, the raise also holds them
+    /// (until [`Self::clear_holds`]). Nothing changes if a volume's epoch
+    /// is no longer its cut, or another snapshot holds its writers (its
+    /// barrier must not be lifted by ours). Confirmations of hosts no
+    /// longer attached go.
+    pub fn raise_epochs(&self, cuts: &[(Uuid, u32)]) -> Result<Raise, StateError> {
+        let distinct: std::collections::BTreeSet<&Uuid> = cuts.iter().map(|(v, _)| v).collect();
+        if distinct.len() != cuts.len() {
+            return Err(ModelError::Invalid("a volume is raised twice in one cut".into()).into());
+        }
+        let now = self.now();
+        self.transact(|s| {
+            let mut writers = 0;
+            for (volume, cut) in cuts {
+                volume_in(s, volume)?;
+                let w = WriteEpoch::read(s.write_epochs.get(volume), volume);
+                if w.epoch != *cut {
+                    return Ok(Txn::Done(Raise::Moved {
+                        volume: *volume,
+                        epoch: w.epoch,
+                    }));
+                }
+                if w.held_at(now) {
+                    return Ok(Txn::Done(Raise::Held { volume: *volume }));
+                }
+                writers += s.writers_of(volume).len();
+            }
+            let held = writers > 1;
+            let (mut conds, mut ops, mut epochs) = (Vec::new(), Vec::new(), Vec::new());
+            for (volume, cut) in cuts {
+                let read = s.write_epochs.get(volume);
+                let mut w = WriteEpoch::read(read, volume);
+                w.epoch = cut.saturating_add(1);
+                w.hold_since_ms = held.then_some(now);
+                w.confirmed
+                    .retain(|h, _| s.attachments.contains_key(&(*volume, h.clone())));
+                let key = write_epoch_key(volume);
+                conds.push(unchanged(&key, read.map(|r| r.version)));
+                ops.push(Op::Put(key, encode(&w)));
+                let mut cs = s.copy_state(volume);
+                cs.revision += 1;
+                let (c, o) = s.copy_state_txn(&cs);
+                conds.push(c);
+                ops.push(o);
+                epochs.push(w.epoch);
+            }
+            Ok(Txn::Commit(conds, ops, Raise::Raised { epochs, held }))
+        })
+    }
+
+    /// Lifts the holds the raises to `(volume, epoch)` set, in one
+    /// transaction, waking the volumes' long polls. Returns the volumes
+    /// whose hold was already gone (cleared by someone else, or never
+    /// set): their writers may have been let go before the barrier was
+    /// complete.
+    pub fn clear_holds(&self, raised: &[(Uuid, u32)]) -> Result<Vec<Uuid>, StateError> {
+        self.transact(|s| {
+            let (mut conds, mut ops, mut gone) = (Vec::new(), Vec::new(), Vec::new());
+            for (volume, epoch) in raised {
+                let read = s.write_epochs.get(volume);
+                let mut w = WriteEpoch::read(read, volume);
+                if w.epoch != *epoch || w.hold_since_ms.is_none() || !s.volumes.contains_key(volume)
+                {
+                    gone.push(*volume);
+                    continue;
+                }
+                w.hold_since_ms = None;
+                let key = write_epoch_key(volume);
+                conds.push(unchanged(&key, read.map(|r| r.version)));
+                ops.push(Op::Put(key, encode(&w)));
+                let mut cs = s.copy_state(volume);
+                cs.revision += 1;
+                let (c, o) = s.copy_state_txn(&cs);
+                conds.push(c);
+                ops.push(o);
+            }
+            if ops.is_empty() {
+                return Ok(Txn::Done(gone));
+            }
+            Ok(Txn::Commit(conds, ops, gone))
+        })
+    }
+
+    /// Lifts every hold older than [`ENGINE_HOLD_MAX_MS`]: whoever set it
+    /// is gone (it gives up at `WRITE_HOLD_MAX_MS`), and no engine still
+    /// honours it. Returns the volumes.
+    pub fn clear_stale_holds(&self) -> Result<Vec<Uuid>, StateError> {
+        let now = self.now();
+        let s = self.snapshot()?;
+        let stale: Vec<(Uuid, u32)> = s
+            .write_epochs
+            .values()
+            .filter(|w| w.value.hold_since_ms.is_some() && !w.value.held_at(now))
+            .map(|w| (w.value.volume, w.value.epoch))
+            .collect();
+        if stale.is_empty() {
+            return Ok(Vec::new());
+        }
+        let gone = self.clear_holds(&stale)?;
+        Ok(stale
+            .into_iter()
+            .map(|(v, _)| v)
+            .filter(|v| !gone.contains(v))
+            .collect())
+    }
+
+    /// Writers of the volume that have not confirmed `epoch` yet (held,
+    /// if `held`).
+    pub fn epoch_pending(
+        &self,
+        volume: &Uuid,
+        epoch: u32,
+        held: bool,
+    ) -> Result<Vec<String>, StateError> {
+        Ok(self.snapshot()?.epoch_pending(volume, epoch, held))
     }
 
     /// Records snapshot `name` of `volume` as `creating` at the volume's
@@ -373,51 +608,18 @@ impl Cluster {
     pub fn begin_snapshot(&self, volume: &Uuid, name: &str) -> Result<Begun, StateError> {
         validate_id("snapshot name", name, crate::limits::NAME_BYTES_MAX)?;
         self.transact_allocation(|s| {
-            let v = volume_in(s, volume)?;
+            volume_in(s, volume)?;
             if let Some(r) = s.snapshots.get(&(*volume, name.to_owned())) {
                 return Ok(Txn::Done(Begun {
                     record: r.value.clone(),
                     created: false,
                 }));
             }
-            if !s.all_thin(&v.value) {
-                return Err(StateError::Unprocessable {
-                    kind: "thick_volume",
-                    message: format!(
-                        "volume {volume} is thick: only thin volumes (on grain pools) have snapshots"
-                    ),
-                });
-            }
-            if !s.copy_state(volume).jobs.is_empty() {
-                return Err(conflict(
-                    "copy_in_progress",
-                    format!(
-                        "volume {volume} has copies under way (resync or move); \
-                         snapshot it once they are over"
-                    ),
-                ));
-            }
             let mut a = self.allocator(s)?;
-            let trees = allocate_trees(&mut a, &v.value.extents)?;
-            let record = SnapshotRecord {
-                volume: *volume,
-                name: name.to_owned(),
-                epoch: s.write_epoch(volume),
-                state: SnapshotState::Creating,
-                created_ms: self.now(),
-                size_bytes: v.value.size_bytes,
-                layout: v.value.layout,
-                extent_bytes: v.value.extent_bytes,
-                trees,
-            };
-            let key = snapshot_key(volume, name);
-            let vkey = crate::state::keys::volume(volume);
+            let (record, conds, op) = self.new_snapshot(s, &mut a, volume, name, Vec::new())?;
             Ok(Txn::Commit(
-                vec![
-                    Condition::Missing(key.clone()),
-                    Condition::VersionIs(vkey, v.version),
-                ],
-                vec![Op::Put(key, encode(&record))],
+                conds,
+                vec![op],
                 Begun {
                     record,
                     created: true,
@@ -426,18 +628,118 @@ impl Cluster {
         })
     }
 
-    /// Marks a creating snapshot ready.
-    pub fn finish_snapshot(&self, volume: &Uuid, name: &str) -> Result<SnapshotRecord, StateError> {
-        self.update("snapshot", &snapshot_key(volume, name), |r| {
-            let mut r: SnapshotRecord = r.ok_or_else(|| StateError::SnapshotNotFound {
-                volume: *volume,
-                name: name.to_owned(),
-            })?;
-            if r.state == SnapshotState::Ready {
-                return Ok((None, r));
+    /// A new `creating` record of snapshot `name` of `volume` in `s` at
+    /// the volume's write epoch, its trees allocated in `a`; the
+    /// conditions it needs (no such snapshot, the volume as read) and the
+    /// op that stores it. Refused for thick volumes and while copies run.
+    pub(crate) fn new_snapshot(
+        &self,
+        s: &Snapshot,
+        a: &mut crate::placement::Allocator,
+        volume: &Uuid,
+        name: &str,
+        group: Vec<Uuid>,
+    ) -> Result<(SnapshotRecord, Vec<Condition>, Op), StateError> {
+        let v = volume_in(s, volume)?;
+        if !s.all_thin(&v.value) {
+            return Err(StateError::Unprocessable {
+                kind: "thick_volume",
+                message: format!(
+                    "volume {volume} is thick: only thin volumes (on grain pools) have snapshots"
+                ),
+            });
+        }
+        if !s.copy_state(volume).jobs.is_empty() {
+            return Err(conflict(
+                "copy_in_progress",
+                format!(
+                    "volume {volume} has copies under way (resync or move); \
+                     snapshot it once they are over"
+                ),
+            ));
+        }
+        let trees = allocate_trees(a, &v.value.extents)?;
+        let record = SnapshotRecord {
+            volume: *volume,
+            name: name.to_owned(),
+            epoch: s.write_epoch(volume),
+            state: SnapshotState::Creating,
+            created_ms: self.now(),
+            size_bytes: v.value.size_bytes,
+            layout: v.value.layout,
+            extent_bytes: v.value.extent_bytes,
+            trees,
+            group,
+        };
+        let key = snapshot_key(volume, name);
+        let vkey = crate::state::keys::volume(volume);
+        let conds = vec![
+            Condition::Missing(key.clone()),
+            Condition::VersionIs(vkey, v.version),
+        ];
+        Ok((record.clone(), conds, Op::Put(key, encode(&record))))
+    }
+
+    /// Marks creating snapshots ready, all in one transaction.
+    pub fn finish_snapshots(
+        &self,
+        snaps: &[(Uuid, String)],
+    ) -> Result<Vec<SnapshotRecord>, StateError> {
+        self.transact(|s| {
+            let (mut conds, mut ops, mut out) = (Vec::new(), Vec::new(), Vec::new());
+            for (volume, name) in snaps {
+                let r = s.snapshots.get(&(*volume, name.clone())).ok_or_else(|| {
+                    StateError::SnapshotNotFound {
+                        volume: *volume,
+                        name: name.clone(),
+                    }
+                })?;
+                let mut record = r.value.clone();
+                if record.state != SnapshotState::Ready {
+                    record.state = SnapshotState::Ready;
+                    let key = snapshot_key(volume, name);
+                    conds.push(Condition::VersionIs(key.clone(), r.version));
+                    ops.push(Op::Put(key, encode(&record)));
+                }
+                out.push(record);
             }
-            r.state = SnapshotState::Ready;
-            Ok((Some(r.clone()), r))
+            if ops.is_empty() {
+                return Ok(Txn::Done(out));
+            }
+            Ok(Txn::Commit(conds, ops, out))
+        })
+    }
+
+    /// Gives creating snapshots up, all in one transaction: their records
+    /// go and their trees are freed. Returns the records dropped (one
+    /// already gone, or ready, is left as it is).
+    pub fn drop_creating(
+        &self,
+        snaps: &[(Uuid, String)],
+    ) -> Result<Vec<SnapshotRecord>, StateError> {
+        self.transact_allocation(|s| {
+            let (mut conds, mut ops, mut dropped) = (Vec::new(), Vec::new(), Vec::new());
+            let mut trees = Vec::new();
+            for (volume, name) in snaps {
+                let Some(r) = s.snapshots.get(&(*volume, name.clone())) else {
+                    continue;
+                };
+                if r.value.state != SnapshotState::Creating {
+                    continue;
+                }
+                let key = snapshot_key(volume, name);
+                conds.push(Condition::VersionIs(key.clone(), r.version));
+                ops.push(Op::Delete(key));
+                trees.extend(r.value.trees.iter().cloned());
+                dropped.push(r.value.clone());
+            }
+            if ops.is_empty() {
+                return Ok(Txn::Done(dropped));
+            }
+            // One pass over every tree: a target's stale exports are one
+            // record, written once.
+            s.free_trees(&trees, &mut conds, &mut ops);
+            Ok(Txn::Commit(conds, ops, dropped))
         })
     }
 
@@ -712,6 +1014,7 @@ mod protocol {
     use super::*;
     use crate::program::{reconcile, ProgramError, TargetAdmin};
     use nvpool_api::admin::{SealBody, SnapshotTree as AdminTree, SnapshotTreesBody};
+    use nvpool_api::rest::WRITE_HOLD_MAX_MS;
     use std::time::{Duration, Instant};
 
     const CONFIRM_STEP: Duration = Duration::from_millis(50);
@@ -748,51 +1051,140 @@ mod protocol {
         Ok(())
     }
 
-    /// The steps of T5 after the record: trees, epoch, confirmations, seal.
-    fn drive(cluster: &Cluster, r: &SnapshotRecord) -> Result<SnapshotRecord, ProgramError> {
-        create_trees(cluster, &r.trees, r.epoch)?;
-        let Some(next) = cluster.raise_epoch(&r.volume, r.epoch)? else {
-            return Err(StateError::SnapshotFailed {
-                volume: r.volume,
-                name: r.name.clone(),
-                reason: format!(
-                    "another snapshot raised the volume's write epoch past {} meanwhile; \
-                     take it again",
-                    r.epoch
-                ),
-            }
-            .into());
-        };
-        let wait = Duration::from_millis(cluster.snapshot_confirm_wait_ms());
-        let deadline = Instant::now() + wait;
-        loop {
-            let pending = cluster.epoch_pending(&r.volume, next)?;
-            if pending.is_empty() {
-                break;
-            }
-            if Instant::now() >= deadline || cluster.closing() {
-                return Err(StateError::SnapshotFailed {
-                    volume: r.volume,
-                    name: r.name.clone(),
-                    reason: format!(
-                        "{} did not confirm write epoch {next} within {} ms",
-                        pending.join(", "),
-                        wait.as_millis()
+    /// The steps of T5 after the records, for one volume's snapshot or a
+    /// group's at one cut: trees, epochs raised (all or none; held if the
+    /// cut has more than one writer), confirmations, holds lifted, seal,
+    /// ready. A hold this sets is lifted on every path once set.
+    fn drive(
+        cluster: &Cluster,
+        rs: &[SnapshotRecord],
+    ) -> Result<Vec<SnapshotRecord>, ProgramError> {
+        for r in rs {
+            create_trees(cluster, &r.trees, r.epoch)?;
+        }
+        let cuts: Vec<(Uuid, u32)> = rs.iter().map(|r| (r.volume, r.epoch)).collect();
+        // The barrier's budget counts from before any hold is set.
+        let start = Instant::now();
+        let (epochs, held) = match cluster.raise_epochs(&cuts)? {
+            Raise::Raised { epochs, held } => (epochs, held),
+            Raise::Moved { volume, epoch } => {
+                let cut = cuts.iter().find(|c| c.0 == volume).map_or(epoch, |c| c.1);
+                return Err(failed(
+                    rs,
+                    volume,
+                    format!(
+                        "another snapshot raised the volume's write epoch past {cut} meanwhile; \
+                         take it again"
                     ),
+                ));
+            }
+            Raise::Held { volume } => {
+                return Err(failed(
+                    rs,
+                    volume,
+                    "another snapshot holds the volume's writers at its barrier; take it again"
+                        .to_owned(),
+                ))
+            }
+        };
+        let raised: Vec<(Uuid, u32)> = cuts.iter().map(|c| c.0).zip(epochs).collect();
+        let waited = wait_confirmed(cluster, rs, &raised, held, start);
+        if held {
+            match cluster.clear_holds(&raised) {
+                Ok(gone) => {
+                    if let (Ok(()), Some(v)) = (&waited, gone.first()) {
+                        return Err(failed(
+                            rs,
+                            *v,
+                            "the hold on the volume's writers was lifted before every writer \
+                             reached the barrier"
+                                .to_owned(),
+                        ));
+                    }
                 }
-                .into());
+                Err(e) if waited.is_ok() => return Err(e.into()),
+                // The wait's failure is the one to report; the leader
+                // lifts a leftover hold once it is stale.
+                Err(e) => tracing::warn!(error = %e, "lifting the write holds failed"),
+            }
+        }
+        waited?;
+        for r in rs {
+            for (target, devices) in by_device(&r.trees) {
+                let t = cluster.target(&target)?.target;
+                let admin = TargetAdmin::new(cluster, &t)?;
+                for (device, trees) in devices {
+                    let snapshots = trees.iter().map(|t| t.snapshot).collect();
+                    admin.seal(&device, &SealBody { snapshots })?;
+                }
+            }
+        }
+        Ok(cluster.finish_snapshots(&keys(rs))?)
+    }
+
+    /// `SnapshotFailed` for the cut of `rs`, at `volume`.
+    fn failed(rs: &[SnapshotRecord], volume: Uuid, reason: String) -> ProgramError {
+        let name = rs.first().map(|r| r.name.clone()).unwrap_or_default();
+        StateError::SnapshotFailed {
+            volume,
+            name,
+            reason,
+        }
+        .into()
+    }
+
+    fn keys(rs: &[SnapshotRecord]) -> Vec<(Uuid, String)> {
+        rs.iter().map(|r| (r.volume, r.name.clone())).collect()
+    }
+
+    /// Waits until every writer of every volume confirmed its raised
+    /// epoch (held, if `held`): within the confirmation wait, and a held
+    /// one also within [`WRITE_HOLD_MAX_MS`] of `start`.
+    fn wait_confirmed(
+        cluster: &Cluster,
+        rs: &[SnapshotRecord],
+        raised: &[(Uuid, u32)],
+        held: bool,
+        start: Instant,
+    ) -> Result<(), ProgramError> {
+        let mut wait_ms = cluster.snapshot_confirm_wait_ms();
+        if held {
+            wait_ms = wait_ms.min(WRITE_HOLD_MAX_MS);
+        }
+        let deadline = start + Duration::from_millis(wait_ms);
+        loop {
+            let s = cluster.snapshot()?;
+            let pending: Vec<(Uuid, u32, Vec<String>)> = raised
+                .iter()
+                .map(|&(v, e)| (v, e, s.epoch_pending(&v, e, held)))
+                .filter(|p| !p.2.is_empty())
+                .collect();
+            let Some(&(first, _, _)) = pending.first() else {
+                return Ok(());
+            };
+            if Instant::now() >= deadline || cluster.closing() {
+                let group = raised.len() > 1;
+                let who: Vec<String> = pending
+                    .iter()
+                    .map(|(v, e, hosts)| {
+                        let mut m = format!("{} did not confirm write epoch {e}", hosts.join(", "));
+                        if group {
+                            m.push_str(&format!(" of volume {v}"));
+                        }
+                        if held {
+                            m.push_str(" held");
+                        }
+                        m
+                    })
+                    .collect();
+                return Err(failed(
+                    rs,
+                    first,
+                    format!("{} within {wait_ms} ms", who.join("; ")),
+                ));
             }
             std::thread::sleep(CONFIRM_STEP);
         }
-        for (target, devices) in by_device(&r.trees) {
-            let t = cluster.target(&target)?.target;
-            let admin = TargetAdmin::new(cluster, &t)?;
-            for (device, trees) in devices {
-                let snapshots = trees.iter().map(|t| t.snapshot).collect();
-                admin.seal(&device, &SealBody { snapshots })?;
-            }
-        }
-        Ok(cluster.finish_snapshot(&r.volume, &r.name)?)
     }
 
     /// Has the targets of `trees` release them now (reconciliation would
@@ -820,35 +1212,62 @@ mod protocol {
         if !begun.created {
             return Ok((begun.record, false));
         }
-        match drive(cluster, &begun.record) {
-            Ok(r) => {
-                tracing::info!(%volume, snapshot = name, epoch = r.epoch, trees = r.trees.len(),
-                    "snapshot created");
-                Ok((r, true))
+        let r = take(cluster, &[begun.record])?
+            .into_iter()
+            .next()
+            .ok_or_else(|| StateError::Inconsistent(format!("snapshot {name} finished as none")))?;
+        Ok((r, true))
+    }
+
+    /// Drives the begun snapshots `rs` (one volume's, or a group's at one
+    /// cut) to ready; on any failure gives them all up and is
+    /// `SnapshotFailed`, naming the volume it failed at and why.
+    pub(crate) fn take(
+        cluster: &Cluster,
+        rs: &[SnapshotRecord],
+    ) -> Result<Vec<SnapshotRecord>, ProgramError> {
+        match drive(cluster, rs) {
+            Ok(done) => {
+                for r in &done {
+                    tracing::info!(volume = %r.volume, snapshot = %r.name, epoch = r.epoch,
+                        trees = r.trees.len(), group = r.group.len(), "snapshot created");
+                }
+                Ok(done)
             }
             Err(e) => {
-                let reason = match e {
-                    ProgramError::State(StateError::SnapshotFailed { reason, .. }) => reason,
-                    other => other.to_string(),
+                let (volume, mut reason) = match e {
+                    ProgramError::State(StateError::SnapshotFailed { volume, reason, .. }) => {
+                        (volume, reason)
+                    }
+                    other => (
+                        rs.first().map_or(Uuid([0; 16]), |r| r.volume),
+                        other.to_string(),
+                    ),
                 };
-                tracing::warn!(%volume, snapshot = name, reason = %reason, "snapshot given up");
-                give_up(cluster, volume, name);
-                Err(StateError::SnapshotFailed {
-                    volume: *volume,
-                    name: name.to_owned(),
-                    reason,
+                if rs.len() > 1 {
+                    reason.push_str(&format!(
+                        " (every snapshot of the group of {} volumes was given up)",
+                        rs.len()
+                    ));
                 }
-                .into())
+                tracing::warn!(%volume, reason = %reason, snapshots = rs.len(),
+                    "snapshot given up");
+                give_up(cluster, rs);
+                Err(failed(rs, volume, reason))
             }
         }
     }
 
-    /// Gives a creating snapshot up: record gone, trees freed and released.
-    fn give_up(cluster: &Cluster, volume: &Uuid, name: &str) {
-        match cluster.drop_snapshot(volume, name, true) {
-            Ok(r) => release(cluster, &r.trees),
-            Err(e) => tracing::warn!(%volume, snapshot = name, error = %e,
-                "giving the snapshot up failed; the leader retries"),
+    /// Gives creating snapshots up: records gone, trees freed and
+    /// released.
+    fn give_up(cluster: &Cluster, rs: &[SnapshotRecord]) {
+        match cluster.drop_creating(&keys(rs)) {
+            Ok(dropped) => {
+                let trees: Vec<SnapshotTree> = dropped.into_iter().flat_map(|r| r.trees).collect();
+                release(cluster, &trees);
+            }
+            Err(e) => tracing::warn!(error = %e, snapshots = rs.len(),
+                "giving the snapshots up failed; the leader retries"),
         }
     }
 
@@ -900,12 +1319,27 @@ mod protocol {
 
     /// Gives up snapshots and clones whose creator is gone (a restart, a
     /// new leader): the leader's work.
+    /// Holds on writers left by a creator that died at its barrier are
+    /// lifted too (any hold past `ENGINE_HOLD_MAX_MS`).
     pub fn give_up_abandoned(cluster: &Cluster, age_ms: u64) -> Result<usize, StateError> {
+        for volume in cluster.clear_stale_holds()? {
+            tracing::warn!(%volume, "write hold left by a snapshot whose creator is gone; lifted");
+        }
         let Abandoned { snapshots, clones } = cluster.abandoned(age_ms)?;
         let n = snapshots.len() + clones.len();
         for (volume, name) in snapshots {
             tracing::warn!(%volume, snapshot = %name, "snapshot abandoned while creating; given up");
-            give_up(cluster, &volume, &name);
+            if let Err(e) = cluster
+                .drop_creating(&[(volume, name.clone())])
+                .map(|dropped| {
+                    let trees: Vec<SnapshotTree> =
+                        dropped.into_iter().flat_map(|r| r.trees).collect();
+                    release(cluster, &trees);
+                })
+            {
+                tracing::warn!(%volume, snapshot = %name, error = %e,
+                    "giving the snapshot up failed; the leader retries");
+            }
         }
         for uuid in clones {
             tracing::warn!(volume = %uuid, "clone abandoned while creating; given up");
@@ -917,5 +1351,105 @@ mod protocol {
             }
         }
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{decode, Layout, Stored};
+
+    #[derive(Serialize)]
+    struct Format3Confirmed {
+        session: u64,
+        epoch: u32,
+    }
+
+    #[derive(Serialize)]
+    struct Format3WriteEpoch {
+        volume: Uuid,
+        epoch: u32,
+        confirmed: BTreeMap<String, Format3Confirmed>,
+    }
+
+    #[derive(Serialize)]
+    struct Format3Snapshot {
+        volume: Uuid,
+        name: String,
+        epoch: u32,
+        state: SnapshotState,
+        created_ms: u64,
+        size_bytes: u64,
+        layout: Layout,
+        extent_bytes: u64,
+        trees: Vec<SnapshotTree>,
+    }
+
+    fn format_3<T: Serialize>(v: &T) -> Vec<u8> {
+        let mut out = vec![3];
+        out.extend(postcard::to_allocvec(v).unwrap());
+        out
+    }
+
+    fn round_trip<T: Stored + PartialEq + std::fmt::Debug>(v: &T) {
+        assert_eq!(decode::<T>("value", &encode(v)).as_ref(), Ok(v));
+    }
+
+    #[test]
+    fn format_3_write_epochs_read_with_no_hold() {
+        let volume = Uuid([7; 16]);
+        let old = Format3WriteEpoch {
+            volume,
+            epoch: 4,
+            confirmed: [(
+                "h".to_owned(),
+                Format3Confirmed {
+                    session: 9,
+                    epoch: 4,
+                },
+            )]
+            .into(),
+        };
+        let read: WriteEpoch = decode("write epoch", &format_3(&old)).unwrap();
+        assert_eq!(read.epoch, 4);
+        assert_eq!(read.hold_since_ms, None);
+        assert_eq!(
+            read.confirmed["h"],
+            Confirmed {
+                session: 9,
+                epoch: 4,
+                held: false
+            }
+        );
+        let mut held = read.clone();
+        held.hold_since_ms = Some(5);
+        held.confirmed.get_mut("h").unwrap().held = true;
+        round_trip(&held);
+        assert!(held.held_at(5 + ENGINE_HOLD_MAX_MS - 1));
+        assert!(
+            !held.held_at(5 + ENGINE_HOLD_MAX_MS),
+            "past the engines' own limit"
+        );
+    }
+
+    #[test]
+    fn format_3_snapshots_read_as_no_group() {
+        let old = Format3Snapshot {
+            volume: Uuid([7; 16]),
+            name: "s1".into(),
+            epoch: 2,
+            state: SnapshotState::Ready,
+            created_ms: 3,
+            size_bytes: 1 << 20,
+            layout: Layout::Concat,
+            extent_bytes: 1 << 20,
+            trees: Vec::new(),
+        };
+        let read: SnapshotRecord = decode("snapshot", &format_3(&old)).unwrap();
+        assert_eq!((read.name.as_str(), read.epoch), ("s1", 2));
+        assert!(read.group.is_empty());
+        let mut grouped = read;
+        grouped.group = vec![Uuid([7; 16]), Uuid([8; 16])];
+        round_trip(&grouped);
     }
 }

@@ -154,6 +154,7 @@ pub(super) fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentO
         moving: Vec::new(),
         revision: 0,
         write_epoch: 0,
+        write_hold: false,
         plan,
     }
 }
@@ -170,7 +171,7 @@ pub(super) fn attachment_with_plan(
     out.syncing = copies.syncing;
     out.moving = copies.moving;
     out.revision = copies.revision;
-    out.write_epoch = c.write_epoch(&out.volume)?;
+    (out.write_epoch, out.write_hold) = c.write_barrier(&out.volume)?;
     Ok(out)
 }
 

@@ -188,7 +188,7 @@ pub(in crate::api) async fn put_epoch(
 ) -> Result<StatusCode, ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
-    api.run(move |c| c.confirm_epoch(&uuid, &host, body.session, body.epoch))
+    api.run(move |c| c.confirm_epoch(&uuid, &host, body.session, body.epoch, body.held))
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

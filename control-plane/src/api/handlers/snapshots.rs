@@ -18,6 +18,7 @@ pub(in crate::api) fn snapshot_out(r: SnapshotRecord) -> SnapshotOut {
         state: r.state,
         created_ms: r.created_ms,
         size_bytes: r.size_bytes,
+        group: r.group,
     }
 }
 
