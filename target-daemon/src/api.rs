@@ -27,7 +27,8 @@
 //! | `DELETE /v1/copies/{id}` | cancel if running, disarm the guard, forget |
 //! | `POST /v1/devices/{id}/release` | drop trees of a grain pool device (body and answer: `{"roots": [...]}`, the answer listing those that existed); 409 `in_use` when a namespace has one open (nothing dropped), 409 `not_grain_pool`, 404 for an unknown device; a released snapshot tree stops sealing, a released live tree's epochs are forgotten |
 //! | `POST /v1/devices/{id}/snapshots` | new trees sharing everything with live ones, sealing at `epoch` > 0 (body and answer `{"epoch": E, "trees": [{"live": L, "snapshot": S}]}`, committed before the answer); a still-sealing tree again is a retry; 409 `tree_exists`, 404 `unknown_tree` (live, with epoch 0; with E > 0 a live tree never exported is created empty), 409 `epoch_sealed` (E not above a sealed epoch of L), 400 `invalid` (S ≥ 2^32), 507 `no_space`; nothing is created on any error |
-//! | `POST /v1/devices/{id}/seal` | seal snapshot trees (body and answer `{"snapshots": [...]}`, committed before the answer): writes to their live trees tagged at or below their epoch answer Reservation Conflict; one sealed earlier since the target started is a retry; 409 `not_sealing` (nothing sealed) |
+//! | `POST /v1/devices/{id}/seal` | seal snapshot trees (body and answer `{"snapshots": [...]}`, committed before the answer): writes to their live trees tagged at or below their epoch answer Reservation Conflict; one sealed earlier since the target started is a retry; 409 `not_sealing` (nothing sealed), 507 `no_space` (no metadata page for the floor); the live trees' floors are kept in the pool across a restart, the sealing state is not |
+//! | `POST /v1/devices/{id}/rollback` | live trees take their snapshots' contents (body and answer `{"trees": [{"live": L, "snapshot": S}]}`, committed before the answer): L shares everything with S, its own grains are freed, S is unchanged and L's floor kept; an unknown L is created; the same request again changes nothing; 404 `unknown_tree` (S), 409 `sealing` (L has a snapshot sealing, or L or S is one), 400 `invalid` (L ≥ 2^32), 507 `no_space`; nothing changes on any error |
 //!
 //! The router is built from one table ([`routes`] lists it), so a test can
 //! drive every route there is.
@@ -60,7 +61,7 @@ use axum::routing::{on, MethodFilter, MethodRouter};
 use axum::{Json, Router};
 use nvpool_api::admin::{
     AnaStateBody, CopyRequest, CopyStatus, DhchapKeys, Identity, NamespaceBody, ReleaseRootsBody,
-    SealBody, SnapshotTreesBody, StartCopyBody,
+    RollbackBody, SealBody, SnapshotTreesBody, StartCopyBody,
 };
 use nvpool_api::serve::{Peer, ServerThread};
 use nvpool_api::tls::ServerTls;
@@ -154,6 +155,7 @@ fn table() -> Vec<Route> {
         route(M::POST, "/v1/devices/{id}/release", release_roots),
         route(M::POST, "/v1/devices/{id}/snapshots", snapshot_trees),
         route(M::POST, "/v1/devices/{id}/seal", seal_snapshots),
+        route(M::POST, "/v1/devices/{id}/rollback", rollback_trees),
     ]
 }
 
@@ -310,6 +312,7 @@ impl From<ThinError> for ApiError {
             ThinError::RootExists(_) => (StatusCode::CONFLICT, "tree_exists"),
             ThinError::EpochSealed { .. } => (StatusCode::CONFLICT, "epoch_sealed"),
             ThinError::NotSealing(_) => (StatusCode::CONFLICT, "not_sealing"),
+            ThinError::Sealing(_) => (StatusCode::CONFLICT, "sealing"),
             ThinError::RootId(_) => (StatusCode::BAD_REQUEST, "invalid"),
             ThinError::NoSpace => (StatusCode::INSUFFICIENT_STORAGE, "no_space"),
             _ => (StatusCode::UNPROCESSABLE_ENTITY, "backend"),
@@ -847,5 +850,19 @@ async fn seal_snapshots(
     let pool = grain_pool(&api, &id)?;
     let snapshots = b.snapshots.clone();
     blocking(move || pool.seal(&snapshots)).await?;
+    Ok(Json(b))
+}
+
+/// Rolls live trees back to snapshots ([`RollbackBody`] is the spec); see
+/// [`ThinPool::rollback`].
+async fn rollback_trees(
+    State(api): State<Api>,
+    Path(id): Path<String>,
+    JsonBody(b): JsonBody<RollbackBody>,
+) -> Result<Json<RollbackBody>, ApiError> {
+    let pool = grain_pool(&api, &id)?;
+    let trees: Vec<(u64, u64)> = b.trees.iter().map(|t| (t.live, t.snapshot)).collect();
+    // Frees grains and commits: device I/O, off the runtime.
+    blocking(move || pool.rollback(&trees)).await?;
     Ok(Json(b))
 }

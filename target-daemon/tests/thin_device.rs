@@ -3,6 +3,9 @@
 //! control plane exports from it serve I/O, their usage goes into the
 //! heartbeat, and the admin API releases a tree only once no namespace
 //! serves it, after which its space is free and the tree reads as new.
+//! Snapshot trees (T5) take the writes tagged up to their epoch, a sealed
+//! epoch refuses older writes across a restart too, and a rollback (T6)
+//! gives a live tree its snapshot's contents under its open namespace.
 
 mod common;
 
@@ -419,4 +422,158 @@ fn a_snapshot_takes_the_writes_tagged_up_to_its_epoch_until_sealed_then_refuses_
     let (_a2, mut q2) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
     assert_eq!(q2.read_ok(2, 0, 4, 4096), want, "the snapshot");
     assert_eq!(q2.read_ok(3, 0, 4, 4096), want, "the clone");
+}
+
+/// `{"trees": [{"live": L, "snapshot": S}, …]}`, the body of `…/rollback`.
+fn rollback_body(trees: &[(u64, u64)]) -> serde_json::Value {
+    let trees: Vec<_> = trees
+        .iter()
+        .map(|&(live, snapshot)| serde_json::json!({"live": live, "snapshot": snapshot}))
+        .collect();
+    serde_json::json!({ "trees": trees })
+}
+
+#[test]
+fn a_rollback_gives_the_live_tree_the_snapshots_contents_under_its_open_namespace() {
+    let (_dir, path) = scratch_file(64 * MIB);
+    let (_fdir, plain) = scratch_file(8 * MIB);
+    let pool_dev = probe("p0", &thin_device(&path)).unwrap();
+    let pool = pool_dev.pool().unwrap().clone();
+    let (serving, _target) = start(vec![
+        pool_dev.clone(),
+        probe("f0", &file_spec(&plain)).unwrap(),
+    ]);
+    let api = serving.admin_addr();
+    export(api, &extent_spec(&pool_dev.backend, 3 * MIB, 16 * MIB));
+    let (_a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    let a = pattern(1, 4 * 4096);
+    let b = pattern(2, 4 * 4096);
+
+    // A, a snapshot of it at epoch 1, then B over it at epoch 2.
+    write_tagged(&mut q, 1, 0, &a).ok();
+    let begin = serde_json::json!({"epoch": 1, "trees": [{"live": 3, "snapshot": 1000}]});
+    assert_eq!(post(api, "p0", "snapshots", &begin).status, 200);
+    let seal = serde_json::json!({"snapshots": [1000]});
+    assert_eq!(post(api, "p0", "seal", &seal).status, 200);
+    assert_eq!(pool.used_bytes(), GRAIN, "one grain, both trees");
+    write_tagged(&mut q, 2, 0, &b).ok();
+    q.flush(1).ok();
+    assert_eq!(q.read_ok(1, 0, 4, 4096), b);
+    assert_eq!(pool.used_bytes(), 2 * GRAIN, "the live tree's own copy");
+
+    // Refusals change nothing.
+    let rollback = |trees: &[(u64, u64)]| post(api, "p0", "rollback", &rollback_body(trees));
+    assert_error(&rollback(&[(3, 1000), (4, 999)]), 404, "unknown_tree");
+    assert_error(&rollback(&[(3, 1000), (1 << 32, 1000)]), 400, "invalid");
+    assert_error(
+        &post(
+            api,
+            "p0",
+            "rollback",
+            &serde_json::json!({"trees": [{"live": 3}]}),
+        ),
+        400,
+        "invalid",
+    );
+    assert_error(
+        &post(api, "f0", "rollback", &rollback_body(&[(3, 1000)])),
+        409,
+        "not_grain_pool",
+    );
+    assert_error(
+        &post(api, "nope", "rollback", &rollback_body(&[(3, 1000)])),
+        404,
+        "not_found",
+    );
+    let sealing = serde_json::json!({"epoch": 5, "trees": [{"live": 3, "snapshot": 1001}]});
+    assert_eq!(post(api, "p0", "snapshots", &sealing).status, 200);
+    assert_error(&rollback(&[(3, 1000)]), 409, "sealing");
+    assert_eq!(release(api, "p0", &[1001]).status, 200, "given up");
+    assert_eq!(q.read_ok(1, 0, 4, 4096), b, "nothing rolled back");
+    assert_eq!(pool.used_bytes(), 2 * GRAIN);
+
+    // The namespace stays open across the rollback and reads A from the
+    // next command on; the live tree's own grain is free again.
+    let body = rollback_body(&[(3, 1000), (9, 1000)]);
+    let r = post(api, "p0", "rollback", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), body, "the request echoed");
+    assert_eq!(q.read_ok(1, 0, 4, 4096), a);
+    assert_eq!(pool.used_bytes(), GRAIN, "committed: its grain is free");
+    let r = post(api, "p0", "rollback", &body);
+    assert_eq!(r.status, 200, "a retry: {}", r.body);
+    assert_eq!(q.read_ok(1, 0, 4, 4096), a);
+    assert_eq!(pool.used_bytes(), GRAIN);
+
+    // The floor stays; writes after it go to the live tree only.
+    write_tagged(&mut q, 1, 0, &b[..4096]).expect_status(Status::RESERVATION_CONFLICT);
+    write_tagged(&mut q, 2, 1, &b[..4096]).ok();
+    assert_eq!(
+        q.read_ok(1, 0, 4, 4096),
+        [&a[..4096], &b[..4096], &a[2 * 4096..]].concat()
+    );
+    let spec = format!("{},root=1000,size={}", pool_dev.backend, 16 * MIB);
+    let body = serde_json::json!({ "backend": spec }).to_string();
+    let r = http(
+        api,
+        "PUT",
+        &format!("/v1/subsystems/{SUBNQN}/namespaces/2"),
+        Some(&body),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let (_a2, mut q2) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    assert_eq!(q2.read_ok(2, 0, 4, 4096), a, "the snapshot is unchanged");
+    // The live tree the request named and the pool did not hold was made.
+    let r = release(api, "p0", &[9]);
+    assert_eq!(r.json(), serde_json::json!({"roots": [9]}), "{}", r.body);
+}
+
+#[test]
+fn the_sealed_floor_survives_a_restart_of_the_target() {
+    let (_dir, path) = scratch_file(64 * MIB);
+    let spec = {
+        let pool_dev = probe("p0", &thin_device(&path)).unwrap();
+        let weak = Arc::downgrade(pool_dev.pool().unwrap());
+        let (serving, target) = start(vec![pool_dev.clone()]);
+        let api = serving.admin_addr();
+        let spec = extent_spec(&pool_dev.backend, 3 * MIB, 16 * MIB);
+        export(api, &spec);
+        let (a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+        write_tagged(&mut q, 1, 0, &pattern(1, 4096)).ok();
+        let begin = serde_json::json!({"epoch": 2, "trees": [{"live": 3, "snapshot": 1000}]});
+        assert_eq!(post(api, "p0", "snapshots", &begin).status, 200);
+        let seal = serde_json::json!({"snapshots": [1000]});
+        assert_eq!(post(api, "p0", "seal", &seal).status, 200);
+        // Still sealing at the restart.
+        let begin = serde_json::json!({"epoch": 4, "trees": [{"live": 3, "snapshot": 1001}]});
+        assert_eq!(post(api, "p0", "snapshots", &begin).status, 200);
+        write_tagged(&mut q, 2, 0, &pattern(2, 4096)).expect_status(Status::RESERVATION_CONFLICT);
+        drop((a, q, serving, target, pool_dev));
+        // The pool is closed, so the next probe opens it from the device.
+        wait_for("the grain pool to close", Duration::from_secs(5), || {
+            weak.upgrade().is_none()
+        });
+        spec
+    };
+
+    let pool_dev = probe("p0", &thin_device(&path)).unwrap();
+    let (serving, _target) = start(vec![pool_dev.clone()]);
+    let api = serving.admin_addr();
+    export(api, &spec);
+    let (_a, mut q) = controller(serving.addr, NO_DIGESTS, SUBNQN, HOST_A);
+    // A stale engine's writes at or below the sealed epoch, refused.
+    for tag in [1, 2] {
+        write_tagged(&mut q, tag, 0, &pattern(3, 4096)).expect_status(Status::RESERVATION_CONFLICT);
+    }
+    write_tagged(&mut q, 3, 1, &pattern(4, 4096)).ok();
+    write_tagged(&mut q, 0, 2, &pattern(5, 4096)).ok();
+    assert_eq!(
+        q.read_ok(1, 0, 3, 4096),
+        [pattern(1, 4096), pattern(4, 4096), pattern(5, 4096)].concat()
+    );
+    let begin = serde_json::json!({"epoch": 2, "trees": [{"live": 3, "snapshot": 1002}]});
+    assert_error(&post(api, "p0", "snapshots", &begin), 409, "epoch_sealed");
+    // What was sealing is forgotten: the control plane gives it up.
+    let seal = serde_json::json!({"snapshots": [1001]});
+    assert_error(&post(api, "p0", "seal", &seal), 409, "not_sealing");
 }
