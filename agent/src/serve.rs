@@ -226,6 +226,7 @@ pub fn open(
         connections: Some(connections.clone()),
         dhchap,
         write_epoch: view.copies.write_epoch,
+        write_hold: view.copies.write_hold,
         ..VolumeOptions::default()
     };
     let volume = Arc::new(Volume::open(&view.plan, opts).context("connecting the volume")?);

@@ -589,6 +589,7 @@ fn run_volume(conn: &crate::cluster::Connection, a: &Args, volume: &str) -> anyh
         // Tagged like any engine's writes; with no follower this run never
         // confirms a new epoch, so a snapshot taken meanwhile is given up.
         write_epoch: view.copies.write_epoch,
+        write_hold: view.copies.write_hold,
         ..VolumeOptions::default()
     };
     let vol = match Volume::open(&view.plan, opts) {

@@ -15,10 +15,20 @@
 //!    ├─ copy no longer stale         ─► finish_sync (reads may use it)
 //!    ├─ stale, engine mirroring      ─► abort_sync (the job failed)
 //!    ├─ stale, engine Ok             ─► mark_failed (another host found it stale)
-//!    └─ write_epoch above confirmed  ─► set_write_epoch (tag new writes, drain)
-//!                                       ─► PUT …/epoch {session, epoch}
+//!    ├─ write_epoch above confirmed  ─► set_write_epoch (tag new writes, drain)
+//!    │                                  ─► PUT …/epoch {session, epoch}
+//!    ├─ … and write_hold             ─► hold_writes (admit none, tag, drain)
+//!    │                                  ─► PUT …/epoch {session, epoch, held: true}
+//!    └─ write_hold cleared           ─► release_writes (admit them again)
 //!  stop ── PUT …/missed {extent: regions}
 //! ```
+//!
+//! A group snapshot's barrier (`write_hold`) keeps the engine's new writes
+//! waiting until the control plane has every engine's held confirmation
+//! and clears it; the long-poll goes on meanwhile, since the release
+//! arrives on it. A control plane that cannot be reached while the engine
+//! is held leaves the release to the engine, which ends a hold on its own
+//! after `ENGINE_HOLD_MAX_MS` ([`VolumeOptions::write_hold_max`](crate::volume::VolumeOptions::write_hold_max)).
 //!
 //! The write epoch (snapshots, design/thin-snapshots.md T5) is confirmed
 //! at open too (when above 0), so the control plane counts a freshly
@@ -181,6 +191,9 @@ pub struct CopyView {
     pub revision: u64,
     /// The epoch the engine tags its writes with (0: untagged).
     pub write_epoch: u32,
+    /// A barrier is on: the engine admits no new write until it is
+    /// cleared ([`AttachmentOut::write_hold`]).
+    pub write_hold: bool,
 }
 
 impl CopyView {
@@ -232,6 +245,7 @@ impl From<AttachmentOut> for AttachmentView {
             moving: a.moving,
             revision: a.revision,
             write_epoch: a.write_epoch,
+            write_hold: a.write_hold,
         };
         AttachmentView {
             plan: a.plan,
@@ -384,6 +398,8 @@ trait Engine: Send + Sync {
     fn size(&self) -> u64;
     fn grow(&self, plan: &ConnectionPlan) -> Result<bool, Error>;
     fn set_write_epoch(&self, epoch: u32) -> Result<(), Error>;
+    fn hold_writes(&self, epoch: u32) -> Result<bool, Error>;
+    fn release_writes(&self);
 }
 
 impl Engine for Volume {
@@ -434,6 +450,12 @@ impl Engine for Volume {
     }
     fn set_write_epoch(&self, epoch: u32) -> Result<(), Error> {
         Volume::set_write_epoch(self, epoch)
+    }
+    fn hold_writes(&self, epoch: u32) -> Result<bool, Error> {
+        Volume::hold_writes(self, epoch)
+    }
+    fn release_writes(&self) {
+        Volume::release_writes(self)
     }
 }
 
@@ -552,10 +574,13 @@ impl<C: ControlPlane> Watcher<C> {
             view.syncing.iter().map(|s| (s.extent, s.job)).collect();
         // The highest write epoch the control plane took from this session.
         let mut epoch_confirmed = 0;
+        // The engine was told to hold writes (and not to release them yet).
+        // A volume opened held counts as told.
+        let mut holding = view.write_hold && view.write_epoch > 0;
         loop {
             self.apply_moves(&view, &mut moves);
             self.apply(&view, &mut confirmed, &mut mirroring_for);
-            let epoch_done = self.apply_epoch(&view, &mut epoch_confirmed);
+            let epoch_done = self.apply_epoch(&view, &mut epoch_confirmed, &mut holding);
             if self.stop.load(Ordering::Relaxed) {
                 return;
             }
@@ -753,27 +778,53 @@ impl<C: ControlPlane> Watcher<C> {
     /// Moves the engine to the view's write epoch, then confirms it
     /// (`PUT …/epoch`) once every write the engine tagged lower has
     /// completed; at open too, so the control plane counts a freshly
-    /// opened engine. `confirmed` is the highest epoch taken (or answered
-    /// 404: the attachment is gone, nothing to confirm to). False: to be
-    /// retried (the engine's drain timed out, or the control plane did
-    /// not take it).
-    fn apply_epoch(&self, view: &CopyView, confirmed: &mut u32) -> bool {
+    /// opened engine. With `write_hold` the engine holds new writes
+    /// first and confirms `held: true`; once a view clears the hold it
+    /// admits them again. `confirmed` is the highest epoch taken (or
+    /// answered 404: the attachment is gone, nothing to confirm to);
+    /// `holding`, whether the engine was told to hold and not yet to
+    /// release. False: to be retried (the engine's drain timed out, or the
+    /// control plane did not take it).
+    fn apply_epoch(&self, view: &CopyView, confirmed: &mut u32, holding: &mut bool) -> bool {
+        if *holding && !view.write_hold {
+            // Before any new epoch: the writes held are admitted (and
+            // drained by the raise below, if there is one).
+            self.engine.release_writes();
+            *holding = false;
+        }
         let epoch = view.write_epoch;
         if epoch == 0 || epoch <= *confirmed {
             return true;
         }
-        if let Err(err) = self.engine.set_write_epoch(epoch) {
-            tracing::warn!(epoch, error = %err,
-                "cannot move to the new write epoch yet; retrying");
-            return false;
-        }
+        let switched = if view.write_hold {
+            // Held from the call on, whatever it answers.
+            *holding = true;
+            self.engine.hold_writes(epoch).inspect(|&held| {
+                if !held {
+                    // The hold at this epoch ended on its own: that
+                    // barrier is over.
+                    *holding = false;
+                }
+            })
+        } else {
+            self.engine.set_write_epoch(epoch).map(|()| false)
+        };
+        let held = match switched {
+            Ok(held) => held,
+            Err(err) => {
+                tracing::warn!(epoch, error = %err,
+                    "cannot move to the new write epoch yet; retrying");
+                return false;
+            }
+        };
         let body = EpochBody {
             session: self.session,
             epoch,
+            held,
         };
         match put(&self.cp, &format!("{}/epoch", self.base), &body) {
             Ok(()) => {
-                tracing::info!(epoch, "write epoch confirmed");
+                tracing::info!(epoch, held, "write epoch confirmed");
                 *confirmed = epoch;
                 true
             }
@@ -955,6 +1006,10 @@ mod tests {
         /// drain timed out) before it takes one.
         epoch: u32,
         epoch_fails: u32,
+        /// Writes held (hold_writes called, release_writes not yet), and
+        /// the epoch whose hold is over already (it ended on its own).
+        held: bool,
+        hold_over: u32,
         calls: Vec<String>,
     }
 
@@ -989,6 +1044,8 @@ mod tests {
                 grow_fails: 0,
                 epoch: 0,
                 epoch_fails: 0,
+                held: false,
+                hold_over: 0,
                 calls: Vec::new(),
             })))
         }
@@ -1127,6 +1184,24 @@ mod tests {
                 }
                 s.epoch = s.epoch.max(epoch);
                 Ok(())
+            })
+        }
+        fn hold_writes(&self, epoch: u32) -> Result<bool, Error> {
+            self.with(|s| {
+                s.calls.push(format!("hold_writes {epoch}"));
+                s.epoch = s.epoch.max(epoch);
+                s.held = epoch != s.hold_over;
+                if s.epoch_fails > 0 {
+                    s.epoch_fails -= 1;
+                    return Err(Error::Invalid("older writes still in flight".into()));
+                }
+                Ok(s.held)
+            })
+        }
+        fn release_writes(&self) {
+            self.with(|s| {
+                s.calls.push("release_writes".into());
+                s.held = false;
             })
         }
     }
@@ -1453,6 +1528,82 @@ mod tests {
             cp.puts_to("/epoch"),
             [json!({"session": SESSION, "epoch": 5})]
         );
+    }
+
+    /// The epoch confirmations sent, as (epoch, held), each of this
+    /// session (`held` may be left out of the body when false).
+    fn confirmations(cp: &FakeCp) -> Vec<(u32, bool)> {
+        cp.puts_to("/epoch")
+            .into_iter()
+            .map(|b| {
+                let b: EpochBody = serde_json::from_value(b).unwrap();
+                assert_eq!(b.session, SESSION);
+                (b.epoch, b.held)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_write_hold_holds_confirms_held_keeps_polling_and_releases_when_cleared() {
+        let cp = FakeCp::new(&[
+            json!({"write_epoch": 3, "write_hold": true, "revision": 2}),
+            // Still held (another change): neither held again nor released.
+            json!({"write_epoch": 3, "write_hold": true, "revision": 3}),
+            json!({"write_epoch": 3, "write_hold": false, "revision": 4}),
+            // A plain raise afterwards: today's switch.
+            json!({"write_epoch": 4, "revision": 5}),
+        ]);
+        let engine = FakeEngine::new(&[CopyState::Ok]);
+        watcher(&cp, &engine).run(view(json!({"write_epoch": 2, "revision": 1})));
+
+        assert_eq!(
+            engine.calls(),
+            [
+                "set_write_epoch 2",
+                "hold_writes 3",
+                "release_writes",
+                "set_write_epoch 4"
+            ]
+        );
+        assert!(!engine.with(|s| s.held));
+        assert_eq!(confirmations(&cp), [(2, false), (3, true), (4, false)]);
+        // The long-poll went on while held: the release came on it.
+        assert_eq!(
+            gets(&cp),
+            [1, 2, 3, 4, 5].map(|r| format!("{BASE}?after_revision={r}"))
+        );
+    }
+
+    #[test]
+    fn a_hold_is_retried_until_drained_and_one_over_already_is_confirmed_unheld() {
+        // Opened held (the barrier was on at open); its drain times out
+        // once. Then a second barrier whose hold had ended on its own by
+        // the time the engine got to it.
+        let cp = FakeCp::new(&[
+            json!({"write_epoch": 5, "write_hold": false, "revision": 2}),
+            json!({"write_epoch": 6, "write_hold": true, "revision": 3}),
+            json!({"write_epoch": 6, "write_hold": false, "revision": 4}),
+        ]);
+        let engine = FakeEngine::new(&[CopyState::Ok]);
+        engine.with(|s| {
+            s.epoch_fails = 1;
+            s.hold_over = 6;
+        });
+        let open = view(json!({"write_epoch": 5, "write_hold": true, "revision": 1}));
+        assert!(open.write_hold);
+        watcher(&cp, &engine).run(open);
+
+        assert_eq!(
+            engine.calls(),
+            [
+                "hold_writes 5",
+                "hold_writes 5",
+                "release_writes",
+                "hold_writes 6"
+            ]
+        );
+        assert_eq!(confirmations(&cp), [(5, true), (6, false)]);
+        assert!(!engine.with(|s| s.held));
     }
 
     #[test]

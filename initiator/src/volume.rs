@@ -113,6 +113,18 @@
 //! lower is in flight: a target can cut a snapshot between the writes
 //! tagged up to E and the ones after.
 //!
+//! **Write hold** (a group snapshot's barrier, gate.rs):
+//! [`Volume::hold_writes`] raises the epoch like `set_write_epoch` and,
+//! from the moment it is called, admits no new write, write-zeroes or
+//! discard: each waits as a pending future (the thread that submitted it
+//! goes on), holding no drain count, so the drains of the hold itself, of
+//! `begin_sync` and of moves never wait for it. Writes already issued go
+//! on and are drained; reads and flushes are never held.
+//! [`Volume::release_writes`] lets the waiting ones go, tagged with the new
+//! epoch; a hold nobody releases ends on its own after
+//! [`VolumeOptions::write_hold_max`]. A held write loads the table only
+//! once admitted, so one that waited through a grow works on the new one.
+//!
 //! **How long a dead copy stalls I/O.** An I/O to a target that went away
 //! waits while its queues reconnect (every `reconnect_delay`, doubling) for
 //! up to the controller-loss timeout, then fails with `ControllerLost`.
@@ -150,6 +162,7 @@
 //! could concern, without flushing thousands of idle extents.
 
 mod drain;
+mod gate;
 mod missed;
 mod moves;
 mod runs;
@@ -168,9 +181,11 @@ use crate::limits::{
     MIRRORED_CTRL_LOSS_TIMEOUT, RECONNECT_DELAY, SYNC_DRAIN_TIMEOUT,
 };
 use arc_swap::{ArcSwap, ArcSwapOption};
-use drain::Drain;
+use drain::{Drain, Hold};
+use gate::{Held, WriteGate};
 use missed::{Mark, Missed};
 use moves::{GroupMoves, Shadows};
+use nvpool_api::rest::ENGINE_HOLD_MAX_MS;
 use nvpool_layout::mapping::Geometry;
 use nvpool_layout::plan::{ConnectionPlan, PlanExtent};
 use nvpool_rt::lock;
@@ -248,6 +263,15 @@ pub struct VolumeOptions {
     /// `write_epoch`): every write, write-zeroes and discard carries it in
     /// CDW2 until [`Volume::set_write_epoch`] raises it. 0: untagged.
     pub write_epoch: u32,
+    /// The volume opens held at `write_epoch` (the attachment's
+    /// `write_hold`: a group snapshot's barrier is on), as if
+    /// [`Volume::hold_writes`] had been called: no write is admitted until
+    /// [`Volume::release_writes`] or `write_hold_max`. Ignored at epoch 0.
+    pub write_hold: bool,
+    /// How long a write hold lasts when nobody releases it
+    /// ([`ENGINE_HOLD_MAX_MS`]: past the control plane's own deadline, so
+    /// its barrier has been given up by then). Shorter only in tests.
+    pub write_hold_max: Duration,
 }
 
 impl Default for VolumeOptions {
@@ -269,6 +293,8 @@ impl Default for VolumeOptions {
             prefer_rdma: true,
             dhchap: None,
             write_epoch: 0,
+            write_hold: false,
+            write_hold_max: Duration::from_millis(ENGINE_HOLD_MAX_MS),
         }
     }
 }
@@ -291,6 +317,8 @@ impl fmt::Debug for VolumeOptions {
             .field("moving", &self.moving)
             .field("dhchap", &self.dhchap.is_some())
             .field("write_epoch", &self.write_epoch)
+            .field("write_hold", &self.write_hold)
+            .field("write_hold_max", &self.write_hold_max)
             .finish()
     }
 }
@@ -664,8 +692,8 @@ pub struct Volume {
     on_failed: Option<ExtentFailedFn>,
     /// Buffers of the runs of reads that span extents.
     bufs: BufPool,
-    /// Mutations outstanding, for begin_sync's, begin_move's and
-    /// set_write_epoch's drains.
+    /// Mutations outstanding (admitted, not held), for begin_sync's,
+    /// begin_move's, set_write_epoch's and hold_writes' drains.
     drain: Drain,
     /// What every mutation admitted now is tagged with; loaded after the
     /// mutation's drain hold (see [`Volume::set_write_epoch`]).
@@ -673,6 +701,8 @@ pub struct Volume {
     /// No mutation tagged below it is in flight: the highest epoch whose
     /// drain completed (or the one the volume opened with).
     drained_epoch: AtomicU32,
+    /// Holds mutations back while a barrier is on ([`Volume::hold_writes`]).
+    gate: Arc<WriteGate>,
     /// begin_sync, begin_move and switch_move calls run one at a time.
     syncing: Mutex<()>,
     /// Grows run one at a time (each replaces the table it loaded).
@@ -871,8 +901,13 @@ impl Volume {
             syncing = ?opts.syncing_extents,
             moving = ?opts.moving.iter().map(|m| m.extent).collect::<Vec<_>>(),
             write_epoch = opts.write_epoch,
+            write_hold = opts.write_hold,
             "volume open"
         );
+        let gate = WriteGate::new(plan.name.clone(), opts.write_hold_max);
+        if opts.write_hold && opts.write_epoch > 0 {
+            gate.hold(opts.write_epoch)?;
+        }
         let volume = Volume {
             table: ArcSwap::from_pointee(Table {
                 plan: Arc::new(plan.clone()),
@@ -888,6 +923,7 @@ impl Volume {
             drain: Drain::default(),
             write_epoch: AtomicU32::new(opts.write_epoch),
             drained_epoch: AtomicU32::new(opts.write_epoch),
+            gate,
             syncing: Mutex::new(()),
             growing: Mutex::new(()),
             params: base,
@@ -1199,6 +1235,62 @@ impl Volume {
         Ok(())
     }
 
+    /// Blocking, like [`Volume::set_write_epoch`]; call it from a control
+    /// thread.
+    ///
+    /// Holds writes at a barrier (design/thin-snapshots.md T5, group
+    /// snapshots): from the moment it is called no new write, write-zeroes
+    /// or discard is admitted (each waits, as a pending future, without
+    /// blocking the thread that submitted it), while writes already
+    /// issued go on; reads and flushes are never held. The epoch rises to
+    /// `epoch` and the call waits, with `set_write_epoch`'s drain, until
+    /// every mutation admitted before has completed. `Ok(true)`: held, and
+    /// nothing tagged below `epoch` is in flight. `Ok(false)`: drained the
+    /// same, but not held, because a hold at `epoch` already ended (it was
+    /// released, or it expired on its own while this call drained): that
+    /// barrier is over. An error leaves the hold on (the drain timed out:
+    /// call again) or never set it (the volume is closing).
+    ///
+    /// Until [`Volume::release_writes`], no mutation tagged `epoch` (or
+    /// higher) is sent. A hold not released within
+    /// [`VolumeOptions::write_hold_max`] ends on its own, with a warning.
+    /// Called again while held at `epoch` it drains again (a retry is
+    /// safe); at a higher epoch it moves there, its time limit counted
+    /// again.
+    pub fn hold_writes(&self, epoch: u32) -> Result<bool, Error> {
+        let name = self.table.load().plan.name.clone();
+        // The held flag first, then the epoch: see `admit`.
+        if self.gate.hold(epoch)? == Held::Over {
+            self.set_write_epoch(epoch)?;
+            return Ok(false);
+        }
+        let before = self.write_epoch.fetch_max(epoch, Ordering::SeqCst);
+        tracing::info!(volume = %name, from = before, to = epoch,
+            "writes held at a barrier; draining older writes");
+        if !self.drain.wait(SYNC_DRAIN_TIMEOUT) {
+            return Err(Error::Timeout {
+                addr: format!("volume {name}"),
+                what: "the writes issued before the writes were held",
+            });
+        }
+        self.drained_epoch.fetch_max(epoch, Ordering::SeqCst);
+        Ok(self.gate.holds_at(epoch))
+    }
+
+    /// Ends a hold ([`Volume::hold_writes`]): the waiting mutations are
+    /// admitted, tagged with the volume's epoch. No-op when none is on.
+    pub fn release_writes(&self) {
+        if self.gate.release() {
+            tracing::info!(volume = %self.table.load().plan.name,
+                epoch = self.write_epoch(), "write hold released");
+        }
+    }
+
+    /// True while writes are held.
+    pub fn writes_held(&self) -> bool {
+        self.gate.is_held()
+    }
+
     /// `Ok` or `Syncing` → `Failed` without reporting it: the control plane
     /// says the copy is stale (another host saw it fail). Neither read nor
     /// written from now on; its missed regions are recorded from now, in a
@@ -1426,10 +1518,7 @@ impl Volume {
     /// Writes `buf` at `offset` to every copy in sync or syncing; with
     /// `fua` it is durable on every copy on success.
     pub async fn write(&self, offset: u64, buf: Vec<u8>, fua: bool) -> BufResult {
-        // Outstanding until it completes (or is dropped), for begin_sync
-        // and set_write_epoch; the epoch is loaded after it, never before.
-        let _hold = self.drain.enter();
-        let epoch = self.write_epoch.load(Ordering::SeqCst);
+        let (_hold, epoch) = self.admit().await;
         let t = self.table.load();
         let split = match Volume::split(&t, offset, buf.len() as u64) {
             Ok(s) => s,
@@ -1475,6 +1564,32 @@ impl Volume {
             .await
     }
 
+    /// Admits a mutation: waits while writes are held, then returns its
+    /// drain hold (outstanding until it completes or is dropped, for
+    /// begin_sync, moves and the epoch's drains) and the epoch to tag it
+    /// with, loaded after the hold, never before (see set_write_epoch).
+    ///
+    /// **Why nothing goes out tagged with a held epoch.** `hold_writes`
+    /// stores the held flag, then the epoch; a mutation loads the epoch,
+    /// then the flag (all `SeqCst`). A mutation that loaded the new epoch
+    /// did so after its store, so after the flag's, and its flag load,
+    /// later still, sees the hold unless a release cleared it since. One
+    /// that sees no hold therefore carries an epoch from before the hold
+    /// (and counted itself before, so the hold's drain waits for it), or
+    /// comes after the release. A held one gives its drain count back
+    /// before it waits, so no drain ever waits for a held write.
+    async fn admit(&self) -> (Hold<'_>, u32) {
+        loop {
+            let hold = self.drain.enter();
+            let epoch = self.write_epoch.load(Ordering::SeqCst);
+            if !self.gate.is_held() {
+                return (hold, epoch);
+            }
+            drop(hold);
+            self.gate.released().await;
+        }
+    }
+
     /// Applies the mutation `tagged` makes of the volume's write epoch.
     async fn mutate(
         &self,
@@ -1482,9 +1597,8 @@ impl Volume {
         len: u64,
         tagged: impl FnOnce(u32) -> Mutation,
     ) -> Result<(), IoError> {
-        let _hold = self.drain.enter();
-        // After the hold, never before: see set_write_epoch.
-        let m = tagged(self.write_epoch.load(Ordering::SeqCst));
+        let (_hold, epoch) = self.admit().await;
+        let m = tagged(epoch);
         let t = self.table.load();
         let split = Volume::split(&t, offset, len)?;
         let all = split
@@ -2081,6 +2195,14 @@ impl ConnectSpec {
             .map(|info| io.device(info))
             .collect::<Result<_, _>>()?;
         Ok(Connected { io, devices })
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        // Ends a hold (and its watchdog thread) with the volume; no
+        // mutation can be waiting, as each borrows the volume.
+        self.gate.close();
     }
 }
 
