@@ -11,11 +11,12 @@ use crate::client::{segment, Client, ClientError};
 use crate::cluster::{age, print_fields, print_json, table, typed, Connection, OutputArgs};
 use crate::nvmef;
 use crate::size::{format_iec, parse_size};
+use crate::snapshot::SnapshotName;
 use crate::{Format, Usage};
 use anyhow::Context;
 use nvpool_api::rest::{
-    AttachmentOut, CopyHistoryOut, ExportBody, Provisioning, ResizeBody, ServedView, SnapshotOut,
-    SnapshotRef, VolumeOut, VolumeSpecBody,
+    AttachmentOut, CopyHistoryOut, ExportBody, Provisioning, ResizeBody, ServedView, SnapshotBody,
+    SnapshotOut, SnapshotRef, VolumeOut, VolumeSpecBody,
 };
 use nvpool_layout::limits::{BLOCK_BYTES, EXTENT_BYTES_MAX};
 use nvpool_layout::{Layout, LayoutBody, Uuid};
@@ -122,14 +123,23 @@ pub enum LayoutArg {
 pub struct CreateArgs {
     pub name: String,
     /// Size in IEC units: 10G = 10 GiB, 1T = 1 TiB, 512M, 10GiB, or bytes.
-    #[arg(long, value_parser = parse_size, required_unless_present = "from")]
+    #[arg(long, value_parser = parse_size, required_unless_present_any = ["from", "from_volume"])]
     pub size: Option<u64>,
     /// A clone of this snapshot (VOLUME@SNAPSHOT): the new volume starts as
     /// its contents, sharing its space until written, with its size and
-    /// layout, on its devices; ready at once, whatever the size.
-    #[arg(long, value_parser = crate::snapshot::parse_snapshot_name,
+    /// layout, on its devices; ready at once, whatever the size. `--from`
+    /// is the same.
+    #[arg(long = "from-snapshot", visible_alias = "from", value_name = "VOLUME@SNAPSHOT",
+          value_parser = crate::snapshot::parse_snapshot_name,
           conflicts_with_all = ["size", "layout", "stripe_width", "stripe_size", "copies", "pool", "thin", "thick"])]
     pub from: Option<crate::snapshot::SnapshotName>,
+    /// A clone of this thin volume as it is now: takes its snapshot named
+    /// clone-NAME (NAME: the new volume's; an existing one of that name is
+    /// used as it is) and clones it as --from-snapshot does. The snapshot
+    /// stays; deleting it leaves the clone whole.
+    #[arg(long, value_name = "VOLUME",
+          conflicts_with_all = ["from", "size", "layout", "stripe_width", "stripe_size", "copies", "pool", "thin", "thick"])]
+    pub from_volume: Option<String>,
     #[arg(long, value_enum, default_value_t = LayoutArg::Concat)]
     pub layout: LayoutArg,
     /// Stripe members of raid0/raid10 (default 2).
@@ -341,6 +351,11 @@ fn provisioning_text(p: Provisioning) -> &'static str {
     }
 }
 
+/// The snapshot `volume create NAME --from-volume` takes and clones.
+pub fn implicit_snapshot(name: &str) -> String {
+    format!("clone-{name}")
+}
+
 /// A clone takes its size and layout from the snapshot and its volume.
 fn clone_body(
     c: &Client,
@@ -408,7 +423,7 @@ pub(crate) fn resolve(c: &Client, volume: &str) -> anyhow::Result<(Uuid, Value)>
     Ok((out.uuid, v))
 }
 
-fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
+pub(crate) fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
     if fmt == Format::Json {
         return print_json(v);
     }
@@ -614,7 +629,18 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 Some(u) => u,
                 None => random_uuid()?,
             };
-            let body = match &args.from {
+            let implicit = args.from_volume.as_ref().map(|v| SnapshotName {
+                volume: v.clone(),
+                snapshot: implicit_snapshot(&args.name),
+            });
+            if let Some(s) = &implicit {
+                let (volume, _) = resolve(&c, &s.volume)?;
+                let body = SnapshotBody {
+                    name: s.snapshot.clone(),
+                };
+                let _: Value = c.post(&format!("/v1/volumes/{volume}/snapshots"), &body)?;
+            }
+            let body = match args.from.as_ref().or(implicit.as_ref()) {
                 Some(from) => clone_body(&c, args.name.clone(), from)?,
                 None => {
                     let size = args.size.unwrap_or_default();
@@ -1112,6 +1138,7 @@ mod tests {
             name: "v".into(),
             size: Some(1 << 30),
             from: None,
+            from_volume: None,
             layout,
             stripe_width: None,
             stripe_size: None,
@@ -1181,6 +1208,41 @@ mod tests {
             assert!(create(&argv).is_err(), "{extra:?} with --from");
         }
         assert!(create(&["--from", "data"]).is_err(), "no @");
+    }
+
+    #[test]
+    fn a_clone_names_its_snapshot_or_its_volume() {
+        use crate::Cli;
+        use clap::Parser;
+        let create = |flags: &[&str]| -> Result<CreateArgs, clap::Error> {
+            let argv = ["nvpool", "volume", "create", "job-1"];
+            match Cli::try_parse_from(argv.iter().chain(flags))?.cmd {
+                crate::Command::Volume(VolumeArgs {
+                    cmd: VolumeCmd::Create(a),
+                    ..
+                }) => Ok(a),
+                _ => panic!("{flags:?} is no volume create"),
+            }
+        };
+        let a = create(&["--from-snapshot", "data@epoch-3"]).unwrap();
+        let from = a.from.unwrap();
+        assert_eq!((&*from.volume, &*from.snapshot), ("data", "epoch-3"));
+        let a = create(&["--from-volume", "data"]).unwrap();
+        assert_eq!(a.from_volume.as_deref(), Some("data"));
+        assert_eq!(a.from, None);
+        assert_eq!(implicit_snapshot(&a.name), "clone-job-1");
+        for bad in [
+            &["--from-volume", "data", "--from", "data@s"][..],
+            &["--from-volume", "data", "--from-snapshot", "data@s"],
+            &["--from-volume", "data", "--size", "1G"],
+            &["--from-volume", "data", "--layout", "raid1"],
+            &["--from-volume", "data", "--thin"],
+            &["--from-volume", "data", "--pool", "p"],
+            &["--from-snapshot", "data@s", "--size", "1G"],
+            &["--from-volume"],
+        ] {
+            assert!(create(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
