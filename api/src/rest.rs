@@ -712,8 +712,9 @@ pub struct EpochBody {
     pub epoch: u32,
     /// The engine is held ([`AttachmentOut::write_hold`]): it admits no
     /// new write until the hold is cleared. A barrier counts only held
-    /// confirmations.
-    #[serde(default)]
+    /// confirmations. Left out when false, so a control plane that
+    /// predates the barrier takes the body.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub held: bool,
 }
 

@@ -100,6 +100,7 @@ impl VolumeSource for ControlPlaneSource {
             host_id: Some(nvpool_initiator::hostnqn::host_id_of(&host)),
             dhchap: keys,
             write_epoch: view.copies.write_epoch,
+            write_hold: view.copies.write_hold,
             ..VolumeOptions::default()
         };
         let vol = Arc::new(
