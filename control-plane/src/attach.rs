@@ -389,6 +389,17 @@ impl Cluster {
             if self.store().get(&deleting)?.is_some() {
                 return Err(StateError::Deleting(*volume));
             }
+            // A rollback in progress, or one that failed part way: its
+            // copies may differ until a repeat finishes it.
+            let rolling = crate::rollback::rollback_key(volume);
+            if self.store().get(&rolling)?.is_some() {
+                return Err(StateError::Conflict {
+                    kind: "rollback_in_progress",
+                    message: format!(
+                        "volume {volume} is being rolled back (or a rollback failed part                          way: repeat it); attach once it is over"
+                    ),
+                });
+            }
             let existing = s.attachments.get(&(*volume, host.to_owned()));
             let mut a = existing.map_or_else(
                 || Attachment {
@@ -455,6 +466,7 @@ impl Cluster {
             let mut conds = vec![
                 Condition::VersionIs(vkey.clone(), v.version),
                 Condition::Missing(deleting),
+                Condition::Missing(rolling),
                 unchanged(&key, existing.map(|e| e.version)),
                 unchanged(&host_key, host_rec.map(|h| h.version)),
             ];

@@ -1731,6 +1731,8 @@ impl Cluster {
                 conds.push(Condition::VersionIs(wkey.clone(), w.version));
                 ops.push(Op::Delete(wkey));
             }
+            // A rollback's mark goes with its volume (absent: a no-op).
+            ops.push(Op::Delete(crate::rollback::rollback_key(uuid)));
             let mut trees: BTreeMap<String, Vec<crate::attach::Export>> = BTreeMap::new();
             let dests = s.job_dests().filter(|(u, _)| *u == uuid).map(|(_, d)| d);
             for e in v.value.extents.iter().chain(dests) {

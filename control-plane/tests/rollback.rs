@@ -307,35 +307,47 @@ fn an_unfinished_rollback_keeps_others_away() {
 }
 
 #[test]
-fn a_volume_attached_during_the_calls_stays_marked() {
-    let (s, _fakes) = cluster();
+fn no_attach_while_a_rollback_is_under_way_or_failed() {
+    let (s, fakes) = cluster();
     create(&s, 1);
     snap(&s, 1, "s1");
+    // Under way (begun, targets not called yet): an attach is refused.
     let begun = s.cluster.begin_rollback(&id(1), "s1").unwrap();
-    // The attach races the target calls (nothing refuses it yet: see the
-    // module's doc); the finish sees it.
     let r = s.call("PUT", &attachment(1), Some(HOST_TOKEN), None);
-    assert_eq!(r.status, 201, "{}", r.body);
-    let e = s.cluster.finish_rollback(&id(1), &begun).unwrap_err();
-    assert!(
-        e.to_string().contains(HOST),
-        "the finish names the host: {e}"
-    );
-    let mark = s.cluster.rollback_mark(&id(1)).unwrap().unwrap();
-    assert!(mark.failed);
-    // Attached and detached again: still refused at the finish.
-    let r = s.admin("DELETE", &attachment(1), None);
-    assert!(r.status < 300, "{} {}", r.status, r.body);
-    let begun2 = s.cluster.begin_rollback(&id(1), "s1").unwrap();
+    s.expect_error(&r, 409, "rollback_in_progress");
+    s.cluster.finish_rollback(&id(1), &begun).unwrap();
+    assert_eq!(s.cluster.rollback_mark(&id(1)).unwrap(), None);
     let r = s.call("PUT", &attachment(1), Some(HOST_TOKEN), None);
     assert_eq!(r.status, 201, "{}", r.body);
     let r = s.admin("DELETE", &attachment(1), None);
     assert!(r.status < 300, "{} {}", r.status, r.body);
-    assert!(s.cluster.finish_rollback(&id(1), &begun2).is_err());
-    assert!(s.cluster.rollback_mark(&id(1)).unwrap().unwrap().failed);
-    // Detached: the repeat finishes it.
+
+    // Failed part way (a target down): copies may differ, so attaches are
+    // refused until a repeat succeeds.
+    fakes[0].down.store(true, Ordering::SeqCst);
+    s.expect_error(&rollback(&s, 1, "s1"), 503, "target_unreachable");
+    let r = s.call("PUT", &attachment(1), Some(HOST_TOKEN), None);
+    s.expect_error(&r, 409, "rollback_in_progress");
+    fakes[0].down.store(false, Ordering::SeqCst);
     let r = rollback(&s, 1, "s1");
     assert_eq!(r.status, 200, "{}", r.body);
+    let r = s.call("PUT", &attachment(1), Some(HOST_TOKEN), None);
+    assert_eq!(r.status, 201, "{}", r.body);
+
+    // A volume deleted with a failed rollback takes its mark along.
+    let r = s.admin("DELETE", &attachment(1), None);
+    assert!(r.status < 300, "{} {}", r.status, r.body);
+    fakes[0].down.store(true, Ordering::SeqCst);
+    s.expect_error(&rollback(&s, 1, "s1"), 503, "target_unreachable");
+    fakes[0].down.store(false, Ordering::SeqCst);
+    let r = s.admin(
+        "DELETE",
+        &format!("/v1/volumes/{}/snapshots/s1", uuid(1)),
+        None,
+    );
+    assert!(r.status < 300, "{} {}", r.status, r.body);
+    let r = s.admin("DELETE", &format!("/v1/volumes/{}", uuid(1)), None);
+    assert!(r.status < 300, "{} {}", r.status, r.body);
     assert_eq!(s.cluster.rollback_mark(&id(1)).unwrap(), None);
 }
 
