@@ -9,10 +9,20 @@
 //! transaction is one in-memory state), and a reactor never blocks on it.
 //!
 //! Durability follows NVMe's volatile write cache, which the controller
-//! reports: a write completes when its data and map change are in the
-//! pool's transaction; a Flush, or an FUA write, commits the transaction
-//! before it completes (one commit for every flush and FUA write taken in
-//! one batch), and so does an idle tick every
+//! reports, with one addition a thin pool needs: a write, write zeroes or
+//! deallocate completes only once a crash of this *process* cannot undo
+//! it. Its data bytes are in the device's page cache, which a SIGKILL
+//! keeps; its map change is in the pool's memory until a commit. So one
+//! that left every tree mapping its grains as the last commit does (an
+//! overwrite in place) completes at once, and one that changed a mapping
+//! (a new grain, the copy of a grain a snapshot shares, a deallocate)
+//! completes after the commit of its batch. Without this, a target killed
+//! and restarted under a host that rides the restart out (it reissues only
+//! what was in flight) answers the host's next Flush with success while
+//! writes it had completed are gone, and the copies of a mirror differ
+//! (`tests/thin_restart.rs`). A Flush, or an FUA write, commits the
+//! transaction before it completes (one commit for every command of a
+//! batch that waits for one), and so does an idle tick every
 //! [`THIN_COMMIT_INTERVAL_MS`](crate::limits::THIN_COMMIT_INTERVAL_MS).
 //! A pool with no free grain fails the write with ENOSPC, which the queue
 //! answers with Capacity Exceeded (T4), and nothing written before changes.
@@ -414,9 +424,10 @@ impl Drop for ThinPool {
     }
 }
 
-/// The pool's thread: runs operations in arrival order. The flushes and
-/// FUA writes of a batch share one commit; plain writes are committed at
-/// the latest one tick after the last commit.
+/// The pool's thread: runs operations in arrival order. The flushes, FUA
+/// writes and changes of a mapping of a batch share one commit, which they
+/// complete after; overwrites in place complete at once and are committed
+/// at the latest one tick after the last commit.
 fn run(pool: &Mutex<Pool<FileDevice>>, jobs: &Receiver<Job>, failed: &AtomicBool) {
     let tick = Duration::from_millis(THIN_COMMIT_INTERVAL_MS);
     let lock = || locked(pool);
@@ -450,8 +461,8 @@ fn run(pool: &Mutex<Pool<FileDevice>>, jobs: &Receiver<Job>, failed: &AtomicBool
         {
             let commit = matches!(op, AsyncOp::Flush | AsyncOp::Write { fua: true, .. });
             match apply(&mut p, root, tag, op) {
-                Ok(_) if commit => waiting.push(done),
-                r => done.complete(r),
+                Ok((_, remapped)) if commit || remapped => waiting.push(done),
+                r => done.complete(r.map(|(data, _)| data)),
             }
         }
         if waiting.is_empty() && !(p.dirty() && committed.elapsed() >= tick) {
@@ -479,8 +490,16 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Runs `op` on tree `root`; a change goes to every tree its write epoch
-/// `tag` routes it to.
-fn apply(p: &mut Pool<FileDevice>, root: u64, tag: u32, op: AsyncOp) -> AsyncResult {
+/// `tag` routes it to. Answers what a read read, and whether the op changed
+/// a mapping the last commit holds ([`remapped`]): then a process crash
+/// before the next commit would undo it, so it must not complete before
+/// that commit.
+fn apply(
+    p: &mut Pool<FileDevice>,
+    root: u64,
+    tag: u32,
+    op: AsyncOp,
+) -> io::Result<(Option<Vec<u8>>, bool)> {
     let trees = |p: &Pool<FileDevice>| {
         p.route(root, tag).map_err(|e| {
             peer_warn!(tree = root, error = %e, "a write from a fenced writer refused");
@@ -491,7 +510,7 @@ fn apply(p: &mut Pool<FileDevice>, root: u64, tag: u32, op: AsyncOp) -> AsyncRes
         AsyncOp::Read { off, len } => {
             let mut buf = vec![0u8; len];
             p.read(root, off, &mut buf).map_err(io_error)?;
-            Ok(Some(buf))
+            Ok((Some(buf), false))
         }
         AsyncOp::Write { off, data, .. } => {
             let trees = trees(p)?;
@@ -504,22 +523,51 @@ fn apply(p: &mut Pool<FileDevice>, root: u64, tag: u32, op: AsyncOp) -> AsyncRes
                 }
                 r => r.map_err(io_error)?,
             }
-            Ok(None)
+            Ok((None, remapped(p, &trees, &[(off, data.len() as u64)])?))
         }
-        AsyncOp::Flush => Ok(None),
+        AsyncOp::Flush => Ok((None, false)),
         AsyncOp::WriteZeroes { off, len } => {
             let trees = trees(p)?;
             p.deallocate_trees(&trees, off, len).map_err(io_error)?;
-            Ok(None)
+            Ok((None, remapped(p, &trees, &[(off, len)])?))
         }
         AsyncOp::Discard { ranges } => {
             let trees = trees(p)?;
-            for (off, len) in ranges {
+            for &(off, len) in &ranges {
                 p.deallocate_trees(&trees, off, len).map_err(io_error)?;
             }
-            Ok(None)
+            Ok((None, remapped(p, &trees, &ranges)?))
         }
     }
+}
+
+/// Whether some tree of `trees` maps a grain of the byte `ranges`
+/// otherwise than the last commit does (another grain, another written
+/// mask, or none). When none does, what was just written went in place
+/// into grains the committed trees hold with those sectors written, so it
+/// is in the device's page cache, where a process crash leaves it: only a
+/// power loss can undo it, as NVMe's volatile write cache allows until a
+/// Flush. Otherwise the change lives in the pool's memory until a commit.
+fn remapped(p: &mut Pool<FileDevice>, trees: &[u64], ranges: &[(u64, u64)]) -> io::Result<bool> {
+    let committed_table = p.committed_table;
+    for &root in trees {
+        let live = p.top(root).map_err(io_error)?;
+        // A tree the last commit does not hold maps nothing durable yet.
+        let Some(committed) = p.record(committed_table, root).map_err(io_error)? else {
+            return Ok(true);
+        };
+        for &(off, len) in ranges {
+            for (gi, ..) in p.spans(off, len).map_err(io_error)? {
+                // Pages of the committed trees are never reused before the
+                // next commit, so these reads see what it holds.
+                let now = p.lookup(live, gi).map_err(io_error)?.entry;
+                if now != p.lookup(committed, gi).map_err(io_error)?.entry {
+                    return Ok(true);
+                }
+            }
+        }
+    }
+    Ok(false)
 }
 
 /// The errno the queue turns into a status (queue/io.rs): no space is
@@ -561,10 +609,16 @@ impl ThinBackend {
     }
 
     /// Runs `op` on the calling thread (the synchronous calls: no ring, or
-    /// off the reactor).
+    /// off the reactor), and commits before returning when it changed a
+    /// mapping (see [`apply`]).
     fn now(&self, op: AsyncOp) -> AsyncResult {
         let mut p = self.pool.lock();
-        let r = apply(&mut p, self.root, 0, op);
+        let r = apply(&mut p, self.root, 0, op).and_then(|(data, remapped)| {
+            if remapped {
+                p.commit().map_err(io_error)?;
+            }
+            Ok(data)
+        });
         self.pool.failed.fetch_or(p.failed(), Ordering::Relaxed);
         r
     }
