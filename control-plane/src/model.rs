@@ -1089,11 +1089,14 @@ mod tests {
         }
         let e = ModelError::UnknownFormat {
             what: "target",
-            found: 4,
+            found: FORMAT + 1,
         };
         assert_eq!(
             e.to_string(),
-            "target is stored in format 4; this build reads formats 1 to 3"
+            format!(
+                "target is stored in format {}; this build reads formats 1 to {FORMAT}",
+                FORMAT + 1
+            )
         );
     }
 

@@ -658,6 +658,19 @@ impl Cluster {
                 ),
             ));
         }
+        // A copy that missed writes would be in the snapshot as it is,
+        // and a clone could read it: a degraded volume is snapshotted once
+        // its copies are back in sync.
+        let failed = s.failed_copies.get(volume);
+        if failed.is_some_and(|f| !f.value.extents.is_empty()) {
+            return Err(conflict(
+                "volume_degraded",
+                format!(
+                    "volume {volume} has copies that missed writes; snapshot it once they \
+                     are back in sync"
+                ),
+            ));
+        }
         let trees = allocate_trees(a, &v.value.extents)?;
         let record = SnapshotRecord {
             volume: *volume,
@@ -673,9 +686,11 @@ impl Cluster {
         };
         let key = snapshot_key(volume, name);
         let vkey = crate::state::keys::volume(volume);
+        let fkey = crate::attach::attach_keys::failed_copies(volume);
         let conds = vec![
             Condition::Missing(key.clone()),
             Condition::VersionIs(vkey, v.version),
+            unchanged(&fkey, failed.map(|f| f.version)),
         ];
         Ok((record.clone(), conds, Op::Put(key, encode(&record))))
     }
@@ -695,6 +710,20 @@ impl Cluster {
                     }
                 })?;
                 let mut record = r.value.clone();
+                let failed = s.failed_copies.get(volume);
+                if record.state != SnapshotState::Ready
+                    && failed.is_some_and(|f| !f.value.extents.is_empty())
+                {
+                    // A copy failed while the cut was taken: its tree may
+                    // lack writes the others hold.
+                    return Err(StateError::SnapshotFailed {
+                        volume: *volume,
+                        name: name.clone(),
+                        reason: "a copy of the volume missed writes while the snapshot was \
+                                 taken"
+                            .into(),
+                    });
+                }
                 if record.state != SnapshotState::Ready {
                     record.state = SnapshotState::Ready;
                     let key = snapshot_key(volume, name);

@@ -538,6 +538,9 @@ fn copies_and_snapshot_creations_wait_for_each_other() {
     let (s, _fakes) = cluster();
     create(&s, 1, MIB, "thin");
     let one: Uuid = uuid(1).parse().unwrap();
+    // Begun before the copy is marked stale (a degraded volume is not
+    // snapshotted at all: volume_degraded).
+    s.cluster.begin_snapshot(&one, "sealing").unwrap();
     let r = s.admin(
         "POST",
         &format!("/v1/volumes/{}/extents/0/resync", uuid(1)),
@@ -552,10 +555,26 @@ fn copies_and_snapshot_creations_wait_for_each_other() {
         to: None,
     };
     // A snapshot being created: no copy job starts.
-    s.cluster.begin_snapshot(&one, "sealing").unwrap();
     assert_eq!(s.cluster.create_job(&resync).unwrap(), None);
     s.cluster.drop_snapshot(&one, "sealing", true).unwrap();
     // A copy job under way: no snapshot is taken.
     assert!(s.cluster.create_job(&resync).unwrap().is_some());
     s.expect_error(&snap(&s, 1, "s1"), 409, "copy_in_progress");
+}
+
+#[test]
+fn a_degraded_volume_is_not_snapshotted() {
+    let (s, _fakes) = cluster();
+    create(&s, 1, MIB, "thin");
+    let one: Uuid = uuid(1).parse().unwrap();
+    // A copy missed writes (a host reported it): its tree would be in the
+    // snapshot as it is.
+    let r = s.admin(
+        "POST",
+        &format!("/v1/volumes/{}/extents/0/resync", uuid(1)),
+        None,
+    );
+    assert!(r.status < 300, "{} {}", r.status, r.body);
+    s.expect_error(&snap(&s, 1, "s1"), 409, "volume_degraded");
+    assert!(s.cluster.snapshot_records(&one).unwrap().is_empty());
 }
