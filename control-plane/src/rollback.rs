@@ -307,25 +307,8 @@ pub use protocol::*;
 mod protocol {
     use super::*;
     use crate::program::{ProgramError, TargetAdmin};
-    use crate::snapshots::{root_of, SnapshotTree};
-    use nvpool_api::admin::{RollbackBody, SnapshotTree as AdminTree};
-    use std::collections::BTreeMap;
-
-    /// By target, then device: the (live, snapshot) root pairs.
-    fn by_device(trees: &[SnapshotTree]) -> BTreeMap<&str, BTreeMap<&str, Vec<AdminTree>>> {
-        let mut out: BTreeMap<&str, BTreeMap<&str, Vec<AdminTree>>> = BTreeMap::new();
-        for t in trees {
-            out.entry(t.tree.target.as_str())
-                .or_default()
-                .entry(t.tree.device.as_str())
-                .or_default()
-                .push(AdminTree {
-                    live: root_of(&t.live),
-                    snapshot: root_of(&t.tree),
-                });
-        }
-        out
-    }
+    use crate::snapshots::{by_device, SnapshotTree};
+    use nvpool_api::admin::RollbackBody;
 
     /// Rolls `volume` back to its snapshot `name` (T6): checked and
     /// marked, every device holding a copy told to give its live trees
@@ -357,10 +340,10 @@ mod protocol {
 
     fn call_targets(cluster: &Cluster, trees: &[SnapshotTree]) -> Result<(), ProgramError> {
         for (target, devices) in by_device(trees) {
-            let t = cluster.target(target)?.target;
+            let t = cluster.target(&target)?.target;
             let admin = TargetAdmin::new(cluster, &t)?;
             for (device, trees) in devices {
-                admin.rollback(device, &RollbackBody { trees })?;
+                admin.rollback(&device, &RollbackBody { trees })?;
             }
         }
         Ok(())

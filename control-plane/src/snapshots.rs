@@ -1048,8 +1048,10 @@ mod protocol {
 
     const CONFIRM_STEP: Duration = Duration::from_millis(50);
 
-    /// By target, then device: the trees to create.
-    fn by_device(trees: &[SnapshotTree]) -> BTreeMap<String, BTreeMap<String, Vec<AdminTree>>> {
+    /// By target, then device: each tree's (live, snapshot) root pair.
+    pub(crate) fn by_device(
+        trees: &[SnapshotTree],
+    ) -> BTreeMap<String, BTreeMap<String, Vec<AdminTree>>> {
         let mut out: BTreeMap<String, BTreeMap<String, Vec<AdminTree>>> = BTreeMap::new();
         for t in trees {
             out.entry(t.tree.target.clone())

@@ -5,11 +5,9 @@
 
 mod common;
 
-use common::fake::FakeTarget;
-use common::{serve, Server, ADMIN, MIB, READER, TARGET};
+use common::fake::{thin_cluster, volume_uuid, FakeTarget};
+use common::{Server, ADMIN, MIB, READER};
 use nvpool_api::rest::{ENGINE_HOLD_MAX_MS, WRITE_HOLD_MAX_MS};
-use nvpool_control::api::AuthConfig;
-use nvpool_control::auth::{Principal, Tokens};
 use nvpool_control::limits::SNAPSHOT_ABANDONED_MS;
 use nvpool_control::snapshot_groups::SNAPSHOT_GROUP_VOLUMES_MAX;
 use nvpool_control::snapshots::Raise;
@@ -26,38 +24,12 @@ const TOKEN_B: &str = "host-b-secret-0123456789";
 /// How long a test waits for something the control plane does at once.
 const PROMPT: Duration = Duration::from_secs(5);
 
-/// Three targets, each with a plain device `d0` and a grain pool `d1`
-/// of 8 MiB; 1 MiB extents.
 fn cluster() -> (Server, Vec<FakeTarget>) {
-    let s = serve(AuthConfig::new(
-        Tokens::new()
-            .with(Principal::Admin, ADMIN)
-            .with(Principal::Target, TARGET)
-            .with(Principal::Reader, READER)
-            .with(Principal::Host(HOST_A.into()), TOKEN_A)
-            .with(Principal::Host(HOST_B.into()), TOKEN_B),
-    ));
-    let fakes: Vec<FakeTarget> = (0..3)
-        .map(|i| FakeTarget::start(&format!("t{i}")))
-        .collect();
-    for (i, f) in fakes.iter().enumerate() {
-        let reg = json!({
-            "id": format!("t{i}"), "name": format!("host{i}"),
-            "addr": format!("10.0.0.{i}:4420"), "admin_addr": f.addr.to_string(),
-            "labels": {},
-            "devices": [
-                {"id": "d0", "backend": format!("file:/dev/nvme{i}n1"), "capacity_bytes": 8 * MIB},
-                {"id": "d1", "backend": format!("thin:/dev/nvme{i}n2"), "capacity_bytes": 8 * MIB},
-            ],
-        });
-        let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
-        assert_eq!(r.status, 200, "{}", r.body);
-    }
-    (s, fakes)
+    thin_cluster(&[(HOST_A, TOKEN_A), (HOST_B, TOKEN_B)])
 }
 
 fn uuid(n: u8) -> String {
-    format!("{n:08x}-0000-4000-8000-000000000000")
+    volume_uuid(n)
 }
 
 fn parsed(n: u8) -> Uuid {

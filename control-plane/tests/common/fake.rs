@@ -150,3 +150,43 @@ impl FakeTarget {
             .collect()
     }
 }
+
+/// A control plane with three fake targets `t0`–`t2`, each with a plain
+/// device `d0` and a grain pool `d1` of 8 MiB (1 MiB extents), and a host
+/// token for each of `hosts` (NQN, token): the cluster of the snapshot,
+/// group and rollback tests.
+pub fn thin_cluster(hosts: &[(&str, &str)]) -> (super::Server, Vec<FakeTarget>) {
+    use super::{serve, ADMIN, MIB, READER, TARGET};
+    use nvpool_control::api::AuthConfig;
+    use nvpool_control::auth::{Principal, Tokens};
+    let tokens = hosts.iter().fold(
+        Tokens::new()
+            .with(Principal::Admin, ADMIN)
+            .with(Principal::Target, TARGET)
+            .with(Principal::Reader, READER),
+        |t, (host, token)| t.with(Principal::Host((*host).into()), token),
+    );
+    let s = serve(AuthConfig::new(tokens));
+    let fakes: Vec<FakeTarget> = (0..3)
+        .map(|i| FakeTarget::start(&format!("t{i}")))
+        .collect();
+    for (i, f) in fakes.iter().enumerate() {
+        let reg = json!({
+            "id": format!("t{i}"), "name": format!("host{i}"),
+            "addr": format!("10.0.0.{i}:4420"), "admin_addr": f.addr.to_string(),
+            "labels": {},
+            "devices": [
+                {"id": "d0", "backend": format!("file:/dev/nvme{i}n1"), "capacity_bytes": 8 * MIB},
+                {"id": "d1", "backend": format!("thin:/dev/nvme{i}n2"), "capacity_bytes": 8 * MIB},
+            ],
+        });
+        let r = s.call("POST", "/v1/targets", Some(TARGET), Some(reg));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    (s, fakes)
+}
+
+/// The UUID of test volume `n`.
+pub fn volume_uuid(n: u8) -> String {
+    format!("{n:08x}-0000-4000-8000-000000000000")
+}
