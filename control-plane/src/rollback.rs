@@ -110,13 +110,7 @@ impl Cluster {
                 .volumes
                 .get(volume)
                 .ok_or_else(|| StateError::VolumeNotFound(volume.to_string()))?;
-            let snap = s
-                .snapshots
-                .get(&(*volume, name.to_owned()))
-                .ok_or_else(|| StateError::SnapshotNotFound {
-                    volume: *volume,
-                    name: name.to_owned(),
-                })?;
+            let snap = crate::snapshots::snapshot_in(s, volume, name)?;
             if snap.value.state != SnapshotState::Ready {
                 return Err(conflict(
                     "snapshot_creating",

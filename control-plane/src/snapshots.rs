@@ -351,6 +351,21 @@ pub(crate) fn conflict(kind: &'static str, message: String) -> StateError {
 }
 
 /// The volume's record and its version, or `VolumeNotFound`.
+/// Snapshot `name` of `volume`'s record and its version, or
+/// `SnapshotNotFound`.
+pub(crate) fn snapshot_in<'a>(
+    s: &'a Snapshot,
+    volume: &Uuid,
+    name: &str,
+) -> Result<&'a Versioned<SnapshotRecord>, StateError> {
+    s.snapshots
+        .get(&(*volume, name.to_owned()))
+        .ok_or_else(|| StateError::SnapshotNotFound {
+            volume: *volume,
+            name: name.to_owned(),
+        })
+}
+
 pub(crate) fn volume_in<'a>(
     s: &'a Snapshot,
     uuid: &Uuid,
@@ -703,12 +718,7 @@ impl Cluster {
         self.transact(|s| {
             let (mut conds, mut ops, mut out) = (Vec::new(), Vec::new(), Vec::new());
             for (volume, name) in snaps {
-                let r = s.snapshots.get(&(*volume, name.clone())).ok_or_else(|| {
-                    StateError::SnapshotNotFound {
-                        volume: *volume,
-                        name: name.clone(),
-                    }
-                })?;
+                let r = snapshot_in(s, volume, name)?;
                 let mut record = r.value.clone();
                 let failed = s.failed_copies.get(volume);
                 if record.state != SnapshotState::Ready
@@ -782,13 +792,7 @@ impl Cluster {
         creating: bool,
     ) -> Result<SnapshotRecord, StateError> {
         self.transact_allocation(|s| {
-            let r = s
-                .snapshots
-                .get(&(*volume, name.to_owned()))
-                .ok_or_else(|| StateError::SnapshotNotFound {
-                    volume: *volume,
-                    name: name.to_owned(),
-                })?;
+            let r = snapshot_in(s, volume, name)?;
             if r.value.state == SnapshotState::Creating && !creating {
                 return Err(conflict(
                     "snapshot_creating",
@@ -901,13 +905,7 @@ impl Cluster {
                 });
             }
             volume_in(s, source)?;
-            let snap = s
-                .snapshots
-                .get(&(*source, name.to_owned()))
-                .ok_or_else(|| StateError::SnapshotNotFound {
-                    volume: *source,
-                    name: name.to_owned(),
-                })?;
+            let snap = snapshot_in(s, source, name)?;
             let snap = &snap.value;
             if snap.state != SnapshotState::Ready {
                 return Err(conflict(
