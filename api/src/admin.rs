@@ -136,7 +136,12 @@ pub struct CopySource {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CopyRequest {
-    /// The destination: a `file:PATH,offset=O,length=L` backend spec.
+    /// The destination: a `file:PATH,offset=O,length=L` extent, or a
+    /// grain pool's tree `thin:PATH,root=N,size=BYTES` (design
+    /// thin-snapshots.md T7). Into a tree the copier writes only the 4 KiB
+    /// sectors that differ from what the tree holds, and deallocates those
+    /// the source reads as zeroes, so holes stay holes and grains the tree
+    /// shares stay shared where the data is the same.
     pub dest: String,
     pub source: CopySource,
     /// Size of the regions `start` selects by index.
@@ -144,6 +149,15 @@ pub struct CopyRequest {
     /// Throttle; 0 = unthrottled.
     #[serde(default)]
     pub rate_bytes_per_sec: u64,
+    /// Only with a `thin:` destination: a tree of the same pool the
+    /// destination starts as, sharing all of it, before anything is
+    /// copied (how a snapshot family is rebuilt on another device: each
+    /// tree starts as the one copied before it). Arming refuses
+    /// (409) a destination tree that already holds data, since hosts may
+    /// have written it; again with the same request once armed it is the
+    /// same job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_root: Option<u64>,
 }
 
 /// Where a copy job stands.
@@ -370,6 +384,7 @@ mod tests {
             },
             region_bytes: 1 << 20,
             rate_bytes_per_sec: 0,
+            base_root: None,
         };
         assert_eq!(
             serde_json::to_value(&copy).unwrap(),

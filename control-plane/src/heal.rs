@@ -314,6 +314,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 },
                 region_bytes: RESYNC_REGION_BYTES,
                 rate_bytes_per_sec: cfg.rate_bytes_per_sec,
+                base_root: None,
             };
             let admin = TargetAdmin::new(cluster, &dest_target)?;
             // Earlier jobs of this volume the target still holds (their

@@ -931,6 +931,7 @@ mod tests {
             },
             region_bytes: 1 << 20,
             rate_bytes_per_sec: 0,
+            base_root: None,
         }
     }
 

@@ -46,6 +46,7 @@ impl Rig {
                     },
                     region_bytes: 1 << 20,
                     rate_bytes_per_sec: 0,
+                    base_root: None,
                 },
             )
             .unwrap();
