@@ -38,12 +38,24 @@
 //!   file. Cancelling takes the same per-job gate, so once DELETE returns no
 //!   copier write can follow.
 //!
+//! A destination is a `file:` extent or a grain pool's tree (`thin:`,
+//! design thin-snapshots.md T7). A tree's guard is keyed by the tree, not
+//! a device range ([`FileId::Tree`]), since its bytes move between grains;
+//! into it the copier writes, still inside the claim, only the 4 KiB
+//! sectors that differ from what the tree reads there, and deallocates
+//! those the source reads as zeroes ([`ThinBackend::converge`]), so holes
+//! stay holes, an in-place resync rewrites only what changed, and a tree
+//! that started as another (`base_root`, [`ThinBackend::start_as`]) keeps
+//! sharing every grain whose data is the same. Those changes are not
+//! committed one by one: the final flush commits them.
+//!
 //! A job is done once every selected region is copied and the destination
 //! flushed. Jobs live in memory only: a restarted target forgets them and
 //! the control plane, getting 404, fails the job. The guard stays armed
 //! after done or failed until DELETE, so host writes keep being recorded
 //! until the control plane has taken the result.
 
+use crate::backend::thin::{self, Converged, ThinBackend, ThinError};
 use crate::backend::{AlignedBuf, Backend, BackendError, BackendSpec, DeviceExtent, FileId};
 use crate::limits;
 use crate::sync::{Admit, SyncGuard};
@@ -185,6 +197,8 @@ struct Job {
     req: CopyRequest,
     source: SocketAddr,
     dest: Arc<dyn Backend>,
+    /// `dest` when it is a grain pool's tree.
+    thin: Option<Arc<ThinBackend>>,
     active: Arc<ActiveCopy>,
     armed_ms: u64,
     bytes_copied: AtomicU64,
@@ -311,12 +325,36 @@ fn validate_id(id: &str) -> Result<(), CopyError> {
 fn validate_request(req: &CopyRequest) -> Result<SocketAddr, CopyError> {
     let invalid = CopyError::Invalid;
     let spec = BackendSpec::parse(&req.dest).map_err(|e| invalid(format!("dest: {e}")))?;
-    if !matches!(spec, BackendSpec::File { .. }) {
-        return Err(invalid(format!(
-            "dest {:?} is not a file: backend; only file: extents can be copy destinations \
-             (a ram: namespace cannot be named by another spec, so nothing could share it)",
-            req.dest
-        )));
+    match (&spec, req.base_root) {
+        (BackendSpec::File { .. }, None) | (BackendSpec::Thin { .. }, None) => {}
+        (BackendSpec::File { .. }, Some(_)) => {
+            return Err(invalid(
+                "base_root is for thin: destinations only (a tree of a grain pool \
+                 starts as another tree of it)"
+                    .into(),
+            ))
+        }
+        (BackendSpec::Thin { root, .. }, Some(base)) => {
+            if base == *root {
+                return Err(invalid(format!(
+                    "base_root {base} is the destination tree itself"
+                )));
+            }
+            if base >= thin::ROOT_ID_LIMIT {
+                return Err(invalid(format!(
+                    "base_root {base}: trees are numbered below 2^32"
+                )));
+            }
+        }
+        _ => {
+            return Err(invalid(format!(
+                "dest {:?} is neither a file: extent nor a thin: tree; only those can be \
+                 copy destinations (a ram: namespace cannot be named by another spec, so \
+                 nothing could share it; a grain pool is a device, one of its trees is \
+                 thin:PATH,root=N,size=BYTES)",
+                req.dest
+            )))
+        }
     }
     let addr: SocketAddr = req.source.addr.parse().map_err(|_| {
         invalid(format!(
@@ -363,7 +401,13 @@ impl Copies {
         }
         let source = validate_request(&req)?;
         // Opening may touch a slow disk: not under the table lock.
-        let dest = BackendSpec::parse(&req.dest)?.open()?;
+        let (dest, thin): (Arc<dyn Backend>, _) = match BackendSpec::parse(&req.dest)? {
+            BackendSpec::Thin { path, root, size } => {
+                let t = Arc::new(thin::open(&path, root, size)?);
+                (t.clone(), Some(t))
+            }
+            spec => (spec.open()?, None),
+        };
         let Some(at) = dest.device_extent() else {
             return Err(CopyError::Invalid(format!(
                 "dest {:?} has no file behind it",
@@ -407,6 +451,12 @@ impl Copies {
                 other.id
             )));
         }
+        if let (Some(base), Some(t)) = (req.base_root, &thin) {
+            // Under the table lock, after every other check: a refused arm
+            // leaves the tree as it was, and two arms cannot both start it.
+            t.start_as(base)
+                .map_err(|e| start_as_error(&req.dest, base, e))?;
+        }
         let active = Arc::new(ActiveCopy {
             id: id.to_owned(),
             file: at.file,
@@ -433,6 +483,7 @@ impl Copies {
                 error: None,
             }),
             dest,
+            thin,
             req,
         });
         self.guards.insert(active);
@@ -579,6 +630,26 @@ impl Copies {
         for j in self.table().jobs.values() {
             j.cancel.store(true, Ordering::Release);
         }
+    }
+}
+
+/// Why a destination tree could not start as tree `base`.
+fn start_as_error(dest: &str, base: u64, e: ThinError) -> CopyError {
+    match e {
+        ThinError::HoldsData(root) => CopyError::Conflict(format!(
+            "dest tree {root} holds data: it can start as base_root {base} only before \
+             anything is written to it (release the tree first)"
+        )),
+        ThinError::NoRoot(_) => CopyError::Invalid(format!(
+            "base_root {base}: the destination's pool has no such tree"
+        )),
+        ThinError::Sealing(tree) => CopyError::Conflict(format!(
+            "base_root {base}: a snapshot of tree {tree} is being taken"
+        )),
+        e => CopyError::Backend(BackendError::Geometry {
+            path: dest.to_owned(),
+            reason: format!("starting the tree as base_root {base}: {e}"),
+        }),
     }
 }
 
@@ -743,8 +814,12 @@ fn connect_source(job: &Job) -> Result<(Arc<Controller>, IoQueue, u32), Stop> {
 fn copy(job: &Job) -> Result<(), Stop> {
     let regions = lock(&job.progress).regions.clone();
     let (_ctrl, mut q, bs) = connect_source(job)?;
-    let chunk_bytes =
-        (limits::COPY_CHUNK_BYTES.min(q.max_transfer()) as u64) / bs as u64 * bs as u64;
+    // A tree takes whole 4 KiB sectors; a file extent any source block.
+    let unit = match job.thin {
+        Some(_) => u64::from(bs).max(u64::from(thin::THIN_BLOCK_BYTES)),
+        None => u64::from(bs),
+    };
+    let chunk_bytes = (limits::COPY_CHUNK_BYTES.min(q.max_transfer()) as u64) / unit * unit;
     if chunk_bytes == 0 {
         return Err(Stop::Failed(format!(
             "source transfers ({} bytes) are smaller than a block",
@@ -763,6 +838,7 @@ fn copy(job: &Job) -> Result<(), Stop> {
     let mut spare: Vec<Vec<u8>> = Vec::new();
     let mut done = Vec::new();
     let mut out = AlignedBuf::new(chunk_bytes as usize);
+    let mut sectors = Converged::default();
     let mut next_token = 0u64;
     let slice = Duration::from_millis(limits::COPY_CANCEL_POLL_MS);
     loop {
@@ -836,7 +912,7 @@ fn copy(job: &Job) -> Result<(), Stop> {
                     chunk.off
                 )));
             }
-            apply(job, chunk, &buf, &mut out)?;
+            apply(job, chunk, &buf, &mut out, &mut sectors)?;
             spare.push(buf);
         }
     }
@@ -845,15 +921,34 @@ fn copy(job: &Job) -> Result<(), Stop> {
     }
     job.dest
         .flush()
-        .map_err(|e| Stop::Failed(format!("flushing the destination: {e}")))
+        .map_err(|e| Stop::Failed(format!("flushing the destination: {e}")))?;
+    if job.thin.is_some() {
+        tracing::info!(
+            copy = %job.id,
+            same = sectors.same,
+            written = sectors.written,
+            deallocated = sectors.deallocated,
+            "copy into a tree: 4 KiB sectors left, written, deallocated"
+        );
+    }
+    Ok(())
 }
 
 /// Writes one chunk read from the source to the parts of the destination no
-/// host wrote since arming.
-fn apply(job: &Job, c: Chunk, data: &[u8], out: &mut AlignedBuf) -> Result<(), Stop> {
+/// host wrote since arming (into a tree, only the sectors that differ;
+/// `sectors` counts what that did).
+fn apply(
+    job: &Job,
+    c: Chunk,
+    data: &[u8],
+    out: &mut AlignedBuf,
+    sectors: &mut Converged,
+) -> Result<(), Stop> {
     let a = &job.active;
-    // O_DIRECT wants an aligned buffer; parts start on guard units.
-    out.as_mut_slice(data.len()).copy_from_slice(data);
+    if job.thin.is_none() {
+        // O_DIRECT wants an aligned buffer; parts start on guard units.
+        out.as_mut_slice(data.len()).copy_from_slice(data);
+    }
     let _gate = lock(&job.gate);
     if job.cancelled() {
         return Err(Stop::Cancelled);
@@ -864,13 +959,24 @@ fn apply(job: &Job, c: Chunk, data: &[u8], out: &mut AlignedBuf) -> Result<(), S
     for (off, len) in parts {
         debug_assert!(off >= dev_off && off + len <= dev_off + c.len);
         let rel = (off - dev_off) as usize;
-        let bytes = &out.as_slice(rel + len as usize)[rel..];
-        job.dest.write_at(bytes, off - a.base, false).map_err(|e| {
+        let failed = |e: std::io::Error| {
             Stop::Failed(format!(
                 "writing the destination at extent offset {}: {e}",
                 off - a.base
             ))
-        })?;
+        };
+        match &job.thin {
+            Some(t) => {
+                let bytes = &data[rel..rel + len as usize];
+                *sectors += t.converge(off - a.base, bytes).map_err(failed)?;
+            }
+            None => {
+                let bytes = &out.as_slice(rel + len as usize)[rel..];
+                job.dest
+                    .write_at(bytes, off - a.base, false)
+                    .map_err(failed)?;
+            }
+        }
     }
     job.bytes_copied.fetch_add(c.len, Ordering::AcqRel);
     if c.ends_region {
@@ -945,6 +1051,25 @@ mod tests {
         };
         assert!(bad(&|r| r.dest = "ram:16M".into()).contains("ram:"));
         assert!(bad(&|r| r.dest = "disk:/x".into()).contains("dest"));
+        // A grain pool's tree, alone or starting as another tree.
+        assert!(validate_request(&request("thin:/p,root=3,size=1M")).is_ok());
+        let mut based = request("thin:/p,root=3,size=1M");
+        based.base_root = Some(2);
+        assert!(validate_request(&based).is_ok());
+        // The pool itself is a device, not a destination.
+        assert!(bad(&|r| r.dest = "thin:/p".into()).contains("thin:PATH,root=N"));
+        // base_root only with a tree, never the tree itself.
+        assert!(bad(&|r| r.base_root = Some(1)).contains("base_root"));
+        let e = bad(&|r| {
+            r.dest = "thin:/p,root=3,size=1M".into();
+            r.base_root = Some(3);
+        });
+        assert!(e.contains("itself"), "{e}");
+        let e = bad(&|r| {
+            r.dest = "thin:/p,root=3,size=1M".into();
+            r.base_root = Some(1 << 32);
+        });
+        assert!(e.contains("2^32"), "{e}");
         assert!(bad(&|r| r.source.addr = "localhost".into()).contains("ADDR:PORT"));
         assert!(bad(&|r| r.source.host_nqn = "host".into()).contains("host_nqn"));
         assert!(bad(&|r| r.source.nsid = 0).contains("nsid"));
@@ -997,6 +1122,99 @@ mod tests {
         // Deleting one makes room.
         copies.delete("j0").unwrap();
         copies.arm("one-more", request(&spec(fit))).unwrap();
+    }
+
+    /// A tree is guarded as a whole and alone: host writes through its
+    /// namespaces are recorded, a neighbouring tree's and a `file:` range
+    /// of the pool's own file are not.
+    #[test]
+    fn a_trees_guard_is_the_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("pool.img");
+        std::fs::File::create(&p)
+            .and_then(|f| f.set_len(16 << 20))
+            .unwrap();
+        let path = p.to_str().unwrap();
+        thin::format(path, 64 << 10).unwrap();
+        let tree = |root: u64| format!("thin:{path},root={root},size=4194304");
+        let copies = Copies::default();
+        let st = copies.arm("t", request(&tree(5))).unwrap();
+        assert_eq!(st.bytes_total, 4 << 20);
+        let ns = |spec: &str| {
+            BackendSpec::parse(spec)
+                .unwrap()
+                .open()
+                .unwrap()
+                .device_extent()
+                .unwrap()
+        };
+        let same = ns(&tree(5));
+        assert!(copies.guards.host_write(&same, [(8192, 4096)]));
+        assert_eq!(copies.host_written_units("t"), Some(8));
+        let other = ns(&tree(6));
+        assert_ne!(other.file, same.file);
+        assert!(copies.guards.host_write(&other, [(0, 1 << 20)]));
+        let raw = ns(&format!("file:{path},offset=0,length=4194304"));
+        assert!(copies.guards.host_write(&raw, [(0, 1 << 20)]));
+        assert_eq!(copies.host_written_units("t"), Some(8));
+        // Another job into the same tree overlaps; into another tree not.
+        let mut again = request(&tree(5));
+        again.rate_bytes_per_sec = 1;
+        assert!(matches!(
+            copies.arm("t2", again),
+            Err(CopyError::Conflict(_))
+        ));
+        copies.arm("t3", request(&tree(6))).unwrap();
+    }
+
+    /// `base_root`: a tree with nothing written starts as the base (and
+    /// again, as a retry); one holding data is 409; an unknown base 400.
+    #[test]
+    fn base_root_starts_an_empty_tree_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("pool.img");
+        std::fs::File::create(&p)
+            .and_then(|f| f.set_len(16 << 20))
+            .unwrap();
+        let path = p.to_str().unwrap();
+        thin::format(path, 64 << 10).unwrap();
+        let tree = |root: u64| format!("thin:{path},root={root},size=1048576");
+        let base = thin::open(path, 1, 1 << 20).unwrap();
+        let data = vec![7u8; 8192];
+        base.write_at(&data, 65536, false).unwrap();
+        let based = |root: u64, b: u64| {
+            let mut r = request(&tree(root));
+            r.base_root = Some(b);
+            r
+        };
+        let copies = Copies::default();
+        copies.arm("x", based(2, 1)).unwrap();
+        let x = thin::open(path, 2, 1 << 20).unwrap();
+        let mut got = vec![0u8; 8192];
+        x.read_at(&mut got, 65536).unwrap();
+        assert_eq!(got, data);
+        // Shared, not copied: still the one grain.
+        assert_eq!(base.pool().stats().grains_allocated, 1);
+        // The same request: the same job, nothing done twice.
+        assert!(copies.arm("x", based(2, 1)).is_ok());
+        // Deleted and armed again while it still shares the base: a retry.
+        copies.delete("x").unwrap();
+        copies.arm("x", based(2, 1)).unwrap();
+        copies.delete("x").unwrap();
+        // Once the tree holds data of its own: refused, and unchanged.
+        let three = thin::open(path, 3, 1 << 20).unwrap();
+        three.write_at(&[1u8; 4096], 0, false).unwrap();
+        let e = copies.arm("y", based(3, 1)).unwrap_err();
+        assert!(matches!(e, CopyError::Conflict(_)), "{e}");
+        let mut first = vec![0u8; 4096];
+        three.read_at(&mut first, 0).unwrap();
+        assert_eq!(first, vec![1u8; 4096]);
+        // Written and deallocated again: nothing written, it may start.
+        three.discard(0, 4096).unwrap();
+        copies.arm("y", based(3, 1)).unwrap();
+        let e = copies.arm("z", based(4, 99)).unwrap_err();
+        assert!(matches!(e, CopyError::Invalid(_)), "{e}");
+        assert!(e.to_string().contains("base_root 99"), "{e}");
     }
 
     #[test]

@@ -56,8 +56,30 @@ pub struct UringTarget {
 /// open of the same file or device, whatever path named it. Block devices
 /// compare by device number (two device nodes of one disk are one disk),
 /// other files by filesystem and inode.
+///
+/// A tree of a grain pool is its own space ([`FileId::Tree`]): its bytes
+/// move between the pool's grains, so what names them for the copy guards
+/// is the tree, never a range of the pool's file. Two trees never share a
+/// `FileId`, and no `file:` extent equals one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FileId {
+    Inode {
+        dev: u64,
+        ino: u64,
+    },
+    BlockDevice {
+        rdev: u64,
+    },
+    /// Tree `root` of the grain pool on the file `pool`.
+    Tree {
+        pool: PoolFile,
+        root: u64,
+    },
+}
+
+/// The file a grain pool lives on, as [`FileId`] names a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PoolFile {
     Inode { dev: u64, ino: u64 },
     BlockDevice { rdev: u64 },
 }
@@ -74,10 +96,22 @@ impl FileId {
             }
         }
     }
+
+    /// Tree `root` of the grain pool on this file; None when `self` is a
+    /// tree already (a pool lives on a file).
+    pub fn tree(self, root: u64) -> Option<FileId> {
+        let pool = match self {
+            FileId::Inode { dev, ino } => PoolFile::Inode { dev, ino },
+            FileId::BlockDevice { rdev } => PoolFile::BlockDevice { rdev },
+            FileId::Tree { .. } => return None,
+        };
+        Some(FileId::Tree { pool, root })
+    }
 }
 
 /// Where a namespace's bytes are: namespace byte `o` is byte `base + o` of
-/// `file`, for `o < len`.
+/// `file`, for `o < len` (of the tree, for a [`FileId::Tree`], whose `base`
+/// is 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceExtent {
     pub file: FileId,
@@ -101,8 +135,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         None
     }
 
-    /// The file range this backend's bytes occupy; None for storage no
-    /// other backend can share (RAM).
+    /// The file range this backend's bytes occupy (for a grain pool's
+    /// tree, the whole tree: [`FileId::Tree`]); None for storage no other
+    /// backend can share (RAM). Host writes are matched against the copy
+    /// guards by it (copier.rs).
     fn device_extent(&self) -> Option<DeviceExtent> {
         None
     }

@@ -45,8 +45,10 @@
 //! ([`ThinPool::rollback`]) is seen by the next command of a namespace
 //! serving the live tree.
 
-use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT};
-use crate::backend::{AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, FileId};
+use super::{Device, Pool, PoolStats, ThinError, GRAIN_INDEX_LIMIT, SECTOR_BYTES};
+use crate::backend::{
+    AsyncDone, AsyncOp, AsyncResult, Backend, BackendError, DeviceExtent, FileId,
+};
 use crate::limits::{THIN_COMMIT_INTERVAL_MS, THIN_QUEUE_LEN};
 use crate::peerlog::peer_warn;
 use std::collections::{BTreeSet, HashMap};
@@ -199,6 +201,9 @@ pub struct ThinPool {
     open_roots: Mutex<HashMap<u64, usize>>,
     /// As the pool was first opened, for errors.
     path: String,
+    /// The device file's identity: its trees' guard identities are made
+    /// of it ([`FileId::tree`]).
+    file: FileId,
 }
 
 impl std::fmt::Debug for ThinPool {
@@ -294,6 +299,7 @@ impl ThinPool {
             failed,
             open_roots: Mutex::new(HashMap::new()),
             path: path.to_owned(),
+            file: id,
         });
         open.push((id, Arc::downgrade(&p)));
         Ok((p, formatted))
@@ -514,15 +520,7 @@ fn apply(
         }
         AsyncOp::Write { off, data, .. } => {
             let trees = trees(p)?;
-            match p.write_trees(&trees, off, &data) {
-                // Grains freed since the last commit are reusable after the
-                // next one: commit before calling the pool full.
-                Err(ThinError::NoSpace) if p.dirty() => {
-                    p.commit().map_err(io_error)?;
-                    p.write_trees(&trees, off, &data).map_err(io_error)?;
-                }
-                r => r.map_err(io_error)?,
-            }
+            write_trees(p, &trees, off, &data)?;
             Ok((None, remapped(p, &trees, &[(off, data.len() as u64)])?))
         }
         AsyncOp::Flush => Ok((None, false)),
@@ -538,6 +536,19 @@ fn apply(
             }
             Ok((None, remapped(p, &trees, &ranges)?))
         }
+    }
+}
+
+/// [`Pool::write_trees`], committing once when the pool is full with
+/// changes pending: grains freed since the last commit are reusable after
+/// the next one, so the pool is not called full before it.
+fn write_trees(p: &mut Pool<FileDevice>, trees: &[u64], off: u64, data: &[u8]) -> io::Result<()> {
+    match p.write_trees(trees, off, data) {
+        Err(ThinError::NoSpace) if p.dirty() => {
+            p.commit().map_err(io_error)?;
+            p.write_trees(trees, off, data).map_err(io_error)
+        }
+        r => r.map_err(io_error),
     }
 }
 
@@ -603,9 +614,130 @@ impl Drop for ThinBackend {
     }
 }
 
+/// What [`ThinBackend::converge`] did, in 4 KiB sectors.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Converged {
+    /// Sectors that read as the data already: left alone.
+    pub same: u64,
+    /// Sectors written.
+    pub written: u64,
+    /// Sectors deallocated: the data is zeroes.
+    pub deallocated: u64,
+}
+
+impl std::ops::AddAssign for Converged {
+    fn add_assign(&mut self, o: Converged) {
+        self.same += o.same;
+        self.written += o.written;
+        self.deallocated += o.deallocated;
+    }
+}
+
+/// What [`ThinBackend::converge`] does to a run of sectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    Keep,
+    Write,
+    Deallocate,
+}
+
 impl ThinBackend {
     pub fn pool(&self) -> &Arc<ThinPool> {
         &self.pool
+    }
+
+    /// Makes this tree start as tree `base` of the same pool, sharing
+    /// everything it maps, and commits (a copy job's `base_root`, design
+    /// T7): see [`Pool::start_as`].
+    pub(crate) fn start_as(&self, base: u64) -> Result<(), ThinError> {
+        self.pool.changed(|p| p.start_as(self.root, base))
+    }
+
+    /// Makes tree bytes `[off, off + data.len())` (whole 4 KiB sectors)
+    /// read as `data`, changing only what differs: the copier's write into
+    /// a tree (copier.rs, design T7). Under one hold of the pool's lock it
+    /// reads what the tree holds there and, per sector, leaves one that
+    /// reads as `data` already alone (a grain shared with another tree
+    /// stays shared, a hole stays a hole), deallocates one whose `data` is
+    /// all zeroes, and writes the others, a run of neighbours per call.
+    /// Nothing is committed here, unlike [`Backend::write_at`]: the
+    /// caller's [`Backend::flush`] commits once at the end, which is enough
+    /// for a copy, since one that never gets there leaves its destination
+    /// stale anyway.
+    pub(crate) fn converge(&self, off: u64, data: &[u8]) -> io::Result<Converged> {
+        let sector = SECTOR_BYTES as usize;
+        let end = off.checked_add(data.len() as u64);
+        if !off.is_multiple_of(SECTOR_BYTES)
+            || !data.len().is_multiple_of(sector)
+            || end.is_none_or(|e| e > self.size)
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} bytes at {off} are not whole 4 KiB sectors of tree {}",
+                    data.len(),
+                    self.root
+                ),
+            ));
+        }
+        let mut p = self.pool.lock();
+        let r = self.converge_locked(&mut p, off, data);
+        self.pool.failed.fetch_or(p.failed(), Ordering::Relaxed);
+        r
+    }
+
+    fn converge_locked(
+        &self,
+        p: &mut Pool<FileDevice>,
+        off: u64,
+        data: &[u8],
+    ) -> io::Result<Converged> {
+        let sector = SECTOR_BYTES as usize;
+        let mut held = vec![0u8; data.len()];
+        p.read(self.root, off, &mut held).map_err(io_error)?;
+        let changes: Vec<Change> = data
+            .chunks_exact(sector)
+            .zip(held.chunks_exact(sector))
+            .map(|(want, has)| {
+                if want == has {
+                    Change::Keep
+                } else if want.iter().all(|&b| b == 0) {
+                    Change::Deallocate
+                } else {
+                    Change::Write
+                }
+            })
+            .collect();
+        let mut done = Converged::default();
+        let mut first = 0;
+        while first < changes.len() {
+            let change = changes[first];
+            let n = changes[first..]
+                .iter()
+                .take_while(|&&c| c == change)
+                .count();
+            let (at, len) = (first * sector, n * sector);
+            let tree_off = off + at as u64;
+            match change {
+                Change::Keep => done.same += n as u64,
+                Change::Write => {
+                    write_trees(p, &[self.root], tree_off, &data[at..at + len])?;
+                    done.written += n as u64;
+                }
+                Change::Deallocate => {
+                    let mut r = p.deallocate(self.root, tree_off, len as u64);
+                    if matches!(r, Err(ThinError::NoSpace)) && p.dirty() {
+                        r = p
+                            .commit()
+                            .and_then(|()| p.deallocate(self.root, tree_off, len as u64));
+                    }
+                    r.map_err(io_error)?;
+                    done.deallocated += n as u64;
+                }
+            }
+            first += n;
+        }
+        Ok(done)
     }
 
     /// Runs `op` on the calling thread (the synchronous calls: no ring, or
@@ -633,6 +765,16 @@ impl Backend for ThinBackend {
     }
     fn describe(&self) -> String {
         format!("thin {} tree {}", self.path, self.root)
+    }
+    /// The whole tree, named by the pool's file and the tree id: host
+    /// writes through any namespace serving this tree meet the copy guards
+    /// of jobs copying into it, and no other tree's.
+    fn device_extent(&self) -> Option<DeviceExtent> {
+        Some(DeviceExtent {
+            file: self.pool.file.tree(self.root)?,
+            base: 0,
+            len: self.size,
+        })
     }
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
         let data = self

@@ -60,7 +60,7 @@ mod format;
 #[cfg(test)]
 mod tests;
 
-pub use backend::{format, open, FileDevice, ThinBackend, ThinPool, THIN_BLOCK_BYTES};
+pub use backend::{format, open, Converged, FileDevice, ThinBackend, ThinPool, THIN_BLOCK_BYTES};
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
@@ -126,6 +126,10 @@ pub enum ThinError {
     /// writer sends one.
     #[error("a write to tree {root} tagged {tag} is at or below the sealed epoch {floor}")]
     Fenced { root: u64, tag: u32, floor: u32 },
+    /// A tree to start as another's ([`Pool::start_as`]) has data of its
+    /// own: hosts may have written it.
+    #[error("tree {0} holds data")]
+    HoldsData(u64),
     #[error("range not 4 KiB aligned or beyond the tree")]
     Range,
     #[error("device too small or grain size not 16, 32 or 64 KiB")]
@@ -653,6 +657,45 @@ impl<D: Device> Pool<D> {
             Ok(())
         })();
         self.poison(r)
+    }
+
+    /// Makes tree `root` start as tree `base` (a copy job's destination,
+    /// T7): [`Pool::rollback`] of `(root, base)`, so it shares everything
+    /// `base` maps whatever the size, only while `root` maps no written
+    /// sector (or shares `base`'s top page already: a retry). Otherwise
+    /// [`ThinError::HoldsData`] and nothing changes. A `root` the pool does
+    /// not hold is created; an unknown `base` is [`ThinError::NoRoot`].
+    pub fn start_as(&mut self, root: u64, base: u64) -> Result<()> {
+        self.usable()?;
+        let want = self.top(base)?;
+        match self.record(self.table, root)? {
+            Some(top) if top == want => return Ok(()),
+            Some(top) if self.maps_data(top)? => return Err(ThinError::HoldsData(root)),
+            _ => {}
+        }
+        self.rollback(&[(root, base)])
+    }
+
+    /// Whether the tree whose top page is `top` maps any grain (a leaf
+    /// entry is cleared when its written mask empties).
+    fn maps_data(&mut self, top: u64) -> Result<bool> {
+        for a in 0..ENTRIES_PER_PAGE {
+            let mid = self.entry(top, a)?;
+            if mid == 0 {
+                continue;
+            }
+            for b in 0..ENTRIES_PER_PAGE {
+                let leaf = self.entry(mid, b)?;
+                if leaf == 0 {
+                    continue;
+                }
+                self.load(leaf)?;
+                if self.cache[&leaf].iter().any(|&e| e != 0) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
     }
 
     /// The trees a write to `root` tagged `tag` (CDW2, T5; 0: untagged)
