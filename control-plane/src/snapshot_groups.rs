@@ -145,11 +145,12 @@ mod protocol {
         name: &str,
         volumes: &[Uuid],
     ) -> Result<(Vec<SnapshotRecord>, bool), ProgramError> {
+        let since = std::time::Instant::now();
         let begun = cluster.begin_group(name, volumes)?;
         if !begun.created {
             return Ok((begun.records, false));
         }
-        let done = crate::snapshots::take(cluster, &begun.records)?;
+        let done = crate::snapshots::take(cluster, &begun.records, since)?;
         Ok((done, true))
     }
 }

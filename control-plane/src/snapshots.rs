@@ -88,8 +88,11 @@ struct WriteEpochV3 {
 
 impl crate::model::Stored for WriteEpoch {
     fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(WriteEpoch, &[u8])> {
+        if format == 4 {
+            // Unchanged since format 4.
+            return postcard::take_from_bytes(body);
+        }
         let (old, rest) = postcard::take_from_bytes::<WriteEpochV3>(body)?;
-        let _ = format; // write epochs first appeared in format 3
         let confirmed = old
             .confirmed
             .into_iter()
@@ -191,7 +194,10 @@ struct SnapshotRecordV3 {
 
 impl crate::model::Stored for SnapshotRecord {
     fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(SnapshotRecord, &[u8])> {
-        let _ = format; // snapshots first appeared in format 3
+        if format == 4 {
+            // Unchanged since format 4.
+            return postcard::take_from_bytes(body);
+        }
         let (r, rest) = postcard::take_from_bytes::<SnapshotRecordV3>(body)?;
         let record = SnapshotRecord {
             volume: r.volume,
@@ -231,6 +237,52 @@ pub struct PendingClone {
 }
 
 impl crate::model::Stored for PendingClone {}
+
+/// Wakes the creations waiting for their writers' confirmations as soon
+/// as this process commits one, instead of at their next look. A hint, never state: a waiter always re-reads
+/// the store, and still looks every `CONFIRM_STEP` for what does not
+/// wake it (a confirmation committed by another control plane sharing
+/// the store, a writer detached).
+///
+/// One for the process rather than one per [`Cluster`]: clusters of one
+/// process share their store, and a wake meant for another cluster (tests
+/// run several) only costs a re-read.
+#[derive(Debug)]
+pub struct EpochSignal {
+    /// Confirmations committed so far.
+    count: std::sync::Mutex<u64>,
+    changed: std::sync::Condvar,
+}
+
+/// The process's [`EpochSignal`].
+pub static EPOCH_SIGNAL: EpochSignal = EpochSignal {
+    count: std::sync::Mutex::new(0),
+    changed: std::sync::Condvar::new(),
+};
+
+impl EpochSignal {
+    /// How many changes were signalled so far: read it before reading
+    /// the store, then [`Self::wait`] for a change past it.
+    pub fn seen(&self) -> u64 {
+        *nvpool_rt::lock(&self.count)
+    }
+
+    /// Wakes every waiter.
+    pub fn notify(&self) {
+        *nvpool_rt::lock(&self.count) += 1;
+        self.changed.notify_all();
+    }
+
+    /// Sleeps until a change past `seen` is signalled, or `timeout`
+    /// passes.
+    pub fn wait(&self, seen: u64, timeout: std::time::Duration) {
+        let count = nvpool_rt::lock(&self.count);
+        // A poisoned wait still woke: the caller re-reads either way.
+        let _ = self
+            .changed
+            .wait_timeout_while(count, timeout, |c| *c == seen);
+    }
+}
 
 /// The root of a grain pool's tree at extent `e`.
 pub fn root_of(e: &Extent) -> u64 {
@@ -432,7 +484,7 @@ impl Cluster {
         epoch: u32,
         held: bool,
     ) -> Result<(), StateError> {
-        self.transact(|s| {
+        let done = self.transact(|s| {
             volume_in(s, volume)?;
             if !s.attachments.contains_key(&(*volume, host.to_owned())) {
                 return Err(StateError::NotAttached {
@@ -480,7 +532,11 @@ impl Cluster {
                 vec![Op::Put(key, encode(&w))],
                 (),
             ))
-        })
+        });
+        if done.is_ok() {
+            EPOCH_SIGNAL.notify();
+        }
+        done
     }
 
     /// Raises the volume's write epoch from `cut` to `cut + 1` and wakes
@@ -799,6 +855,20 @@ impl Cluster {
                     format!("snapshot {name} of volume {volume} is being created"),
                 ));
             }
+            // A copy job moving the volume's snapshot trees would leave
+            // this one's new tree behind (design T7).
+            if let (false, Some(j)) = (creating, s.copy_state(volume).jobs.first()) {
+                return Err(conflict(
+                    "copy_in_progress",
+                    format!(
+                        "volume {volume} has copy job {} under way ({} of extent {}); delete \
+                         snapshot {name} once it is over",
+                        j.id,
+                        j.kind.as_str(),
+                        j.extent
+                    ),
+                ));
+            }
             let key = snapshot_key(volume, name);
             let mut conds = vec![Condition::VersionIs(key.clone(), r.version)];
             let mut ops = vec![Op::Delete(key)];
@@ -1044,7 +1114,17 @@ mod protocol {
     use nvpool_api::rest::WRITE_HOLD_MAX_MS;
     use std::time::{Duration, Instant};
 
+    /// How often a creation re-reads its writers' confirmations when
+    /// nothing woke it ([`EPOCH_SIGNAL`] wakes it at once for one this
+    /// process commits): a confirmation committed by another control
+    /// plane sharing the store, or a writer gone (detached, a new
+    /// session), is seen within this.
     const CONFIRM_STEP: Duration = Duration::from_millis(50);
+
+    /// Targets a creation calls at once, one thread each: a volume spans a
+    /// handful of targets, a group of volumes seldom more than this; past
+    /// it the calls go in rounds, each bounded by the calls' timeout.
+    const SNAPSHOT_TARGETS_PARALLEL: usize = 16;
 
     /// By target, then device: each tree's (live, snapshot) root pair.
     pub(crate) fn by_device(
@@ -1064,20 +1144,104 @@ mod protocol {
         out
     }
 
-    /// Has every target create `trees` (`epoch` 0: complete at once).
-    fn create_trees(
+    /// One admin client per target holding any of `trees`, kept for every
+    /// call of a creation (each client checks its target's identity once,
+    /// before its first change).
+    fn admins<'a>(
         cluster: &Cluster,
-        trees: &[SnapshotTree],
-        epoch: u32,
-    ) -> Result<(), ProgramError> {
-        for (target, devices) in by_device(trees) {
-            let t = cluster.target(&target)?.target;
-            let admin = TargetAdmin::new(cluster, &t)?;
-            for (device, trees) in devices {
-                admin.snapshot_trees(&device, &SnapshotTreesBody { epoch, trees })?;
+        trees: impl Iterator<Item = &'a SnapshotTree>,
+    ) -> Result<BTreeMap<String, TargetAdmin>, ProgramError> {
+        let mut out = BTreeMap::new();
+        for t in trees {
+            if !out.contains_key(&t.tree.target) {
+                let target = cluster.target(&t.tree.target)?.target;
+                out.insert(t.tree.target.clone(), TargetAdmin::new(cluster, &target)?);
             }
         }
+        Ok(out)
+    }
+
+    /// Makes each target's `calls` (in order, on that target) with `call`,
+    /// every target at once ([`SNAPSHOT_TARGETS_PARALLEL`] at a time).
+    /// All or nothing, as one after another was: the first failure in
+    /// target order is the answer, once every call of its round has
+    /// returned, and no later round starts; the caller gives the
+    /// creation up, which frees and releases what the others made.
+    fn on_each_target<B: Sync>(
+        admins: &BTreeMap<String, TargetAdmin>,
+        calls: &BTreeMap<String, Vec<(String, B)>>,
+        call: impl Fn(&TargetAdmin, &str, &B) -> Result<(), ProgramError> + Sync,
+    ) -> Result<(), ProgramError> {
+        let work: Vec<(&TargetAdmin, &Vec<(String, B)>)> = calls
+            .iter()
+            .map(|(target, calls)| {
+                admins.get(target).map(|a| (a, calls)).ok_or_else(|| {
+                    StateError::Inconsistent(format!("no admin client for target {target}"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        for round in work.chunks(SNAPSHOT_TARGETS_PARALLEL) {
+            let results: Vec<Result<(), ProgramError>> = std::thread::scope(|scope| {
+                let call = &call;
+                let handles: Vec<_> = round
+                    .iter()
+                    .map(|&(admin, calls)| {
+                        scope.spawn(move || {
+                            calls
+                                .iter()
+                                .try_for_each(|(device, body)| call(admin, device, body))
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            });
+            results.into_iter().collect::<Result<(), _>>()?;
+        }
         Ok(())
+    }
+
+    /// Has every target create the trees of each `(trees, epoch)` (`epoch`
+    /// 0: complete at once), all targets at once.
+    fn create_trees(
+        admins: &BTreeMap<String, TargetAdmin>,
+        sets: &[(&[SnapshotTree], u32)],
+    ) -> Result<(), ProgramError> {
+        let mut calls: BTreeMap<String, Vec<(String, SnapshotTreesBody)>> = BTreeMap::new();
+        for &(trees, epoch) in sets {
+            for (target, devices) in by_device(trees) {
+                let at = calls.entry(target).or_default();
+                for (device, trees) in devices {
+                    at.push((device, SnapshotTreesBody { epoch, trees }));
+                }
+            }
+        }
+        on_each_target(admins, &calls, |admin, device, body| {
+            admin.snapshot_trees(device, body)
+        })
+    }
+
+    /// Has every target seal the snapshot trees of `rs`, all targets at
+    /// once.
+    fn seal(
+        admins: &BTreeMap<String, TargetAdmin>,
+        rs: &[SnapshotRecord],
+    ) -> Result<(), ProgramError> {
+        let mut calls: BTreeMap<String, Vec<(String, SealBody)>> = BTreeMap::new();
+        for r in rs {
+            for (target, devices) in by_device(&r.trees) {
+                let at = calls.entry(target).or_default();
+                for (device, trees) in devices {
+                    let snapshots = trees.iter().map(|t| t.snapshot).collect();
+                    at.push((device, SealBody { snapshots }));
+                }
+            }
+        }
+        on_each_target(admins, &calls, |admin, device, body| {
+            admin.seal(device, body)
+        })
     }
 
     /// The steps of T5 after the records, for one volume's snapshot or a
@@ -1087,10 +1251,22 @@ mod protocol {
     fn drive(
         cluster: &Cluster,
         rs: &[SnapshotRecord],
+        phases: &mut Phases,
     ) -> Result<Vec<SnapshotRecord>, ProgramError> {
-        for r in rs {
-            create_trees(cluster, &r.trees, r.epoch)?;
-        }
+        // Four store transactions, each its own step's compare-and-set:
+        // the records (begun before this), the raise, every writer's
+        // confirmation, ready. None folds into its neighbour: the raise
+        // must follow the trees on the targets (a write tagged above the
+        // cut landing before its tree exists would be shared into the
+        // snapshot), ready must follow the seal, and the seal the
+        // confirmations; lifting a hold (a fifth, with more than one
+        // writer) comes before the seal so the writers wait for no
+        // target call.
+        let admins = admins(cluster, rs.iter().flat_map(|r| r.trees.iter()))?;
+        let sets: Vec<(&[SnapshotTree], u32)> =
+            rs.iter().map(|r| (r.trees.as_slice(), r.epoch)).collect();
+        create_trees(&admins, &sets)?;
+        phases.lap(Phase::Trees);
         let cuts: Vec<(Uuid, u32)> = rs.iter().map(|r| (r.volume, r.epoch)).collect();
         // The barrier's budget counts from before any hold is set.
         let start = Instant::now();
@@ -1116,8 +1292,10 @@ mod protocol {
                 ))
             }
         };
+        phases.lap(Phase::Raise);
         let raised: Vec<(Uuid, u32)> = cuts.iter().map(|c| c.0).zip(epochs).collect();
         let waited = wait_confirmed(cluster, rs, &raised, held, start);
+        phases.lap(Phase::Confirm);
         if held {
             match cluster.clear_holds(&raised) {
                 Ok(gone) => {
@@ -1138,17 +1316,57 @@ mod protocol {
             }
         }
         waited?;
-        for r in rs {
-            for (target, devices) in by_device(&r.trees) {
-                let t = cluster.target(&target)?.target;
-                let admin = TargetAdmin::new(cluster, &t)?;
-                for (device, trees) in devices {
-                    let snapshots = trees.iter().map(|t| t.snapshot).collect();
-                    admin.seal(&device, &SealBody { snapshots })?;
-                }
+        phases.lap(Phase::Release);
+        seal(&admins, rs)?;
+        phases.lap(Phase::Seal);
+        let done = cluster.finish_snapshots(&keys(rs))?;
+        phases.lap(Phase::Ready);
+        Ok(done)
+    }
+
+    /// The steps of [`drive`], each timed (the log's `phases_ms`).
+    #[derive(Debug, Clone, Copy)]
+    enum Phase {
+        Begin,
+        Trees,
+        Raise,
+        Confirm,
+        Release,
+        Seal,
+        Ready,
+    }
+
+    /// Milliseconds each step of a creation took, in order: what a slow
+    /// creation spent its time on.
+    struct Phases {
+        last: Instant,
+        laps: Vec<(Phase, Duration)>,
+    }
+
+    impl Phases {
+        fn new(since: Instant) -> Phases {
+            Phases {
+                last: since,
+                laps: Vec::new(),
             }
         }
-        Ok(cluster.finish_snapshots(&keys(rs))?)
+
+        fn lap(&mut self, p: Phase) {
+            let now = Instant::now();
+            self.laps.push((p, now - self.last));
+            self.last = now;
+        }
+    }
+
+    impl std::fmt::Display for Phases {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            for (i, (p, d)) in self.laps.iter().enumerate() {
+                let sep = if i == 0 { "" } else { " " };
+                let name = format!("{p:?}").to_lowercase();
+                write!(f, "{sep}{name}={:.1}", d.as_secs_f64() * 1e3)?;
+            }
+            Ok(())
+        }
     }
 
     /// `SnapshotFailed` for the cut of `rs`, at `volume`.
@@ -1182,6 +1400,9 @@ mod protocol {
         }
         let deadline = start + Duration::from_millis(wait_ms);
         loop {
+            // Counted before the read: a confirmation committed after it
+            // ends the wait below at once.
+            let seen = EPOCH_SIGNAL.seen();
             let s = cluster.snapshot()?;
             let pending: Vec<(Uuid, u32, Vec<String>)> = raised
                 .iter()
@@ -1212,7 +1433,8 @@ mod protocol {
                     format!("{} within {wait_ms} ms", who.join("; ")),
                 ));
             }
-            std::thread::sleep(CONFIRM_STEP);
+            let left = deadline.saturating_duration_since(Instant::now());
+            EPOCH_SIGNAL.wait(seen, left.min(CONFIRM_STEP));
         }
     }
 
@@ -1237,11 +1459,12 @@ mod protocol {
         volume: &Uuid,
         name: &str,
     ) -> Result<(SnapshotRecord, bool), ProgramError> {
+        let since = Instant::now();
         let begun = cluster.begin_snapshot(volume, name)?;
         if !begun.created {
             return Ok((begun.record, false));
         }
-        let r = take(cluster, &[begun.record])?
+        let r = take(cluster, &[begun.record], since)?
             .into_iter()
             .next()
             .ok_or_else(|| StateError::Inconsistent(format!("snapshot {name} finished as none")))?;
@@ -1250,16 +1473,22 @@ mod protocol {
 
     /// Drives the begun snapshots `rs` (one volume's, or a group's at one
     /// cut) to ready; on any failure gives them all up and is
-    /// `SnapshotFailed`, naming the volume it failed at and why.
+    /// `SnapshotFailed`, naming the volume it failed at and why. `since`:
+    /// when the creation began (before its records), for the log.
     pub(crate) fn take(
         cluster: &Cluster,
         rs: &[SnapshotRecord],
+        since: Instant,
     ) -> Result<Vec<SnapshotRecord>, ProgramError> {
-        match drive(cluster, rs) {
+        let mut phases = Phases::new(since);
+        phases.lap(Phase::Begin);
+        match drive(cluster, rs, &mut phases) {
             Ok(done) => {
+                let total_ms = since.elapsed().as_secs_f64() * 1e3;
                 for r in &done {
                     tracing::info!(volume = %r.volume, snapshot = %r.name, epoch = r.epoch,
-                        trees = r.trees.len(), group = r.group.len(), "snapshot created");
+                        trees = r.trees.len(), group = r.group.len(), total_ms,
+                        phases_ms = %phases, "snapshot created");
                 }
                 Ok(done)
             }
@@ -1324,7 +1553,8 @@ mod protocol {
         let Some(pending) = cluster.begin_clone(spec, source, name)? else {
             return Ok((cluster.volume(&spec.uuid)?.volume, false));
         };
-        let made = create_trees(cluster, &pending.trees, 0)
+        let made = admins(cluster, pending.trees.iter())
+            .and_then(|admins| create_trees(&admins, &[(&pending.trees, 0)]))
             .and_then(|()| Ok(cluster.finish_clone(&spec.uuid)?));
         match made {
             Ok(v) => {
