@@ -243,6 +243,16 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
                     error = %e, "no place for the copy's new extent");
                 continue;
             }
+            // Nor for its snapshots' trees.
+            Err(
+                e @ StateError::Unprocessable {
+                    kind: "no_space", ..
+                },
+            ) => {
+                tracing::warn!(volume = %c.volume, extent = c.extent, kind = c.kind.as_str(),
+                    error = %e, "no place for the copy's snapshot trees");
+                continue;
+            }
             Err(e) => return Err(e),
         };
         started.insert((c.volume, c.extent));
@@ -250,7 +260,7 @@ fn start_jobs(cluster: &Cluster, cfg: &HealConfig) -> Result<(), StateError> {
             *per_target.entry(e.target.clone()).or_default() += 1;
         }
         tracing::info!(volume = %c.volume, job = job.id, extent = c.extent,
-            source = c.source, kind = job.kind.as_str(),
+            source = c.source, kind = job.kind.as_str(), snapshots = job.family.len(),
             to = ?job.dest.as_ref().map(|d| d.device_ref().to_string()), "copy job created");
     }
     Ok(())
@@ -272,6 +282,10 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
     }
     match job.state {
         JobState::Arming => {
+            // A thin copy's snapshot trees first, one at a time (T7).
+            if !copy_family(cluster, cfg, v, job, &dest_target)? {
+                return Ok(());
+            }
             // Hosts write a new extent too: export it to each of them.
             if let Some(d) = &job.dest {
                 let admin = TargetAdmin::new(cluster, &dest_target)?;
@@ -314,18 +328,26 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 },
                 region_bytes: RESYNC_REGION_BYTES,
                 rate_bytes_per_sec: cfg.rate_bytes_per_sec,
-                base_root: None,
+                // The live tree starts as its newest snapshot's new tree,
+                // so the two share what they shared at the source.
+                base_root: crate::families::live_base_root(job),
             };
             let admin = TargetAdmin::new(cluster, &dest_target)?;
             // Earlier jobs of this volume the target still holds (their
             // cleanup did not reach it) would refuse the range: they are
-            // over, so remove them.
+            // over, so remove them, and this job's family copies with them
+            // (all copied).
+            let job_family_ids: Vec<String> = crate::families::target_copy_ids(&v.uuid, job)
+                .into_iter()
+                .skip(1)
+                .collect();
             let mine = format!("{}-", v.uuid);
             let live: Vec<String> = cluster
                 .copy_state(&v.uuid)?
                 .jobs
                 .iter()
-                .map(|j| target_copy_id(&v.uuid, j.id))
+                .flat_map(|j| crate::families::target_copy_ids(&v.uuid, j))
+                .filter(|c| !job_family_ids.contains(c))
                 .collect();
             for old in admin.copies()? {
                 if old.id.starts_with(&mine) && !live.contains(&old.id) {
@@ -391,7 +413,7 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
                 let old = &v.extents[job.extent as usize];
                 tracing::info!(volume = %v.uuid, job = job.id, extent = job.extent,
                     from = %old.device_ref(), to = %dest.device_ref(), kind = job.kind.as_str(),
-                    "copy moved");
+                    snapshots = job.family.len(), "copy moved");
                 cleanup(cluster, v, job);
                 // Let the old extent go (it is free once unexported).
                 release_on(cluster, &old.target);
@@ -402,6 +424,108 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
         }
     }
     Ok(())
+}
+
+/// Arming a job whose copy moves with its snapshots (design T7): copies
+/// the family's members in turn, each by a target copy job of its own into
+/// its new tree, starting as the previous member's new tree. No host is
+/// involved (snapshot trees take no writes), so each is started whole at
+/// once. Progress is the job's `family_done`: a restarted control plane
+/// finds the member's copy on the target and goes on; a target that
+/// forgot it refuses the re-armed copy (its tree holds data), the job
+/// fails and its retry starts from the first member with new trees.
+/// Returns whether every member is copied.
+fn copy_family(
+    cluster: &Cluster,
+    cfg: &HealConfig,
+    v: &Volume,
+    job: &CopyJob,
+    dest_target: &crate::model::Target,
+) -> Result<bool, StepError> {
+    let index = job.family_done as usize;
+    let (Some(d), Some(m)) = (&job.dest, job.family.get(index)) else {
+        return Ok(true);
+    };
+    let id = crate::families::family_copy_id(&v.uuid, job.id, index);
+    let admin = TargetAdmin::new(cluster, dest_target)?;
+    let Some(st) = admin.copy_status(&id)? else {
+        let src_target = cluster.target(&m.source.target)?.target;
+        let x = crate::families::member_export(m, &d.target);
+        let copier_keys = crate::hostkeys::internal_keys(cluster, &x.host_nqn, false)?;
+        let mut added = Added::default();
+        ensure_exports(
+            &TargetAdmin::new(cluster, &src_target)?,
+            &src_target,
+            &x.host_nqn,
+            Some(&copier_keys),
+            std::slice::from_ref(&x),
+            &mut added,
+        )?;
+        let device = dest_target.device(&m.tree.device).ok_or_else(|| {
+            StepError::Other(format!("device {} is no longer registered", m.tree.device))
+        })?;
+        let body = CopyRequest {
+            dest: nvpool_api::admin::extent_spec(&device.backend, m.tree.offset, m.tree.length),
+            source: CopySource {
+                addr: src_target.addr.to_string(),
+                subsystem_nqn: x.subsystem_nqn.clone(),
+                nsid: x.nsid,
+                host_nqn: x.host_nqn.clone(),
+                dhchap: Some(crate::program::dhchap_keys(&copier_keys)),
+            },
+            region_bytes: RESYNC_REGION_BYTES,
+            rate_bytes_per_sec: cfg.rate_bytes_per_sec,
+            base_root: crate::families::member_base_root(job, index),
+        };
+        admin.arm_copy(&id, &body)?;
+        admin.start_copy(&id, None)?;
+        tracing::info!(volume = %v.uuid, job = job.id, member = index, snapshot = %m.snapshot,
+            to = %m.tree.device_ref(), root = crate::snapshots::root_of(&m.tree),
+            "snapshot tree copy started");
+        return Ok(false);
+    };
+    match st.state {
+        CopyState::Armed => admin.start_copy(&id, None)?,
+        CopyState::Running => {}
+        CopyState::Done => {
+            cluster.family_member_done(&v.uuid, job.id, job.family_done)?;
+            tracing::info!(volume = %v.uuid, job = job.id, member = index, snapshot = %m.snapshot,
+                bytes = st.bytes_copied, "snapshot tree copied");
+            remove_member_copy(cluster, v, job, index);
+        }
+        CopyState::Failed | CopyState::Cancelled => {
+            return Err(StepError::Other(format!(
+                "copying the tree of snapshot {}: {}",
+                m.snapshot,
+                st.error
+                    .unwrap_or_else(|| format!("the copier stopped ({})", st.state.name()))
+            )))
+        }
+    }
+    Ok(false)
+}
+
+/// Removes family member `index`'s copy from the destination and its
+/// source's copier export (best effort, as [`cleanup`]).
+fn remove_member_copy(cluster: &Cluster, v: &Volume, job: &CopyJob, index: usize) {
+    let (Some(d), Some(m)) = (&job.dest, job.family.get(index)) else {
+        return;
+    };
+    let id = crate::families::family_copy_id(&v.uuid, job.id, index);
+    if let Ok(t) = cluster.target(&d.target) {
+        let r = TargetAdmin::new(cluster, &t.target).and_then(|a| a.delete_copy(&id));
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "removing a snapshot tree's copy on its target failed");
+        }
+    }
+    let x = crate::families::member_export(m, &d.target);
+    if let Ok(t) = cluster.target(&m.source.target) {
+        let r = TargetAdmin::new(cluster, &t.target)
+            .and_then(|a| a.delete_namespace(&x.subsystem_nqn, x.nsid));
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "removing a snapshot tree's copier export failed");
+        }
+    }
 }
 
 /// Reconciles `target` if it answers, so extents it no longer needs to
@@ -421,6 +545,10 @@ fn release_on(cluster: &Cluster, target: &str) {
 /// export (best effort: reconciliation removes a leftover export, and a
 /// leftover guard only records writes until the target restarts).
 fn cleanup(cluster: &Cluster, v: &Volume, job: &CopyJob) {
+    // Family members still copying when the job ended.
+    for i in job.family_done as usize..job.family.len() {
+        remove_member_copy(cluster, v, job, i);
+    }
     let id = target_copy_id(&v.uuid, job.id);
     let Some(dest) = job.dest_extent(v) else {
         return;

@@ -20,9 +20,10 @@
 //! | 2 | [`Target`] gains `rdma_addr` (read from format 1 as `None`) |
 //! | 3 | [`Target`] gains `admin_tls` (read from formats 1 and 2 as `false`) |
 //! | 4 | `WriteEpoch` gains its hold, `Confirmed` `held`, `SnapshotRecord` its `group` (`snapshots`; read from format 3 as none) |
+//! | 5 | `CopyJob` gains its snapshot `family` (`resync`, `families`; read from format 4 as none) |
 //!
 //! Values are always written in the current format, so once a build writes
-//! format 4 an older build can no longer read what it wrote: upgrade, do
+//! format 5 an older build can no longer read what it wrote: upgrade, do
 //! not downgrade.
 
 use crate::limits::{
@@ -47,7 +48,7 @@ use std::fmt;
 use std::net::SocketAddr;
 
 /// Format byte in front of every value written (see the table above).
-pub const FORMAT: u8 = 4;
+pub const FORMAT: u8 = 5;
 /// The oldest format `decode` still reads.
 pub const FORMAT_MIN: u8 = 1;
 
@@ -128,7 +129,7 @@ impl Stored for Target {
                 Ok((old.into(), rest))
             }
             // Unchanged since format 3.
-            3 => postcard::take_from_bytes(body),
+            3 | 4 => postcard::take_from_bytes(body),
             // `decode` passes only formats below FORMAT; a later change to
             // Target adds a frozen `TargetV3` arm above.
             _ => Err(postcard::Error::DeserializeBadEncoding),

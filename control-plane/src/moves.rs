@@ -184,7 +184,17 @@ impl Cluster {
         let s = self.snapshot()?;
         let a = self.allocator(&s)?;
         let volumes: Vec<&Volume> = s.volumes.values().map(|v| &v.value).collect();
-        let in_flight: Vec<(Uuid, Extent)> = s.job_dests().map(|(u, d)| (*u, d.clone())).collect();
+        // New extents only: a job's snapshot trees follow their copy.
+        let in_flight: Vec<(Uuid, Extent)> = s
+            .copy_states
+            .iter()
+            .flat_map(|(u, cs)| {
+                cs.value
+                    .jobs
+                    .iter()
+                    .filter_map(move |j| j.dest.clone().map(|d| (*u, d)))
+            })
+            .collect();
         let busy: BTreeSet<(Uuid, u32)> = s
             .copy_states
             .iter()

@@ -33,6 +33,7 @@
 //! volume's [`FailedCopies`] (the copies never to be read).
 
 use crate::attach::{attach_keys as ak, AttachmentState, Export, FailedCopies};
+pub use crate::families::FamilyMember;
 use crate::limits::{COPY_HISTORY_MAX, ID_BYTES_MAX};
 use crate::model::{encode, DeviceRef, Extent, ModelError, Uuid, Volume};
 use crate::plan::{PlanExtent, RESYNC_REGION_BYTES};
@@ -145,6 +146,12 @@ pub struct CopyJob {
     /// The copy was reported failed while hosts were switching to `dest`:
     /// it may be `dest` that failed, so it stays stale after the swap.
     pub failed_while_switching: bool,
+    /// Replace and move of a thin copy: the snapshot trees that move with
+    /// it, oldest first, copied while arming before the live copy
+    /// ([`crate::families`]; stored format 5).
+    pub family: Vec<FamilyMember>,
+    /// Members of `family` copied so far: the next one to copy.
+    pub family_done: u32,
 }
 
 impl CopyJob {
@@ -158,6 +165,14 @@ impl CopyJob {
     /// Whether `dest` is a new extent (replace, move).
     pub fn moves(&self) -> bool {
         self.dest.is_some()
+    }
+
+    /// The family member being copied: only while arming.
+    pub fn member_in_progress(&self) -> Option<&FamilyMember> {
+        if self.state != JobState::Arming {
+            return None;
+        }
+        self.family.get(self.family_done as usize)
     }
 
     /// The history entry of this job, ended at `now` (`error`: why it failed).
@@ -228,7 +243,84 @@ pub struct CopyState {
     pub next_job: u64,
 }
 
-impl crate::model::Stored for CopyState {}
+/// Format 4's [`CopyJob`] (before families).
+#[derive(Deserialize)]
+#[cfg_attr(test, derive(Serialize))]
+struct CopyJobV4 {
+    id: u64,
+    extent: u32,
+    source: u32,
+    kind: CopyKind,
+    state: JobState,
+    regions: Option<Vec<u32>>,
+    confirmed: BTreeSet<String>,
+    started_ms: u64,
+    state_ms: u64,
+    copier_nsid: u32,
+    bytes_total: u64,
+    bytes_copied: u64,
+    dest: Option<Extent>,
+    nsids: BTreeMap<String, u32>,
+    copy_started_ms: u64,
+    failed_by: Option<String>,
+    failed_while_switching: bool,
+}
+
+impl From<CopyJobV4> for CopyJob {
+    fn from(j: CopyJobV4) -> CopyJob {
+        CopyJob {
+            id: j.id,
+            extent: j.extent,
+            source: j.source,
+            kind: j.kind,
+            state: j.state,
+            regions: j.regions,
+            confirmed: j.confirmed,
+            started_ms: j.started_ms,
+            state_ms: j.state_ms,
+            copier_nsid: j.copier_nsid,
+            bytes_total: j.bytes_total,
+            bytes_copied: j.bytes_copied,
+            dest: j.dest,
+            nsids: j.nsids,
+            copy_started_ms: j.copy_started_ms,
+            failed_by: j.failed_by,
+            failed_while_switching: j.failed_while_switching,
+            family: Vec::new(),
+            family_done: 0,
+        }
+    }
+}
+
+/// Formats 1 to 4's [`CopyState`]: jobs without families.
+#[derive(Deserialize)]
+#[cfg_attr(test, derive(Serialize))]
+struct CopyStateV4 {
+    volume: Uuid,
+    revision: u64,
+    sessions: BTreeMap<String, u64>,
+    missed: BTreeMap<u32, Missed>,
+    jobs: Vec<CopyJobV4>,
+    history: Vec<CopyRecord>,
+    next_job: u64,
+}
+
+impl crate::model::Stored for CopyState {
+    fn decode_older(format: u8, body: &[u8]) -> postcard::Result<(CopyState, &[u8])> {
+        let _ = format; // unchanged from format 1 to 4
+        let (old, rest) = postcard::take_from_bytes::<CopyStateV4>(body)?;
+        let cs = CopyState {
+            volume: old.volume,
+            revision: old.revision,
+            sessions: old.sessions,
+            missed: old.missed,
+            jobs: old.jobs.into_iter().map(CopyJob::from).collect(),
+            history: old.history,
+            next_job: old.next_job,
+        };
+        Ok((cs, rest))
+    }
+}
 
 impl CopyState {
     pub fn new(volume: Uuid) -> CopyState {
@@ -386,14 +478,17 @@ impl Snapshot {
         (cond, op)
     }
 
-    /// The new extents of replace and move jobs under way, with their
-    /// volumes: allocated like the volumes' own extents.
+    /// The new extents of replace and move jobs under way, and the new
+    /// trees of their snapshot families, with their volumes: allocated
+    /// like the volumes' own extents (and freed with the volume).
     pub fn job_dests(&self) -> impl Iterator<Item = (&Uuid, &Extent)> + '_ {
         self.copy_states.iter().flat_map(|(u, cs)| {
-            cs.value
-                .jobs
-                .iter()
-                .filter_map(move |j| j.dest.as_ref().map(|d| (u, d)))
+            cs.value.jobs.iter().flat_map(move |j| {
+                j.dest
+                    .iter()
+                    .chain(j.family.iter().map(|m| &m.tree))
+                    .map(move |d| (u, d))
+            })
         })
     }
 
@@ -406,10 +501,21 @@ impl Snapshot {
                 continue;
             };
             for j in &cs.value.jobs {
+                if v.value
+                    .extents
+                    .get(j.source as usize)
+                    .map(|e| e.target.as_str())
+                    != Some(target)
+                {
+                    continue;
+                }
                 if let Some(x) = copier_export(&v.value, j) {
-                    if v.value.extents[j.source as usize].target == target {
-                        out.push(x);
-                    }
+                    out.push(x);
+                }
+                // The snapshot tree being copied (its source is a tree of
+                // the source copy, on the same target).
+                if let (Some(m), Some(d)) = (j.member_in_progress(), &j.dest) {
+                    out.push(crate::families::member_export(m, &d.target));
                 }
             }
         }
@@ -816,10 +922,25 @@ impl Cluster {
                         && od.is_some_and(|x| x.target == dst_t)
                     {
                         used.insert(j.copier_nsid);
+                        used.extend(j.family.iter().map(|m| m.copier_nsid));
                     }
                 }
             }
-            let nsid = (1..).find(|n| !used.contains(n)).unwrap_or(1);
+            let mut next_nsid = || {
+                let n = (1..).find(|n| !used.contains(n)).unwrap_or(1);
+                used.insert(n);
+                n
+            };
+            let nsid = next_nsid();
+            // A thin copy's snapshot trees move with it (design T7).
+            let family = match &dest {
+                Some(d) => {
+                    let mut a = self.allocator(s)?;
+                    a.occupy(d)?;
+                    crate::families::plan_family(s, &mut a, v, c.extent, c.source, d, next_nsid)?
+                }
+                None => Vec::new(),
+            };
             let kind = if moves {
                 c.kind
             } else {
@@ -852,6 +973,8 @@ impl Cluster {
                 nsids,
                 failed_by: None,
                 failed_while_switching: false,
+                family,
+                family_done: 0,
             };
             cs.next_job += 1;
             cs.jobs.push(job.clone());
@@ -909,6 +1032,27 @@ impl Cluster {
             j.state_ms = now;
             cs.revision += 1;
             Ok(Some(()))
+        })
+        .map(|r| r.is_some())
+    }
+
+    /// Family member `index` of an arming job is copied: the next one (or
+    /// the live copy) is. Returns false when the job is gone, past arming,
+    /// or past that member already.
+    pub fn family_member_done(
+        &self,
+        volume: &Uuid,
+        job: u64,
+        index: u32,
+    ) -> Result<bool, StateError> {
+        self.change_copy_state(volume, |_, cs, _, _| {
+            match cs.jobs.iter_mut().find(|j| j.id == job) {
+                Some(j) if j.state == JobState::Arming && j.family_done == index => {
+                    j.family_done += 1;
+                    Ok(Some(()))
+                }
+                _ => Ok(None),
+            }
         })
         .map(|r| r.is_some())
     }
@@ -1146,6 +1290,17 @@ impl Cluster {
                     let vkey = crate::state::keys::volume(volume);
                     conds.push(Condition::VersionIs(vkey.clone(), vv.version));
                     ops.push(Op::Put(vkey, encode(&next)));
+                    // Its snapshots' trees are the family's new ones now.
+                    crate::families::move_family(
+                        s,
+                        volume,
+                        &j,
+                        &old,
+                        &next.extents[slot],
+                        &mut conds,
+                        &mut ops,
+                        &mut leftover,
+                    );
                     // A grain pool keeps the old extent's tree (and its
                     // place) until the target releases it.
                     if let Some(x) = s.freed_tree(&old) {
@@ -1181,6 +1336,7 @@ impl Cluster {
                         length: d.length,
                     });
                 }
+                crate::families::free_family(s, &j, &mut leftover);
             }
             if j.state != JobState::Arming {
                 cs.revision += 1;
@@ -1554,6 +1710,63 @@ mod tests {
         assert_eq!(
             (started.kind, started.regions),
             (CopyKind::ResyncFull, None)
+        );
+    }
+
+    #[test]
+    fn format_4_copy_states_read_with_no_family() {
+        let (c, _, v) = fixture();
+        c.report_failed_extents(&v, H1, &[1]).unwrap();
+        let job = c.create_job(&candidate(&c)).unwrap().unwrap();
+        let now = c.copy_state(&v).unwrap();
+        let j = now.jobs[0].clone();
+        let old = CopyStateV4 {
+            volume: now.volume,
+            revision: now.revision,
+            sessions: now.sessions.clone(),
+            missed: now.missed.clone(),
+            jobs: vec![CopyJobV4 {
+                id: j.id,
+                extent: j.extent,
+                source: j.source,
+                kind: j.kind,
+                state: j.state,
+                regions: j.regions.clone(),
+                confirmed: j.confirmed.clone(),
+                started_ms: j.started_ms,
+                state_ms: j.state_ms,
+                copier_nsid: j.copier_nsid,
+                bytes_total: j.bytes_total,
+                bytes_copied: j.bytes_copied,
+                dest: j.dest.clone(),
+                nsids: j.nsids.clone(),
+                copy_started_ms: j.copy_started_ms,
+                failed_by: j.failed_by.clone(),
+                failed_while_switching: j.failed_while_switching,
+            }],
+            history: now.history.clone(),
+            next_job: now.next_job,
+        };
+        let mut bytes = vec![4u8];
+        bytes.extend(postcard::to_allocvec(&old).unwrap());
+        let read: CopyState = crate::model::decode("copy state", &bytes).unwrap();
+        assert_eq!(read, now);
+        assert!(read.jobs[0].family.is_empty() && job.family.is_empty());
+        // The current format round-trips a family.
+        let mut with = now.clone();
+        with.jobs[0].family.push(FamilyMember {
+            snapshot: "s".into(),
+            epoch: 2,
+            source: c.volume(&v).unwrap().volume.extents[0].clone(),
+            tree: c.volume(&v).unwrap().volume.extents[1].clone(),
+            copier_nsid: 3,
+        });
+        with.jobs[0].family_done = 1;
+        let bytes = encode(&with);
+        assert_eq!(bytes[0], crate::model::FORMAT);
+        assert_eq!(
+            crate::model::decode::<CopyState>("copy state", &bytes),
+            Ok(with)
         );
     }
 
