@@ -269,7 +269,7 @@ fn mirror_writes(p: &Pair, id: &str, stop: &AtomicBool, seed: u64) -> u64 {
     while !stop.load(Ordering::Acquire) {
         let r = rng.next_u64();
         let pos = copies.status(id).map_or(0, |s| s.bytes_copied) / SECTOR;
-        let lba = if r % 4 != 0 {
+        let lba = if !r.is_multiple_of(4) {
             (pos + (r >> 8) % 160).min(sectors - 2)
         } else {
             (r >> 8) % (sectors - 1)
