@@ -174,15 +174,15 @@ pub fn member_base_root(job: &CopyJob, index: usize) -> Option<u64> {
 }
 
 /// Done, in `finish_job`'s transaction: every snapshot record of `volume`
-/// with a tree of `old` (the copy's extent) names `new` and its member's
+/// with a tree of `old` (the copy's extent) names `new` (the extent that
+/// took its place) and its member's
 /// new tree instead; the old trees are freed (into `leftover`, by target).
 /// A member whose snapshot is gone has its new tree freed.
 pub(crate) fn move_family(
     s: &Snapshot,
     volume: &Uuid,
     job: &CopyJob,
-    old: &Extent,
-    new: &Extent,
+    (old, new): (&Extent, &Extent),
     conds: &mut Vec<Condition>,
     ops: &mut Vec<Op>,
     leftover: &mut BTreeMap<String, Vec<Export>>,
