@@ -10,6 +10,7 @@
 #
 # The guest prints two markers that the host relies on (see init):
 #   NVPOOL-VM-SCRIPT-START             init is running: the kernel survived early boot
+#   NVPOOL-VM-SCENARIO: NAME PASS | FAIL rc=N after Ss   one per scenario, as it ends
 #   NVPOOL-VM-RESULT: PASS | FAIL ...  the verdict, printed once, just before power-off
 
 VM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -251,8 +252,9 @@ vm_script_directive() {
     sed -n "s/^# vm-$key:[[:space:]]*//p" "$script" | tr '\n' ' '
 }
 
-# Write the initramfs to $1.  Uses the arrays VM_MODULES, VM_BINS, VM_FILES, VM_ENV,
-# VM_GUESTFWDS and the variables VM_SCRIPT, VM_GUEST_TIMEOUT_S.
+# Write the initramfs to $1.  Uses the arrays VM_MODULES, VM_BINS, VM_FILES,
+# VM_GUESTFWDS, VM_SCRIPTS (the scenarios, run in this order) and VM_SCENARIO_ENVS
+# (each scenario's KEY=VALUE words, one a line), and VM_GUEST_TIMEOUT_S.
 vm_build_initramfs() {
     local out=$1 root bin file kv
     root=$(mktemp -d "${TMPDIR:-/tmp}/nvpool-vm-root.XXXXXX")
@@ -266,10 +268,9 @@ vm_build_initramfs() {
     vm_add_modules "$root" "${VM_BASE_MODULES[@]}" "${VM_MODULES[@]}"
     [[ ! -f /etc/mke2fs.conf ]] || cp /etc/mke2fs.conf "$root/etc/"
     mkdir -p "$root/etc/modprobe.d"
-    sed -n 's/^# vm-modprobe-options:[[:space:]]*/options /p' "$VM_SCRIPT" \
-        >"$root/etc/modprobe.d/nvpool-vm.conf"
+    sed -n 's/^# vm-modprobe-options:[[:space:]]*/options /p' "${VM_SCRIPTS[@]}" |
+        sort -u >"$root/etc/modprobe.d/nvpool-vm.conf"
     install -m 0755 "$VM_DIR/init" "$root/init"
-    install -m 0644 "$VM_SCRIPT" "$root/nvpool/test.sh"
     cp "$VM_DIR"/guest/lib/*.sh "$VM_DIR"/../lib/local-cluster.sh "$root/nvpool/lib/"
     for file in "${VM_FILES[@]}"; do
         vm_add_file "$root" "$file"
@@ -278,18 +279,26 @@ vm_build_initramfs() {
     {
         printf 'NVPOOL_VM_MODULES="%s"\n' "${VM_BASE_MODULES[*]} ${VM_MODULES[*]}"
         printf 'NVPOOL_VM_GUEST_TIMEOUT_S=%d\n' "$VM_GUEST_TIMEOUT_S"
+        printf 'NVPOOL_VM_SCENARIOS="%s"\n' "$(seq -s ' ' 1 "${#VM_SCRIPTS[@]}")"
     } >"$root/nvpool/init.conf"
-    # Read by bash before the test script runs.
-    {
-        printf 'export NVPOOL_VM_TEST=%q\n' "$(basename "$VM_SCRIPT")"
-        if ((${#VM_GUESTFWDS[@]})); then
-            printf 'export NVPOOL_VM_NET_CIDR=%q NVPOOL_VM_FWD_ADDR=%q\n' \
-                "$VM_NET_GUEST_CIDR" "$VM_NET_FWD_ADDR"
-        fi
-        for kv in "${VM_ENV[@]}"; do
-            printf 'export %s=%q\n' "${kv%%=*}" "${kv#*=}"
-        done
-    } >"$root/nvpool/test.env"
+    local i dir
+    for i in "${!VM_SCRIPTS[@]}"; do
+        dir=$root/nvpool/tests/$((i + 1))
+        mkdir -p "$dir"
+        install -m 0644 "${VM_SCRIPTS[i]}" "$dir/test.sh"
+        basename "${VM_SCRIPTS[i]}" .sh >"$dir/name"
+        # Read by bash before the scenario's script runs.
+        {
+            printf 'export NVPOOL_VM_TEST=%q\n' "$(basename "${VM_SCRIPTS[i]}")"
+            if ((${#VM_GUESTFWDS[@]})); then
+                printf 'export NVPOOL_VM_NET_CIDR=%q NVPOOL_VM_FWD_ADDR=%q\n' \
+                    "$VM_NET_GUEST_CIDR" "$VM_NET_FWD_ADDR"
+            fi
+            while IFS= read -r kv; do
+                [[ -z $kv ]] || printf 'export %s=%q\n' "${kv%%=*}" "${kv#*=}"
+            done <<<"${VM_SCENARIO_ENVS[i]}"
+        } >"$dir/test.env"
+    done
     # Uncompressed: the modules are xz already and gunzip under TCG costs seconds.
     (cd "$root" && find . -print0 | LC_ALL=C sort -z |
         cpio --null --create --format=newc --owner=0:0 --quiet) >"$out"

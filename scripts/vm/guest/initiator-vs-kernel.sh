@@ -73,7 +73,7 @@ unlink_subsystem() {
 # never let a keep-alive timer expire.
 expect_ctrls() {
     local n ka
-    dmesg >/tmp/dmesg.now
+    dmesg_since_start >/tmp/dmesg.now
     n=$(grep -c "nvmet: creating nvm controller [0-9]* for subsystem $NVME_NQN " \
         /tmp/dmesg.now || true)
     ka=$(grep -c 'keep-alive timer .* expired' /tmp/dmesg.now || true)
@@ -86,7 +86,7 @@ expect_ctrls() {
 # says nvmet-rdma enabled it; there is no socket to probe).
 port_listening() {
     if [[ $NVME_TRANSPORT == rdma ]]; then
-        dmesg | grep -q "nvmet_rdma: enabling port 1 ($NVME_ADDR:$NVME_IO_PORT)"
+        dmesg_since_start | grep -q "nvmet_rdma: enabling port 1 ($NVME_ADDR:$NVME_IO_PORT)"
     else
         tcp_port_open "$NVME_ADDR" "$NVME_IO_PORT"
     fi

@@ -15,6 +15,10 @@ OUTPUT_TAIL_LINES=30
 step_t0=$(date +%s)
 # Kernel messages up to here are boot noise; failures show only what came after.
 dmesg_start=$(dmesg | wc -l)
+# Kernel messages since this test started (a boot may run several scenarios).
+dmesg_since_start() {
+    dmesg | tail -n "+$((dmesg_start + 1))"
+}
 
 step_ok() {
     local now
