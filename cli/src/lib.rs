@@ -145,6 +145,17 @@ pub fn main() -> ExitCode {
         }
     };
     nvpool_rt::log::to_stderr(&cli.log, "warn");
+    if !matches!(cli.cmd, Command::Agent(_)) {
+        // `nvpool volume history … | head`: a reader that stops early ends a
+        // printing command quietly, as it does any Unix tool, instead of a
+        // panic in println!. The agent keeps Rust's default (ignored), since
+        // it writes to sockets and pipes it must survive losing.
+        // SAFETY: called before any thread is started; SIG_DFL is a valid
+        // disposition for SIGPIPE.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let conn = cluster::Connection {
         endpoint: cli.endpoint,
         token_file: cli.token_file,

@@ -157,6 +157,30 @@ fn discover_table_lists_the_subsystem() {
     assert!(r.stdout.contains(SUBNQN), "{}", r.stdout);
 }
 
+/// A reader that goes away before the output is printed (`nvpool … | head`)
+/// ends the command quietly, by SIGPIPE as any Unix tool, never with a
+/// panic message on stderr.
+#[test]
+fn a_reader_that_went_away_ends_the_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let t = Tgt::start();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_nvpool"))
+        .args(["discover", "-a", "127.0.0.1", "-s", &t.port(), "-q", HOST_A])
+        .env_remove("NVPOOL_LOG")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn nvpool");
+    // Closed before the command prints anything.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?} {stderr}", out.status);
+}
+
 #[test]
 fn discover_json_has_records_with_subnqn() {
     let t = Tgt::start();
