@@ -473,6 +473,13 @@ pub struct VolumeSpecBody {
     /// absent (its trees are on the snapshot's devices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<SnapshotRef>,
+    /// A dataset volume (design/thin-snapshots.md T8): any number of
+    /// hosts may attach it at once, its namespaces are exported
+    /// write-protected and no host can write it. Only with `source` (a
+    /// read-only clone of a snapshot: nothing could ever fill an empty
+    /// one). Fixed at create. Left out when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
 }
 
 /// A snapshot, named by its volume and its name.
@@ -596,6 +603,10 @@ pub struct VolumeOut {
     pub copy_jobs: Vec<CopyJobOut>,
     #[serde(default)]
     pub provisioning: Provisioning,
+    /// A dataset volume ([`VolumeSpecBody::read_only`]): exported
+    /// write-protected to every host. Left out when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
 }
 
 /// A running copy job.
@@ -698,6 +709,13 @@ pub struct AttachmentOut {
     /// cut.
     #[serde(default)]
     pub write_hold: bool,
+    /// The volume is read-only ([`VolumeSpecBody::read_only`]): its
+    /// namespaces are write-protected (writes answer Namespace Is Write
+    /// Protected) and the host presents a read-only device. The engine
+    /// follows the attachment as for any volume; having no writes, it
+    /// confirms a new epoch at once. Left out when false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub read_only: bool,
     pub plan: ConnectionPlan,
 }
 

@@ -166,6 +166,11 @@ pub struct CreateArgs {
     /// same UUID returns the existing volume.
     #[arg(long, value_parser = parse_uuid)]
     pub uuid: Option<Uuid>,
+    /// A dataset volume (with --from-snapshot or --from-volume): any
+    /// number of hosts may attach it at once, each gets a read-only
+    /// device, and no host can write it (its targets refuse writes).
+    #[arg(long)]
+    pub read_only: bool,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -351,6 +356,25 @@ fn provisioning_text(p: Provisioning) -> &'static str {
     }
 }
 
+/// What `volume info` says of who may write the volume.
+fn access_text(read_only: bool) -> &'static str {
+    if read_only {
+        "read-only"
+    } else {
+        "read-write"
+    }
+}
+
+/// The PROVISIONING cell of `volume ls`: a read-only volume says so there.
+fn provisioning_cell(x: &VolumeOut) -> String {
+    let p = provisioning_text(x.provisioning);
+    if x.read_only {
+        format!("{p} (read-only)")
+    } else {
+        p.into()
+    }
+}
+
 /// The snapshot `volume create NAME --from-volume` takes and clones.
 pub fn implicit_snapshot(name: &str) -> String {
     format!("clone-{name}")
@@ -375,6 +399,7 @@ fn clone_body(
             volume,
             snapshot: snapshot.name,
         }),
+        read_only: false,
     })
 }
 
@@ -437,6 +462,7 @@ pub(crate) fn print_volume(v: &Value, fmt: Format) -> anyhow::Result<()> {
         ),
         ("Layout", layout_text(&x.layout)),
         ("Provisioning", provisioning_text(x.provisioning).into()),
+        ("Access", access_text(x.read_only).into()),
         ("Status", x.status_text()),
         ("Pool", x.pool.clone().unwrap_or_else(|| "-".into())),
         ("Extent size", format_iec(x.extent_bytes)),
@@ -625,6 +651,14 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
     match a.cmd {
         VolumeCmd::Create(args) => {
             let c = conn.client()?;
+            if args.read_only && args.from.is_none() && args.from_volume.is_none() {
+                return Err(Usage(
+                    "--read-only: a read-only volume starts as a snapshot's contents: give \
+                     --from-snapshot VOLUME@SNAPSHOT or --from-volume VOLUME"
+                        .into(),
+                )
+                .into());
+            }
             let uuid = match args.uuid {
                 Some(u) => u,
                 None => random_uuid()?,
@@ -641,7 +675,10 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                 let _: Value = c.post(&format!("/v1/volumes/{volume}/snapshots"), &body)?;
             }
             let body = match args.from.as_ref().or(implicit.as_ref()) {
-                Some(from) => clone_body(&c, args.name.clone(), from)?,
+                Some(from) => VolumeSpecBody {
+                    read_only: args.read_only,
+                    ..clone_body(&c, args.name.clone(), from)?
+                },
                 None => {
                     let size = args.size.unwrap_or_default();
                     check_size(size)?;
@@ -652,6 +689,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                         layout: layout_of(&args)?,
                         pool: args.pool.clone(),
                         source: None,
+                        read_only: false,
                     }
                 }
             };
@@ -687,7 +725,7 @@ pub fn run(conn: &Connection, a: VolumeArgs) -> anyhow::Result<()> {
                     x.uuid.to_string(),
                     format_iec(x.size_bytes),
                     layout_text(&x.layout),
-                    provisioning_text(x.provisioning).into(),
+                    provisioning_cell(x),
                     x.status_text(),
                     x.pool.clone().unwrap_or_else(|| "-".into()),
                     if x.attachments.is_empty() {

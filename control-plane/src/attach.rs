@@ -207,6 +207,9 @@ pub struct AttachStart {
 pub struct DesiredExports {
     /// subsystem NQN → (host NQN, NSID → export).
     pub subsystems: BTreeMap<String, (String, BTreeMap<u32, Export>)>,
+    /// (subsystem NQN, NSID) of the namespaces to write-protect: the
+    /// extents of read-only volumes ([`crate::read_only`]).
+    pub write_protected: BTreeSet<(String, u32)>,
 }
 
 impl Snapshot {
@@ -630,6 +633,7 @@ impl Cluster {
     /// every `attaching` or `attached` attachment.
     pub fn desired_exports(&self, target: &str) -> Result<DesiredExports, StateError> {
         let s = self.snapshot()?;
+        let read_only = self.read_only_volumes()?;
         let mut out = DesiredExports::default();
         for ((uuid, host), a) in &s.attachments {
             if a.value.state == AttachmentState::Detaching {
@@ -643,6 +647,10 @@ impl Cluster {
                     continue;
                 }
                 let nsid = x.nsid;
+                if read_only.contains(uuid) {
+                    out.write_protected
+                        .insert((x.subsystem_nqn.clone(), nsid));
+                }
                 out.subsystems
                     .entry(x.subsystem_nqn.clone())
                     .or_insert_with(|| (host.clone(), BTreeMap::new()))

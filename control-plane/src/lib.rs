@@ -38,6 +38,7 @@ pub mod clock;
 pub mod daemon;
 #[cfg(feature = "server")]
 pub mod failover;
+pub mod families;
 #[cfg(feature = "server")]
 pub mod heal;
 #[cfg(feature = "server")]
@@ -52,6 +53,7 @@ pub mod placement;
 pub mod plan;
 #[cfg(feature = "server")]
 pub mod program;
+pub mod read_only;
 pub mod rebalance;
 pub mod resync;
 pub mod rollback;

@@ -124,6 +124,8 @@ pub(crate) fn target_keys(k: &HostKeys) -> serde_json::Value {
 struct NamespaceState {
     nsid: u32,
     backend: String,
+    #[serde(default)]
+    read_only: bool,
 }
 
 /// A client of one target's admin API, presenting the token the target
@@ -431,11 +433,19 @@ impl TargetAdmin {
         )
     }
 
-    fn put_namespace(&self, nqn: &str, nsid: u32, backend: &str) -> Result<(), ProgramError> {
+    /// Puts a namespace; `read_only`: write-protected (a read-only
+    /// volume's extent, design/thin-snapshots.md T8).
+    fn put_namespace(
+        &self,
+        nqn: &str,
+        nsid: u32,
+        backend: &str,
+        read_only: bool,
+    ) -> Result<(), ProgramError> {
         let body = NamespaceBody {
             backend: backend.to_owned(),
             uuid: None,
-            read_only: false,
+            read_only,
         };
         self.change_existing(
             Method::PUT,
@@ -599,6 +609,24 @@ pub(crate) fn ensure_exports(
     exports: &[Export],
     added: &mut Added,
 ) -> Result<(), ProgramError> {
+    ensure_exports_protected(admin, target, host, keys, exports, None, added)
+}
+
+/// [`ensure_exports`], with the NSIDs among `exports` that must be
+/// write-protected (the extents of read-only volumes): a namespace there
+/// with the right backend but the wrong protection is put again. `None`
+/// leaves the protection of existing namespaces as it is and puts new
+/// ones writable (what a caller that does not know the volumes does;
+/// reconciliation sets it right).
+pub(crate) fn ensure_exports_protected(
+    admin: &TargetAdmin,
+    target: &Target,
+    host: &str,
+    keys: Option<&HostKeys>,
+    exports: &[Export],
+    protected: Option<&BTreeSet<u32>>,
+    added: &mut Added,
+) -> Result<(), ProgramError> {
     let Some(nqn) = exports.first().map(|x| x.subsystem_nqn.clone()) else {
         return Ok(());
     };
@@ -640,10 +668,10 @@ pub(crate) fn ensure_exports(
             });
         }
     }
-    let have: BTreeMap<u32, &str> = existing
+    let have: BTreeMap<u32, (&str, bool)> = existing
         .namespaces
         .iter()
-        .map(|n| (n.nsid, n.backend.as_str()))
+        .map(|n| (n.nsid, (n.backend.as_str(), n.read_only)))
         .collect();
     for x in exports {
         let spec = x
@@ -653,10 +681,12 @@ pub(crate) fn ensure_exports(
                 what: format!("namespace {}", x.nsid),
                 message: format!("device {} is no longer registered", x.device),
             })?;
-        if have.get(&x.nsid) == Some(&spec.as_str()) {
-            continue;
+        let read_only = protected.is_some_and(|p| p.contains(&x.nsid));
+        match have.get(&x.nsid) {
+            Some(&(b, ro)) if b == spec && (protected.is_none() || ro == read_only) => continue,
+            _ => {}
         }
-        admin.put_namespace(&nqn, x.nsid, &spec)?;
+        admin.put_namespace(&nqn, x.nsid, &spec, read_only)?;
         if !have.contains_key(&x.nsid) {
             added.namespaces.push((nqn.clone(), x.nsid));
         }
@@ -791,10 +821,19 @@ pub(crate) fn attach_settling(
     let keys = cluster.keys_to_serve(host)?;
     let start = cluster.begin_attach(volume, host)?;
     let work = exports_by_target(cluster, &start.volume, &start.attachment)?;
+    // A read-only volume's namespaces are all write-protected.
+    let read_only = cluster.is_read_only(volume)?;
     let results = on_targets(work, |t, xs| {
         let mut added = Added::default();
-        let r = TargetAdmin::new(cluster, t)
-            .and_then(|admin| ensure_exports(&admin, t, host, keys.as_ref(), xs, &mut added));
+        let protected: BTreeSet<u32> = if read_only {
+            xs.iter().map(|x| x.nsid).collect()
+        } else {
+            BTreeSet::new()
+        };
+        let r = TargetAdmin::new(cluster, t).and_then(|admin| {
+            let p = Some(&protected);
+            ensure_exports_protected(&admin, t, host, keys.as_ref(), xs, p, &mut added)
+        });
         (r, added)
     });
     let roll_back = |results: &[Programmed], why: &str| {
@@ -981,9 +1020,16 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
             .map(|s| s.namespaces.iter().map(|n| n.nsid).collect())
             .unwrap_or_default();
         let xs: Vec<Export> = want.values().cloned().collect();
+        let protected: BTreeSet<u32> = desired
+            .write_protected
+            .iter()
+            .filter(|(n, _)| n == nqn)
+            .map(|&(_, nsid)| nsid)
+            .collect();
         let mut added = Added::default();
         let keys = cluster.host_keys(host)?;
-        ensure_exports(&admin, &t, host, keys.as_ref(), &xs, &mut added)?;
+        let p = Some(&protected);
+        ensure_exports_protected(&admin, &t, host, keys.as_ref(), &xs, p, &mut added)?;
         out.namespaces_added += xs.iter().filter(|x| !before.contains(&x.nsid)).count();
     }
     // Copies no job names any more (their cleanup did not reach the
@@ -999,7 +1045,7 @@ pub fn reconcile(cluster: &Cluster, target_id: &str) -> Result<Reconciled, Progr
             cs.value
                 .jobs
                 .iter()
-                .map(move |j| crate::heal::target_copy_id(u, j.id))
+                .flat_map(move |j| crate::families::target_copy_ids(u, j))
         })
         .collect();
     for c in copies {

@@ -1715,6 +1715,7 @@ impl Cluster {
                 Op::Delete(key),
                 Op::Delete(name_key),
                 Op::Delete(keys::deleting(uuid)),
+                Op::Delete(crate::read_only::read_only_key(uuid)),
             ];
             if let Some(f) = s.failed_copies.get(uuid) {
                 let fkey = ak::failed_copies(uuid);

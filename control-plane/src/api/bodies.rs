@@ -78,6 +78,7 @@ pub(super) fn spec_body(
         pool: s.pool.clone(),
         provisioning: Some(provisioning),
         source: None,
+        read_only: false,
     }
 }
 
@@ -120,8 +121,10 @@ pub(super) fn with_attachments(
     for a in c.attachments()? {
         by.entry(a.volume).or_default().push(a.host_nqn);
     }
+    let read_only = c.read_only_volumes()?;
     for v in &mut out {
         v.attachments = by.remove(&v.uuid).unwrap_or_default();
+        v.read_only = read_only.contains(&v.uuid);
     }
     Ok(out)
 }
@@ -155,6 +158,7 @@ pub(super) fn attachment_out(a: Attachment, plan: ConnectionPlan) -> AttachmentO
         revision: 0,
         write_epoch: 0,
         write_hold: false,
+        read_only: false,
         plan,
     }
 }
@@ -172,6 +176,7 @@ pub(super) fn attachment_with_plan(
     out.moving = copies.moving;
     out.revision = copies.revision;
     (out.write_epoch, out.write_hold) = c.write_barrier(&out.volume)?;
+    out.read_only = c.is_read_only(&out.volume)?;
     Ok(out)
 }
 
@@ -205,6 +210,7 @@ pub(super) fn volume_out(
         failed_extents,
         copy_jobs: Vec::new(),
         provisioning,
+        read_only: false,
     }
 }
 

@@ -27,10 +27,10 @@ pub(in crate::api) async fn put_attachment(
 ) -> Result<(StatusCode, Json<AttachmentOut>), ApiError> {
     let uuid = parse_uuid(&uuid)?;
     let host = parse_host(&host)?;
-    let (r, write_epoch) = api
+    let (r, write_epoch, read_only) = api
         .program(move |c| {
             let r = program::attach(c, &uuid, &host)?;
-            Ok((r, c.write_epoch(&uuid)?))
+            Ok((r, c.write_epoch(&uuid)?, c.is_read_only(&uuid)?))
         })
         .await?;
     let code = if r.created {
@@ -40,6 +40,7 @@ pub(in crate::api) async fn put_attachment(
     };
     let mut out = attachment_out(r.attachment, r.plan);
     out.write_epoch = write_epoch;
+    out.read_only = read_only;
     Ok((code, Json(out)))
 }
 

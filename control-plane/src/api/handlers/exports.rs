@@ -14,7 +14,7 @@ use axum::Json;
 /// paths (one optimized, the owner running the volume engine; the others
 /// inaccessible until a failover). Connect with `nvme connect` to every
 /// path. Idempotent: again, 200 with the same view.
-#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional: without a body (and then without a content type), the defaults"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such volume", body = ErrorBody), (status = 409, description = "the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required)", body = ErrorBody), (status = 422, description = "a target refused", body = ErrorBody), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ErrorBody)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}/exports/{host_nqn}", tag = "exports", params(("uuid" = String, Path, description = "the volume UUID"), ("host_nqn" = String, Path, description = "the host's NQN (percent-encoded)")), request_body(content = ExportBody, description = "optional: without a body (and then without a content type), the defaults"), responses((status = 201, description = "exported", body = crate::failover::ServedView), (status = 200, description = "was exported to that host already", body = crate::failover::ServedView), (status = 400, description = "invalid input", body = ErrorBody), (status = 404, description = "no such volume", body = ErrorBody), (status = 409, description = "the cluster requires DH-HMAC-CHAP keys the host does not have (host_keys_required), or the volume is read-only (volume_read_only: attach it instead)", body = ErrorBody), (status = 422, description = "a target refused", body = ErrorBody), (status = 503, description = "a target is unreachable, or the store is busy; retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_export(
     State(api): State<Api>,
     Segments((uuid, host)): Segments<(String, String)>,
@@ -25,7 +25,20 @@ pub(in crate::api) async fn put_export(
     let body = body.unwrap_or_default();
     let paths = body.paths.unwrap_or(crate::paths::PATHS_DEFAULT);
     let (view, created) = api
-        .program(move |c| crate::failover::export(c, &uuid, &host, paths))
+        .program(move |c| {
+            // Its paths would present a writable namespace: a read-only
+            // volume is attached, by any number of hosts.
+            if c.is_read_only(&uuid)? {
+                return Err(StateError::Conflict {
+                    kind: "volume_read_only",
+                    message: format!(
+                        "volume {uuid} is read-only: attach it (any number of hosts may)"
+                    ),
+                }
+                .into());
+            }
+            crate::failover::export(c, &uuid, &host, paths)
+        })
         .await?;
     let code = if created {
         StatusCode::CREATED

@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 /// Creates a volume (idempotent by UUID, C9). With `source`, a clone of
 /// that snapshot: a thin volume whose trees the snapshot trees' targets
 /// create before the volume exists (any failure leaves no volume).
-#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input (a clone given a pool or a provisioning)", body = ErrorBody), (status = 404, description = "not found (a clone's source volume or snapshot)", body = ErrorBody), (status = 409, description = "conflicts with the current state (a clone's snapshot still creating: snapshot_not_ready; a clone under that UUID under way: clone_in_progress; the daemon at a target's admin address is another target: wrong_target)", body = ErrorBody), (status = 422, description = "cannot be placed or names an unknown device; a clone whose size or layout is not its snapshot's (clone_mismatch); a target refused a clone's trees (target_refused)", body = ErrorBody), (status = 503, description = "store busy or unavailable, or a target of a clone unreachable (nothing was left behind); retry", body = ErrorBody)))]
+#[utoipa::path(put, path = "/v1/volumes/{uuid}", tag = "volumes", params(("uuid" = String, Path, description = "the volume UUID, chosen by the client")), request_body = VolumeSpecBody, responses((status = 201, description = "created", body = VolumeOut), (status = 200, description = "already existed with this spec", body = VolumeOut), (status = 400, description = "invalid input (a clone given a pool or a provisioning; read_only without a source)", body = ErrorBody), (status = 404, description = "not found (a clone's source volume or snapshot)", body = ErrorBody), (status = 409, description = "conflicts with the current state (a clone's snapshot still creating: snapshot_not_ready; a clone under that UUID under way: clone_in_progress; a volume of that UUID with another spec or read_only: uuid_conflict; the daemon at a target's admin address is another target: wrong_target)", body = ErrorBody), (status = 422, description = "cannot be placed or names an unknown device; a clone whose size or layout is not its snapshot's (clone_mismatch); a target refused a clone's trees (target_refused)", body = ErrorBody), (status = 503, description = "store busy or unavailable, or a target of a clone unreachable (nothing was left behind); retry", body = ErrorBody)))]
 pub(in crate::api) async fn put_volume(
     State(api): State<Api>,
     Segments(uuid): Segments<String>,
@@ -32,6 +32,12 @@ pub(in crate::api) async fn put_volume(
             "a clone's trees are on its snapshot's devices: give neither pool nor provisioning",
         ));
     }
+    let read_only = body.read_only;
+    if read_only && source.is_none() {
+        return Err(ApiError::invalid(
+            "a read-only volume starts as a snapshot's contents: give its source",
+        ));
+    }
     let spec = crate::model::VolumeSpec {
         uuid,
         name: body.name,
@@ -42,6 +48,9 @@ pub(in crate::api) async fn put_volume(
     let asked = body.provisioning;
     let (created, out) = api
         .program(move |c| {
+            // The mark is in place before the volume exists, so no host
+            // ever attaches a read-only volume writable.
+            c.prepare_read_only(&uuid, read_only)?;
             let (volume, created) = match &source {
                 Some(src) => crate::snapshots::make_clone(c, &spec, &src.volume, &src.snapshot)?,
                 None => {
@@ -49,6 +58,7 @@ pub(in crate::api) async fn put_volume(
                     (r.volume, r.created)
                 }
             };
+            c.check_read_only(&uuid, read_only)?;
             let view = c.volume(&uuid)?;
             let out = volume_out(volume, view.status, view.failed_extents, view.provisioning);
             Ok((created, one_with_attachments(c, out)?))
