@@ -236,7 +236,7 @@ pub fn open(
         stats: stats.clone(),
     });
 
-    let presented = present(w, dev)?;
+    let presented = present(w, dev, view.read_only)?;
     let record = Record {
         uuid,
         name: name.clone(),
@@ -336,7 +336,10 @@ fn grow_hook(
     })
 }
 
-fn present(w: &Wanted, dev: Arc<dyn BlockDev>) -> anyhow::Result<Presented> {
+/// Presents `dev` with `w`'s front-end; `read_only` (a read-only volume,
+/// whose targets refuse writes): as a read-only block device, so the
+/// host's writes fail there (EROFS or EPERM) before any reaches a target.
+fn present(w: &Wanted, dev: Arc<dyn BlockDev>, read_only: bool) -> anyhow::Result<Presented> {
     let run = state::run_dir();
     Ok(match w.spec.frontend {
         Frontend::Ublk => {
@@ -346,6 +349,7 @@ fn present(w: &Wanted, dev: Arc<dyn BlockDev>) -> anyhow::Result<Presented> {
                 let o = UblkOptions {
                     runtime_dir: run.join("ublk"),
                     id: w.index,
+                    read_only,
                     ..UblkOptions::default()
                 };
                 Presented::Ublk(UblkDevice::start(dev, o).context("starting ublk")?)
@@ -357,8 +361,12 @@ fn present(w: &Wanted, dev: Arc<dyn BlockDev>) -> anyhow::Result<Presented> {
             use nvpool_initiator::frontend::nbd::kernel::{KernelNbd, KernelOptions};
             use nvpool_initiator::frontend::nbd::{NbdOptions, NbdServer};
             let attach = |index| {
-                let server = NbdServer::without_listeners(dev.clone(), &NbdOptions::default())
-                    .context("NBD server")?;
+                let nbd = NbdOptions {
+                    read_only,
+                    ..NbdOptions::default()
+                };
+                let server =
+                    NbdServer::without_listeners(dev.clone(), &nbd).context("NBD server")?;
                 let o = KernelOptions {
                     index,
                     ..KernelOptions::default()
@@ -379,10 +387,11 @@ fn present(w: &Wanted, dev: Arc<dyn BlockDev>) -> anyhow::Result<Presented> {
             use nvpool_initiator::frontend::fuse::{FuseLoop, FuseOptions};
             let mp = run.join("fuse").join(w.uuid.to_string());
             std::fs::create_dir_all(&mp).with_context(|| format!("creating {}", mp.display()))?;
-            Presented::Fuse(
-                FuseLoop::attach(dev, &mp, &FuseOptions::default())
-                    .context("FUSE file and loop device")?,
-            )
+            let o = FuseOptions {
+                read_only,
+                ..FuseOptions::default()
+            };
+            Presented::Fuse(FuseLoop::attach(dev, &mp, &o).context("FUSE file and loop device")?)
         }
         Frontend::Auto | Frontend::Nvme => {
             bail!("front-end {:?} is not served here", w.spec.frontend)

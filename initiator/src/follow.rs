@@ -235,6 +235,9 @@ impl CopyView {
 pub struct AttachmentView {
     pub plan: ConnectionPlan,
     pub copies: CopyView,
+    /// The volume is read-only ([`AttachmentOut::read_only`]): its
+    /// targets refuse writes, so it is presented read-only.
+    pub read_only: bool,
 }
 
 impl From<AttachmentOut> for AttachmentView {
@@ -250,6 +253,7 @@ impl From<AttachmentOut> for AttachmentView {
         AttachmentView {
             plan: a.plan,
             copies,
+            read_only: a.read_only,
         }
     }
 }

@@ -148,6 +148,10 @@ pub struct UblkOptions {
     /// The device id to ask for (`/dev/ublkbN`: the name the device had
     /// before a restart); a taken one gets the next free id instead.
     pub id: Option<u32>,
+    /// A read-only disk (`UBLK_ATTR_READ_ONLY`): the kernel refuses to
+    /// open it for writing and fails writes with EPERM, as for any
+    /// read-only block device.
+    pub read_only: bool,
 }
 
 impl Default for UblkOptions {
@@ -157,6 +161,7 @@ impl Default for UblkOptions {
             queue_depth: UBLK_QUEUE_DEPTH_DEFAULT,
             runtime_dir: PathBuf::from(RUNTIME_DIR_DEFAULT),
             id: None,
+            read_only: false,
         }
     }
 }
@@ -600,6 +605,7 @@ struct Geometry {
     buf_bytes: u32,
     queues: u16,
     depth: u16,
+    read_only: bool,
 }
 
 impl Geometry {
@@ -654,6 +660,7 @@ impl Geometry {
             buf_bytes,
             queues,
             depth,
+            read_only: opts.read_only,
         })
     }
 
@@ -664,7 +671,13 @@ impl Geometry {
             basic: sys::ublk_param_basic {
                 // A volatile cache makes the kernel send flushes; FUA lets
                 // it mark single writes durable instead of flushing after.
-                attrs: sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA,
+                attrs: sys::UBLK_ATTR_VOLATILE_CACHE
+                    | sys::UBLK_ATTR_FUA
+                    | if self.read_only {
+                        sys::UBLK_ATTR_READ_ONLY
+                    } else {
+                        0
+                    },
                 logical_bs_shift: self.block_shift,
                 physical_bs_shift: self.block_shift,
                 io_opt_shift: self.io_opt_shift,
@@ -1034,6 +1047,19 @@ mod tests {
         assert_eq!(
             (g.io_opt_shift, g.max_io, g.buf_bytes),
             (16, 512, page_bytes())
+        );
+    }
+
+    #[test]
+    fn a_read_only_device_says_so() {
+        let o = UblkOptions {
+            read_only: true,
+            ..opts(1)
+        };
+        let p = Geometry::new(&fake(4096, 0, 1 << 20), &o).unwrap().params();
+        assert_eq!(
+            p.basic.attrs,
+            sys::UBLK_ATTR_VOLATILE_CACHE | sys::UBLK_ATTR_FUA | sys::UBLK_ATTR_READ_ONLY
         );
     }
 
