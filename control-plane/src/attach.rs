@@ -648,8 +648,7 @@ impl Cluster {
                 }
                 let nsid = x.nsid;
                 if read_only.contains(uuid) {
-                    out.write_protected
-                        .insert((x.subsystem_nqn.clone(), nsid));
+                    out.write_protected.insert((x.subsystem_nqn.clone(), nsid));
                 }
                 out.subsystems
                     .entry(x.subsystem_nqn.clone())
