@@ -1184,6 +1184,7 @@ mod tests {
             pool: None,
             thin: false,
             thick: false,
+            read_only: false,
             uuid: None,
         }
     }
