@@ -37,11 +37,11 @@ use crate::limits::{
 };
 use crate::model::{Uuid, Volume};
 use crate::plan::RESYNC_REGION_BYTES;
-use crate::program::{ensure_exports, Added, ProgramError, TargetAdmin};
+use crate::program::{ensure_exports, ensure_exports_protected, Added, ProgramError, TargetAdmin};
 use crate::resync::{copier_export, copier_nqn, CopyJob, CopyKind, JobState};
 use crate::state::{Cluster, StateError};
 use nvpool_api::admin::{CopyRequest, CopySource, CopyState};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -286,14 +286,25 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
             if !copy_family(cluster, cfg, v, job, &dest_target)? {
                 return Ok(());
             }
-            // Hosts write a new extent too: export it to each of them.
+            // Hosts write a new extent too: export it to each of them,
+            // write-protected for a read-only volume as attach does.
             if let Some(d) = &job.dest {
                 let admin = TargetAdmin::new(cluster, &dest_target)?;
+                let read_only = cluster.is_read_only(&v.uuid)?;
                 for (host, &nsid) in &job.nsids {
                     let x = crate::attach::export_of(host, d, nsid);
                     let keys = cluster.host_keys(host)?;
                     let mut added = Added::default();
-                    ensure_exports(&admin, &dest_target, host, keys.as_ref(), &[x], &mut added)?;
+                    let protected = BTreeSet::from([nsid]);
+                    ensure_exports_protected(
+                        &admin,
+                        &dest_target,
+                        host,
+                        keys.as_ref(),
+                        &[x],
+                        read_only.then_some(&protected),
+                        &mut added,
+                    )?;
                 }
             }
             let src = &v.extents[job.source as usize];
