@@ -161,6 +161,21 @@ check "c1 still holds the snapshot's other records ($before)" \
 check "detach c1" nvpool volume detach c1 --host-nqn "$HOSTNQN"
 check "a volume with snapshots is not deleted" bash -c "! '$BIN/nvpool' volume delete data 2>/dev/null"
 
+log "a read-only dataset volume from a snapshot"
+ro_snap=$(nvpool snapshot ls data -o json | jq -r '[.[] | select(.name != "empty" and .state == "ready")][0].name')
+check "read-only without a source is a usage error" \
+    bash -c "'$BIN/nvpool' volume create ro0 --size 1G --read-only 2>/dev/null; [[ \$? -eq 2 ]]"
+check "read-only clone ds of data@$ro_snap" quiet nvpool volume create ds --from-snapshot "data@$ro_snap" --read-only
+check "it says so" bash -c "[[ \$('$BIN/nvpool' volume info ds -o json | jq -r .read_only) == true ]]"
+ds=$(nvpool volume attach ds --frontend fuse --host-nqn "$HOSTNQN")
+check "attach ds gives a block device (got '$ds')" test -b "$ds"
+check "the host sees it read-only" bash -c "[[ \$(blockdev --getro '$ds') == 1 ]]"
+check "a write to it fails" bash -c "! printf x | dd of='$ds' bs=4096 count=1 conv=sync,notrunc oflag=direct status=none 2>/dev/null"
+check "it reads the snapshot's records" \
+    bash -c "dd if='$ds' bs=4096 skip=1 count=1 iflag=direct status=none | tr '\\0' '\\n' | grep -axq 'rec 1'"
+check "detach ds" nvpool volume detach ds --host-nqn "$HOSTNQN"
+check "delete ds" quiet nvpool volume delete ds
+
 log "deleting everything"
 for s in $(nvpool snapshot ls data -o json | jq -r '.[].name'); do
     check "delete data@$s" quiet nvpool snapshot rm "data@$s"
