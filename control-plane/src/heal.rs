@@ -30,15 +30,15 @@
 //! `RESYNC_RETRY_MS`); errors of the store are logged and the next round
 //! tries again.
 
-use crate::attach::host_subsystem_nqn;
+use crate::attach::Export;
 use crate::limits::{
     COPIES_PER_TARGET_MAX, HEAL_BUSY_INTERVAL_MS, HEAL_INTERVAL_MS, MIRROR_CONFIRM_TIMEOUT_MS,
     REBUILD_RATE_BYTES_PER_SEC, REPLACE_AFTER_MS, RESYNC_RETRY_MS,
 };
-use crate::model::{Uuid, Volume};
+use crate::model::{Extent, Uuid, Volume};
 use crate::plan::RESYNC_REGION_BYTES;
 use crate::program::{ensure_exports, ensure_exports_protected, Added, ProgramError, TargetAdmin};
-use crate::resync::{copier_export, copier_nqn, CopyJob, CopyKind, JobState};
+use crate::resync::{copier_export, CopyJob, CopyKind, JobState};
 use crate::state::{Cluster, StateError};
 use nvpool_api::admin::{CopyRequest, CopySource, CopyState};
 use std::collections::{BTreeMap, BTreeSet};
@@ -311,38 +311,10 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
             let src_target = cluster.target(&src.target)?.target;
             let x = copier_export(v, job)
                 .ok_or_else(|| StepError::Other("the job names no extent".into()))?;
-            // The destination's copier authenticates with keys the
-            // control plane draws for it: the source target requires them,
-            // and the copier gets them with the copy, over its target's
-            // admin API only.
-            let copier_keys = crate::hostkeys::internal_keys(cluster, &x.host_nqn, false)?;
-            let mut added = Added::default();
-            ensure_exports(
-                &TargetAdmin::new(cluster, &src_target)?,
-                &src_target,
-                &x.host_nqn,
-                Some(&copier_keys),
-                std::slice::from_ref(&x),
-                &mut added,
-            )?;
-            let device = dest_target.device(&dest.device).ok_or_else(|| {
-                StepError::Other(format!("device {} is no longer registered", dest.device))
-            })?;
-            let body = CopyRequest {
-                dest: nvpool_api::admin::extent_spec(&device.backend, dest.offset, dest.length),
-                source: CopySource {
-                    addr: src_target.addr.to_string(),
-                    subsystem_nqn: host_subsystem_nqn(&copier_nqn(&dest.target)),
-                    nsid: job.copier_nsid,
-                    host_nqn: copier_nqn(&dest.target),
-                    dhchap: Some(crate::program::dhchap_keys(&copier_keys)),
-                },
-                region_bytes: RESYNC_REGION_BYTES,
-                rate_bytes_per_sec: cfg.rate_bytes_per_sec,
-                // The live tree starts as its newest snapshot's new tree,
-                // so the two share what they shared at the source.
-                base_root: crate::families::live_base_root(job),
-            };
+            // The live tree starts as its newest snapshot's new tree, so the
+            // two share what they shared at the source.
+            let base_root = crate::families::live_base_root(job);
+            let body = copy_request(cluster, cfg, &src_target, &x, &dest_target, dest, base_root)?;
             let admin = TargetAdmin::new(cluster, &dest_target)?;
             // Earlier jobs of this volume the target still holds (their
             // cleanup did not reach it) would refuse the range: they are
@@ -437,6 +409,49 @@ fn step(cluster: &Cluster, cfg: &HealConfig, v: &Volume, job: &CopyJob) -> Resul
     Ok(())
 }
 
+/// The copy request that fills `dest` (on `dest_target`) from `x`, a
+/// source extent or tree exported to the destination's copier on
+/// `src_target`, after making that export. The copier authenticates with
+/// keys the control plane draws for it: the source target requires them,
+/// and the copier gets them with the copy, over its target's admin API
+/// only.
+fn copy_request(
+    cluster: &Cluster,
+    cfg: &HealConfig,
+    src_target: &crate::model::Target,
+    x: &Export,
+    dest_target: &crate::model::Target,
+    dest: &Extent,
+    base_root: Option<u64>,
+) -> Result<CopyRequest, StepError> {
+    let copier_keys = crate::hostkeys::internal_keys(cluster, &x.host_nqn, false)?;
+    let mut added = Added::default();
+    ensure_exports(
+        &TargetAdmin::new(cluster, src_target)?,
+        src_target,
+        &x.host_nqn,
+        Some(&copier_keys),
+        std::slice::from_ref(x),
+        &mut added,
+    )?;
+    let device = dest_target.device(&dest.device).ok_or_else(|| {
+        StepError::Other(format!("device {} is no longer registered", dest.device))
+    })?;
+    Ok(CopyRequest {
+        dest: nvpool_api::admin::extent_spec(&device.backend, dest.offset, dest.length),
+        source: CopySource {
+            addr: src_target.addr.to_string(),
+            subsystem_nqn: x.subsystem_nqn.clone(),
+            nsid: x.nsid,
+            host_nqn: x.host_nqn.clone(),
+            dhchap: Some(crate::program::dhchap_keys(&copier_keys)),
+        },
+        region_bytes: RESYNC_REGION_BYTES,
+        rate_bytes_per_sec: cfg.rate_bytes_per_sec,
+        base_root,
+    })
+}
+
 /// Arming a job whose copy moves with its snapshots (design T7): copies
 /// the family's members in turn, each by a target copy job of its own into
 /// its new tree, starting as the previous member's new tree. No host is
@@ -462,32 +477,16 @@ fn copy_family(
     let Some(st) = admin.copy_status(&id)? else {
         let src_target = cluster.target(&m.source.target)?.target;
         let x = crate::families::member_export(m, &d.target);
-        let copier_keys = crate::hostkeys::internal_keys(cluster, &x.host_nqn, false)?;
-        let mut added = Added::default();
-        ensure_exports(
-            &TargetAdmin::new(cluster, &src_target)?,
+        let base_root = crate::families::member_base_root(job, index);
+        let body = copy_request(
+            cluster,
+            cfg,
             &src_target,
-            &x.host_nqn,
-            Some(&copier_keys),
-            std::slice::from_ref(&x),
-            &mut added,
+            &x,
+            dest_target,
+            &m.tree,
+            base_root,
         )?;
-        let device = dest_target.device(&m.tree.device).ok_or_else(|| {
-            StepError::Other(format!("device {} is no longer registered", m.tree.device))
-        })?;
-        let body = CopyRequest {
-            dest: nvpool_api::admin::extent_spec(&device.backend, m.tree.offset, m.tree.length),
-            source: CopySource {
-                addr: src_target.addr.to_string(),
-                subsystem_nqn: x.subsystem_nqn.clone(),
-                nsid: x.nsid,
-                host_nqn: x.host_nqn.clone(),
-                dhchap: Some(crate::program::dhchap_keys(&copier_keys)),
-            },
-            region_bytes: RESYNC_REGION_BYTES,
-            rate_bytes_per_sec: cfg.rate_bytes_per_sec,
-            base_root: crate::families::member_base_root(job, index),
-        };
         admin.arm_copy(&id, &body)?;
         admin.start_copy(&id, None)?;
         tracing::info!(volume = %v.uuid, job = job.id, member = index, snapshot = %m.snapshot,
