@@ -243,10 +243,10 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::limits::EXTENT_BYTES_MIN;
-    use crate::model::{Device, Layout, TargetState, VolumeSpec};
+    use crate::model::{Layout, TargetState, VolumeSpec};
     use crate::resync::{CopyKind, JobState};
     use crate::snapshots::{root_of, SnapshotRecord};
-    use crate::state::{Cluster, TargetRegistration};
+    use crate::state::Cluster;
     use std::collections::BTreeSet;
     use std::sync::Arc;
 
@@ -255,23 +255,8 @@ mod tests {
 
     /// Registers target `t{i}` with one grain pool `d0`.
     fn register_thin(c: &Cluster, i: u32) {
-        c.register_target(&TargetRegistration {
-            id: format!("t{i}"),
-            name: format!("t{i}"),
-            addr: format!("127.0.0.1:{}", 4420 + i).parse().unwrap(),
-            admin_addr: format!("127.0.0.1:{}", 4480 + i).parse().unwrap(),
-            labels: BTreeMap::new(),
-            devices: vec![Device {
-                id: "d0".into(),
-                backend: format!("thin:/dev/nvme{i}n1"),
-                capacity_bytes: 64 * E,
-                labels: BTreeMap::new(),
-            }],
-            rdma_addr: None,
-            admin_tls: false,
-            admin_token: None,
-        })
-        .unwrap();
+        let backend = format!("thin:/dev/nvme{i}n1");
+        crate::moves::tests::register_device(c, i, &backend, 64 * E, None);
     }
 
     /// A thin raid1 volume of one row on t0 and t1 (t2 joins after),

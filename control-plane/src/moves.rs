@@ -305,6 +305,17 @@ pub(crate) mod tests {
         capacity_bytes: u64,
         rdma_addr: Option<std::net::SocketAddr>,
     ) {
+        register_device(c, i, "file:/dev/null", capacity_bytes, rdma_addr);
+    }
+
+    /// Registers target `t{i}` with one device `d0` on `backend`.
+    pub(crate) fn register_device(
+        c: &Cluster,
+        i: u32,
+        backend: &str,
+        capacity_bytes: u64,
+        rdma_addr: Option<std::net::SocketAddr>,
+    ) {
         c.register_target(&TargetRegistration {
             id: format!("t{i}"),
             name: format!("t{i}"),
@@ -313,7 +324,7 @@ pub(crate) mod tests {
             labels: BTreeMap::new(),
             devices: vec![Device {
                 id: "d0".into(),
-                backend: "file:/dev/null".into(),
+                backend: backend.into(),
                 capacity_bytes,
                 labels: BTreeMap::new(),
             }],
